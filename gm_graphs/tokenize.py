@@ -1,0 +1,112 @@
+"""Loading the LM's own tokenizer and encoding batches of documents with it."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import bundled
+from .errors import TokenizerError
+
+# A name that resolves to the tokenizer inside the bundled SmolLM2 GGUF file.
+BUNDLED_ALIASES = {"smollm2": bundled.smollm2_gguf}
+
+
+def load_tokenizer(spec: Any):
+    """A transformers tokenizer from a loaded tokenizer, a name, a folder, a ``tokenizer.json`` or a GGUF file.
+
+    ``"smollm2"`` names the tokenizer of the bundled SmolLM2-135M GGUF file.
+    Nothing is downloaded: names must already be in the local Hugging Face cache.
+    """
+    if hasattr(spec, "get_vocab") and hasattr(spec, "convert_tokens_to_ids"):
+        return spec
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    text = os.fspath(spec)
+    if text in BUNDLED_ALIASES:
+        text = str(BUNDLED_ALIASES[text]())
+    path = Path(text)
+    try:
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"no GGUF file at {text}")
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok.name_or_path = str(path)
+        elif path.suffix == ".json":
+            if not path.is_file():
+                raise FileNotFoundError(f"no tokenizer file at {text}")
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
+            tok.name_or_path = str(path)
+        else:
+            tok = AutoTokenizer.from_pretrained(text, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds here; all mean "cannot load"
+        raise TokenizerError(
+            f"cannot load the tokenizer {text!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"pass a local folder, a tokenizer.json, a .gguf file or 'smollm2' "
+            f"(no network: hub names must already be cached)"
+        ) from e
+    return tok
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What a graph records of its tokenizer; a graph is only valid with a matching vocabulary."""
+
+    name: str
+    vocab_size: int
+    vocab_sha256: str
+
+    @classmethod
+    def of(cls, tok) -> "TokenizerIdentity":
+        vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+        digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+        size = max(len(tok), (vocab[-1][1] + 1) if vocab else 0)
+        return cls(name=str(getattr(tok, "name_or_path", "") or type(tok).__name__),
+                   vocab_size=int(size), vocab_sha256=digest)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "vocab_sha256": self.vocab_sha256}
+
+
+class BatchEncoder:
+    """Encodes lists of documents to one flat id array plus document offsets.
+
+    Fast tokenizers encode a batch in Rust on all cores (``encode_batch_fast``);
+    others fall back to the tokenizer's ``__call__``.
+    """
+
+    def __init__(self, tok, *, add_bos_eos: bool = False):
+        self.tok = tok
+        self.vocab_size = TokenizerIdentity.of(tok).vocab_size
+        self.dtype = np.int32 if self.vocab_size < 2**31 else np.int64
+        self._backend = getattr(tok, "backend_tokenizer", None)
+        self.bos = self.eos = None
+        if add_bos_eos:
+            self.bos, self.eos = tok.bos_token_id, tok.eos_token_id
+            if self.bos is None or self.eos is None:
+                raise TokenizerError(
+                    f"the tokenizer {getattr(tok, 'name_or_path', '')!r} has no BOS/EOS token "
+                    f"(bos={self.bos}, eos={self.eos}); build without --bos-eos"
+                )
+
+    def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(ids, offsets)``: document i is ``ids[offsets[i]:offsets[i+1]]``."""
+        if self._backend is not None:
+            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            lists = [e.ids for e in encode(docs, add_special_tokens=False)]
+        else:
+            lists = self.tok(docs, add_special_tokens=False)["input_ids"]
+        if self.bos is not None:
+            lists = [[self.bos, *ids, self.eos] for ids in lists]
+        lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=self.dtype, count=int(offsets[-1]))
+        return ids, offsets
