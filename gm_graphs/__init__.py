@@ -5,6 +5,7 @@ corpus → tokenize → bigram counts A → Ã = D⁻¹A → Ãᵏ / Ã+…+Ã�
 
 from .build import CorpusCounts, build_graph, count_corpus, load_counts, merge_graphs, write_graph
 from .counts import BigramCounts
+from . import bundled
 from .errors import CorpusError, GraphExistsError, GraphFormatError, GraphmaxError, TokenizerError
 from .graph import Graph, graphmax_home, list_graphs, load_graph
 from .operators import OperatorSpec, PruneRule

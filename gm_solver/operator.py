@@ -1,0 +1,129 @@
+"""The graph operator M (Ã, Ãᵏ or Ã+…+Ãⁿ) applied to batches of distributions, on CPU or GPU.
+
+``TransitionOperator`` applies ``x ↦ Mx`` and ``v ↦ Mᵀv`` to each row of a
+``(B, V)`` tensor. Logits wider than the graph (``V > N``; models pad their
+vocabulary) treat the extra ids as isolated nodes: M maps them to 0.
+
+Backends: ``numba`` runs the CSR products on the CPU's cores straight from the
+memory-mapped arrays (torch's CPU CSR matmul has a multi-millisecond floor
+per call, see ``benchmarks/solver.py``); ``torch`` uses torch sparse CSR
+tensors and is what runs on CUDA (cuSPARSE). Mᵀ is built once and cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+
+@numba.njit(parallel=True, cache=True)
+def _csr_rows_times(indptr, indices, data, x, out):
+    # out[b, i] = Σ_p data[p] · x[b, indices[p]] over row i's entries, rows in parallel.
+    n = indptr.size - 1
+    batch = x.shape[0]
+    for i in numba.prange(n):
+        a, b_end = indptr[i], indptr[i + 1]
+        for b in range(batch):
+            acc = 0.0
+            for p in range(a, b_end):
+                acc += data[p] * x[b, indices[p]]
+            out[b, i] = acc
+
+
+def _as_csr(graph: Any) -> tuple[sp.csr_matrix, str, int]:
+    """(matrix to apply, kind 'power'|'mixture', times) for a Graph, scipy CSR or torch sparse CSR."""
+    from gm_graphs import Graph
+
+    if isinstance(graph, Graph):
+        if graph.spec.k == 1 or (graph.materialized and not graph.pruned):
+            return graph.matrix, "power", 1
+        return graph.base, graph.spec.kind, graph.spec.k
+    if isinstance(graph, torch.Tensor):
+        if graph.layout != torch.sparse_csr:
+            graph = graph.to_sparse_csr()
+        g = graph.cpu()
+        return sp.csr_matrix((g.values().numpy(), g.col_indices().numpy(), g.crow_indices().numpy()),
+                             shape=tuple(g.shape)), "power", 1
+    if sp.issparse(graph):
+        return sp.csr_matrix(graph), "power", 1
+    raise TypeError(f"graph must be a gm_graphs.Graph, a scipy sparse matrix or a torch sparse CSR tensor, "
+                    f"got {type(graph).__name__}")
+
+
+class TransitionOperator:
+    """Applies M and Mᵀ to the rows of ``(B, V)`` tensors; M is exact (matrix-free for pruned orders).
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> op = TransitionOperator(sp.csr_matrix([[0, 1.0], [1.0, 0]]))
+        >>> op.matvec(torch.tensor([[0.25, 0.75]], dtype=torch.float64))
+        tensor([[0.7500, 0.2500]], dtype=torch.float64)
+    """
+
+    def __init__(self, graph: Any, *, device: str | torch.device = "cpu", backend: str = "auto"):
+        matrix, self.kind, self.times = _as_csr(graph)
+        if matrix.shape[0] != matrix.shape[1]:
+            raise ValueError(f"the graph operator must be square, got {matrix.shape}")
+        self.n = matrix.shape[0]
+        self.device = torch.device(device)
+        if backend == "auto":
+            backend = "numba" if self.device.type == "cpu" else "torch"
+        if backend not in ("numba", "torch"):
+            raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+        if backend == "numba" and self.device.type != "cpu":
+            raise ValueError("the numba backend runs on the CPU; use backend='torch' for device " + str(self.device))
+        self.backend = backend
+        self.nnz = int(matrix.nnz)
+        transposed = matrix.T.tocsr()
+        transposed.sort_indices()
+        if backend == "numba":
+            self._fwd = (matrix.indptr, matrix.indices, matrix.data)
+            self._bwd = (transposed.indptr, transposed.indices, transposed.data.astype(matrix.data.dtype))
+        else:
+            self._fwd = self._torch_csr(matrix)
+            self._bwd = self._torch_csr(transposed)
+        self.applications = 0
+
+    def _torch_csr(self, m: sp.csr_matrix) -> torch.Tensor:
+        index = torch.int32 if m.nnz < 2**31 else torch.int64
+        return torch.sparse_csr_tensor(torch.as_tensor(np.asarray(m.indptr), dtype=index),
+                                       torch.as_tensor(np.asarray(m.indices), dtype=index),
+                                       torch.as_tensor(np.asarray(m.data, dtype=np.float64)),
+                                       size=m.shape).to(self.device)
+
+    def _apply(self, csr, x: torch.Tensor) -> torch.Tensor:
+        self.applications += 1
+        n = self.n
+        out = torch.zeros_like(x)
+        if self.backend == "numba":
+            xs = np.ascontiguousarray(x[:, :n].numpy())
+            res = np.empty_like(xs)
+            _csr_rows_times(*csr, xs, res)
+            out[:, :n] = torch.from_numpy(res)
+        else:
+            out[:, :n] = (csr @ x[:, :n].T).T
+        return out
+
+    def _chain(self, csr, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "power":
+            for _ in range(self.times):
+                x = self._apply(csr, x)
+            return x
+        # mixture Σ_{j=1..n} Mʲx by Horner's rule: M(x + M(x + … M x))
+        acc = self._apply(csr, x)
+        for _ in range(self.times - 1):
+            acc = self._apply(csr, x + acc)
+        return acc
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """Mx for each row x of ``x`` (B, V)."""
+        return self._chain(self._fwd, x)
+
+    def rmatvec(self, v: torch.Tensor) -> torch.Tensor:
+        """Mᵀv for each row v of ``v`` (B, V)."""
+        return self._chain(self._bwd, v)

