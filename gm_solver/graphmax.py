@@ -86,7 +86,8 @@ def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float =
         (True, 1.0)
     """
     logp, info = _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace)
-    x = torch.exp(logp).to(logits.dtype).reshape(logits.shape)
+    # λ = 0 is softmax itself, bit for bit, in the caller's dtype
+    x = torch.softmax(logits, -1) if lam == 0 else torch.exp(logp).to(logits.dtype).reshape(logits.shape)
     return (x, info) if return_info else x
 
 
@@ -95,7 +96,7 @@ def log_graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: flo
                  return_info: bool = False, trace: bool = False):
     """log of :func:`graphmax`, computed directly in log space (``-inf`` where the probability is 0)."""
     logp, info = _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace)
-    logp = logp.to(logits.dtype).reshape(logits.shape)
+    logp = torch.log_softmax(logits, -1) if lam == 0 else logp.to(logits.dtype).reshape(logits.shape)
     return (logp, info) if return_info else logp
 
 

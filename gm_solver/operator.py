@@ -94,7 +94,7 @@ class TransitionOperator:
         return torch.sparse_csr_tensor(torch.as_tensor(np.asarray(m.indptr), dtype=index),
                                        torch.as_tensor(np.asarray(m.indices), dtype=index),
                                        torch.as_tensor(np.asarray(m.data, dtype=np.float64)),
-                                       size=m.shape).to(self.device)
+                                       size=m.shape, check_invariants=False).to(self.device)
 
     def _apply(self, csr, x: torch.Tensor) -> torch.Tensor:
         self.applications += 1

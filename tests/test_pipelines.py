@@ -1,0 +1,25 @@
+"""The command-line jobs end to end with the real SmolLM2 model and real corpora."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.cli import main
+
+
+@pytest.mark.slow
+def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
+    assert main(["generate", "--graph", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",
+                 "--max-new-tokens", "3", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "softmax" in out and "graphmax λ=1" in out and "time per token" in out
+
+
+@pytest.mark.slow
+def test_demo_builds_the_imdb_graph_then_reuses_it(home, capsys):
+    assert main(["demo", "--max-new-tokens", "2"]) == 0
+    first = capsys.readouterr().out
+    assert "building graph 'imdb'" in first and "graphmax λ=1" in first
+    assert (home / "graphs" / "imdb" / "manifest.json").is_file()
+    assert main(["demo", "--max-new-tokens", "2"]) == 0
+    assert "building graph" not in capsys.readouterr().out

@@ -1,0 +1,187 @@
+"""graphmax: the certificate, the KKT fixed point, an independent dual solve, edge cases, backends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.optimize
+import scipy.sparse as sp
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gm_solver import TransitionOperator, certificate, dual, graphmax, log_graphmax, primal
+from gm_solver.solvers import project_simplex
+
+LAMS = [0.1, 1.0, 10.0]
+
+
+def random_graph(n: int, density: float, seed: int) -> sp.csr_matrix:
+    a = sp.random(n, n, density=density, format="csr", random_state=seed, dtype=np.float64)
+    a.data = np.ceil(a.data * 20)  # counts
+    d = np.asarray(a.sum(axis=1)).ravel()
+    return sp.diags(np.where(d > 0, 1.0 / (d + 1e-8), 0.0)) @ a
+
+
+def dense_l(a: sp.csr_matrix, width: int) -> np.ndarray:
+    m = np.zeros((width, width))
+    m[: a.shape[0], : a.shape[0]] = a.toarray()
+    return np.eye(width) - m
+
+
+def dual_solve(z: np.ndarray, L: np.ndarray, lam: float) -> np.ndarray:
+    """Independent solve: maximise g(u) with L-BFGS; x* = softmax(z − Lᵀu*)."""
+    def neg_g(u):
+        y = z - L.T @ u
+        m = y.max()
+        e = np.exp(y - m)
+        lse = m + np.log(e.sum())
+        x = e / e.sum()
+        return lse + u @ u / (4 * lam), -(L @ x) + u / (2 * lam)
+    res = scipy.optimize.minimize(neg_g, np.zeros(len(z)), jac=True, method="L-BFGS-B",
+                                  options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10_000})
+    y = z - L.T @ res.x
+    return np.exp(y - y.max()) / np.exp(y - y.max()).sum()
+
+
+@given(n=st.integers(2, 25), density=st.floats(0.05, 0.6), seed=st.integers(0, 10_000),
+       lam=st.sampled_from(LAMS), scale=st.floats(0.1, 8.0))
+def test_certificate_kkt_and_independent_dual_solve(n, density, seed, lam, scale):
+    a = random_graph(n, density, seed)
+    z = torch.from_numpy(np.random.default_rng(seed).normal(size=n) * scale)
+    x, info = graphmax(z, a, lam, return_info=True)
+    assert float(info.gap) <= 1e-6 and bool(info.converged)
+    op = TransitionOperator(a)
+    assert float(certificate(x[None], z[None], lam, op)) <= 1e-6
+    # the general dual at u = 2λLx agrees with the closed-form gap
+    lx = x[None] - op.matvec(x[None])
+    f_minus_g = primal(x[None], z[None], lx, lam) - dual(2 * lam * lx, z[None], lam, op)
+    assert abs(float(f_minus_g) - float(info.gap)) < 1e-9
+    # KKT: x = softmax(z − 2λLᵀLx)
+    L = dense_l(a, n)
+    fixed = torch.softmax(z - 2 * lam * torch.from_numpy(L.T @ L @ x.numpy()), -1)
+    assert torch.allclose(x, fixed, atol=2e-3 * max(1.0, lam) ** 0.5)
+    expected = dual_solve(z.numpy(), L, lam)
+    np.testing.assert_allclose(x.numpy(), expected, atol=3e-3)
+
+
+def test_lambda_zero_is_exactly_softmax():
+    z = torch.randn(3, 20, dtype=torch.float64)
+    assert torch.equal(graphmax(z, random_graph(20, 0.2, 0), 0.0), torch.softmax(z, -1))
+
+
+@given(shift=st.floats(-50, 50), seed=st.integers(0, 1000))
+def test_invariant_to_adding_a_constant_to_the_logits(shift, seed):
+    a = random_graph(15, 0.3, seed)
+    z = torch.randn(15, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(graphmax(z, a, 1.0), graphmax(z + shift, a, 1.0), atol=1e-6, rtol=0)
+
+
+def test_minus_inf_logits_get_exactly_zero_and_are_excluded():
+    a = random_graph(12, 0.4, 3)
+    z = torch.randn(12, dtype=torch.float64)
+    z[[2, 7]] = -torch.inf
+    x, info = graphmax(z, a, 1.0, return_info=True)
+    assert x[2] == 0 and x[7] == 0 and float(info.gap) <= 1e-6
+    assert torch.isneginf(log_graphmax(z, a, 1.0)[[2, 7]]).all()
+    keep = [i for i in range(12) if i not in (2, 7)]
+    assert abs(float(x[keep].sum()) - 1) < 1e-12
+
+
+@pytest.mark.parametrize("bad,error", [
+    (lambda z: z.index_fill(0, torch.tensor([1]), float("nan")), "NaN"),
+    (lambda z: torch.full_like(z, -torch.inf), "entirely -inf"),
+    (lambda z: z.index_fill(0, torch.tensor([1]), float("inf")), r"\+inf"),
+])
+def test_bad_logits_are_refused(bad, error):
+    with pytest.raises(ValueError, match=error):
+        graphmax(bad(torch.randn(10, dtype=torch.float64)), random_graph(10, 0.3, 0), 1.0)
+
+
+def test_negative_lambda_and_narrow_logits_are_refused():
+    a = random_graph(10, 0.3, 0)
+    with pytest.raises(ValueError, match="lam must be >= 0"):
+        graphmax(torch.randn(10), a, -1.0)
+    with pytest.raises(ValueError, match="graph has 10 nodes"):
+        graphmax(torch.randn(8), a, 1.0)
+
+
+def test_wider_logits_treat_extra_ids_as_isolated_nodes():
+    a = random_graph(10, 0.3, 1)
+    z = torch.randn(16, dtype=torch.float64)
+    padded = sp.csr_matrix((a.data, a.indices, np.r_[a.indptr, np.full(6, a.indptr[-1])]), shape=(16, 16))
+    torch.testing.assert_close(graphmax(z, a, 1.0), graphmax(z, padded, 1.0), atol=1e-7, rtol=0)
+
+
+def test_batch_equals_rows_and_dtype_is_kept():
+    a = random_graph(30, 0.2, 4)
+    z = torch.randn(5, 30) * 3
+    batch = graphmax(z, a, 1.0)
+    assert batch.dtype == torch.float32
+    rows = torch.stack([graphmax(r, a, 1.0) for r in z])
+    torch.testing.assert_close(batch, rows, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_numba_and_torch_backends_agree(dtype):
+    a = random_graph(40, 0.15, 5)
+    z = (torch.randn(3, 40) * 4).to(dtype)
+    x_numba = graphmax(z, a, 1.0, backend="numba")
+    x_torch = graphmax(z, a, 1.0, backend="torch")
+    torch.testing.assert_close(x_numba, x_torch, atol=1e-6, rtol=0)
+    torch.testing.assert_close(graphmax(z, torch.from_numpy(a.toarray()).to_sparse_csr(), 1.0), x_numba,
+                               atol=1e-6, rtol=0)
+
+
+def test_matrix_free_order_equals_materialised_exact_order(tmp_path, csv_corpus, bpe_tokenizer):
+    from gm_graphs import PruneRule, build_graph, load_graph
+
+    path, _ = csv_corpus
+    g = build_graph(path, bpe_tokenizer, out=tmp_path / "g", orders=(1, 2), mixture=2, prune=PruneRule.exact(),
+                    progress=False)
+    pruned = build_graph(path, bpe_tokenizer, out=tmp_path / "p", orders=(2,), prune=PruneRule(top_k=1),
+                         progress=False)
+    n = g.vocab_size
+    z = torch.randn(2, n, dtype=torch.float64) * 3
+    exact = graphmax(z, load_graph(g.path, order=2), 1.0)
+    free = graphmax(z, load_graph(pruned.path, order=2), 1.0)  # pruned on disk → applied as Ã·Ã
+    assert load_graph(pruned.path, order=2).pruned
+    torch.testing.assert_close(exact, free, atol=1e-6, rtol=0)
+    mix_free = graphmax(z, load_graph(pruned.path, mixture=2), 1.0)
+    mix = graphmax(z, load_graph(g.path, mixture=2), 1.0)
+    torch.testing.assert_close(mix, mix_free, atol=1e-6, rtol=0)
+
+
+@given(v=st.lists(st.floats(-5, 5), min_size=1, max_size=20))
+def test_simplex_projection(v):
+    t = torch.tensor([v], dtype=torch.float64)
+    p = project_simplex(t)
+    assert (p >= 0).all() and abs(float(p.sum()) - 1) < 1e-9
+    # optimality: p = max(v − θ, 0) for one θ
+    support = p[0] > 0
+    theta = (t[0] - p[0])[support]
+    assert float(theta.max() - theta.min()) < 1e-9
+
+
+def test_paper_solver_does_not_reach_the_optimum():
+    a = random_graph(50, 0.1, 6)
+    z = torch.randn(50, dtype=torch.float64) * 3
+    x, info = graphmax(z, a, 1.0, solver="paper", return_info=True)
+    assert abs(float(x.sum()) - 1) < 1e-9 and (x >= 0).all()
+    assert int(info.iterations) <= 20
+    assert float(info.gap) > 1e-3  # far from the certified optimum
+    _, ours = graphmax(z, a, 1.0, return_info=True)
+    assert float(ours.gap) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lam", LAMS)
+def test_real_graph_and_real_logits(drug_graph, smollm2, lam):
+    model, tok = smollm2
+    ids = tok("I have been taking this medication for two weeks and", return_tensors="pt").input_ids
+    with torch.no_grad():
+        z = model(ids).logits[0, -4:]
+    x, info = graphmax(z, drug_graph, lam, return_info=True)
+    assert (info.gap <= 1e-6).all()
+    op = TransitionOperator(drug_graph)
+    assert (certificate(x.double(), z.double(), lam, op) <= 2e-6).all()  # x was rounded to float32
