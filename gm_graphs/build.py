@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from .corpus import CorpusSpec, ReadStats, expand_corpus, fingerprint, iter_documents
@@ -19,7 +18,7 @@ from .counts import BigramCounts, CountAccumulator
 from .errors import GraphExistsError
 from .graph import Graph, graph_dir
 from .operators import OperatorSpec, PruneRule, build_operators, normalize
-from .storage import (DEFAULT_SHARD_NNZ, FORMAT_VERSION, CSRWriter, atomic_folder, file_entry, read_csr, write_csr,
+from .storage import (DEFAULT_SHARD_NNZ, FORMAT_VERSION, CSRWriter, atomic_folder, file_entry, write_csr,
                       write_edges, write_manifest)
 from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
 
@@ -142,8 +141,7 @@ def write_graph(cc: CorpusCounts, out: str | os.PathLike, *, name: str | None = 
 def _write_operator(root: Path, name: str, matrix, shard_nnz: int, shards, kept, prune: PruneRule | None = None) -> dict:
     if shards is None:
         shards = write_csr(root, name, matrix, np.float32, shard_nnz)
-    full = read_csr(root, shards, shards[-1]["rows"][1], verify=False) if matrix is None else matrix
-    write_edges(root / name / "edges.parquet", sp.csr_matrix(full), "weight")
+    write_edges(root, root / name / "edges.parquet", shards, shards[-1]["rows"][1], "weight")
     entry = {"shards": shards, "nnz": int(sum(s["nnz"] for s in shards)),
              "edges": file_entry(root, root / name / "edges.parquet"),
              "pruned": False, "prune_rule": None}

@@ -138,11 +138,19 @@ def read_csr(root: Path, shards: list[dict], n: int, verify: bool = True) -> sp.
     return blocks[0] if len(blocks) == 1 else sp.vstack(blocks, format="csr")
 
 
-def write_edges(path: Path, matrix: sp.csr_matrix, value_name: str) -> None:
-    coo = matrix.tocoo()
-    table = pa.table({"src": pa.array(coo.row.astype(np.int32)), "dst": pa.array(coo.col.astype(np.int32)),
-                      value_name: pa.array(coo.data)})
-    pq.write_table(table, path, compression="zstd")
+def write_edges(root: Path, path: Path, shards: list[dict], n: int, value_name: str) -> None:
+    """An edge list (src, dst, value) in Parquet, written shard by shard to bound memory."""
+    writer = None
+    try:
+        for shard in shards:
+            block = read_csr(root, [shard], n, verify=False).tocoo()
+            table = pa.table({"src": pa.array((block.row + shard["rows"][0]).astype(np.int32)),
+                              "dst": pa.array(block.col.astype(np.int32)), value_name: pa.array(block.data)})
+            writer = writer or pq.ParquetWriter(path, table.schema, compression="zstd")
+            writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
