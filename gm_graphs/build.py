@@ -69,8 +69,8 @@ def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", cl
             encode_s += time.perf_counter() - t
             acc.add(ids, offsets)
             elapsed = max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(docs_s=f"{acc._result.documents / elapsed:,.0f}",
-                            tok_s=f"{acc._result.tokens / elapsed:,.0f}", refresh=False)
+            bar.set_postfix(docs_s=f"{acc.documents / elapsed:,.0f}", tok_s=f"{acc.tokens / elapsed:,.0f}",
+                            refresh=False)
             finished = sum(f.stat().st_size for f in files if str(f) in stats.per_file)
             if finished > done_files:
                 bar.update(finished - done_files)

@@ -126,6 +126,14 @@ class CountAccumulator:
         if self._buffered >= self.buffer_pairs:
             self._reduce()
 
+    @property
+    def documents(self) -> int:
+        return self._result.documents
+
+    @property
+    def tokens(self) -> int:
+        return self._result.tokens
+
     def _reduce(self) -> None:
         if not self._buffer:
             return
