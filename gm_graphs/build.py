@@ -58,7 +58,8 @@ def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", cl
     encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
     acc = CountAccumulator(encoder.vocab_size)
     stats = ReadStats()
-    total_bytes = sum(f.stat().st_size for f in files)
+    sizes = {str(f): f.stat().st_size for f in files}
+    total_bytes = sum(sizes.values())
     t0 = time.perf_counter()
     encode_s = 0.0
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize+count", disable=not progress) as bar:
@@ -71,7 +72,7 @@ def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", cl
             elapsed = max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(docs_s=f"{acc.documents / elapsed:,.0f}", tok_s=f"{acc.tokens / elapsed:,.0f}",
                             refresh=False)
-            finished = sum(f.stat().st_size for f in files if str(f) in stats.per_file)
+            finished = sum(sizes[f] for f in stats.per_file)
             if finished > done_files:
                 bar.update(finished - done_files)
                 done_files = finished
