@@ -9,11 +9,12 @@ from . import bundled
 from .errors import CorpusError, GraphExistsError, GraphFormatError, GraphmaxError, TokenizerError
 from .graph import Graph, graphmax_home, list_graphs, load_graph
 from .operators import OperatorSpec, PruneRule
+from .split import CorpusSplit, split_corpus
 from .tokenize import TokenizerIdentity, load_tokenizer
 
 __all__ = [
-    "BigramCounts", "CorpusCounts", "CorpusError", "Graph", "GraphExistsError", "GraphFormatError",
+    "BigramCounts", "CorpusCounts", "CorpusError", "CorpusSplit", "Graph", "GraphExistsError", "GraphFormatError",
     "GraphmaxError", "OperatorSpec", "PruneRule", "TokenizerError", "TokenizerIdentity", "build_graph",
     "count_corpus", "graphmax_home", "list_graphs", "load_counts", "load_graph", "load_tokenizer",
-    "merge_graphs", "write_graph",
+    "merge_graphs", "split_corpus", "write_graph",
 ]

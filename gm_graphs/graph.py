@@ -12,7 +12,7 @@ import scipy.sparse as sp
 
 from .errors import GraphFormatError, TokenizerError
 from .operators import OperatorSpec
-from .storage import check_file, read_csr, read_manifest
+from .storage import check_file, read_csr, read_manifest, update_manifest
 
 
 def graphmax_home() -> Path:
@@ -111,6 +111,15 @@ class Graph:
         if "row_mass" not in entry:
             return np.ones(self.vocab_size, dtype=np.float32)
         return np.load(check_file(self.path, entry["row_mass"], self.verify), mmap_mode="r")
+
+    @property
+    def decoder(self) -> dict | None:
+        """The decoding choice stored by ``graphmax tune`` (None when the graph was never tuned)."""
+        return self.manifest.get("decoder")
+
+    def set_decoder(self, choice: dict) -> None:
+        """Store a decoding choice in the manifest (atomically); ``GraphmaxLogitsProcessor.from_graph`` reads it."""
+        self.manifest = update_manifest(self.path, "decoder", choice)
 
     def check_tokenizer(self, tokenizer) -> None:
         """Raise :class:`TokenizerError` unless ``tokenizer`` has this graph's vocabulary."""

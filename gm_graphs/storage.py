@@ -25,7 +25,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -155,6 +155,19 @@ def write_edges(root: Path, path: Path, shards: list[dict], n: int, value_name: 
 
 def write_manifest(root: Path, manifest: dict) -> None:
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def update_manifest(root: Path, key: str, value: Any) -> dict:
+    """Set one top-level entry of a built graph's manifest, atomically (write a temp file, then rename)."""
+    manifest = read_manifest(root)
+    manifest[key] = value
+    tmp = root / f".{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, root / MANIFEST)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return manifest
 
 
 def read_manifest(root: Path) -> dict:

@@ -7,25 +7,41 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from .context import ContextConfig, ContextReference
+from .divergences import solve_toward
 from .graphmax import SOLVERS, get_operator, log_graphmax
 from .operator import TransitionOperator
+
+MODES = ("paper", "context")
 
 
 class GraphmaxLogitsProcessor(LogitsProcessor):
     r"""Replaces each step's scores by graphmax log-probabilities over a domain graph.
 
+    Two modes:
+
+    - ``mode="paper"``: the paper's context-free regulariser λ‖x − Mx‖² (it does
+      not read ``input_ids``).
+    - ``mode="context"``: λ·D(x, q(·|input_ids)), leaning toward the corpus'
+      next-token distribution for the current context (``gm_solver.context``);
+      ``context`` holds its choices. :meth:`from_graph` uses what ``graphmax tune``
+      stored in the graph, or the documented defaults.
+
     Works with greedy search, sampling (put temperature/top-k/top-p warpers after
     it) and beam search (which passes log-softmaxed scores: graphmax is invariant
     to a per-row shift), with decoder-only and encoder-decoder models, batches and
-    left padding (the regulariser does not read ``input_ids``). ``-inf`` scores
-    from earlier processors stay ``-inf``. Scores wider than the graph (padded
-    vocabularies) treat the extra ids as isolated nodes.
+    left padding. ``-inf`` scores from earlier processors stay ``-inf``. Scores
+    wider than the graph (padded vocabularies) treat the extra ids as isolated
+    nodes (paper mode) or as tokens the corpus never continues with (context mode).
 
     Args:
-        graph: a ``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``.
-        lam: λ ≥ 0, the weight of ‖x − Mx‖²; 0 leaves the distribution as softmax.
+        graph: a ``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``
+            (context mode needs a ``Graph`` or a scipy count matrix).
+        lam: paper mode's λ ≥ 0, the weight of ‖x − Mx‖²; 0 leaves the distribution as softmax.
         tol: duality gap at which each step's solve stops (certified).
-        solver: "auto" (certified mirror descent) or "paper" (the paper's Algorithm 1).
+        mode: "paper" or "context".
+        context: a ``ContextConfig`` (context mode; default ``ContextConfig()``).
+        solver: paper mode's "auto" (certified mirror descent) or "paper" (the paper's Algorithm 1).
         tokenizer: when given, refuse a graph built with another vocabulary.
 
     Example::
@@ -38,8 +54,13 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
         1.0
     """
 
-    def __init__(self, graph: Any, lam: float = 1.0, tol: float = 1e-6, *, solver: str = "auto",
-                 max_iter: int = 200, tokenizer: Any = None, device: str | torch.device | None = None):
+    def __init__(self, graph: Any, lam: float = 1.0, tol: float = 1e-6, *, mode: str = "paper",
+                 context: ContextConfig | None = None, solver: str = "auto", max_iter: int = 200,
+                 tokenizer: Any = None, device: str | torch.device | None = None):
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+        if context is not None and mode != "context":
+            raise ValueError("`context` is only used with mode='context'")
         if not isinstance(lam, (int, float)) or not lam >= 0:
             raise ValueError(f"`lam` must be a float >= 0, got {lam!r}")
         if not isinstance(tol, (int, float)) or not tol > 0:
@@ -53,11 +74,42 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
                 raise ValueError("`tokenizer` can only be checked against a gm_graphs.Graph")
             graph.check_tokenizer(tokenizer)
         self.graph, self.lam, self.tol, self.solver, self.max_iter = graph, float(lam), float(tol), solver, max_iter
+        self.mode = mode
+        self.last_info = None
+        if mode == "context":
+            self.context = context or ContextConfig()
+            self.reference = ContextReference(graph, self.context)
+            return
         # Build (and cache) the operator now, so the first decoding step does not pay for the transpose.
         self.operator: TransitionOperator = get_operator(graph, torch.device(device or "cpu"))
-        self.last_info = None
+
+    @classmethod
+    def from_graph(cls, graph: Any, **kwargs) -> "GraphmaxLogitsProcessor":
+        """Decode with the choice ``graphmax tune`` stored in ``graph``'s manifest, else ``ContextConfig()``.
+
+        Example::
+
+            from gm_graphs import load_graph
+            proc = GraphmaxLogitsProcessor.from_graph(load_graph("imdb"))
+            model.generate(**inputs, logits_processor=[proc])
+        """
+        stored = getattr(graph, "decoder", None)
+        if stored and stored.get("mode") == "paper":
+            return cls(graph, lam=stored["lam"], mode="paper", **kwargs)
+        return cls(graph, mode="context", context=ContextConfig.from_dict(stored) if stored else ContextConfig(),
+                   **kwargs)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.mode == "context":
+            if scores.shape[-1] < self.reference.n:
+                raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.reference.n} "
+                                 f"nodes; rebuild the graph with this model's tokenizer")
+            z = scores.to(torch.float64)
+            q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
+            if self.context.lam == 0:
+                return torch.log_softmax(scores, -1)
+            logp, self.last_info = solve_toward(z, q, self.context.lam, self.context.divergence, tol=self.tol)
+            return logp.to(scores.dtype)
         if scores.device != self.operator.device:
             self.operator = get_operator(self.graph, scores.device)
         logp, self.last_info = log_graphmax(scores, self.operator, self.lam, tol=self.tol, solver=self.solver,

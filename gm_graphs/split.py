@@ -1,0 +1,87 @@
+"""A reproducible train / held-out split of a corpus, by document.
+
+Each document goes to one side by a keyed hash of its text, so the split is
+deterministic given the seed, needs one streaming pass, and puts duplicate
+documents on the same side: a held-out text can never also be in the training
+split that a graph is built from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .corpus import CorpusSpec, ReadStats, expand_corpus, iter_documents
+from .storage import atomic_folder
+
+SIDES = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class CorpusSplit:
+    """Two Parquet files (column ``text``) and how many documents each side got."""
+
+    folder: Path
+    documents: dict[str, int]
+
+    def path(self, side: str) -> Path:
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        return self.folder / f"{side}.parquet"
+
+    def texts(self, side: str, limit: int | None = None) -> list[str]:
+        """The documents of one side, in corpus order (the first ``limit`` of them)."""
+        table = pq.read_table(self.path(side), columns=["text"])
+        texts = table.column("text").to_pylist()
+        return texts if limit is None else texts[:limit]
+
+
+def heldout_side(text: str, fraction: float, seed: int) -> bool:
+    """True when ``text`` belongs to the held-out side for this ``fraction`` and ``seed``."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "big") < fraction * 2.0**64
+
+
+def split_corpus(corpus: CorpusSpec, out: str | os.PathLike, *, heldout_fraction: float = 0.1, seed: int = 0,
+                 text_column: str = "text", clean: bool = False, overwrite: bool = False,
+                 batch_docs: int = 4096) -> CorpusSplit:
+    """Split ``corpus`` by document into ``out/train.parquet`` and ``out/heldout.parquet``.
+
+    Written to a temporary folder and renamed, so ``out`` is either complete or absent.
+
+    Example::
+
+        from gm_graphs import split_corpus, build_graph
+        s = split_corpus("reviews.csv", "work/split", heldout_fraction=0.1, seed=0)
+        build_graph(s.path("train"), "smollm2", out="work/graph")   # held-out text never enters it
+    """
+    if not 0.0 < heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be strictly between 0 and 1, got {heldout_fraction}")
+    files = expand_corpus(corpus)
+    out = Path(out)
+    counts = dict.fromkeys(SIDES, 0)
+    schema = pa.schema([("text", pa.large_string())])
+    with atomic_folder(out, overwrite) as tmp:
+        writers = {side: pq.ParquetWriter(tmp / f"{side}.parquet", schema, compression="zstd") for side in SIDES}
+        try:
+            for docs in iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=ReadStats()):
+                sides: dict[str, list[str]] = {side: [] for side in SIDES}
+                for doc in docs:
+                    sides["heldout" if heldout_side(doc, heldout_fraction, seed) else "train"].append(doc)
+                for side, texts in sides.items():
+                    if texts:
+                        writers[side].write_table(pa.table({"text": pa.array(texts, pa.large_string())}))
+                        counts[side] += len(texts)
+        finally:
+            for w in writers.values():
+                w.close()
+        empty = [side for side, n in counts.items() if n == 0]
+        if empty:
+            raise ValueError(f"the {empty[0]} split is empty ({counts}); the corpus is too small for "
+                             f"heldout_fraction={heldout_fraction}: add documents or change the fraction")
+    return CorpusSplit(out, counts)

@@ -1,0 +1,128 @@
+"""The corpus' next-token distribution for a context: the reference q that context-aware graphmax leans toward.
+
+For the token k places back, w_{t−k}, the graph gives the row Ãᵏ[w_{t−k}] (the
+paper's n-gram mixture, made conditional). Each row is smoothed toward the
+corpus unigram u with a Dirichlet prior of strength κ, weighted by how often
+the context token was seen (c = its bigram count):
+
+    q_k = (c·Ãᵏ[w_{t−k}] + κ·u) / (c + κ)        q = Σ_k β_k q_k / Σ_k β_k
+
+so a context the corpus never saw (c = 0) backs off to u, and a frequent one
+trusts its row. Orders whose token lies before the start of ``input_ids`` are
+left out. u is add-α smoothed, so every graph token has q > 0; ids beyond the
+graph (padded vocabularies) get q = 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from .divergences import DIVERGENCES
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """The choices of context-aware graphmax: divergence, λ, order weights β_k, back-off κ, unigram α."""
+
+    divergence: str = "rkl"
+    lam: float = 1.0
+    order_weights: tuple[float, ...] = (1.0,)
+    kappa: float = 3.0
+    alpha: float = 0.5
+    source: dict = field(default_factory=lambda: {"tuned": False}, compare=False)
+
+    def __post_init__(self):
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
+        if not self.lam >= 0:
+            raise ValueError(f"lam must be >= 0 (0 gives softmax), got {self.lam}")
+        weights = tuple(float(b) for b in self.order_weights)
+        if not weights or any(not b >= 0 for b in weights) or sum(weights) <= 0:
+            raise ValueError(f"order_weights must be >= 0 with a positive sum (β_k for k = 1, 2, …), got {weights}")
+        object.__setattr__(self, "order_weights", weights)
+        if not self.kappa > 0 or not self.alpha > 0:
+            raise ValueError(f"kappa and alpha must be > 0, got kappa={self.kappa}, alpha={self.alpha}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["order_weights"] = list(self.order_weights)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ContextConfig":
+        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "kappa", "alpha", "source") if k in d}
+        return cls(**known)
+
+
+class ContextReference:
+    """q(· | context) from a graph's counts; call it with ``input_ids`` (B, T) to get (B, V) rows.
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 0, 0]], dtype=float)
+        >>> ref = ContextReference(counts, ContextConfig(kappa=1.0))
+        >>> q = ref(torch.tensor([[2, 0]]))          # previous token 0: seen 4 times
+        >>> [round(v, 3) for v in q[0].tolist()]
+        [0.067, 0.693, 0.24]
+    """
+
+    def __init__(self, counts: Any, config: ContextConfig = ContextConfig(), cache_rows: int = 4096):
+        counts = counts.counts if hasattr(counts, "counts") and not sp.issparse(counts) else counts
+        if not sp.issparse(counts) or counts.shape[0] != counts.shape[1]:
+            raise TypeError("ContextReference needs a gm_graphs.Graph or a square scipy sparse count matrix")
+        self.counts = sp.csr_matrix(counts, dtype=np.float64)
+        self.config = config
+        self.n = self.counts.shape[0]
+        self.row_counts = np.asarray(self.counts.sum(axis=1)).ravel()
+        col = np.asarray(self.counts.sum(axis=0)).ravel()
+        self.unigram = (col + config.alpha) / (col.sum() + config.alpha * self.n)
+        with np.errstate(divide="ignore"):
+            inv = np.where(self.row_counts > 0, 1.0 / self.row_counts, 0.0)
+        self.transition = sp.diags(inv) @ self.counts  # exact Ã (ε = 0), rows of seen tokens sum to 1
+        self.transition = self.transition.tocsr()
+        self._row = lru_cache(maxsize=cache_rows)(self._row_uncached)
+
+    @property
+    def orders(self) -> int:
+        return len(self.config.order_weights)
+
+    def _row_uncached(self, token: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ãᵏ[token] as (indices, values), by k−1 sparse vector–matrix products."""
+        row = self.transition[token]
+        for _ in range(k - 1):
+            row = (row @ self.transition).tocsr()
+        return row.indices, row.data
+
+    def row(self, context: list[int]) -> np.ndarray:
+        """q for one context (its tokens, oldest first)."""
+        q = np.zeros(self.n)
+        total = 0.0
+        kappa = self.config.kappa
+        for k, beta in enumerate(self.config.order_weights, start=1):
+            if beta == 0 or len(context) < k:
+                continue
+            token = int(context[-k])
+            c = self.row_counts[token] if 0 <= token < self.n else 0.0
+            q += beta * kappa / (c + kappa) * self.unigram
+            if c > 0:
+                idx, val = self._row(token, k)
+                q[idx] += beta * c / (c + kappa) * val
+            total += beta
+        return q / total if total > 0 else q
+
+    def __call__(self, input_ids: torch.Tensor, width: int | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph."""
+        width = self.n if width is None else width
+        ids = input_ids.detach().to("cpu").tolist()
+        tail = self.orders
+        out = np.zeros((len(ids), width))
+        for b, seq in enumerate(ids):
+            out[b, :self.n] = self.row(seq[-tail:])
+        return torch.from_numpy(out).to(device=input_ids.device, dtype=dtype)

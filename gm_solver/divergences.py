@@ -1,0 +1,134 @@
+"""Graphmax toward a reference distribution: argmin over the simplex of −⟨x,z⟩ + ⟨x,log x⟩ + λ·D(x, q).
+
+``q`` (one row per logits row) is a distribution the decoder should lean toward,
+e.g. the corpus' next-token row for the current context (see ``context.py``).
+Every divergence here is separable, so the solution is x_i(ν) for one scalar ν
+per row, found by a safeguarded Newton search on Σᵢ xᵢ(ν) = 1:
+
+- ``"kl"``  D = KL(x‖q):  closed form x ∝ exp((z + λ log q)/(1+λ)), a product of experts;
+- ``"rkl"`` D = KL(q‖x):  log xᵢ − λqᵢ/xᵢ = zᵢ − ν, so xᵢ = λqᵢ / W(λqᵢ e^{ν−zᵢ});
+  it keeps mass on every token the corpus continues with (a soft interpolation);
+- ``"l2"``  D = ‖x − q‖²: the paper's squared L2 toward q, xᵢ = W(2λ e^{zᵢ+2λqᵢ−ν}) / 2λ.
+
+W is Lambert's function, computed in log space. The certificate is the same as
+for the paper's objective: at u = λ∇D(x), f(x) − g(u) = KL(x ‖ softmax(z − λ∇D(x))),
+zero exactly at the optimum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .objective import gap
+from .solvers import SolveInfo
+
+DIVERGENCES = ("kl", "rkl", "l2")
+_TINY = 1e-300
+
+
+def log_lambertw_exp(s: torch.Tensor, omega: torch.Tensor | None = None, steps: int = 6) -> torch.Tensor:
+    """ω = log W(eˢ), i.e. the root of ω + e^ω = s, by Newton from a close start (or from ``omega``)."""
+    if omega is None:
+        big = s >= 1.0
+        omega = torch.where(big, torch.log(torch.where(big, s - torch.log(s.clamp_min(1.0)), 1.0)),
+                            s - torch.sigmoid(s))
+    for _ in range(steps):
+        e = torch.exp(omega)
+        omega = omega - (omega + e - s) / (1.0 + e)
+    return omega
+
+
+def _grad(divergence: str, x: torch.Tensor, q: torch.Tensor, logx: torch.Tensor) -> torch.Tensor:
+    """∇D(x) up to a per-row constant (which the certificate ignores)."""
+    if divergence == "kl":
+        return logx - torch.log(q.clamp_min(_TINY))
+    if divergence == "rkl":
+        return -q / x.clamp_min(_TINY)
+    return 2.0 * (x - q)
+
+
+def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str) -> torch.Tensor:
+    """Duality gap of the point exp(``logx``) for the problem toward ``q``, computed from scratch."""
+    x = torch.exp(logx)
+    y = z - lam * _grad(divergence, x, q, logx)
+    if divergence == "kl":  # tokens with q = 0 are excluded by the KL term itself
+        y = torch.where(q > 0, y, torch.full_like(y, -torch.inf))
+    return gap(x, torch.where(torch.isfinite(z), y, torch.full_like(y, -torch.inf)))
+
+
+def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: torch.Tensor,
+             omega: torch.Tensor | None, steps: int):
+    """x(ν), dx/dν and the Lambert ω (for warm starts); ``t`` are log-softmaxed logits."""
+    if divergence == "rkl":
+        on = a > 0
+        s = torch.log(torch.where(on, a, 1.0)) - t + nu
+        s = torch.where(on, s, torch.zeros_like(s))
+        omega = log_lambertw_exp(s, omega, steps)
+        x = torch.where(on, a * torch.exp(-omega), torch.exp(t - nu))
+        dx = torch.where(x > 0, -x * x / (x + a).clamp_min(_TINY), torch.zeros_like(x))
+        return x, dx, omega
+    s = torch.where(torch.isfinite(t), t + a - nu + torch.log(torch.tensor(c, dtype=t.dtype)), torch.zeros_like(t))
+    omega = log_lambertw_exp(s, omega, steps)
+    x = torch.where(torch.isfinite(t), torch.exp(omega) / c, torch.zeros_like(t))
+    return x, -x / (1.0 + c * x), omega
+
+
+def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str = "rkl", *, tol: float = 1e-6,
+                 max_iter: int = 60) -> tuple[torch.Tensor, SolveInfo]:
+    """log of argmin over the simplex of −⟨x,z⟩ + ⟨x,log x⟩ + λ·D(x, q), per row, with its certificate.
+
+    ``z`` and ``q`` are (B, V) in the working dtype; ``-inf`` logits get x = 0
+    whatever q says (q is renormalised over the allowed tokens), and a row of q
+    with no mass there leaves that row as softmax.
+
+    Example::
+
+        >>> import torch
+        >>> z = torch.tensor([[2.0, 1.0, 0.0]], dtype=torch.float64)
+        >>> q = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
+        >>> logx, info = solve_toward(z, q, lam=1.0, divergence="rkl")
+        >>> bool(info.gap.max() <= 1e-6), [round(v, 3) for v in logx.exp()[0].tolist()]
+        (True, [0.393, 0.145, 0.462])
+    """
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    valid = torch.isfinite(z)
+    t = torch.log_softmax(z, dim=-1)
+    q = torch.where(valid, q, torch.zeros_like(q))
+    mass = q.sum(-1, keepdim=True)
+    has_q = mass > 0
+    q = torch.where(has_q, q / torch.where(has_q, mass, 1.0), q)
+    zeros = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    if divergence == "kl":
+        a = torch.where(has_q, (t + lam * torch.log(q)) / (1.0 + lam), t)
+        logx = torch.log_softmax(torch.where(valid, a, torch.full_like(a, -torch.inf)), dim=-1)
+        g = certificate_toward(logx, t, torch.where(has_q, q, torch.ones_like(q)), lam, "kl")
+        return logx, SolveInfo(zeros + 1, g, g <= tol, 0)
+    a = lam * q if divergence == "rkl" else 2.0 * lam * q
+    c = 2.0 * lam
+    # starts: for rkl ν = 0 gives every xᵢ ≥ softmax(z)ᵢ; for l2 ν = logsumexp(z + 2λq) gives xᵢ ≤ its softmax
+    nu = torch.zeros_like(t[:, :1]) if divergence == "rkl" else torch.logsumexp(t + a, -1, keepdim=True)
+    lo = torch.full_like(nu, -torch.inf)
+    hi = torch.full_like(nu, torch.inf)
+    omega = None
+    iters = zeros.clone()
+    for it in range(max_iter):
+        x, dx, omega = _x_of_nu(divergence, t, a, c, nu, omega, 6 if it == 0 else 3)
+        s = x.sum(-1, keepdim=True)
+        ds = dx.sum(-1, keepdim=True)
+        lo = torch.where(s >= 1.0, torch.maximum(lo, nu), lo)
+        hi = torch.where(s < 1.0, torch.minimum(hi, nu), hi)
+        done = (torch.log(s).abs() <= 1e-13).squeeze(-1)
+        iters += (~done).long()
+        if bool(done.all()):
+            break
+        # Newton on log Σx(ν) (exact for softmax), kept inside the bracket by bisection
+        step = nu - s * torch.log(s) / ds
+        mid = torch.where(torch.isfinite(lo) & torch.isfinite(hi), 0.5 * (lo + hi),
+                          torch.where(torch.isfinite(lo), lo + 1.0, hi - 1.0))
+        step = torch.where((step > lo) & (step < hi), step, mid)
+        nu = torch.where(done.unsqueeze(-1), nu, step)
+    logx = torch.log(x) - torch.log(s)
+    logx = torch.where(valid & (x > 0), logx, torch.full_like(logx, -torch.inf))
+    g = certificate_toward(logx, t, q, lam, divergence)
+    return logx, SolveInfo(iters, g, g <= tol, 0)
