@@ -1,5 +1,6 @@
 """gm_solver: the graphmax distribution in torch, and a transformers logits processor that decodes with it."""
 
+from .baselines import InterpolationLogitsProcessor
 from .context import ContextConfig, ContextReference
 from .divergences import DIVERGENCES, certificate_toward, solve_toward
 from .graphmax import Graphmax, LogGraphmax, get_operator, graphmax, log_graphmax
@@ -10,6 +11,6 @@ from .solvers import SolveInfo, project_simplex
 
 __all__ = [
     "ContextConfig", "ContextReference", "DIVERGENCES", "certificate_toward", "solve_toward",
-    "Graphmax", "GraphmaxLogitsProcessor", "LogGraphmax", "SolveInfo", "TransitionOperator", "certificate", "dual", "get_operator",
+    "Graphmax", "GraphmaxLogitsProcessor", "InterpolationLogitsProcessor", "LogGraphmax", "SolveInfo", "TransitionOperator", "certificate", "dual", "get_operator",
     "graphmax", "log_graphmax", "primal", "project_simplex",
 ]

@@ -7,13 +7,13 @@ import sys
 
 from gm_graphs.errors import GraphmaxError
 
-from . import build, demo, generate
+from . import build, demo, eval, generate, tune
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphmax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for job in (build, generate, demo):
+    for job in (build, generate, demo, tune, eval):
         job.register(sub)
     args = parser.parse_args(argv)
     try:
