@@ -1,0 +1,162 @@
+"""Context-aware graphmax: the reference rows, the separable solvers and their certificate, the processor, tuning."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.optimize
+import scipy.sparse as sp
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gm_graphs import load_graph
+from gm_solver import (DIVERGENCES, ContextConfig, ContextReference, GraphmaxLogitsProcessor,
+                       InterpolationLogitsProcessor, certificate_toward, solve_toward)
+
+COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],
+                                 [2, 0, 0, 3, 0],
+                                 [0, 0, 0, 0, 4],
+                                 [1, 1, 1, 1, 0],
+                                 [0, 0, 0, 0, 0]], dtype=float))
+
+
+CASES = st.tuples(st.integers(2, 40), st.integers(0, 10_000), st.sampled_from([0.05, 0.3, 1.0, 3.0, 30.0]))
+
+
+@given(CASES, st.sampled_from(DIVERGENCES))
+def test_certificate_and_fixed_point_for_each_divergence(case, divergence):
+    n, seed, lam = case
+    g = torch.Generator().manual_seed(seed)
+    z = 4 * torch.randn(3, n, generator=g, dtype=torch.float64)
+    q = torch.rand(3, n, generator=g, dtype=torch.float64) ** 4
+    q[1, : n // 2] = 0  # references with zeros, as rows of Ã have
+    q = q / q.sum(-1, keepdim=True)
+    logx, info = solve_toward(z, q, lam, divergence)
+    x = logx.exp()
+    assert torch.allclose(x.sum(-1), torch.ones(3, dtype=torch.float64), atol=1e-12)
+    assert (info.gap <= 1e-6).all()
+    assert torch.allclose(certificate_toward(logx, z, q, lam, divergence), info.gap, atol=1e-12)
+
+
+@pytest.mark.parametrize("divergence", ["rkl", "l2"])
+def test_agrees_with_an_independent_solve(divergence):
+    rng = np.random.default_rng(0)
+    n, lam = 7, 2.0
+    z, q = rng.normal(size=n) * 2, rng.dirichlet(np.ones(n))
+
+    def f(v):  # the primal on the simplex through a softmax parametrisation
+        x = np.exp(v - v.max())
+        x /= x.sum()
+        d = np.sum(q * np.log(q / x)) if divergence == "rkl" else np.sum((x - q) ** 2)
+        return -x @ z + x @ np.log(x) + lam * d
+
+    v = scipy.optimize.minimize(f, np.zeros(n), method="BFGS", options={"gtol": 1e-11}).x
+    ref = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
+    logx, _ = solve_toward(torch.tensor([z]), torch.tensor([q]), lam, divergence)
+    np.testing.assert_allclose(logx.exp()[0].numpy(), ref, atol=1e-6)
+
+
+def test_kl_is_the_closed_form_product_of_experts():
+    z = torch.tensor([[1.0, 0.0, -1.0, 2.0]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    logx, info = solve_toward(z, q, 0.5, "kl")
+    expected = torch.log_softmax((z + 0.5 * q.log()) / 1.5, -1)
+    assert torch.allclose(logx, expected) and info.gap.item() <= 1e-12
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_masked_logits_stay_masked_whatever_q_says(divergence):
+    z = torch.tensor([[0.0, -torch.inf, 1.0, 0.5]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.8, 0.05, 0.05]], dtype=torch.float64)
+    logx, info = solve_toward(z, q, 1.0, divergence)
+    assert logx[0, 1] == -torch.inf and torch.isclose(logx.exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert info.gap.item() <= 1e-6
+
+
+def test_reference_reads_exactly_the_context_tokens_it_claims():
+    one = ContextReference(COUNTS, ContextConfig(order_weights=(1.0,)))
+    two = ContextReference(COUNTS, ContextConfig(order_weights=(0.7, 0.3)))
+    a, b = torch.tensor([[3, 1, 0]]), torch.tensor([[3, 2, 0]])  # differ two tokens back
+    assert torch.equal(one(a), one(b))  # order 1 reads only the previous token
+    assert not torch.allclose(two(a), two(b))  # order 2 reads the token before it too
+    assert torch.equal(two(torch.tensor([[0, 1, 1]])), two(torch.tensor([[4, 1, 1]])))  # three back: ignored
+    assert not torch.equal(one(a), one(torch.tensor([[3, 1, 1]])))
+
+
+def test_reference_rows_are_distributions_and_unseen_contexts_back_off_to_the_unigram():
+    ref = ContextReference(COUNTS, ContextConfig(kappa=2.0, alpha=0.5))
+    q = ref(torch.tensor([[0], [1], [3]]))
+    assert torch.allclose(q.sum(-1), torch.ones(3, dtype=torch.float64))
+    unseen = ref(torch.tensor([[4]]))[0].numpy()  # token 4 has no successors in the corpus
+    np.testing.assert_allclose(unseen, ref.unigram)
+    # a frequent context trusts its row: count c = 6, κ = 2 → 6/8 of the mass on the row of Ã
+    np.testing.assert_allclose(q[0].numpy(), (np.array([0, 5, 1, 0, 0]) + 2 * ref.unigram) / 8)
+    wide = ref(torch.tensor([[0]]), width=8)
+    assert wide.shape == (1, 8) and (wide[0, 5:] == 0).all()
+
+
+def test_context_processor_lambda_zero_is_softmax_and_inputs_are_not_edited():
+    scores = torch.randn(2, 5)
+    before = scores.clone()
+    proc = GraphmaxLogitsProcessor(COUNTS, mode="context", context=ContextConfig(lam=0.0))
+    out = proc(torch.tensor([[0], [1]]), scores)
+    assert torch.equal(out, torch.log_softmax(scores, -1)) and torch.equal(scores, before)
+
+
+def test_context_processor_moves_mass_toward_the_corpus_continuation():
+    scores = torch.zeros(1, 5)
+    proc = GraphmaxLogitsProcessor(COUNTS, mode="context", context=ContextConfig(lam=2.0))
+    out = proc(torch.tensor([[0]]), scores).exp()[0]
+    assert out.argmax().item() == 1  # after token 0 the corpus continues with 1 (5 of 6 times)
+    assert proc.last_info.gap.max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(mode="other"), "`mode`"), (dict(context=ContextConfig()), "only used with mode='context'"),
+])
+def test_processor_mode_is_validated(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        GraphmaxLogitsProcessor(COUNTS, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(divergence="js"), "divergence"), (dict(lam=-1.0), "lam"), (dict(order_weights=()), "order_weights"),
+    (dict(kappa=0.0), "kappa"),
+])
+def test_config_is_validated(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        ContextConfig(**kwargs)
+
+
+def test_interpolation_is_the_mixture_of_softmax_and_the_reference():
+    scores = torch.randn(1, 5, dtype=torch.float64)
+    proc = InterpolationLogitsProcessor(COUNTS, weight=0.25)
+    q = proc.reference(torch.tensor([[2]]))
+    expected = 0.75 * torch.softmax(scores, -1) + 0.25 * q
+    assert torch.allclose(proc(torch.tensor([[2]]), scores).exp(), expected)
+    with pytest.raises(ValueError, match="weight"):
+        InterpolationLogitsProcessor(COUNTS, weight=1.5)
+
+
+@pytest.mark.slow
+def test_tuned_choice_round_trips_through_the_manifest(drug_graph, tmp_path):
+    import shutil
+
+    path = tmp_path / "g"
+    shutil.copytree(drug_graph.path, path)
+    graph = load_graph(path)
+    assert graph.decoder is None
+    default = GraphmaxLogitsProcessor.from_graph(graph)
+    assert default.mode == "context" and default.context == ContextConfig()
+    chosen = ContextConfig(divergence="kl", lam=0.7, order_weights=(0.8, 0.2), kappa=10.0, source={"tuned": True})
+    graph.set_decoder({"mode": "context", **chosen.to_dict()})
+    reloaded = GraphmaxLogitsProcessor.from_graph(load_graph(path))
+    assert reloaded.context == chosen and reloaded.context.source == {"tuned": True}
+    assert load_graph(path).matrix.nnz == drug_graph.matrix.nnz  # the arrays are untouched and still verify
+    graph.set_decoder({"mode": "paper", "lam": 0.3})
+    paper = GraphmaxLogitsProcessor.from_graph(load_graph(path))
+    assert paper.mode == "paper" and paper.lam == 0.3
+    assert dataclasses.asdict(chosen)["lam"] == 0.7

@@ -1,0 +1,75 @@
+"""`graphmax tune` and `graphmax eval` end to end with the real SmolLM2 model on the real drug reviews."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+from gm_graphs import bundled, load_graph
+from gm_solver import ContextConfig, GraphmaxLogitsProcessor
+from pipelines.cli import main
+from pipelines.heldout import perplexity, score_documents
+
+TEXTS = ["This medication worked well for my migraines, with few side effects.",
+         "I had terrible nausea for two weeks and stopped taking it."]
+
+
+@pytest.mark.slow
+def test_heldout_perplexity_at_lambda_zero_is_the_plain_lms(smollm2, drug_graph):
+    model, tok = smollm2
+    held = score_documents(model, tok, TEXTS, positions=12, progress=False)
+    plain = perplexity(held)
+    # the LM's own loss over the same tokens, one document at a time
+    nll, count = 0.0, 0
+    for text in TEXTS:
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][:13]])
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=ids).loss
+        nll += float(loss) * (ids.shape[1] - 1)
+        count += ids.shape[1] - 1
+    assert plain == pytest.approx(math.exp(nll / count), rel=1e-4)
+    assert perplexity(held, GraphmaxLogitsProcessor(drug_graph, lam=0.0)) == pytest.approx(plain, rel=1e-5)  # float32 scores
+    ctx0 = GraphmaxLogitsProcessor(drug_graph, mode="context", context=ContextConfig(lam=0.0))
+    assert perplexity(held, ctx0) == pytest.approx(plain, rel=1e-5)  # float32 scores
+
+
+@pytest.mark.slow
+def test_tune_stores_its_choice_and_from_graph_uses_it(smollm2, drug_graph, tmp_path, capsys):
+    import shutil
+
+    path = tmp_path / "drugs"
+    shutil.copytree(drug_graph.path, path)
+    valid = tmp_path / "valid.txt"
+    valid.write_text("\n".join(TEXTS) + "\n")
+    assert main(["tune", str(path), "--corpus", str(valid), "--docs", "2", "--positions", "6"]) == 0
+    assert "chosen:" in capsys.readouterr().out
+    stored = load_graph(path).decoder
+    assert stored["mode"] == "context" and stored["source"]["tuned"] and stored["source"]["positions"] == 12
+    proc = GraphmaxLogitsProcessor.from_graph(load_graph(path))
+    assert proc.context.lam == stored["lam"] and proc.context.divergence == stored["divergence"]
+
+
+@pytest.mark.slow
+def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["eval", "--corpus", str(bundled.drug_reviews_zip()), "--text-column", "review", "--clean",
+                 "--out", str(out), "--heldout-fraction", "0.2", "--lams", "0,1", "--mixture-lams", "1",
+                 "--ppl-docs", "2", "--positions", "4", "--tune-docs", "2", "--prompts", "2",
+                 "--new-tokens", "3", "--references", "40"]) == 0
+    for name in ("report.md", "perplexity.csv", "generation.csv", "tuning.csv", "ab_sheet.csv", "ab_sheet.html",
+                 "ab_key.csv", "lambda_bleu.png", "lambda_perplexity.png", "solver_convergence.png",
+                 "top10_tokens.png"):
+        assert (out / name).stat().st_size > 0, name
+    report = (out / "report.md").read_text()
+    assert report.count("| **") >= 6 and "Algorithm 1" in report
+    with open(out / "perplexity.csv") as fh:
+        rows = {r["decoder"]: r for r in csv.DictReader(fh)}
+    assert float(rows["softmax"]["ratio_to_softmax"]) == 1.0
+    assert {"paper graphmax Ã λ=1", "paper graphmax Ã+Ã² λ=1", "interpolation w=0.3",
+            "context graphmax, tuned (ours)"} <= set(rows)
+    with open(out / "ab_sheet.csv") as fh, open(out / "ab_key.csv") as kh:
+        sheet, key = list(csv.DictReader(fh)), list(csv.DictReader(kh))
+    assert "softmax" not in str(sheet[0].keys()) and {key[0]["A"], key[0]["B"]} == {"softmax", "graphmax"}

@@ -1,0 +1,44 @@
+"""The train / held-out split: deterministic, by document, and no held-out text ever reaches the graph."""
+
+from __future__ import annotations
+
+import pytest
+
+from gm_graphs import count_corpus, split_corpus
+from gm_graphs.errors import GraphExistsError
+
+
+def test_split_is_deterministic_disjoint_and_complete(csv_corpus, tmp_path):
+    path, docs = csv_corpus
+    a = split_corpus(path, tmp_path / "a", heldout_fraction=0.3, seed=1)
+    b = split_corpus(path, tmp_path / "b", heldout_fraction=0.3, seed=1)
+    c = split_corpus(path, tmp_path / "c", heldout_fraction=0.3, seed=2)
+    train, held = a.texts("train"), a.texts("heldout")
+    assert sorted(train + held) == sorted(docs)
+    assert not set(train) & set(held)  # duplicates of a text always land on the same side
+    assert (train, held) == (b.texts("train"), b.texts("heldout"))
+    assert held != c.texts("heldout")
+    assert a.documents == {"train": len(train), "heldout": len(held)} and 0 < len(held) < len(docs)
+
+
+def test_graph_from_the_training_side_counts_no_heldout_bigram(csv_corpus, tmp_path, bpe_tokenizer):
+    path, _ = csv_corpus
+    split = split_corpus(path, tmp_path / "s", heldout_fraction=0.3, seed=0)
+    train_counts = count_corpus(split.path("train"), bpe_tokenizer, progress=False).counts
+    full = count_corpus(path, bpe_tokenizer, progress=False).counts
+    held = count_corpus(split.path("heldout"), bpe_tokenizer, progress=False).counts
+    assert train_counts.total + held.total == full.total
+    assert train_counts.documents == split.documents["train"]
+    assert (train_counts.merge(held).to_csr() != full.to_csr()).nnz == 0
+
+
+def test_bad_arguments_and_existing_folders(csv_corpus, tmp_path):
+    path, _ = csv_corpus
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        split_corpus(path, tmp_path / "x", heldout_fraction=1.0)
+    split_corpus(path, tmp_path / "y")
+    with pytest.raises(GraphExistsError):
+        split_corpus(path, tmp_path / "y")
+    with pytest.raises(ValueError, match="split is empty"):
+        split_corpus(path, tmp_path / "z", heldout_fraction=1e-9)
+    assert not (tmp_path / "z").exists()
