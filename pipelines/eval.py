@@ -103,7 +103,7 @@ def run_eval(args) -> Path:
     ppl_rows = []
     for name, (family, proc) in decoders.items():
         t0 = time.perf_counter()
-        ppl = perplexity(test, proc)
+        ppl = perplexity(test, proc, desc=name)
         ms = 1e3 * (time.perf_counter() - t0) / test.positions
         ppl_rows.append({"decoder": name, "family": family, "perplexity": ppl, "ms_per_position": ms})
         print(f"perplexity {name:<45} {ppl:9.2f}  ({ms:.1f} ms/position)", flush=True)

@@ -59,10 +59,15 @@ def score_documents(model, tok, texts: list[str], positions: int = 32, batch_doc
     return HeldOut(ids, logits)
 
 
-def perplexity(heldout: HeldOut, processor=None) -> float:
-    """exp of the mean negative log-likelihood of the held-out tokens under ``processor`` (None: softmax)."""
+def perplexity(heldout: HeldOut, processor=None, desc: str | None = None) -> float:
+    """exp of the mean negative log-likelihood of the held-out tokens under ``processor`` (None: softmax).
+
+    ``desc`` shows a progress bar over token positions under that label.
+    """
     nll, count = 0.0, 0
-    for input_ids, scores, targets in heldout.steps():
+    steps = max(len(x) for x in heldout.logits)
+    for input_ids, scores, targets in tqdm(heldout.steps(), total=steps, desc=desc, disable=desc is None,
+                                           leave=False):
         logp = torch.log_softmax(scores.double(), -1) if processor is None else processor(input_ids, scores).double()
         nll -= float(logp.gather(1, targets[:, None]).sum())
         count += len(targets)
