@@ -45,8 +45,8 @@ class PruneRule:
         return asdict(self)
 
 
-def normalize(counts: sp.csr_matrix, eps: float = 1e-8) -> sp.csr_matrix:
-    """Ã = D⁻¹A with D_ii = Σ_j A_ij + ε, as float32; rows without successors stay zero."""
+def normalize(counts: sp.csr_matrix, eps: float = 1e-8, dtype=np.float32) -> sp.csr_matrix:
+    """Ã = D⁻¹A with D_ii = Σ_j A_ij + ε, as ``dtype`` (float32 on disk); rows without successors stay zero."""
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     degree = np.asarray(counts.sum(axis=1), dtype=np.float64).ravel()
@@ -54,7 +54,7 @@ def normalize(counts: sp.csr_matrix, eps: float = 1e-8) -> sp.csr_matrix:
         inv = np.where(degree > 0, 1.0 / (degree + eps), 0.0)
     row = np.repeat(inv, np.diff(counts.indptr))
     out = sp.csr_matrix((counts.data * row, counts.indices, counts.indptr), shape=counts.shape)
-    out.data = out.data.astype(np.float32)
+    out.data = out.data.astype(dtype)
     return out
 
 

@@ -154,19 +154,20 @@ def write_edges(root: Path, path: Path, shards: list[dict], n: int, value_name: 
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
-def update_manifest(root: Path, key: str, value: Any) -> dict:
-    """Set one top-level entry of a built graph's manifest, atomically (write a temp file, then rename)."""
-    manifest = read_manifest(root)
-    manifest[key] = value
+    """Write the manifest atomically (a temp file, then rename), so readers never see half of one."""
     tmp = root / f".{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, root / MANIFEST)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def update_manifest(root: Path, key: str, value: Any) -> dict:
+    """Set one top-level entry of a built graph's manifest."""
+    manifest = read_manifest(root)
+    manifest[key] = value
+    write_manifest(root, manifest)
     return manifest
 
 

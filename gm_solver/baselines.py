@@ -12,6 +12,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .context import ContextConfig, ContextReference
+from .divergences import restrict_reference
 
 
 class InterpolationLogitsProcessor(LogitsProcessor):
@@ -35,9 +36,6 @@ class InterpolationLogitsProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         z = scores.to(torch.float64)
-        valid = torch.isfinite(z)
-        q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
-        q = torch.where(valid, q, torch.zeros_like(q))
-        q = q / q.sum(-1, keepdim=True).clamp_min(1e-300)
+        q, _ = restrict_reference(self.reference(input_ids, width=scores.shape[-1]).to(z.device), torch.isfinite(z))
         p = (1.0 - self.weight) * torch.softmax(z, -1) + self.weight * q
         return torch.where(p > 0, torch.log(p), torch.full_like(p, -torch.inf)).to(scores.dtype)

@@ -23,6 +23,8 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from gm_graphs.operators import normalize
+
 from .divergences import DIVERGENCES
 
 
@@ -83,10 +85,7 @@ class ContextReference:
         self.row_counts = np.asarray(self.counts.sum(axis=1)).ravel()
         col = np.asarray(self.counts.sum(axis=0)).ravel()
         self.unigram = (col + config.alpha) / (col.sum() + config.alpha * self.n)
-        with np.errstate(divide="ignore"):
-            inv = np.where(self.row_counts > 0, 1.0 / self.row_counts, 0.0)
-        self.transition = sp.diags(inv) @ self.counts  # exact Ã (ε = 0), rows of seen tokens sum to 1
-        self.transition = self.transition.tocsr()
+        self.transition = normalize(self.counts, eps=0.0, dtype=np.float64)  # exact Ã: seen rows sum to 1
         self._row = lru_cache(maxsize=cache_rows)(self._row_uncached)
 
     @property

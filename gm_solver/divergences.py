@@ -17,6 +17,8 @@ zero exactly at the optimum.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .objective import gap
@@ -56,6 +58,14 @@ def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam
     return gap(x, torch.where(torch.isfinite(z), y, torch.full_like(y, -torch.inf)))
 
 
+def restrict_reference(q: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q zeroed on disallowed tokens and renormalised; rows left with no mass stay zero (flagged False)."""
+    q = torch.where(valid, q, torch.zeros_like(q))
+    mass = q.sum(-1, keepdim=True)
+    has_q = mass > 0
+    return torch.where(has_q, q / torch.where(has_q, mass, 1.0), q), has_q
+
+
 def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: torch.Tensor,
              omega: torch.Tensor | None, steps: int):
     """x(ν), dx/dν and the Lambert ω (for warm starts); ``t`` are log-softmaxed logits."""
@@ -67,7 +77,7 @@ def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: to
         x = torch.where(on, a * torch.exp(-omega), torch.exp(t - nu))
         dx = torch.where(x > 0, -x * x / (x + a).clamp_min(_TINY), torch.zeros_like(x))
         return x, dx, omega
-    s = torch.where(torch.isfinite(t), t + a - nu + torch.log(torch.tensor(c, dtype=t.dtype)), torch.zeros_like(t))
+    s = torch.where(torch.isfinite(t), t + a - nu + math.log(c), torch.zeros_like(t))
     omega = log_lambertw_exp(s, omega, steps)
     x = torch.where(torch.isfinite(t), torch.exp(omega) / c, torch.zeros_like(t))
     return x, -x / (1.0 + c * x), omega
@@ -94,10 +104,7 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     valid = torch.isfinite(z)
     t = torch.log_softmax(z, dim=-1)
-    q = torch.where(valid, q, torch.zeros_like(q))
-    mass = q.sum(-1, keepdim=True)
-    has_q = mass > 0
-    q = torch.where(has_q, q / torch.where(has_q, mass, 1.0), q)
+    q, has_q = restrict_reference(q, valid)
     zeros = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
     if divergence == "kl":
         a = torch.where(has_q, (t + lam * torch.log(q)) / (1.0 + lam), t)

@@ -104,10 +104,10 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
             if scores.shape[-1] < self.reference.n:
                 raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.reference.n} "
                                  f"nodes; rebuild the graph with this model's tokenizer")
-            z = scores.to(torch.float64)
-            q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
             if self.context.lam == 0:
                 return torch.log_softmax(scores, -1)
+            z = scores.to(torch.float64)
+            q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
             logp, self.last_info = solve_toward(z, q, self.context.lam, self.context.divergence, tol=self.tol)
             return logp.to(scores.dtype)
         if scores.device != self.operator.device:

@@ -8,6 +8,7 @@ held-out side halved into validation (tuning context-aware graphmax) and test
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import math
@@ -179,15 +180,14 @@ def write_tables(out: Path, ppl_rows, gen_rows, tune_table) -> None:
 
 def draw(out: Path, lams, ppl_rows, gen_rows, softmax_ppl, traces, top10) -> None:
     by_name = {r["decoder"]: r for r in ppl_rows}
-    grid = [lam for lam in lams]
-    paper = [softmax_ppl if lam == 0 else by_name[f"paper graphmax Ã λ={lam:g}"]["perplexity"] for lam in grid]
-    figures.lambda_curves(out / "lambda_perplexity.png", grid, {"paper graphmax Ã": paper},
+    paper = [softmax_ppl if lam == 0 else by_name[f"paper graphmax Ã λ={lam:g}"]["perplexity"] for lam in lams]
+    figures.lambda_curves(out / "lambda_perplexity.png", lams, {"paper graphmax Ã": paper},
                           "held-out perplexity", baseline=by_name["context graphmax, tuned (ours)"]["perplexity"],
                           baseline_label="context graphmax, tuned (ours)")
     gen = {r["decoder"]: r for r in gen_rows}
-    series = {f"BLEU-{n}": [gen["softmax" if lam == 0 else f"paper graphmax Ã λ={lam:g}"][f"BLEU-{n}"] for lam in grid]
+    series = {f"BLEU-{n}": [gen["softmax" if lam == 0 else f"paper graphmax Ã λ={lam:g}"][f"BLEU-{n}"] for lam in lams]
               for n in (2, 3, 4, 5)}
-    figures.lambda_curves(out / "lambda_bleu.png", grid, series, "BLEU vs held-out references")
+    figures.lambda_curves(out / "lambda_bleu.png", lams, series, "BLEU vs held-out references")
     figures.solver_traces(out / "solver_convergence.png", traces)
     figures.top_tokens(out / "top10_tokens.png", PAPER_CONTEXT, top10)
 
@@ -196,7 +196,7 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="re-measure the paper's claims on held-out text; writes report.md, CSVs, PNGs")
     p.add_argument("--corpus", nargs="+", default=None, help="corpus files (default: the bundled movie reviews)")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--clean", action=__import__("argparse").BooleanOptionalAction, default=None,
+    p.add_argument("--clean", action=argparse.BooleanOptionalAction, default=None,
                    help="strip HTML tags/entities (default: on for the bundled corpus)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", default="eval-report", help="report folder (default ./eval-report)")
