@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from . import lambert_kernel
 from .objective import gap
 from .solvers import SolveInfo
 
@@ -28,12 +30,11 @@ DIVERGENCES = ("kl", "rkl", "l2")
 _TINY = 1e-300
 
 
-def log_lambertw_exp(s: torch.Tensor, omega: torch.Tensor | None = None, steps: int = 6) -> torch.Tensor:
-    """ω = log W(eˢ), i.e. the root of ω + e^ω = s, by Newton from a close start (or from ``omega``)."""
-    if omega is None:
-        big = s >= 1.0
-        omega = torch.where(big, torch.log(torch.where(big, s - torch.log(s.clamp_min(1.0)), 1.0)),
-                            s - torch.sigmoid(s))
+def log_lambertw_exp(s: torch.Tensor, steps: int = 6) -> torch.Tensor:
+    """ω = log W(eˢ), i.e. the root of ω + e^ω = s, by Newton from a close start."""
+    big = s >= 1.0
+    omega = torch.where(big, torch.log(torch.where(big, s - torch.log(s.clamp_min(1.0)), 1.0)),
+                        s - torch.sigmoid(s))
     for _ in range(steps):
         e = torch.exp(omega)
         omega = omega - (omega + e - s) / (1.0 + e)
@@ -66,30 +67,31 @@ def restrict_reference(q: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tens
     return torch.where(has_q, q / torch.where(has_q, mass, 1.0), q), has_q
 
 
-def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: torch.Tensor,
-             omega: torch.Tensor | None, steps: int):
-    """x(ν), dx/dν and the Lambert ω (for warm starts); ``t`` are log-softmaxed logits."""
+def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: torch.Tensor, steps: int = 6):
+    """x(ν) and dx/dν; ``t`` are log-softmaxed logits."""
     if divergence == "rkl":
         on = a > 0
         s = torch.log(torch.where(on, a, 1.0)) - t + nu
         s = torch.where(on, s, torch.zeros_like(s))
-        omega = log_lambertw_exp(s, omega, steps)
+        omega = log_lambertw_exp(s, steps=steps)
         x = torch.where(on, a * torch.exp(-omega), torch.exp(t - nu))
         dx = torch.where(x > 0, -x * x / (x + a).clamp_min(_TINY), torch.zeros_like(x))
-        return x, dx, omega
+        return x, dx
     s = torch.where(torch.isfinite(t), t + a - nu + math.log(c), torch.zeros_like(t))
-    omega = log_lambertw_exp(s, omega, steps)
+    omega = log_lambertw_exp(s, steps=steps)
     x = torch.where(torch.isfinite(t), torch.exp(omega) / c, torch.zeros_like(t))
-    return x, -x / (1.0 + c * x), omega
+    return x, -x / (1.0 + c * x)
 
 
 def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str = "rkl", *, tol: float = 1e-6,
-                 max_iter: int = 60) -> tuple[torch.Tensor, SolveInfo]:
+                 max_iter: int = 60, backend: str = "auto") -> tuple[torch.Tensor, SolveInfo]:
     """log of argmin over the simplex of −⟨x,z⟩ + ⟨x,log x⟩ + λ·D(x, q), per row, with its certificate.
 
     ``z`` and ``q`` are (B, V) in the working dtype; ``-inf`` logits get x = 0
     whatever q says (q is renormalised over the allowed tokens), and a row of q
-    with no mass there leaves that row as softmax.
+    with no mass there leaves that row as softmax. ``backend``: "numba" (the
+    fused CPU kernel, float64), "torch" (any device and dtype) or "auto" (numba
+    where it applies).
 
     Example::
 
@@ -102,25 +104,50 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
     """
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    numba_fits = z.device.type == "cpu" and z.dtype == torch.float64
+    if backend not in ("auto", "numba", "torch"):
+        raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+    if backend == "numba" and not numba_fits:
+        raise ValueError(f"the numba kernel takes float64 CPU tensors, got {z.dtype} on {z.device}; "
+                         f"use backend='torch'")
     valid = torch.isfinite(z)
     t = torch.log_softmax(z, dim=-1)
     q, has_q = restrict_reference(q, valid)
-    zeros = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
     if divergence == "kl":
-        a = torch.where(has_q, (t + lam * torch.log(q)) / (1.0 + lam), t)
+        a = (t + lam * torch.log(q)) / (1.0 + lam)
         logx = torch.log_softmax(torch.where(valid, a, torch.full_like(a, -torch.inf)), dim=-1)
-        g = certificate_toward(logx, t, torch.where(has_q, q, torch.ones_like(q)), lam, "kl")
-        return logx, SolveInfo(zeros + 1, g, g <= tol, 0)
-    a = lam * q if divergence == "rkl" else 2.0 * lam * q
+        iters = torch.ones(z.shape[0], dtype=torch.long, device=z.device)
+    else:
+        solve = _solve_rows_numba if backend == "numba" or (backend == "auto" and numba_fits) else _solve_rows_torch
+        logx, iters = solve(divergence, t, lam * q if divergence == "rkl" else 2.0 * lam * q, lam, max_iter)
+    # a row whose reference has no mass on the allowed tokens carries no information: softmax
+    logx = torch.where(has_q, logx, t)
+    g = torch.where(has_q.squeeze(-1), certificate_toward(logx, t, torch.where(has_q, q, 1.0), lam, divergence), 0.0)
+    return logx, SolveInfo(iters, g, g <= tol, 0)
+
+
+def _solve_rows_numba(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: float,
+                      max_iter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row by the fused CPU kernel (``lambert_kernel``)."""
+    kind = lambert_kernel.RKL if divergence == "rkl" else lambert_kernel.L2
+    t_np, a_np = t.contiguous().numpy(), a.contiguous().numpy()
+    out = np.empty_like(t_np)
+    iters = [lambert_kernel.solve_row(kind, t_np[b], a_np[b], float(lam), max_iter, out[b]) for b in range(len(t_np))]
+    return torch.from_numpy(out), torch.tensor(iters, dtype=torch.long)
+
+
+def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: float,
+                      max_iter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All rows at once in torch (any device): Newton on log Σx(ν), kept inside a bracket by bisection."""
+    valid = torch.isfinite(t)
     c = 2.0 * lam
     # starts: for rkl ν = 0 gives every xᵢ ≥ softmax(z)ᵢ; for l2 ν = logsumexp(z + 2λq) gives xᵢ ≤ its softmax
     nu = torch.zeros_like(t[:, :1]) if divergence == "rkl" else torch.logsumexp(t + a, -1, keepdim=True)
     lo = torch.full_like(nu, -torch.inf)
     hi = torch.full_like(nu, torch.inf)
-    omega = None
-    iters = zeros.clone()
-    for it in range(max_iter):
-        x, dx, omega = _x_of_nu(divergence, t, a, c, nu, omega, 6 if it == 0 else 3)
+    iters = torch.zeros(t.shape[0], dtype=torch.long, device=t.device)
+    for _ in range(max_iter):
+        x, dx = _x_of_nu(divergence, t, a, c, nu)
         s = x.sum(-1, keepdim=True)
         ds = dx.sum(-1, keepdim=True)
         lo = torch.where(s >= 1.0, torch.maximum(lo, nu), lo)
@@ -129,13 +156,10 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
         iters += (~done).long()
         if bool(done.all()):
             break
-        # Newton on log Σx(ν) (exact for softmax), kept inside the bracket by bisection
         step = nu - s * torch.log(s) / ds
         mid = torch.where(torch.isfinite(lo) & torch.isfinite(hi), 0.5 * (lo + hi),
                           torch.where(torch.isfinite(lo), lo + 1.0, hi - 1.0))
         step = torch.where((step > lo) & (step < hi), step, mid)
         nu = torch.where(done.unsqueeze(-1), nu, step)
     logx = torch.log(x) - torch.log(s)
-    logx = torch.where(valid & (x > 0), logx, torch.full_like(logx, -torch.inf))
-    g = certificate_toward(logx, t, q, lam, divergence)
-    return logx, SolveInfo(iters, g, g <= tol, 0)
+    return torch.where(valid & (x > 0), logx, torch.full_like(logx, -torch.inf)), iters

@@ -21,17 +21,29 @@ import torch
 
 
 @numba.njit(parallel=True, cache=True)
-def _csr_rows_times(indptr, indices, data, x, out):
-    # out[b, i] = Σ_p data[p] · x[b, indices[p]] over row i's entries, rows in parallel.
+def _csr_rows_times(indptr, indices, data, xt, out):
+    # out[i, b] = Σ_p data[p] · xt[indices[p], b]: xt is x transposed, (N, B), so each
+    # gather reads one batch's values contiguously instead of B rows 49k apart.
     n = indptr.size - 1
-    batch = x.shape[0]
+    batch = xt.shape[1]
     for i in numba.prange(n):
-        a, b_end = indptr[i], indptr[i + 1]
         for b in range(batch):
-            acc = 0.0
-            for p in range(a, b_end):
-                acc += data[p] * x[b, indices[p]]
-            out[b, i] = acc
+            out[i, b] = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            v = data[p]
+            j = indices[p]
+            for b in range(batch):
+                out[i, b] += v * xt[j, b]
+
+
+@numba.njit(parallel=True, cache=True)
+def _csr_times_vector(indptr, indices, data, x, out):
+    # the batch-of-one case (greedy decoding), with the sum kept in a register
+    for i in numba.prange(indptr.size - 1):
+        acc = 0.0
+        for p in range(indptr[i], indptr[i + 1]):
+            acc += data[p] * x[indices[p]]
+        out[i] = acc
 
 
 def _as_csr(graph: Any) -> tuple[sp.csr_matrix, str, int]:
@@ -101,10 +113,13 @@ class TransitionOperator:
         n = self.n
         out = torch.zeros_like(x)
         if self.backend == "numba":
-            xs = np.ascontiguousarray(x[:, :n].numpy())
-            res = np.empty_like(xs)
-            _csr_rows_times(*csr, xs, res)
-            out[:, :n] = torch.from_numpy(res)
+            xt = np.ascontiguousarray(x[:, :n].numpy().T)
+            res = np.empty_like(xt)
+            if xt.shape[1] == 1:
+                _csr_times_vector(*csr, xt[:, 0], res[:, 0])
+            else:
+                _csr_rows_times(*csr, xt, res)
+            out[:, :n] = torch.from_numpy(res.T)
         else:
             out[:, :n] = (csr @ x[:, :n].T).T
         return out

@@ -30,15 +30,24 @@ def _masked(v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: float = 1e-6,
-                   max_iter: int = 200, trace: bool = False) -> tuple[torch.Tensor, SolveInfo]:
+                   max_iter: int = 200, trace: bool = False,
+                   check_every: int | None = None) -> tuple[torch.Tensor, SolveInfo]:
     """Entropic mirror descent with per-row step control, stopped by the duality gap.
 
     Step: log x ← normalise((1−η)·log x + η·log softmax(z − 2λLᵀLx)). It stays
     strictly inside the simplex (on the finite logits), and η = 1 is the plain
     fixed-point map. η grows after each step that lowers f and is cut when one
     does not, because the fixed-point map alone diverges when λ‖LᵀL‖ is large.
-    Each accepted step costs one M and one Mᵀ application; a rejected one, one M.
+    Each step costs one M and one Mᵀ application per unconverged row.
+
+    Rows are independent: every ``check_every`` iterations the rows whose gap
+    is ≤ ``tol`` are dropped from the working batch, so a batch costs the sum
+    of its rows' iterations, not its slowest row's times the batch. That check
+    is the only host synchronisation: every iteration on CPU (free there),
+    every 8 on other devices (in between, converged rows are frozen on device).
     """
+    if check_every is None:
+        check_every = 1 if z.device.type == "cpu" or trace else 8
     valid = torch.isfinite(z)
     start = op.applications
     s = torch.log_softmax(z, dim=-1)
@@ -52,32 +61,43 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
     info = SolveInfo(iters, g, g <= tol, 0)
     if trace:
         info.gap_trace.append(g.clone())
-    for _ in range(max_iter):
-        active = g > tol
-        if not bool(active.any()):
+    done = 0
+    while done < max_iter:
+        rows = torch.nonzero(g > tol).squeeze(1)
+        if rows.numel() == 0:
             break
-        step = torch.log_softmax(y, dim=-1)
-        cand = torch.log_softmax(_masked((1.0 - eta[:, None]) * s + eta[:, None] * step, valid), dim=-1)
-        x_c = torch.exp(cand)
-        lx_c = residual(x_c, op)
-        f_c = primal(x_c, z, lx_c, lam)
-        # a relative slack absorbs float64 rounding of f near the optimum
-        accept = active & (f_c <= f + 1e-13 * f.abs().clamp_min(1.0))
-        if bool(accept.any()):
-            y_c = dual_logits(z, lx_c, lam, op)
-            a = accept[:, None]
-            s, x, lx, y = (torch.where(a, cand, s), torch.where(a, x_c, x),
-                           torch.where(a, lx_c, lx), torch.where(a, y_c, y))
-            f = torch.where(accept, f_c, f)
-            g = torch.where(accept, gap(x, y), g)
-        iters = iters + active.long()
-        eta = torch.where(accept, (eta * 2.0).clamp_max(1.0), torch.where(active, eta * 0.25, eta))
+        state = [t.index_select(0, rows) for t in (s, y, f, g, eta, iters)]
+        zr, vr = z.index_select(0, rows), valid.index_select(0, rows)
+        for _ in range(min(check_every, max_iter - done)):
+            state = _mirror_step(zr, vr, *state, op, lam, tol)
+            done += 1
+        for full, part in zip((s, y, f, g, eta, iters), state):
+            full.index_copy_(0, rows, part)
         if trace:
             info.gap_trace.append(g.clone())
             info.step_trace.append(eta.clone())
     info.iterations, info.gap, info.converged = iters, g, g <= tol
     info.operator_applications = op.applications - start
     return s, info
+
+
+def _mirror_step(z, valid, s, y, f, g, eta, iters, op, lam, tol):
+    """One step of :func:`mirror_descent` on a working batch; rows already at gap ≤ tol stay as they are."""
+    active = g > tol
+    step = torch.log_softmax(y, dim=-1)
+    cand = torch.log_softmax(_masked((1.0 - eta[:, None]) * s + eta[:, None] * step, valid), dim=-1)
+    x_c = torch.exp(cand)
+    lx_c = residual(x_c, op)
+    f_c = primal(x_c, z, lx_c, lam)
+    # a relative slack absorbs float64 rounding of f near the optimum
+    accept = active & (f_c <= f + 1e-13 * f.abs().clamp_min(1.0))
+    y_c = dual_logits(z, lx_c, lam, op)
+    a = accept[:, None]
+    s, y = torch.where(a, cand, s), torch.where(a, y_c, y)
+    g = torch.where(accept, gap(x_c, y_c), g)
+    f = torch.where(accept, f_c, f)
+    eta = torch.where(accept, (eta * 2.0).clamp_max(1.0), torch.where(active, eta * 0.25, eta))
+    return s, y, f, g, eta, iters + active.long()
 
 
 def project_simplex(v: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,29 @@ def test_agrees_with_an_independent_solve(divergence):
     np.testing.assert_allclose(logx.exp()[0].numpy(), ref, atol=1e-6)
 
 
+@given(CASES, st.sampled_from(["rkl", "l2"]))
+def test_numba_kernel_and_torch_path_agree(case, divergence):
+    n, seed, lam = case
+    g = torch.Generator().manual_seed(seed)
+    z = 4 * torch.randn(3, n, generator=g, dtype=torch.float64)
+    z[2, 0] = -torch.inf  # a masked token
+    q = torch.rand(3, n, generator=g, dtype=torch.float64) ** 4
+    q[1, n // 2:] = 0
+    a, info_a = solve_toward(z, q, lam, divergence, backend="numba")
+    b, info_b = solve_toward(z, q, lam, divergence, backend="torch")
+    torch.testing.assert_close(a.exp(), b.exp(), atol=1e-10, rtol=0)
+    assert a[2, 0] == -torch.inf and (info_a.gap <= 1e-6).all() and (info_b.gap <= 1e-6).all()
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_a_reference_with_no_mass_on_the_allowed_tokens_leaves_softmax(divergence):
+    z = torch.tensor([[0.0, 2.0, -torch.inf, 1.0]], dtype=torch.float64)
+    q = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)  # all its mass on the masked token
+    logx, info = solve_toward(z, q, 1.0, divergence)
+    torch.testing.assert_close(logx, torch.log_softmax(z, -1))
+    assert info.gap.item() == 0.0
+
+
 def test_kl_is_the_closed_form_product_of_experts():
     z = torch.tensor([[1.0, 0.0, -1.0, 2.0]], dtype=torch.float64)
     q = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
