@@ -23,7 +23,7 @@ from gm_solver import ContextConfig, GraphmaxLogitsProcessor, InterpolationLogit
 from . import figures, report
 from .generate import generate_texts
 from .heldout import perplexity, score_documents
-from .metrics import corpus_bleu_scores, distinct_n, self_bleu
+from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
 from .tune import tune_config
 
@@ -130,6 +130,13 @@ def run_eval(args) -> Path:
                          "ms_per_token": ms})
         print(f"generate {name:<45} BLEU-4 {gen_rows[-1]['BLEU-4']:.2f}  ({ms:.0f} ms/token)", flush=True)
 
+    refs = References(references, 4)
+    bleu4_vs_softmax = {name: paired_bleu_difference(samples[name], samples["softmax"], refs, 4)
+                        for name in gen_names[1:]}
+    for row in gen_rows:
+        mean, se = bleu4_vs_softmax.get(row["decoder"], (0.0, 0.0))
+        row["BLEU-4 − softmax"], row["± SE"] = 100 * mean, 100 * se
+
     traces = solver_traces(setup.graph, model, tok)
     top10 = top_tokens(model, tok, {"softmax": None, "paper graphmax Ã λ=1": decoders["paper graphmax Ã λ=1"][1]
                                     if 1.0 in paper_lams else GraphmaxLogitsProcessor(setup.graph, lam=1.0),
@@ -138,7 +145,8 @@ def run_eval(args) -> Path:
     draw(out, lams, ppl_rows, gen_rows, softmax_ppl, traces, top10)
     report.write_ab_sheet(out, openings, samples["softmax"], samples["context graphmax, tuned (ours)"], args.seed)
     report.write_report(out, args=args, sizes=sizes, setup=setup, tuned=tuned, ppl_rows=ppl_rows,
-                        gen_rows=gen_rows, traces=traces, top10=top10, samples=samples, openings=openings)
+                        gen_rows=gen_rows, bleu4_vs_softmax=bleu4_vs_softmax, traces=traces, top10=top10,
+                        samples=samples, openings=openings)
     return out
 
 

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sacrebleu.metrics import BLEU
 
-from pipelines.metrics import References, corpus_bleu_scores, distinct_n, self_bleu, sentence_bleu, words
+from pipelines.metrics import (References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu,
+                               sentence_bleu, words)
 
 VOCAB = "the a movie film was good bad great not very I it this and of , .".split()
 TEXT = st.lists(st.sampled_from(VOCAB), min_size=1, max_size=14).map(" ".join)
@@ -45,3 +46,21 @@ def test_diversity_metrics():
         self_bleu(["one"], 4)
     with pytest.raises(ValueError, match="at least one reference"):
         References([])
+
+
+@given(st.lists(st.tuples(TEXT, TEXT), min_size=2, max_size=8))
+def test_paired_bleu_difference_is_the_mean_of_per_prompt_differences(pairs):
+    refs = ["the movie was very good .", "a bad film , not good at all ."]
+    a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+    mean, se = paired_bleu_difference(a, b, refs, 4)
+    r = References(refs, 4)
+    diffs = [sentence_bleu(x, r, 4) - sentence_bleu(y, r, 4) for x, y in pairs]
+    assert mean == pytest.approx(sum(diffs) / len(diffs), abs=1e-12)
+    assert se >= 0 and (se == pytest.approx(0, abs=1e-12)) == (max(diffs) - min(diffs) < 1e-12)
+    swapped, se_swapped = paired_bleu_difference(b, a, refs, 4)
+    assert swapped == pytest.approx(-mean, abs=1e-12) and se_swapped == pytest.approx(se, abs=1e-12)
+
+
+def test_paired_bleu_difference_needs_paired_texts():
+    with pytest.raises(ValueError, match="equally long"):
+        paired_bleu_difference(["a", "b"], ["a"], ["a"])
