@@ -39,11 +39,14 @@ def _check(logits: torch.Tensor, lam: float, tol: float, solver: str) -> None:
         raise ValueError(f"tol must be > 0, got {tol}")
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    if torch.isnan(logits).any():
+    # one host synchronisation for all three checks (each .any() alone would sync on CUDA)
+    nan, posinf, empty = torch.stack([torch.isnan(logits).any(), torch.isposinf(logits).any(),
+                                      (~torch.isfinite(logits)).all(dim=-1).any()]).tolist()
+    if nan:
         raise ValueError("logits contain NaN; check the model's output (fp16 overflow?) before graphmax")
-    if torch.isposinf(logits).any():
+    if posinf:
         raise ValueError("logits contain +inf; graphmax needs finite logits or -inf for masked tokens")
-    if (~torch.isfinite(logits)).all(dim=-1).any():
+    if empty:
         raise ValueError("a row of logits is entirely -inf: no token is allowed, so there is no distribution")
 
 
