@@ -1,14 +1,23 @@
 """The corpus' next-token distribution for a context: the reference q that context-aware graphmax leans toward.
 
 For the token k places back, w_{t−k}, the graph gives the row Ãᵏ[w_{t−k}] (the
-paper's n-gram mixture, made conditional). Each row is smoothed toward the
-corpus unigram u with a Dirichlet prior of strength κ, weighted by how often
-the context token was seen (c = its bigram count):
+paper's n-gram mixture, made conditional), smoothed toward a unigram u; with
+c = the bigram count of the context token v = w_{t−k}, n(v) = its number of
+distinct successors and A the bigram counts:
 
-    q_k = (c·Ãᵏ[w_{t−k}] + κ·u) / (c + κ)        q = Σ_k β_k q_k / Σ_k β_k
+- ``smoothing="kneser-ney"`` (default; order 1): interpolated absolute
+  discounting with the continuation unigram (how many distinct tokens precede
+  w), the standard smoothing of n-gram language models:
+  q_1(w) = max(A[v,w] − D, 0)/c + D·n(v)/c · u_cont(w)
+- ``smoothing="dirichlet"``, and every order k ≥ 2: a Dirichlet prior of
+  strength κ toward the frequency unigram (u_cont under Kneser–Ney):
+  q_k = (c·Ãᵏ[v] + κ·u) / (c + κ)
 
-so a context the corpus never saw (c = 0) backs off to u, and a frequent one
-trusts its row. Orders whose token lies before the start of ``input_ids`` are
+    q = Σ_k β_k q_k / Σ_k β_k
+
+A context the corpus never saw (c = 0) backs off to u, and a frequent one
+trusts its row; so does the mass of Ãᵏ's walks that reach a token the corpus
+never continues (Ã is substochastic there). Orders whose token lies before the start of ``input_ids`` are
 left out. u is add-α smoothed, so every graph token has q > 0; ids beyond the
 graph (padded vocabularies) get q = 0.
 """
@@ -27,14 +36,18 @@ from gm_graphs.operators import normalize
 
 from .divergences import DIVERGENCES
 
+SMOOTHINGS = ("kneser-ney", "dirichlet")
+
 
 @dataclass(frozen=True)
 class ContextConfig:
-    """The choices of context-aware graphmax: divergence, λ, order weights β_k, back-off κ, unigram α."""
+    """The choices of context-aware graphmax: divergence, λ, order weights β_k, smoothing (D or κ), unigram α."""
 
     divergence: str = "rkl"
     lam: float = 1.0
     order_weights: tuple[float, ...] = (1.0,)
+    smoothing: str = "kneser-ney"
+    discount: float = 0.75
     kappa: float = 3.0
     alpha: float = 0.5
     source: dict = field(default_factory=lambda: {"tuned": False}, compare=False)
@@ -50,6 +63,16 @@ class ContextConfig:
         object.__setattr__(self, "order_weights", weights)
         if not self.kappa > 0 or not self.alpha > 0:
             raise ValueError(f"kappa and alpha must be > 0, got kappa={self.kappa}, alpha={self.alpha}")
+        if self.smoothing not in SMOOTHINGS:
+            raise ValueError(f"smoothing must be one of {SMOOTHINGS}, got {self.smoothing!r}")
+        if not 0 < self.discount < 1:
+            raise ValueError(f"discount must be in (0, 1) (Kneser–Ney's D), got {self.discount}")
+
+    @property
+    def smoothing_label(self) -> str:
+        """e.g. "kneser-ney D=0.75" or "dirichlet κ=3"."""
+        return (f"kneser-ney D={self.discount:g}" if self.smoothing == "kneser-ney"
+                else f"dirichlet κ={self.kappa:g}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -58,7 +81,10 @@ class ContextConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ContextConfig":
-        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "kappa", "alpha", "source") if k in d}
+        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "smoothing", "discount", "kappa", "alpha",
+                                   "source") if k in d}
+        # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior
+        known.setdefault("smoothing", "dirichlet")
         return cls(**known)
 
 
@@ -69,7 +95,7 @@ class ContextReference:
 
         >>> import scipy.sparse as sp, torch
         >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 0, 0]], dtype=float)
-        >>> ref = ContextReference(counts, ContextConfig(kappa=1.0))
+        >>> ref = ContextReference(counts, ContextConfig(smoothing="dirichlet", kappa=1.0))
         >>> q = ref(torch.tensor([[2, 0]]))          # previous token 0: seen 4 times
         >>> [round(v, 3) for v in q[0].tolist()]
         [0.067, 0.693, 0.24]
@@ -83,7 +109,12 @@ class ContextReference:
         self.config = config
         self.n = self.counts.shape[0]
         self.row_counts = np.asarray(self.counts.sum(axis=1)).ravel()
-        col = np.asarray(self.counts.sum(axis=0)).ravel()
+        self.kneser_ney = config.smoothing == "kneser-ney"
+        if self.kneser_ney:  # continuation counts: distinct predecessors of each token
+            col = np.bincount(self.counts.indices, minlength=self.n).astype(np.float64)
+            self.successors = np.diff(self.counts.indptr).astype(np.float64)
+        else:
+            col = np.asarray(self.counts.sum(axis=0)).ravel()
         self.unigram = (col + config.alpha) / (col.sum() + config.alpha * self.n)
         self.transition = normalize(self.counts, eps=0.0, dtype=np.float64)  # exact Ã: seen rows sum to 1
         self._row = lru_cache(maxsize=cache_rows)(self._row_uncached)
@@ -93,7 +124,10 @@ class ContextReference:
         return len(self.config.order_weights)
 
     def _row_uncached(self, token: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Ãᵏ[token] as (indices, values), by k−1 sparse vector–matrix products."""
+        """Ãᵏ[token] as (indices, values), by k−1 sparse vector–matrix products; order 1 discounted under Kneser–Ney."""
+        if k == 1 and self.kneser_ney:
+            row = self.counts[token]
+            return row.indices, np.maximum(row.data - self.config.discount, 0.0) / self.row_counts[token]
         row = self.transition[token]
         for _ in range(k - 1):
             row = (row @ self.transition).tocsr()
@@ -109,9 +143,16 @@ class ContextReference:
                 continue
             token = int(context[-k])
             c = self.row_counts[token] if 0 <= token < self.n else 0.0
-            q += beta * kappa / (c + kappa) * self.unigram
-            if c > 0:
+            if c == 0:
+                q += beta * self.unigram
+            elif k == 1 and self.kneser_ney:
                 idx, val = self._row(token, k)
+                q += beta * self.config.discount * self.successors[token] / c * self.unigram
+                q[idx] += beta * val
+            else:
+                idx, val = self._row(token, k)
+                # Ãᵏ loses the mass of walks that reach a token never followed by anything: it backs off to u too
+                q += beta * (kappa + c * (1.0 - val.sum())) / (c + kappa) * self.unigram
                 q[idx] += beta * c / (c + kappa) * val
             total += beta
         return q / total if total > 0 else q

@@ -138,7 +138,7 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, gen_rows, bl
         "", "## Held-out perplexity (teacher-forced)", "",
         _table(ppl_rows, ["decoder", "family", "perplexity", "ratio_to_softmax", "ms_per_position"],
                {"perplexity": ".2f", "ratio_to_softmax": ".3f", "ms_per_position": ".1f"}),
-        f"Tuned context graphmax: divergence {tuned.divergence}, λ = {tuned.lam:g}, κ = {tuned.kappa:g}, "
+        f"Tuned context graphmax: divergence {tuned.divergence}, λ = {tuned.lam:g}, {tuned.smoothing_label}, "
         f"order weights {list(tuned.order_weights)} (all candidates in tuning.csv).",
         *(["Algorithm 1's simplex projection leaves exact zeros, so some held-out tokens get probability 0: its "
            "perplexity is infinite."] if ppl["paper Algorithm 1 Ã λ=1"]["perplexity"] == float("inf") else []), "",

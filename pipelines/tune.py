@@ -2,7 +2,8 @@
 
 Coordinate search on held-out perplexity of validation documents (the LM runs
 once; each candidate only re-decodes its logits): divergence × λ first, then
-the back-off κ, then the order weights, then λ again around the best. The choice
+the smoothing (Kneser–Ney's discount D or the Dirichlet prior κ), then the
+order weights, then λ again around the best. The choice
 and the perplexities behind it go into the graph's manifest, where
 ``GraphmaxLogitsProcessor.from_graph`` finds them.
 """
@@ -20,12 +21,14 @@ from .heldout import HeldOut, perplexity, score_documents
 from .models import DEFAULT_MODEL, load_model
 
 LAMBDAS = (0.3, 1.0, 3.0)
-KAPPAS = (1.0, 3.0, 10.0)
+SMOOTHINGS = (*({"smoothing": "kneser-ney", "discount": d} for d in (0.6, 0.75, 0.9)),
+              *({"smoothing": "dirichlet", "kappa": k} for k in (1.0, 3.0, 10.0)))
 ORDER_WEIGHTS = ((1.0,), (0.8, 0.2))
 
 
-def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lambdas=LAMBDAS, kappas=KAPPAS,
-                order_weights=ORDER_WEIGHTS, progress: bool = True) -> tuple[ContextConfig, list[dict]]:
+def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lambdas=LAMBDAS,
+                smoothings=SMOOTHINGS, order_weights=ORDER_WEIGHTS,
+                progress: bool = True) -> tuple[ContextConfig, list[dict]]:
     """The ContextConfig with the lowest perplexity on ``heldout``, and every candidate tried."""
     tried: dict[ContextConfig, float] = {}
     bar = tqdm(desc="tune", unit="candidate", disable=not progress)
@@ -38,7 +41,7 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
         return tried[cfg]
 
     best = min((ContextConfig(divergence=d, lam=lam) for d in divergences for lam in lambdas), key=ppl)
-    best = min((dataclasses.replace(best, kappa=k) for k in kappas), key=ppl)
+    best = min((dataclasses.replace(best, **sm) for sm in smoothings), key=ppl)
     best = min((dataclasses.replace(best, order_weights=w) for w in order_weights), key=ppl)
     best = min((dataclasses.replace(best, lam=best.lam * f) for f in (0.5, 0.7, 1.0, 1.4, 2.0)), key=ppl)
     bar.close()
@@ -80,11 +83,12 @@ def run(args) -> int:
               "documents": len(heldout.ids), "positions": heldout.positions, "softmax_perplexity": softmax,
               "perplexity": table[0]["perplexity"], "model": str(args.model)}
     graph.set_decoder({"mode": "context", **dataclasses.replace(best, source=source).to_dict()})
-    print(f"{'divergence':<10} {'λ':>6} {'κ':>5} {'order weights':<14} {'perplexity':>10}")
+    print(f"{'divergence':<10} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:
-        print(f"{row['divergence']:<10} {row['lam']:>6.3g} {row['kappa']:>5.3g} {str(row['order_weights']):<14} "
+        label = ContextConfig.from_dict(row).smoothing_label
+        print(f"{row['divergence']:<10} {row['lam']:>6.3g} {label:<20} {str(row['order_weights']):<14} "
               f"{row['perplexity']:>10.2f}")
-    print(f"softmax perplexity {softmax:.2f}; chosen: {best.divergence}, λ={best.lam:g}, κ={best.kappa:g}, "
+    print(f"softmax perplexity {softmax:.2f}; chosen: {best.divergence}, λ={best.lam:g}, {best.smoothing_label}, "
           f"order weights {list(best.order_weights)} ({table[0]['perplexity'] / softmax:.3f}× softmax), "
           f"stored in {graph.path / 'manifest.json'}")
     return 0

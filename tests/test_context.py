@@ -109,8 +109,27 @@ def test_reference_reads_exactly_the_context_tokens_it_claims():
     assert not torch.equal(one(a), one(torch.tensor([[3, 1, 1]])))
 
 
-def test_reference_rows_are_distributions_and_unseen_contexts_back_off_to_the_unigram():
-    ref = ContextReference(COUNTS, ContextConfig(kappa=2.0, alpha=0.5))
+@pytest.mark.parametrize("order_weights", [(1.0,), (0.6, 0.4)])
+@pytest.mark.parametrize("smoothing", ["kneser-ney", "dirichlet"])
+def test_reference_rows_are_distributions_with_mass_on_every_graph_token(smoothing, order_weights):
+    ref = ContextReference(COUNTS, ContextConfig(smoothing=smoothing, order_weights=order_weights))
+    q = ref(torch.tensor([[4, 0], [2, 1], [0, 3], [1, 4]]))
+    assert torch.allclose(q.sum(-1), torch.ones(4, dtype=torch.float64)) and (q > 0).all()
+
+
+def test_kneser_ney_discounts_each_seen_bigram_and_backs_off_to_the_continuation_unigram():
+    ref = ContextReference(COUNTS, ContextConfig(smoothing="kneser-ney", discount=0.75, alpha=0.5))
+    # continuation counts: distinct predecessors of each token
+    preceded_by = np.array([2, 2, 2, 2, 1]) + 0.5
+    np.testing.assert_allclose(ref.unigram, preceded_by / preceded_by.sum())
+    # after token 0 (counts 5 and 1, c = 6, 2 distinct successors): (A − D)/c plus D·2/c of the unigram
+    expected = np.array([0, 4.25, 0.25, 0, 0]) / 6 + 0.75 * 2 / 6 * ref.unigram
+    np.testing.assert_allclose(ref(torch.tensor([[0]]))[0].numpy(), expected)
+    np.testing.assert_allclose(ref(torch.tensor([[4]]))[0].numpy(), ref.unigram)  # never followed by anything
+
+
+def test_dirichlet_rows_and_unseen_contexts_back_off_to_the_unigram():
+    ref = ContextReference(COUNTS, ContextConfig(smoothing="dirichlet", kappa=2.0, alpha=0.5))
     q = ref(torch.tensor([[0], [1], [3]]))
     assert torch.allclose(q.sum(-1), torch.ones(3, dtype=torch.float64))
     unseen = ref(torch.tensor([[4]]))[0].numpy()  # token 4 has no successors in the corpus
@@ -147,7 +166,7 @@ def test_processor_mode_is_validated(kwargs, error):
 
 @pytest.mark.parametrize("kwargs, error", [
     (dict(divergence="js"), "divergence"), (dict(lam=-1.0), "lam"), (dict(order_weights=()), "order_weights"),
-    (dict(kappa=0.0), "kappa"),
+    (dict(kappa=0.0), "kappa"), (dict(smoothing="witten-bell"), "smoothing"), (dict(discount=1.0), "discount"),
 ])
 def test_config_is_validated(kwargs, error):
     with pytest.raises(ValueError, match=error):
@@ -183,3 +202,6 @@ def test_tuned_choice_round_trips_through_the_manifest(drug_graph, tmp_path):
     paper = GraphmaxLogitsProcessor.from_graph(load_graph(path))
     assert paper.mode == "paper" and paper.lam == 0.3
     assert dataclasses.asdict(chosen)["lam"] == 0.7
+    # a choice stored before Kneser–Ney existed keeps the Dirichlet prior it was tuned with
+    graph.set_decoder({"mode": "context", "divergence": "rkl", "lam": 1.0, "order_weights": [1.0], "kappa": 3.0})
+    assert GraphmaxLogitsProcessor.from_graph(load_graph(path)).context.smoothing == "dirichlet"
