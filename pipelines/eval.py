@@ -22,7 +22,7 @@ from gm_solver import ContextConfig, GraphmaxLogitsProcessor, InterpolationLogit
 
 from . import figures, report
 from .generate import generate_texts
-from .heldout import perplexity, score_documents
+from .heldout import paired_nll_difference, score_documents, token_nll
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
 from .tune import tune_config
@@ -101,16 +101,19 @@ def run_eval(args) -> Path:
     decoders["context graphmax, tuned (ours)"] = (
         "ours", GraphmaxLogitsProcessor(setup.graph, mode="context", context=tuned))
 
-    ppl_rows = []
+    ppl_rows, nll = [], {}
     for name, (family, proc) in decoders.items():
         t0 = time.perf_counter()
-        ppl = perplexity(test, proc, desc=name)
+        nll[name] = token_nll(test, proc, desc=name)
         ms = 1e3 * (time.perf_counter() - t0) / test.positions
+        ppl = math.exp(float(nll[name].mean()))
         ppl_rows.append({"decoder": name, "family": family, "perplexity": ppl, "ms_per_position": ms})
         print(f"perplexity {name:<45} {ppl:9.2f}  ({ms:.1f} ms/position)", flush=True)
     softmax_ppl = ppl_rows[0]["perplexity"]
     for row in ppl_rows:
         row["ratio_to_softmax"] = row["perplexity"] / softmax_ppl
+        # the log of that ratio is the mean per-token NLL difference; its standard error tells noise apart
+        row["log_ratio"], row["± SE"] = paired_nll_difference(nll[row["decoder"]], nll["softmax"])
 
     # generation: held-out openings continued by each decoder (sampled, fixed seed), scored against held-out texts
     best_w = min((r for r in ppl_rows if r["decoder"].startswith("interpolation")), key=lambda r: r["perplexity"])
@@ -145,8 +148,8 @@ def run_eval(args) -> Path:
     draw(out, lams, ppl_rows, gen_rows, softmax_ppl, traces, top10)
     report.write_ab_sheet(out, openings, samples["softmax"], samples["context graphmax, tuned (ours)"], args.seed)
     report.write_report(out, args=args, sizes=sizes, setup=setup, tuned=tuned, ppl_rows=ppl_rows,
-                        gen_rows=gen_rows, bleu4_vs_softmax=bleu4_vs_softmax, traces=traces, top10=top10,
-                        samples=samples, openings=openings)
+                        nll=nll, gen_rows=gen_rows, bleu4_vs_softmax=bleu4_vs_softmax, traces=traces,
+                        top10=top10, samples=samples, openings=openings)
     return out
 
 

@@ -59,16 +59,35 @@ def score_documents(model, tok, texts: list[str], positions: int = 32, batch_doc
     return HeldOut(ids, logits)
 
 
-def perplexity(heldout: HeldOut, processor=None, desc: str | None = None) -> float:
-    """exp of the mean negative log-likelihood of the held-out tokens under ``processor`` (None: softmax).
+def token_nll(heldout: HeldOut, processor=None, desc: str | None = None) -> torch.Tensor:
+    """Negative log-likelihood of each held-out token under ``processor`` (None: softmax), in ``steps()`` order.
 
-    ``desc`` shows a progress bar over token positions under that label.
+    ``desc`` shows a progress bar over token positions under that label. The
+    order is the same for every decoder, so two results pair token by token.
     """
-    nll, count = 0.0, 0
+    nll = []
     steps = max(len(x) for x in heldout.logits)
     for input_ids, scores, targets in tqdm(heldout.steps(), total=steps, desc=desc, disable=desc is None,
                                            leave=False):
         logp = torch.log_softmax(scores.double(), -1) if processor is None else processor(input_ids, scores).double()
-        nll -= float(logp.gather(1, targets[:, None]).sum())
-        count += len(targets)
-    return math.exp(nll / count)
+        nll.append(-logp.gather(1, targets[:, None])[:, 0])
+    return torch.cat(nll)
+
+
+def perplexity(heldout: HeldOut, processor=None, desc: str | None = None) -> float:
+    """exp of the mean negative log-likelihood of the held-out tokens under ``processor`` (None: softmax)."""
+    return math.exp(float(token_nll(heldout, processor, desc).mean()))
+
+
+def paired_nll_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Mean and standard error of the per-token NLL difference a − b (negative: a predicts the text better).
+
+    The mean is log(ppl_a / ppl_b); the standard error says whether that ratio is
+    more than token-to-token noise. An infinite NLL makes both infinite.
+    """
+    if a.shape != b.shape or a.numel() < 2:
+        raise ValueError(f"need two paired NLL vectors of at least 2 tokens, got {tuple(a.shape)} and {tuple(b.shape)}")
+    d = a - b
+    if not torch.isfinite(d).all():
+        return float("inf"), float("inf")
+    return float(d.mean()), float(d.std() / math.sqrt(d.numel()))

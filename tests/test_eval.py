@@ -7,14 +7,29 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gm_graphs import bundled, load_graph
 from gm_solver import ContextConfig, GraphmaxLogitsProcessor
 from pipelines.cli import main
-from pipelines.heldout import perplexity, score_documents
+from pipelines.heldout import paired_nll_difference, perplexity, score_documents
 
 TEXTS = ["This medication worked well for my migraines, with few side effects.",
          "I had terrible nausea for two weeks and stopped taking it."]
+
+
+@given(st.lists(st.tuples(st.floats(0, 20), st.floats(0, 20)), min_size=2, max_size=50))
+def test_paired_nll_difference_is_the_log_perplexity_ratio(pairs):
+    a = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    b = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+    mean, se = paired_nll_difference(a, b)
+    assert mean == pytest.approx(math.log(math.exp(float(a.mean())) / math.exp(float(b.mean()))), abs=1e-9)
+    assert se == pytest.approx(float((a - b).std()) / math.sqrt(len(pairs)), abs=1e-12)
+    assert paired_nll_difference(b, a) == pytest.approx((-mean, se), abs=1e-12)
+    inf = a.clone()
+    inf[0] = math.inf  # a decoder that gives a held-out token probability 0
+    assert paired_nll_difference(inf, b) == (math.inf, math.inf)
 
 
 @pytest.mark.slow
