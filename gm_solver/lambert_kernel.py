@@ -40,7 +40,7 @@ def _lambert_refine(omega, s):
 
 
 @numba.njit(parallel=True, cache=True)
-def _pass(kind, t, a, base, nu, shift, omega, e_omega, fresh):
+def _pass(kind, t, a, base, inv_c, nu, shift, omega, e_omega, fresh):
     """Σx(ν) and Σdx/dν, moving each ω[i] (and e^ω[i]) to the new ν; ``shift`` is ν's change since the last pass.
 
     The Lambert argument is s = base + ν (rkl) or base − ν (l2); see :func:`_bases`.
@@ -69,7 +69,7 @@ def _pass(kind, t, a, base, nu, shift, omega, e_omega, fresh):
             x = ai / e
             slope -= x * x / (x + ai)
         else:
-            x = e * base[t.size]  # e^ω / c
+            x = e * inv_c
             slope -= x / (1.0 + e)
         total += x
     return total, slope
@@ -77,8 +77,8 @@ def _pass(kind, t, a, base, nu, shift, omega, e_omega, fresh):
 
 @numba.njit(parallel=True, cache=True)
 def _bases(kind, t, a, log_c):
-    # rkl: s = log aᵢ − tᵢ + ν; l2: s = tᵢ + aᵢ + log c − ν. The extra last slot holds 1/c for l2.
-    out = np.empty(t.size + 1)
+    # rkl: s = log aᵢ − tᵢ + ν; l2: s = tᵢ + aᵢ + log c − ν
+    out = np.empty(t.size)
     for i in numba.prange(t.size):
         if t[i] == -np.inf or (kind == RKL and a[i] <= 0.0):
             out[i] = 0.0
@@ -86,7 +86,6 @@ def _bases(kind, t, a, log_c):
             out[i] = math.log(a[i]) - t[i]
         else:
             out[i] = t[i] + a[i] + log_c
-    out[t.size] = math.exp(-log_c)
     return out
 
 
@@ -130,7 +129,7 @@ def solve_row(kind, t, a, lam, max_iter, out):
     prev = nu  # the ν at which ω and Σx were last evaluated
     iters = 0
     for it in range(max_iter):
-        total, slope = _pass(kind, t, a, base, nu, nu - prev, omega, e_omega, it == 0)
+        total, slope = _pass(kind, t, a, base, 0.5 / lam, nu, nu - prev, omega, e_omega, it == 0)
         prev = nu
         if total >= 1.0:
             lo = max(lo, nu)
