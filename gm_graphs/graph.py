@@ -50,6 +50,7 @@ class Graph:
         self.manifest: dict[str, Any] = read_manifest(self.path)
         self.spec = OperatorSpec.parse(order, mixture)
         self.verify = verify
+        self._trigrams = None
         if self.spec.kind == "mixture" and self.spec.k == 1:
             self.spec = OperatorSpec("power", 1)
 
@@ -67,6 +68,18 @@ class Graph:
     @property
     def eps(self) -> float:
         return float(self.manifest["eps"])
+
+    @property
+    def trigrams(self):
+        """The stored trigram table (``gm_graphs.trigrams``), memory-mapped; None if the graph has none."""
+        from .trigrams import read_trigrams
+
+        entry = self.manifest.get("trigrams")
+        if entry is None:
+            return None
+        if self._trigrams is None:
+            self._trigrams = read_trigrams(self.path, entry, self.vocab_size, self.verify)
+        return self._trigrams
 
     @property
     def operators(self) -> dict[str, dict]:

@@ -15,6 +15,12 @@ distinct successors and A the bigram counts:
 
     q = Σ_k β_k q_k / Σ_k β_k
 
+When the graph stores trigram counts (``gm_graphs.add_trigrams``) and
+``trigrams`` is on, q_1 conditions on the last two tokens (u, v): interpolated
+absolute discounting (D) over the trigram counts, backing off to the q_1 above,
+q_1(w | u, v) = max(T[u,v,w] − D, 0)/T[u,v] + D·n(u,v)/T[u,v] · q_1(w | v);
+contexts (u, v) the corpus never saw keep q_1(w | v).
+
 A context the corpus never saw (c = 0) backs off to u, and a frequent one
 trusts its row; so does the mass of Ãᵏ's walks that reach a token the corpus
 never continues (Ã is substochastic there). Orders whose token lies before the start of ``input_ids`` are
@@ -48,6 +54,7 @@ class ContextConfig:
     order_weights: tuple[float, ...] = (1.0,)
     smoothing: str = "kneser-ney"
     discount: float = 0.75
+    trigrams: bool = True
     kappa: float = 3.0
     alpha: float = 0.5
     source: dict = field(default_factory=lambda: {"tuned": False}, compare=False)
@@ -81,8 +88,8 @@ class ContextConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ContextConfig":
-        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "smoothing", "discount", "kappa", "alpha",
-                                   "source") if k in d}
+        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "smoothing", "discount", "trigrams",
+                                   "kappa", "alpha", "source") if k in d}
         # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior
         known.setdefault("smoothing", "dirichlet")
         return cls(**known)
@@ -102,6 +109,7 @@ class ContextReference:
     """
 
     def __init__(self, counts: Any, config: ContextConfig = ContextConfig(), cache_rows: int = 4096):
+        counts_source = counts
         counts = counts.counts if hasattr(counts, "counts") and not sp.issparse(counts) else counts
         if not sp.issparse(counts) or counts.shape[0] != counts.shape[1]:
             raise TypeError("ContextReference needs a gm_graphs.Graph or a square scipy sparse count matrix")
@@ -117,6 +125,8 @@ class ContextReference:
             col = np.asarray(self.counts.sum(axis=0)).ravel()
         self.unigram = (col + config.alpha) / (col.sum() + config.alpha * self.n)
         self.transition = normalize(self.counts, eps=0.0, dtype=np.float64)  # exact Ã: seen rows sum to 1
+        table = getattr(counts_source, "trigrams", None) if config.trigrams else None
+        self.trigrams = table if table is not None and table.entries > 0 else None
         self._row = lru_cache(maxsize=cache_rows)(self._row_uncached)
 
     @property
@@ -133,27 +143,46 @@ class ContextReference:
             row = (row @ self.transition).tocsr()
         return row.indices, row.data
 
+    def _order(self, context: list[int], k: int) -> np.ndarray:
+        """q_k for the token k places back (present in ``context``)."""
+        token = int(context[-k])
+        c = self.row_counts[token] if 0 <= token < self.n else 0.0
+        if c == 0:
+            q = self.unigram.copy()
+        elif k == 1 and self.kneser_ney:
+            idx, val = self._row(token, k)
+            q = self.config.discount * self.successors[token] / c * self.unigram
+            q[idx] += val
+        else:
+            idx, val = self._row(token, k)
+            kappa = self.config.kappa
+            # Ãᵏ loses the mass of walks that reach a token never followed by anything: it backs off to u too
+            q = (kappa + c * (1.0 - val.sum())) / (c + kappa) * self.unigram
+            q[idx] += c / (c + kappa) * val
+        if k == 1 and self.trigrams is not None and len(context) >= 2:
+            q = self._trigram(int(context[-2]), token, q)
+        return q
+
+    def _trigram(self, u: int, v: int, below: np.ndarray) -> np.ndarray:
+        if not (0 <= u < self.n and 0 <= v < self.n):
+            return below
+        found = self.trigrams.successors(u, v)
+        if found is None:
+            return below
+        nxt, cnt = found
+        total, d = float(cnt.sum()), self.config.discount
+        q = d * len(nxt) / total * below
+        q[nxt] += np.maximum(cnt - d, 0.0) / total
+        return q
+
     def row(self, context: list[int]) -> np.ndarray:
         """q for one context (its tokens, oldest first)."""
         q = np.zeros(self.n)
         total = 0.0
-        kappa = self.config.kappa
         for k, beta in enumerate(self.config.order_weights, start=1):
             if beta == 0 or len(context) < k:
                 continue
-            token = int(context[-k])
-            c = self.row_counts[token] if 0 <= token < self.n else 0.0
-            if c == 0:
-                q += beta * self.unigram
-            elif k == 1 and self.kneser_ney:
-                idx, val = self._row(token, k)
-                q += beta * self.config.discount * self.successors[token] / c * self.unigram
-                q[idx] += beta * val
-            else:
-                idx, val = self._row(token, k)
-                # Ãᵏ loses the mass of walks that reach a token never followed by anything: it backs off to u too
-                q += beta * (kappa + c * (1.0 - val.sum())) / (c + kappa) * self.unigram
-                q[idx] += beta * c / (c + kappa) * val
+            q += beta * self._order(context, k)
             total += beta
         return q / total if total > 0 else q
 
@@ -161,7 +190,7 @@ class ContextReference:
         """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph."""
         width = self.n if width is None else width
         ids = input_ids.detach().to("cpu").tolist()
-        tail = self.orders
+        tail = max(self.orders, 2)
         out = np.zeros((len(ids), width))
         for b, seq in enumerate(ids):
             out[b, :self.n] = self.row(seq[-tail:])
