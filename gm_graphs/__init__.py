@@ -16,6 +16,6 @@ from .trigrams import TrigramCounts, add_trigrams, count_trigrams
 __all__ = [
     "BigramCounts", "CorpusCounts", "CorpusError", "CorpusSplit", "Graph", "GraphExistsError", "GraphFormatError",
     "GraphmaxError", "OperatorSpec", "PruneRule", "TokenizerError", "TokenizerIdentity", "TrigramCounts",
-    "add_trigrams", "build_graph", "count_corpus", "count_trigrams", "graphmax_home", "list_graphs", "load_counts", "load_graph", "load_tokenizer",
-    "merge_graphs", "split_corpus", "write_graph",
+    "add_trigrams", "build_graph", "count_corpus", "count_trigrams", "graphmax_home", "list_graphs", "load_counts",
+    "load_graph", "load_tokenizer", "merge_graphs", "split_corpus", "write_graph",
 ]

@@ -15,9 +15,6 @@ The manifest's ``trigrams`` entry lists the files with their sizes and SHA-256.
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .corpus import CorpusSpec, ReadStats, expand_corpus, iter_documents
-from .storage import check_file, file_entry, update_manifest
+from .storage import atomic_folder, check_file, file_entry, update_manifest
 from .tokenize import BatchEncoder, load_tokenizer
 
 FOLDER = "trigrams"
@@ -110,30 +107,20 @@ def add_trigrams(graph, corpus: CorpusSpec, tokenizer, *, text_column: str = "te
                  progress: bool = True) -> TrigramCounts:
     """Count ``corpus``'s trigrams with ``tokenizer`` (the graph's own) and store them in the graph folder.
 
-    Written to a temporary folder and renamed, then recorded in the manifest; a
-    previous table is moved aside first and removed only at the end, so a
-    failure leaves the graph as it was.
+    Written to a temporary folder that replaces ``trigrams/`` only when complete
+    (``storage.atomic_folder``), then recorded in the manifest.
     """
     graph.check_tokenizer(tokenizer)
     table = count_trigrams(corpus, tokenizer, text_column=text_column, clean=clean, progress=progress)
     root = Path(graph.path)
-    tag = uuid.uuid4().hex[:8]
-    tmp, old, final = root / f".{FOLDER}.tmp-{tag}", root / f".{FOLDER}.old-{tag}", root / FOLDER
-    tmp.mkdir()
-    try:
+    with atomic_folder(root / FOLDER, overwrite=True) as tmp:
         for name in _ARRAYS:
             np.save(tmp / f"{name}.npy", getattr(table, name))
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     entry = {"contexts": len(table.contexts), "entries": table.entries,
              "corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean, "text_column": text_column,
              "files": {name: file_entry(root, root / FOLDER / f"{name}.npy") for name in _ARRAYS}}
     graph.manifest = update_manifest(root, "trigrams", entry)
     graph._trigrams = None  # the next access reads the new table
-    shutil.rmtree(old, ignore_errors=True)
     return table
 
 

@@ -90,15 +90,15 @@ def _bases(kind, t, a, log_c):
 
 
 @numba.njit(parallel=True, cache=True)
-def _log_x(kind, t, a, log_c, nu, omega, log_total, out):
+def _log_x(kind, t, a, base, log_c, nu, omega, log_total, out):
     for i in numba.prange(t.size):
         ti = t[i]
         if ti == -np.inf:
             out[i] = -np.inf
         elif kind == RKL and a[i] <= 0.0:
             out[i] = ti - nu - log_total
-        elif kind == RKL:
-            out[i] = math.log(a[i]) - omega[i] - log_total
+        elif kind == RKL:  # log x = log a − ω, and base = log a − t
+            out[i] = base[i] + ti - omega[i] - log_total
         else:
             out[i] = omega[i] - log_c - log_total
 
@@ -147,5 +147,5 @@ def solve_row(kind, t, a, lam, max_iter, out):
             else:
                 step = hi - 1.0
         nu = step
-    _log_x(kind, t, a, log_c, prev, omega, math.log(total), out)
+    _log_x(kind, t, a, base, log_c, prev, omega, math.log(total), out)
     return iters

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .metrics import mean_and_standard_error
+
 
 @dataclass
 class HeldOut:
@@ -90,4 +92,4 @@ def paired_nll_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, floa
     d = a - b
     if not torch.isfinite(d).all():
         return float("inf"), float("inf")
-    return float(d.mean()), float(d.std() / math.sqrt(d.numel()))
+    return mean_and_standard_error(d.tolist())

@@ -84,6 +84,13 @@ def corpus_bleu_scores(hypotheses: list[str], references: list[str], orders=(2, 
     return {n: sum(sentence_bleu(h, refs, n) for h in hypotheses) / len(hypotheses) for n in orders}
 
 
+def mean_and_standard_error(values: list[float]) -> tuple[float, float]:
+    """Mean of ``values`` and its standard error (sample standard deviation / √n); needs 2 values or more."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var / len(values))
+
+
 def paired_bleu_difference(hyp_a: list[str], hyp_b: list[str], references: "References | list[str]",
                            n: int = 4) -> tuple[float, float]:
     """Mean and standard error of BLEU-n(a_i) − BLEU-n(b_i) over paired texts (the same prompt), in [−1, 1].
@@ -95,9 +102,7 @@ def paired_bleu_difference(hyp_a: list[str], hyp_b: list[str], references: "Refe
         raise ValueError(f"need two equally long lists of at least 2 texts, got {len(hyp_a)} and {len(hyp_b)}")
     refs = references if isinstance(references, References) else References(references, n)
     diffs = [sentence_bleu(a, refs, n) - sentence_bleu(b, refs, n) for a, b in zip(hyp_a, hyp_b)]
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs))
+    return mean_and_standard_error(diffs)
 
 
 def self_bleu(texts: list[str], n: int = 4) -> float:
