@@ -8,14 +8,14 @@ from .counts import BigramCounts
 from . import bundled
 from .errors import CorpusError, GraphExistsError, GraphFormatError, GraphmaxError, TokenizerError
 from .graph import Graph, graphmax_home, list_graphs, load_graph
+from .ngrams import NgramCounts, add_ngrams, count_ngrams, merge_ngrams
 from .operators import OperatorSpec, PruneRule
 from .split import CorpusSplit, split_corpus
 from .tokenize import TokenizerIdentity, load_tokenizer
-from .trigrams import TrigramCounts, add_trigrams, count_trigrams
 
 __all__ = [
     "BigramCounts", "CorpusCounts", "CorpusError", "CorpusSplit", "Graph", "GraphExistsError", "GraphFormatError",
-    "GraphmaxError", "OperatorSpec", "PruneRule", "TokenizerError", "TokenizerIdentity", "TrigramCounts",
-    "add_trigrams", "build_graph", "count_corpus", "count_trigrams", "graphmax_home", "list_graphs", "load_counts",
-    "load_graph", "load_tokenizer", "merge_graphs", "split_corpus", "write_graph",
+    "GraphmaxError", "NgramCounts", "OperatorSpec", "PruneRule", "TokenizerError", "TokenizerIdentity",
+    "add_ngrams", "build_graph", "count_corpus", "count_ngrams", "graphmax_home", "list_graphs", "load_counts",
+    "load_graph", "load_tokenizer", "merge_graphs", "merge_ngrams", "split_corpus", "write_graph",
 ]

@@ -17,6 +17,7 @@ from .corpus import CorpusSpec, ReadStats, expand_corpus, fingerprint, iter_docu
 from .counts import BigramCounts, CountAccumulator
 from .errors import GraphExistsError
 from .graph import Graph, graph_dir
+from .ngrams import merge_ngrams, store_ngrams
 from .operators import OperatorSpec, PruneRule, build_operators, normalize
 from .storage import (DEFAULT_SHARD_NNZ, FORMAT_VERSION, CSRWriter, atomic_folder, file_entry, write_csr,
                       write_edges, write_manifest)
@@ -194,12 +195,20 @@ def load_counts(graph: Graph) -> CorpusCounts:
 
 def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None = None,
                  out: str | os.PathLike | None = None, **write_options) -> Graph:
-    """Merge the counts of graphs built from parts of a corpus into one graph, as if built at once."""
+    """Merge the counts of graphs built from parts of a corpus into one graph, as if built at once.
+
+    n-gram tables merge too, for the orders every part stores.
+    """
     if len(graphs) < 2:
         raise ValueError("merge needs at least two graphs")
-    parts = [load_counts(g if isinstance(g, Graph) else Graph(graph_dir(g))) for g in graphs]
+    sources = [g if isinstance(g, Graph) else Graph(graph_dir(g)) for g in graphs]
+    parts = [load_counts(g) for g in sources]
     merged = parts[0]
     for p in parts[1:]:
         merged = merged.merge(p)
     target = Path(out) if out is not None else graph_dir(name)
-    return write_graph(merged, target, name=name or target.name, **write_options)
+    graph = write_graph(merged, target, name=name or target.name, **write_options)
+    tables = merge_ngrams([g.ngrams for g in sources])
+    if tables:
+        store_ngrams(graph, tables, {"merged_from": [str(g.path) for g in sources]})
+    return graph

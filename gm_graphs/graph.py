@@ -50,7 +50,7 @@ class Graph:
         self.manifest: dict[str, Any] = read_manifest(self.path)
         self.spec = OperatorSpec.parse(order, mixture)
         self.verify = verify
-        self._trigrams = None
+        self._ngrams = None
         if self.spec.kind == "mixture" and self.spec.k == 1:
             self.spec = OperatorSpec("power", 1)
 
@@ -70,16 +70,16 @@ class Graph:
         return float(self.manifest["eps"])
 
     @property
-    def trigrams(self):
-        """The stored trigram table (``gm_graphs.trigrams``), memory-mapped; None if the graph has none."""
-        from .trigrams import read_trigrams
+    def ngrams(self) -> dict:
+        """The stored n-gram tables by order (``gm_graphs.ngrams``), memory-mapped; empty if the graph has none."""
+        from .ngrams import FOLDER, read_ngrams
 
-        entry = self.manifest.get("trigrams")
+        entry = self.manifest.get(FOLDER)
         if entry is None:
-            return None
-        if self._trigrams is None:
-            self._trigrams = read_trigrams(self.path, entry, self.vocab_size, self.verify)
-        return self._trigrams
+            return {}
+        if self._ngrams is None:
+            self._ngrams = read_ngrams(self.path, entry, self.vocab_size, self.verify)
+        return self._ngrams
 
     @property
     def operators(self) -> dict[str, dict]:

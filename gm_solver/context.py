@@ -15,11 +15,12 @@ distinct successors and A the bigram counts:
 
     q = Σ_k β_k q_k / Σ_k β_k
 
-When the graph stores trigram counts (``gm_graphs.add_trigrams``) and
-``trigrams`` is on, q_1 conditions on the last two tokens (u, v): interpolated
-absolute discounting (D) over the trigram counts, backing off to the q_1 above,
-q_1(w | u, v) = max(T[u,v,w] − D, 0)/T[u,v] + D·n(u,v)/T[u,v] · q_1(w | v);
-contexts (u, v) the corpus never saw keep q_1(w | v).
+When the graph stores n-gram counts (``gm_graphs.add_ngrams``, orders 3 and 4),
+q_1 conditions on the last ``ngram_order`` − 1 tokens: each order's counts T
+are discounted (D) down to the order below, starting from the bigram q_1 above,
+q_1(w | h) = max(T[h,w] − D, 0)/T[h] + D·n(h)/T[h] · q_1(w | h′), with h′ the
+context h without its oldest token; a context the corpus never saw keeps
+q_1(w | h′).
 
 A context the corpus never saw (c = 0) backs off to u, and a frequent one
 trusts its row; so does the mass of Ãᵏ's walks that reach a token the corpus
@@ -54,7 +55,7 @@ class ContextConfig:
     order_weights: tuple[float, ...] = (1.0,)
     smoothing: str = "kneser-ney"
     discount: float = 0.75
-    trigrams: bool = True
+    ngram_order: int = 4
     kappa: float = 3.0
     alpha: float = 0.5
     source: dict = field(default_factory=lambda: {"tuned": False}, compare=False)
@@ -74,6 +75,8 @@ class ContextConfig:
             raise ValueError(f"smoothing must be one of {SMOOTHINGS}, got {self.smoothing!r}")
         if not 0 < self.discount < 1:
             raise ValueError(f"discount must be in (0, 1) (Kneser–Ney's D), got {self.discount}")
+        if not (isinstance(self.ngram_order, int) and self.ngram_order >= 2):
+            raise ValueError(f"ngram_order must be an integer >= 2 (2: the bigram row only), got {self.ngram_order!r}")
 
     @property
     def smoothing_label(self) -> str:
@@ -88,10 +91,12 @@ class ContextConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ContextConfig":
-        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "smoothing", "discount", "trigrams",
+        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "smoothing", "discount", "ngram_order",
                                    "kappa", "alpha", "source") if k in d}
         # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior
         known.setdefault("smoothing", "dirichlet")
+        if "trigrams" in d:  # stored before n-gram tables of any order: a switch for the trigram table
+            known.setdefault("ngram_order", 3 if d["trigrams"] else 2)
         return cls(**known)
 
 
@@ -125,8 +130,8 @@ class ContextReference:
             col = np.asarray(self.counts.sum(axis=0)).ravel()
         self.unigram = (col + config.alpha) / (col.sum() + config.alpha * self.n)
         self.transition = normalize(self.counts, eps=0.0, dtype=np.float64)  # exact Ã: seen rows sum to 1
-        table = getattr(counts_source, "trigrams", None) if config.trigrams else None
-        self.trigrams = table if table is not None and table.entries > 0 else None
+        tables = getattr(counts_source, "ngrams", None) or {}
+        self.ngrams = {n: t for n, t in sorted(tables.items()) if n <= config.ngram_order and t.entries > 0}
         self._row = lru_cache(maxsize=cache_rows)(self._row_uncached)
 
     @property
@@ -159,14 +164,15 @@ class ContextReference:
             # Ãᵏ loses the mass of walks that reach a token never followed by anything: it backs off to u too
             q = (kappa + c * (1.0 - val.sum())) / (c + kappa) * self.unigram
             q[idx] += c / (c + kappa) * val
-        if k == 1 and self.trigrams is not None and len(context) >= 2:
-            q = self._trigram(int(context[-2]), token, q)
+        if k == 1:
+            for n, table in self.ngrams.items():
+                if len(context) >= n - 1:
+                    q = self._discounted(table, [int(t) for t in context[-(n - 1):]], q)
         return q
 
-    def _trigram(self, u: int, v: int, below: np.ndarray) -> np.ndarray:
-        if not (0 <= u < self.n and 0 <= v < self.n):
-            return below
-        found = self.trigrams.successors(u, v)
+    def _discounted(self, table, history: list[int], below: np.ndarray) -> np.ndarray:
+        """The counts after ``history``, discounted down to ``below``; ``below`` itself if the corpus never saw it."""
+        found = table.successors(history)
         if found is None:
             return below
         nxt, cnt = found
@@ -190,7 +196,7 @@ class ContextReference:
         """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph."""
         width = self.n if width is None else width
         ids = input_ids.detach().to("cpu").tolist()
-        tail = max(self.orders, 2)
+        tail = max([self.orders, *(n - 1 for n in self.ngrams)])
         out = np.zeros((len(ids), width))
         for b, seq in enumerate(ids):
             out[b, :self.n] = self.row(seq[-tail:])

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from gm_graphs import PruneRule, add_trigrams, build_graph, list_graphs, load_graph, merge_graphs
+from gm_graphs import PruneRule, add_ngrams, build_graph, list_graphs, load_graph, merge_graphs
 
 
 def _ints(text: str) -> list[int]:
@@ -40,8 +40,9 @@ def register(sub) -> None:
     p.add_argument("--text-column", default="text", help="column/field holding the text (default text)")
     p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags")
     p.add_argument("--bos-eos", action="store_true", help="add BOS→first and last→EOS edges per document")
-    p.add_argument("--trigrams", action="store_true",
-                   help="also store trigram counts, so context-aware graphmax conditions on two tokens")
+    p.add_argument("--ngrams", type=_ints, metavar="ORDERS",
+                   help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
+                        "conditions on up to n−1 tokens")
     _add_operator_options(p)
     p.set_defaults(run=run_build)
 
@@ -72,8 +73,8 @@ def run_build(args) -> int:
     g = build_graph(args.corpus, args.tokenizer, name=args.name, out=args.out, text_column=args.text_column,
                     orders=args.orders, mixture=args.mixture, eps=args.eps, clean=args.clean,
                     bos_eos=args.bos_eos, prune=_prune(args), overwrite=args.overwrite)
-    if args.trigrams:
-        add_trigrams(g, args.corpus, args.tokenizer, text_column=args.text_column, clean=args.clean)
+    if args.ngrams:
+        add_ngrams(g, args.corpus, args.tokenizer, args.ngrams, text_column=args.text_column, clean=args.clean)
     _summary(g, time.perf_counter() - t0)
     return 0
 
@@ -97,8 +98,8 @@ def _summary(g, seconds: float | None = None) -> None:
     if c["undecodable_documents"] or c["empty_skipped"]:
         print(f"  input      {c['undecodable_documents']:,} documents had undecodable bytes "
               f"({c['replaced_sequences']:,} replaced); {c['empty_skipped']:,} empty rows skipped")
-    if m.get("trigrams"):
-        print(f"  trigrams   {m['trigrams']['entries']:,} distinct, {m['trigrams']['contexts']:,} two-token contexts")
+    for order, e in m.get("ngrams", {}).get("orders", {}).items():
+        print(f"  {order}-grams    {e['entries']:,} distinct, {e['contexts']:,} contexts")
     for name, op in sorted(m["operators"].items()):
         extra = ""
         if op.get("prune_rule"):

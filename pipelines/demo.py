@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-from gm_graphs import GraphFormatError, add_trigrams, build_graph, bundled, load_graph
+from gm_graphs import GraphFormatError, add_ngrams, build_graph, bundled, load_graph
 from gm_graphs.graph import graph_dir
 from gm_solver import GraphmaxLogitsProcessor
 
@@ -27,7 +27,7 @@ PROMPTS = [
 
 
 def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
-    """The movie-reviews graph with its trigram table, built on first use and reused afterwards."""
+    """The movie-reviews graph with its n-gram tables, built on first use and reused afterwards."""
     graph = None
     if (graph_dir(name) / "manifest.json").is_file():
         try:
@@ -37,8 +37,8 @@ def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
     if graph is None:
         print(f"building graph {name!r} from {bundled.movie_reviews_csv().name} (once; reused afterwards)")
         graph = build_graph(bundled.movie_reviews_csv(), tokenizer, name=name, clean=True, overwrite=True)
-    if "trigrams" not in graph.manifest:
-        add_trigrams(graph, bundled.movie_reviews_csv(), tokenizer, clean=True)
+    if not graph.ngrams:
+        add_ngrams(graph, bundled.movie_reviews_csv(), tokenizer, clean=True)
     return graph
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gm_graphs import Graph, add_trigrams, bundled, count_corpus, split_corpus, write_graph
+from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
 from gm_solver import ContextConfig, GraphmaxLogitsProcessor, InterpolationLogitsProcessor, log_graphmax
 
 from . import figures, report
@@ -45,12 +45,12 @@ class Setup:
 
 
 def prepare(args, tok, work: Path) -> Setup:
-    """Split, then build the graph (and its trigram table) from the training side only."""
+    """Split, then build the graph (and its n-gram tables) from the training side only."""
     split = split_corpus(args.corpus, work / "split", heldout_fraction=args.heldout_fraction, seed=args.seed,
                          text_column=args.text_column, clean=args.clean, overwrite=True)
     counts = count_corpus(split.path("train"), tok, clean=False)
     graph = write_graph(counts, work / "graph", name="eval-train", overwrite=True)
-    add_trigrams(graph, split.path("train"), tok)
+    add_ngrams(graph, split.path("train"), tok)
     heldout = split.texts("heldout")
     # held-out documents alternate between validation (tuning) and test (reporting)
     return Setup(graph, Graph(graph.path, order=1, mixture=2), heldout[1::2], heldout[0::2], split.documents)

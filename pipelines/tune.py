@@ -2,8 +2,8 @@
 
 Coordinate search on held-out perplexity of validation documents (the LM runs
 once; each candidate only re-decodes its logits): divergence × λ first, then
-the smoothing (Kneser–Ney's discount D or the Dirichlet prior κ), then the
-trigram table on or off (when the graph has one), then the order weights,
+the smoothing (Kneser–Ney's discount D or the Dirichlet prior κ), then how
+many of the graph's n-gram tables to use (when it has some), then the order weights,
 then λ again around the best. The choice
 and the perplexities behind it go into the graph's manifest, where
 ``GraphmaxLogitsProcessor.from_graph`` finds them.
@@ -43,8 +43,9 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
 
     best = min((ContextConfig(divergence=d, lam=lam) for d in divergences for lam in lambdas), key=ppl)
     best = min((dataclasses.replace(best, **sm) for sm in smoothings), key=ppl)
-    if getattr(graph, "trigrams", None) is not None:
-        best = min((dataclasses.replace(best, trigrams=use) for use in (True, False)), key=ppl)
+    tables = sorted(getattr(graph, "ngrams", None) or {})
+    if tables:
+        best = min((dataclasses.replace(best, ngram_order=n) for n in (2, *tables)), key=ppl)
     best = min((dataclasses.replace(best, order_weights=w) for w in order_weights), key=ppl)
     best = min((dataclasses.replace(best, lam=best.lam * f) for f in (0.5, 0.7, 1.0, 1.4, 2.0)), key=ppl)
     bar.close()

@@ -167,6 +167,7 @@ def test_processor_mode_is_validated(kwargs, error):
 @pytest.mark.parametrize("kwargs, error", [
     (dict(divergence="js"), "divergence"), (dict(lam=-1.0), "lam"), (dict(order_weights=()), "order_weights"),
     (dict(kappa=0.0), "kappa"), (dict(smoothing="witten-bell"), "smoothing"), (dict(discount=1.0), "discount"),
+    (dict(ngram_order=1), "ngram_order"),
 ])
 def test_config_is_validated(kwargs, error):
     with pytest.raises(ValueError, match=error):
@@ -193,7 +194,8 @@ def test_tuned_choice_round_trips_through_the_manifest(drug_graph, tmp_path):
     assert graph.decoder is None
     default = GraphmaxLogitsProcessor.from_graph(graph)
     assert default.mode == "context" and default.context == ContextConfig()
-    chosen = ContextConfig(divergence="kl", lam=0.7, order_weights=(0.8, 0.2), kappa=10.0, source={"tuned": True})
+    chosen = ContextConfig(divergence="kl", lam=0.7, order_weights=(0.8, 0.2), kappa=10.0, ngram_order=3,
+                           source={"tuned": True})
     graph.set_decoder({"mode": "context", **chosen.to_dict()})
     reloaded = GraphmaxLogitsProcessor.from_graph(load_graph(path))
     assert reloaded.context == chosen and reloaded.context.source == {"tuned": True}
@@ -205,3 +207,7 @@ def test_tuned_choice_round_trips_through_the_manifest(drug_graph, tmp_path):
     # a choice stored before Kneser–Ney existed keeps the Dirichlet prior it was tuned with
     graph.set_decoder({"mode": "context", "divergence": "rkl", "lam": 1.0, "order_weights": [1.0], "kappa": 3.0})
     assert GraphmaxLogitsProcessor.from_graph(load_graph(path)).context.smoothing == "dirichlet"
+    # … and one stored when only a trigram table existed keeps its switch as an n-gram order
+    for switch, order in ((True, 3), (False, 2)):
+        graph.set_decoder({"mode": "context", "smoothing": "kneser-ney", "trigrams": switch})
+        assert GraphmaxLogitsProcessor.from_graph(load_graph(path)).context.ngram_order == order

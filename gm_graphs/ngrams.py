@@ -1,0 +1,193 @@
+"""n-gram counts (n = 3, 4): tables (w_{t−n+1} … w_{t−1}) → w_t that let context-aware graphmax see further back.
+
+A bigram graph conditions on one token; its powers Ãᵏ marginalise over the
+tokens in between instead of conditioning on them. The n-gram tables are
+stored beside the operators, in ``ngrams/<n>/``, as four memory-mappable
+arrays per order, sorted by context:
+
+- ``contexts.npy``  int64, the distinct contexts in base N (N = vocabulary size): for n = 3,
+  u·N + v with u = w_{t−2}, v = w_{t−1}; ascending
+- ``indptr.npy``    int64, context i's successors are entries indptr[i]:indptr[i+1]
+- ``next.npy``      int32, the successor tokens w
+- ``counts.npy``    int64, how often (context, w) occurred within one document
+
+Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
+(N⁴ < 2⁶³). The manifest's ``ngrams`` entry lists each order's files with their
+sizes and SHA-256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .corpus import CorpusSpec, ReadStats, expand_corpus, iter_documents
+from .storage import atomic_folder, check_file, file_entry, update_manifest
+from .tokenize import BatchEncoder, load_tokenizer
+
+FOLDER = "ngrams"
+ORDERS = (3, 4)
+_ARRAYS = ("contexts", "indptr", "next", "counts")
+_FOLD_AT = 1 << 24  # pending (key, count) pairs before they are folded into the running table
+
+
+@dataclass
+class NgramCounts:
+    """n-gram counts of a corpus, grouped by their (n−1)-token context."""
+
+    order: int
+    vocab_size: int
+    contexts: np.ndarray
+    indptr: np.ndarray
+    next: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def from_keys(cls, order: int, keys: np.ndarray, counts: np.ndarray, vocab_size: int) -> "NgramCounts":
+        """From sorted unique keys context·N + w and their counts."""
+        ctx = keys // vocab_size
+        contexts, starts = np.unique(ctx, return_index=True)
+        indptr = np.append(starts, len(keys)).astype(np.int64)
+        return cls(order, vocab_size, contexts, indptr, (keys % vocab_size).astype(np.int32), counts.astype(np.int64))
+
+    @property
+    def entries(self) -> int:
+        return int(self.indptr[-1])
+
+    def keys(self) -> np.ndarray:
+        """Every entry's key context·N + w, ascending."""
+        ctx = np.repeat(np.asarray(self.contexts), np.diff(self.indptr))
+        return ctx * self.vocab_size + np.asarray(self.next, dtype=np.int64)
+
+    def successors(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(next tokens, counts) after ``context`` (its n−1 tokens, oldest first), or None if the corpus never has it."""
+        if len(context) != self.order - 1:
+            raise ValueError(f"an order-{self.order} table takes {self.order - 1} context tokens, got {len(context)}")
+        key = 0
+        for t in context:
+            if not 0 <= t < self.vocab_size:
+                return None
+            key = key * self.vocab_size + int(t)
+        i = int(np.searchsorted(self.contexts, key))
+        if i == len(self.contexts) or self.contexts[i] != key:
+            return None
+        a, b = self.indptr[i], self.indptr[i + 1]
+        return self.next[a:b], self.counts[a:b]
+
+
+def _fold(keys: list[np.ndarray], counts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    k = np.concatenate(keys)
+    c = np.concatenate(counts)
+    uniq, inverse = np.unique(k, return_inverse=True)
+    return uniq, np.bincount(inverse, weights=c, minlength=len(uniq)).astype(np.int64)
+
+
+def _check_orders(orders: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    orders = tuple(sorted(set(int(n) for n in orders)))
+    if not orders or orders[0] < 3:
+        raise ValueError(f"n-gram orders are 3 or more (the graph itself holds the bigrams), got {orders}")
+    if float(vocab_size) ** orders[-1] >= 2.0 ** 63:
+        raise ValueError(f"order {orders[-1]} over a vocabulary of {vocab_size:,} tokens overflows int64 keys; "
+                         f"use a lower order")
+    return orders
+
+
+class _Accumulator:
+    """Keys and counts of one order, folded into a running table as they pile up."""
+
+    def __init__(self):
+        self.keys: list[np.ndarray] = []
+        self.counts: list[np.ndarray] = []
+        self.pending = 0
+
+    def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        self.keys.append(keys)
+        self.counts.append(counts)
+        self.pending += len(keys)
+        if self.pending > _FOLD_AT:
+            k, c = _fold(self.keys, self.counts)
+            self.keys, self.counts, self.pending = [k], [c], len(k)
+
+    def table(self, order: int, vocab_size: int) -> NgramCounts:
+        if not self.keys:
+            return NgramCounts.from_keys(order, np.zeros(0, np.int64), np.zeros(0, np.int64), vocab_size)
+        return NgramCounts.from_keys(order, *_fold(self.keys, self.counts), vocab_size)
+
+
+def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
+                 clean: bool = False, batch_docs: int = 2048, progress: bool = True) -> dict[int, NgramCounts]:
+    """Stream ``corpus`` through the tokenizer once and count its within-document n-grams of each order.
+
+    Memory stays bounded by the number of distinct n-grams (pending batches are
+    folded into the running tables as they pile up).
+    """
+    tok = load_tokenizer(tokenizer)
+    encoder = BatchEncoder(tok)
+    n = encoder.vocab_size
+    orders = _check_orders(orders, n)
+    acc = {order: _Accumulator() for order in orders}
+    for docs in tqdm(iter_documents(expand_corpus(corpus), text_column, clean=clean, batch_docs=batch_docs,
+                                    stats=ReadStats()), desc="count n-grams", unit="batch", disable=not progress):
+        ids, offsets = encoder.encode(docs)
+        ids = ids.astype(np.int64)
+        doc = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+        for order in orders:
+            m = len(ids) - order + 1
+            if m <= 0:
+                continue
+            key = ids[:m].copy()
+            for j in range(1, order):
+                key = key * n + ids[j:j + m]
+            inside = doc[:m] == doc[order - 1:]  # all n tokens belong to one document
+            acc[order].add(*np.unique(key[inside], return_counts=True))
+    return {order: acc[order].table(order, n) for order in orders}
+
+
+def merge_ngrams(parts: Sequence[dict[int, NgramCounts]]) -> dict[int, NgramCounts]:
+    """Sum the tables of corpus parts counted with one tokenizer; only the orders every part has are kept."""
+    orders = set.intersection(*(set(p) for p in parts)) if parts else set()
+    merged = {}
+    for order in sorted(orders):
+        tables = [p[order] for p in parts]
+        keys, counts = _fold([t.keys() for t in tables], [np.asarray(t.counts) for t in tables])
+        merged[order] = NgramCounts.from_keys(order, keys, counts, tables[0].vocab_size)
+    return merged
+
+
+def store_ngrams(graph, tables: dict[int, NgramCounts], source: dict) -> None:
+    """Write ``tables`` to ``ngrams/`` (a temporary folder renamed when complete) and record them in the manifest."""
+    root = Path(graph.path)
+    with atomic_folder(root / FOLDER, overwrite=True) as tmp:
+        for order, table in tables.items():
+            (tmp / str(order)).mkdir()
+            for name in _ARRAYS:
+                np.save(tmp / str(order) / f"{name}.npy", getattr(table, name))
+    entry = {**source, "orders": {
+        str(order): {"contexts": len(table.contexts), "entries": table.entries,
+                     "files": {name: file_entry(root, root / FOLDER / str(order) / f"{name}.npy") for name in _ARRAYS}}
+        for order, table in tables.items()}}
+    graph.manifest = update_manifest(root, FOLDER, entry)
+    graph._ngrams = None  # the next access reads the new tables
+
+
+def add_ngrams(graph, corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
+               clean: bool = False, progress: bool = True) -> dict[int, NgramCounts]:
+    """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own) and store them in the graph folder."""
+    graph.check_tokenizer(tokenizer)
+    tables = count_ngrams(corpus, tokenizer, orders, text_column=text_column, clean=clean, progress=progress)
+    store_ngrams(graph, tables, {"corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean,
+                                 "text_column": text_column})
+    return tables
+
+
+def read_ngrams(root: Path, entry: dict, vocab_size: int, verify: bool = True) -> dict[int, NgramCounts]:
+    """The stored tables by order, memory-mapped, after checking each file against the manifest."""
+    tables = {}
+    for order, e in entry["orders"].items():
+        arrays = {name: np.load(check_file(root, e["files"][name], verify), mmap_mode="r") for name in _ARRAYS}
+        tables[int(order)] = NgramCounts(int(order), vocab_size, **arrays)
+    return dict(sorted(tables.items()))

@@ -1,0 +1,122 @@
+"""n-gram counts: exact within-document counts, stored and verified like the operators, merged, read by the context reference."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from gm_graphs import (GraphFormatError, TokenizerError, add_ngrams, build_graph, count_ngrams, load_graph,
+                       merge_graphs)
+from gm_graphs import ngrams as ngrams_module
+from gm_solver import ContextConfig, ContextReference
+
+
+def _expected(docs, tok, n: int) -> Counter:
+    counts = Counter()
+    for d in docs:
+        ids = tok(d, add_special_tokens=False)["input_ids"]
+        counts.update(zip(*(ids[j:] for j in range(n))))  # never across documents
+    return counts
+
+
+def _as_counter(table) -> Counter:
+    got = Counter()
+    for i, ctx in enumerate(table.contexts):
+        history, c = [], int(ctx)
+        for _ in range(table.order - 1):
+            c, t = divmod(c, table.vocab_size)
+            history.insert(0, t)
+        a, b = table.indptr[i], table.indptr[i + 1]
+        for w, k in zip(table.next[a:b], table.counts[a:b]):
+            got[(*history, int(w))] += int(k)
+    return got
+
+
+def test_counts_equal_a_direct_count_within_documents(csv_corpus, bpe_tokenizer, monkeypatch):
+    path, docs = csv_corpus
+    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)  # fold pending batches many times
+    tables = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False)
+    for n in (3, 4):
+        expected = _expected(docs, bpe_tokenizer, n)
+        assert _as_counter(tables[n]) == expected
+        assert np.all(np.diff(tables[n].contexts) > 0)
+        gram, c = expected.most_common(1)[0]
+        nxt, cnt = tables[n].successors(gram[:-1])
+        assert dict(zip(nxt.tolist(), cnt.tolist()))[gram[-1]] == c
+    with pytest.raises(ValueError, match="3 context tokens"):
+        tables[4].successors(gram[:2])
+
+
+def test_orders_are_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer):
+    path, _ = csv_corpus
+    with pytest.raises(ValueError, match="3 or more"):
+        count_ngrams(path, bpe_tokenizer, (2, 3), progress=False)
+    with pytest.raises(ValueError, match="overflows int64"):
+        count_ngrams(path, smollm2_tokenizer, (5,), progress=False)
+
+
+def test_stored_beside_the_graph_verified_and_tokenizer_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer, tmp_path):
+    path, docs = csv_corpus
+    graph = build_graph(path, bpe_tokenizer, out=tmp_path / "g", progress=False)
+    assert graph.ngrams == {}
+    with pytest.raises(TokenizerError):
+        add_ngrams(graph, path, smollm2_tokenizer, progress=False)
+    assert "ngrams" not in load_graph(tmp_path / "g").manifest  # a refused call leaves the graph as it was
+    tables = add_ngrams(graph, path, bpe_tokenizer, (3, 4), progress=False)
+    reloaded = load_graph(tmp_path / "g").ngrams
+    assert sorted(reloaded) == [3, 4]
+    for n in (3, 4):
+        assert np.array_equal(reloaded[n].contexts, tables[n].contexts)
+        assert np.array_equal(reloaded[n].counts, tables[n].counts)
+    add_ngrams(graph, path, bpe_tokenizer, (3,), progress=False)  # replacing keeps exactly the new tables
+    assert [p.name for p in (tmp_path / "g").iterdir() if "ngrams" in p.name] == ["ngrams"]
+    assert sorted(load_graph(tmp_path / "g").ngrams) == [3]
+    with open(tmp_path / "g" / "ngrams" / "3" / "counts.npy", "r+b") as fh:
+        fh.seek(-1, 2)
+        fh.write(b"\x7f")
+    with pytest.raises(GraphFormatError, match="checksum"):
+        load_graph(tmp_path / "g").ngrams
+
+
+def test_merged_parts_equal_the_whole(csv_corpus, bpe_tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    _, docs = csv_corpus
+    parts = []
+    for i, half in enumerate((docs[:50], docs[50:])):
+        pacsv.write_csv(pa.table({"text": half}), tmp_path / f"part{i}.csv")
+        g = build_graph(tmp_path / f"part{i}.csv", bpe_tokenizer, out=tmp_path / f"g{i}", progress=False)
+        add_ngrams(g, tmp_path / f"part{i}.csv", bpe_tokenizer, (3, 4) if i == 0 else (3,), progress=False)
+        parts.append(g)
+    merged = merge_graphs(parts, out=tmp_path / "merged")
+    assert sorted(merged.ngrams) == [3]  # only the orders every part has
+    assert _as_counter(load_graph(tmp_path / "merged").ngrams[3]) == _expected(docs, bpe_tokenizer, 3)
+
+
+def test_reference_conditions_on_exactly_the_last_n_minus_one_tokens(csv_corpus, bpe_tokenizer, tmp_path):
+    path, docs = csv_corpus
+    graph = build_graph(path, bpe_tokenizer, out=tmp_path / "g", progress=False)
+    add_ngrams(graph, path, bpe_tokenizer, (3, 4), progress=False)
+    graph = load_graph(tmp_path / "g")
+    four, three, bigram = (ContextReference(graph, ContextConfig(ngram_order=n)) for n in (4, 3, 2))
+    (t, u, v, _), _ = _expected(docs, bpe_tokenizer, 4).most_common(1)[0]
+    seen = torch.tensor([[7, t, u, v]])
+    q = four(seen)
+    assert torch.allclose(q.sum(-1), torch.ones(1, dtype=torch.float64)) and (q > 0).all()
+    assert not torch.allclose(q, three(seen))  # the token three back matters …
+    assert torch.equal(q, four(torch.tensor([[3, t, u, v]])))  # … the one four back does not
+    assert not torch.allclose(three(seen), bigram(seen))  # with order 3: the token two back matters …
+    other = next(s for s in range(graph.vocab_size) if graph.ngrams[4].successors([s, u, v]) is None)
+    assert torch.equal(three(seen), three(torch.tensor([[7, other, u, v]])))  # … and three back does not
+    assert torch.equal(four(torch.tensor([[other, u, v]])), three(seen))  # an unseen context backs off
+    assert torch.equal(four(torch.tensor([[v]])), bigram(torch.tensor([[v]])))  # one token of context
+    # interpolated absolute discounting over the 4-gram counts, down to the trigram row
+    nxt, cnt = graph.ngrams[4].successors([t, u, v])
+    d, total = 0.75, cnt.sum()
+    expected = d * len(nxt) / total * three(seen)[0].numpy()
+    expected[nxt] += np.maximum(cnt - d, 0) / total
+    np.testing.assert_allclose(q[0].numpy(), expected)
