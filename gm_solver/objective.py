@@ -25,14 +25,11 @@ def xlogx(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, x * torch.log(torch.where(x > 0, x, torch.ones_like(x))), torch.zeros_like(x)).sum(-1)
 
 
-def residual(x: torch.Tensor, op: TransitionOperator) -> torch.Tensor:
-    """Lx = x − Mx per row."""
-    return x - op.matvec(x)
-
-
-def dual_logits(z: torch.Tensor, lx: torch.Tensor, lam: float, op: TransitionOperator) -> torch.Tensor:
-    """y = z − 2λLᵀ(Lx); softmax(y) is the fixed-point map and the dual's primal point."""
-    return z - 2.0 * lam * (lx - op.rmatvec(lx))
+def dual_logits(z: torch.Tensor, x: torch.Tensor, lam: float,
+                op: TransitionOperator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Lx, y) with y = z − 2λLᵀLx; softmax(y) is the fixed-point map and the dual's primal point."""
+    lx, gram = op.residual_and_gram(x)
+    return lx, z - 2.0 * lam * gram
 
 
 def primal(x: torch.Tensor, z: torch.Tensor, lx: torch.Tensor, lam: float) -> torch.Tensor:
@@ -58,4 +55,4 @@ def certificate(x: torch.Tensor, z: torch.Tensor, lam: float, op: TransitionOper
     """The duality gap of any point ``x`` on the simplex (rows), computed from scratch."""
     if lam == 0:
         return gap(x, z)
-    return gap(x, dual_logits(z, residual(x, op), lam, op))
+    return gap(x, dual_logits(z, x, lam, op)[1])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .objective import dual_logits, gap, primal, residual
+from .objective import dual_logits, gap, primal
 from .operator import TransitionOperator
 
 
@@ -23,6 +23,11 @@ class SolveInfo:
     operator_applications: int
     gap_trace: list[torch.Tensor] = field(default_factory=list)
     step_trace: list[torch.Tensor] = field(default_factory=list)
+
+
+# η's control: on real SmolLM2 rows, ×2 / ×0.25 cycles through a rejected η = 1 every third
+# step; ×1.25 / ×0.5 takes 15 % fewer iterations (λ = 0.1 / 1 / 10: 9.8 / 13.3 / 18.5 vs 11.0 / 16.2 / 22.9)
+_GROW, _SHRINK = 1.25, 0.5
 
 
 def _masked(v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -52,8 +57,7 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
     start = op.applications
     s = torch.log_softmax(z, dim=-1)
     x = torch.exp(s)
-    lx = residual(x, op)
-    y = dual_logits(z, lx, lam, op)
+    lx, y = dual_logits(z, x, lam, op)
     f = primal(x, z, lx, lam)
     g = gap(x, y)
     eta = torch.ones_like(f)
@@ -87,16 +91,15 @@ def _mirror_step(z, valid, s, y, f, g, eta, iters, op, lam, tol):
     step = torch.log_softmax(y, dim=-1)
     cand = torch.log_softmax(_masked((1.0 - eta[:, None]) * s + eta[:, None] * step, valid), dim=-1)
     x_c = torch.exp(cand)
-    lx_c = residual(x_c, op)
+    lx_c, y_c = dual_logits(z, x_c, lam, op)
     f_c = primal(x_c, z, lx_c, lam)
     # a relative slack absorbs float64 rounding of f near the optimum
     accept = active & (f_c <= f + 1e-13 * f.abs().clamp_min(1.0))
-    y_c = dual_logits(z, lx_c, lam, op)
     a = accept[:, None]
     s, y = torch.where(a, cand, s), torch.where(a, y_c, y)
     g = torch.where(accept, gap(x_c, y_c), g)
     f = torch.where(accept, f_c, f)
-    eta = torch.where(accept, (eta * 2.0).clamp_max(1.0), torch.where(active, eta * 0.25, eta))
+    eta = torch.where(accept, (eta * _GROW).clamp_max(1.0), torch.where(active, eta * _SHRINK, eta))
     return s, y, f, g, eta, iters + active.long()
 
 
@@ -128,20 +131,20 @@ def paper_pgd(z: torch.Tensor, op: TransitionOperator, lam: float, *, alpha: flo
     info = SolveInfo(iters, torch.zeros_like(z[:, 0]), torch.zeros_like(iters, dtype=torch.bool), 0)
     moving = torch.ones_like(iters, dtype=torch.bool)
     for _ in range(max_iter):
-        lx = residual(x, op)
-        grad = -finite_z + torch.log(x.clamp_min(tiny)) + 1.0 + 2.0 * lam * (lx - op.rmatvec(lx))
+        # ∇f = −z + log x + 1 + 2λLᵀLx = log x + 1 − y
+        grad = torch.log(x.clamp_min(tiny)) + 1.0 - dual_logits(finite_z, x, lam, op)[1]
         x_new = project_simplex(x - alpha * grad)
         delta = torch.linalg.vector_norm(x_new - x, dim=-1)
         x = torch.where(moving[:, None], x_new, x)
         iters = iters + moving.long()
         if trace:
             info.step_trace.append(delta.clone())
-            info.gap_trace.append(gap(x, dual_logits(z, residual(x, op), lam, op)))
+            info.gap_trace.append(gap(x, dual_logits(z, x, lam, op)[1]))
         moving = moving & (delta >= stop)
         if not bool(moving.any()):
             break
     info.iterations = iters
     info.operator_applications = op.applications - start
-    info.gap = gap(x, dual_logits(z, residual(x, op), lam, op))
+    info.gap = gap(x, dual_logits(z, x, lam, op)[1])
     info.converged = info.gap <= 1e-6
     return torch.log(x), info

@@ -145,6 +145,18 @@ def test_numba_and_torch_backends_agree(dtype):
                                atol=1e-6, rtol=0)
 
 
+@given(n=st.integers(1, 30), density=st.floats(0.0, 0.7), seed=st.integers(0, 10_000), batch=st.integers(1, 5),
+       pad=st.integers(0, 3))
+def test_residual_and_gram_equal_dense_products(n, density, seed, batch, pad):
+    a = random_graph(n, density, seed)
+    x = torch.softmax(torch.from_numpy(np.random.default_rng(seed).normal(size=(batch, n + pad)) * 3), -1)
+    L = dense_l(a, n + pad)  # ids beyond the graph are isolated nodes
+    for backend in ("numba", "torch"):
+        lx, gram = TransitionOperator(a, backend=backend).residual_and_gram(x)
+        np.testing.assert_allclose(lx.numpy(), x.numpy() @ L.T, atol=1e-14)
+        np.testing.assert_allclose(gram.numpy(), x.numpy() @ (L.T @ L).T, atol=1e-13)
+
+
 def test_matrix_free_order_equals_materialised_exact_order(tmp_path, csv_corpus, bpe_tokenizer):
     from gm_graphs import PruneRule, build_graph, load_graph
 
