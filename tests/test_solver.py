@@ -132,6 +132,28 @@ def test_checking_convergence_less_often_gives_the_same_certified_rows():
     assert (info_every.gap <= 1e-6).all() and (info_sparse.gap <= 1e-6).all()
     torch.testing.assert_close(every.exp(), sparse.exp(), atol=1e-12, rtol=0)
     assert torch.equal(info_sparse.iterations, info_every.iterations)
+    never, info_never = mirror_descent(z, op, 1.0, check_every=0, max_iter=80)  # converged rows stay frozen
+    torch.testing.assert_close(never.exp(), every.exp(), atol=1e-12, rtol=0)
+    assert torch.equal(info_never.iterations, info_every.iterations)
+
+
+def test_check_every_zero_never_reads_a_value_back_to_the_host(monkeypatch):
+    a = random_graph(30, 0.2, 7)
+    z = torch.randn(4, 30, dtype=torch.float64) * 3
+    expected = graphmax(z, a, 1.0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host synchronisation on a GPU")
+
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(torch, "nonzero", refuse)
+    x, info = graphmax(z, a, 1.0, backend="torch", check_every=0, max_iter=80, return_info=True)
+    monkeypatch.undo()
+    assert info.converged.all()
+    torch.testing.assert_close(x, expected, atol=1e-6, rtol=0)
+    with pytest.raises(RuntimeError, match="NaN"):  # the input checks still run, asserted on the device
+        graphmax(torch.full((1, 30), float("nan")), a, 1.0, check_every=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
