@@ -231,3 +231,22 @@ def test_real_graph_and_real_logits(drug_graph, smollm2, lam):
     assert (info.gap <= 1e-6).all()
     op = TransitionOperator(drug_graph)
     assert (certificate(x.double(), z.double(), lam, op) <= 2e-6).all()  # x was rounded to float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the device tool lends one to some sessions)")
+@pytest.mark.parametrize("check_every", [None, 0])
+def test_cuda_agrees_with_cpu(check_every):
+    from gm_solver import GraphmaxLogitsProcessor
+
+    a = random_graph(60, 0.1, 8)
+    z = torch.randn(5, 64, dtype=torch.float64) * 3  # wider than the graph, as padded vocabularies are
+    z[0, 3] = -torch.inf
+    cpu = graphmax(z, a, 1.0)
+    gpu, info = graphmax(z.cuda(), a, 1.0, return_info=True, check_every=check_every, max_iter=100)
+    assert gpu.device.type == "cuda" and bool(info.converged.all())
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-6, rtol=0)
+    assert gpu[0, 3].item() == 0.0
+    proc = GraphmaxLogitsProcessor(a, lam=1.0, device="cuda", check_every=check_every, max_iter=100)
+    ids = torch.zeros(5, 2, dtype=torch.long)
+    torch.testing.assert_close(proc(ids.cuda(), z.float().cuda()).exp().cpu(),
+                               GraphmaxLogitsProcessor(a, lam=1.0)(ids, z.float()).exp(), atol=1e-5, rtol=0)
