@@ -152,7 +152,7 @@ def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
         ds = dx.sum(-1, keepdim=True)
         lo = torch.where(s >= 1.0, torch.maximum(lo, nu), lo)
         hi = torch.where(s < 1.0, torch.minimum(hi, nu), hi)
-        done = (torch.log(s).abs() <= 1e-13).squeeze(-1)
+        done = (torch.log(s).abs() <= lambert_kernel.NU_TOL).squeeze(-1)
         iters += (~done).long()
         if bool(done.all()):
             break
