@@ -138,13 +138,16 @@ def _solve_rows_numba(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
 
 def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: float,
                       max_iter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All rows at once in torch (any device): Newton on log Σx(ν), kept inside a bracket by bisection."""
+    """All rows at once in torch (any device): Newton on log Σx(ν), kept inside a bracket by bisection
+    (also taken when a Newton step does not halve |log Σx|)."""
     valid = torch.isfinite(t)
     c = 2.0 * lam
     # starts: for rkl ν = 0 gives every xᵢ ≥ softmax(z)ᵢ; for l2 ν = logsumexp(z + 2λq) gives xᵢ ≤ its softmax
     nu = torch.zeros_like(t[:, :1]) if divergence == "rkl" else torch.logsumexp(t + a, -1, keepdim=True)
     lo = torch.full_like(nu, -torch.inf)
     hi = torch.full_like(nu, torch.inf)
+    reach = torch.ones_like(nu)  # one-sided fallback steps double, as in the kernel
+    last = torch.full_like(nu, torch.inf)
     iters = torch.zeros(t.shape[0], dtype=torch.long, device=t.device)
     for _ in range(max_iter):
         x, dx = _x_of_nu(divergence, t, a, c, nu)
@@ -152,14 +155,19 @@ def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
         ds = dx.sum(-1, keepdim=True)
         lo = torch.where(s >= 1.0, torch.maximum(lo, nu), lo)
         hi = torch.where(s < 1.0, torch.minimum(hi, nu), hi)
-        done = (torch.log(s).abs() <= lambert_kernel.NU_TOL).squeeze(-1)
+        done = (torch.log(s).abs() <= lambert_kernel.nu_tolerance(lam)).squeeze(-1)
         iters += (~done).long()
         if bool(done.all()):
             break
         step = nu - s * torch.log(s) / ds
-        mid = torch.where(torch.isfinite(lo) & torch.isfinite(hi), 0.5 * (lo + hi),
-                          torch.where(torch.isfinite(lo), lo + 1.0, hi - 1.0))
-        step = torch.where((step > lo) & (step < hi), step, mid)
+        both = torch.isfinite(lo) & torch.isfinite(hi)
+        mid = torch.where(both, 0.5 * (lo + hi), torch.where(torch.isfinite(lo), lo + reach, hi - reach))
+        miss = torch.log(s).abs()
+        # bisect when a Newton step did not halve |log Σx| (it can bounce between the sides)
+        inside = (step > lo) & (step < hi) & ~(both & (miss > 0.5 * last))
+        last = miss
+        reach = torch.where(inside | both, reach, 2.0 * reach)
+        step = torch.where(inside, step, mid)
         nu = torch.where(done.unsqueeze(-1), nu, step)
     logx = torch.log(x) - torch.log(s)
     return torch.where(valid & (x > 0), logx, torch.full_like(logx, -torch.inf)), iters

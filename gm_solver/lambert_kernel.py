@@ -16,10 +16,15 @@ import numba
 import numpy as np
 
 RKL, L2 = 0, 1
-# Newton on ν stops at |log Σx| ≤ NU_TOL; x is then divided by Σx, which leaves the
-# stationarity off by a factor Σx in λ∇D only: a duality gap of order (λ·NU_TOL)², far
-# below any tolerance, while a tighter stop costs one more pass over the vocabulary.
+# Newton on ν stops at |log Σx| ≤ NU_TOL / max(1, λ); x is then divided by Σx, which leaves
+# the stationarity off by a factor Σx in λ∇D only: a duality gap of order NU_TOL², far below
+# any tolerance, while a tighter stop costs one more pass over the vocabulary.
 NU_TOL = 1e-7
+
+
+@numba.njit(cache=True)
+def nu_tolerance(lam):
+    return NU_TOL / max(1.0, lam)
 
 
 @numba.njit(cache=True)
@@ -111,8 +116,9 @@ def _log_x(kind, t, a, base, log_c, nu, omega, log_total, out):
 def solve_row(kind, t, a, lam, max_iter, out):
     """Fill ``out`` with log x for one row (log-softmaxed logits ``t``, scaled reference ``a``); return iterations.
 
-    Newton on log Σx(ν) (exact for softmax), kept inside a bracket by bisection,
-    stopped when |log Σx| ≤ ``NU_TOL``, as the torch path.
+    Newton on log Σx(ν) (exact for softmax), kept inside a bracket by bisection
+    (also taken when a Newton step does not halve |log Σx|),
+    stopped when |log Σx| ≤ ``nu_tolerance(λ)``, as the torch path.
     """
     log_c = math.log(2.0 * lam)
     omega = np.empty_like(t)
@@ -130,26 +136,38 @@ def solve_row(kind, t, a, lam, max_iter, out):
             acc += math.exp(t[i] + a[i] - m)
         nu = m + math.log(acc)  # every x_i ≤ its softmax here, so Σx ≤ 1
     lo, hi = -np.inf, np.inf
+    reach = 1.0  # a one-sided fallback step, doubled each time: the root may lie hundreds away
+    last = np.inf  # |log Σx| at the previous ν
     prev = nu  # the ν at which ω and Σx were last evaluated
     iters = 0
     for it in range(max_iter):
-        total, slope = _pass(kind, t, a, base, 0.5 / lam, nu, nu - prev, omega, e_omega, it == 0)
+        # after a long ν step the first-order predictor is far off, and Newton from there
+        # moves ω by only ~1 a step: start each ω afresh instead
+        fresh = it == 0 or abs(nu - prev) > 1.0
+        total, slope = _pass(kind, t, a, base, 0.5 / lam, nu, nu - prev, omega, e_omega, fresh)
         prev = nu
         if total >= 1.0:
             lo = max(lo, nu)
         else:
             hi = min(hi, nu)
-        if abs(math.log(total)) <= NU_TOL:
+        miss = abs(math.log(total))
+        if miss <= nu_tolerance(lam):
             break
         iters += 1
         step = nu - total * math.log(total) / slope
-        if not (lo < step < hi):
+        # Newton can bounce between the two sides without closing in (large λ): bisect when a
+        # step did not halve |log Σx|
+        slow = miss > 0.5 * last and np.isfinite(lo) and np.isfinite(hi)
+        last = miss
+        if slow or not (lo < step < hi):
             if np.isfinite(lo) and np.isfinite(hi):
                 step = 0.5 * (lo + hi)
             elif np.isfinite(lo):
-                step = lo + 1.0
+                step = lo + reach
+                reach *= 2.0
             else:
-                step = hi - 1.0
+                step = hi - reach
+                reach *= 2.0
         nu = step
     _log_x(kind, t, a, base, log_c, prev, omega, math.log(total), out)
     return iters

@@ -73,6 +73,18 @@ def test_numba_kernel_and_torch_path_agree(case, divergence):
     assert a[2, 0] == -torch.inf and (info_a.gap <= 1e-6).all() and (info_b.gap <= 1e-6).all()
 
 
+@pytest.mark.parametrize("lam", [1000.0, 1e5])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("divergence", ["rkl", "l2"])
+def test_large_lambda_still_reaches_the_tolerance(divergence, backend, lam):
+    # the ν search once bounced between the sides of its bracket here (l2, λ = 1000: gap 443)
+    g = torch.Generator().manual_seed(0)
+    z = 4 * torch.randn(200, 500, generator=g, dtype=torch.float64)
+    q = torch.softmax(3 * torch.randn(200, 500, generator=g, dtype=torch.float64), -1)
+    _, info = solve_toward(z, q, lam, divergence, backend=backend)
+    assert (info.gap <= 1e-6).all()
+
+
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_a_reference_with_no_mass_on_the_allowed_tokens_leaves_softmax(divergence):
     z = torch.tensor([[0.0, 2.0, -torch.inf, 1.0]], dtype=torch.float64)
