@@ -132,6 +132,7 @@ class ContextReference:
         self.transition = normalize(self.counts, eps=0.0, dtype=np.float64)  # exact Ã: seen rows sum to 1
         tables = getattr(counts_source, "ngrams", None) or {}
         self.ngrams = {n: t for n, t in sorted(tables.items()) if n <= config.ngram_order and t.entries > 0}
+        self.tail = max([self.orders, *(n - 1 for n in self.ngrams)])  # the context tokens a row reads
         self._row = lru_cache(maxsize=cache_rows)(self._row_uncached)
 
     @property
@@ -196,8 +197,7 @@ class ContextReference:
         """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph."""
         width = self.n if width is None else width
         ids = input_ids.detach().to("cpu").tolist()
-        tail = max([self.orders, *(n - 1 for n in self.ngrams)])
         out = np.zeros((len(ids), width))
         for b, seq in enumerate(ids):
-            out[b, :self.n] = self.row(seq[-tail:])
+            out[b, :self.n] = self.row(seq[-self.tail:])
         return torch.from_numpy(out).to(device=input_ids.device, dtype=dtype)

@@ -155,14 +155,15 @@ def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
         ds = dx.sum(-1, keepdim=True)
         lo = torch.where(s >= 1.0, torch.maximum(lo, nu), lo)
         hi = torch.where(s < 1.0, torch.minimum(hi, nu), hi)
-        done = (torch.log(s).abs() <= lambert_kernel.nu_tolerance(lam)).squeeze(-1)
+        log_s = torch.log(s)
+        miss = log_s.abs()
+        done = (miss <= lambert_kernel.nu_tolerance(lam)).squeeze(-1)
         iters += (~done).long()
         if bool(done.all()):
             break
-        step = nu - s * torch.log(s) / ds
+        step = nu - s * log_s / ds
         both = torch.isfinite(lo) & torch.isfinite(hi)
         mid = torch.where(both, 0.5 * (lo + hi), torch.where(torch.isfinite(lo), lo + reach, hi - reach))
-        miss = torch.log(s).abs()
         # bisect when a Newton step did not halve |log Σx| (it can bounce between the sides)
         inside = (step > lo) & (step < hi) & ~(both & (miss > 0.5 * last))
         last = miss

@@ -150,17 +150,19 @@ def solve_row(kind, t, a, lam, max_iter, out):
             lo = max(lo, nu)
         else:
             hi = min(hi, nu)
-        miss = abs(math.log(total))
+        log_total = math.log(total)
+        miss = abs(log_total)
         if miss <= nu_tolerance(lam):
             break
         iters += 1
-        step = nu - total * math.log(total) / slope
+        step = nu - total * log_total / slope
+        both = np.isfinite(lo) and np.isfinite(hi)
         # Newton can bounce between the two sides without closing in (large λ): bisect when a
         # step did not halve |log Σx|
-        slow = miss > 0.5 * last and np.isfinite(lo) and np.isfinite(hi)
+        slow = both and miss > 0.5 * last
         last = miss
         if slow or not (lo < step < hi):
-            if np.isfinite(lo) and np.isfinite(hi):
+            if both:
                 step = 0.5 * (lo + hi)
             elif np.isfinite(lo):
                 step = lo + reach

@@ -68,27 +68,28 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
     info = SolveInfo(iters, g, g <= tol, 0)
     if trace:
         info.gap_trace.append(g.clone())
-    if check_every == 0:
+    if check_every == 0:  # no host synchronisation: every row takes max_iter steps, frozen once converged
         for _ in range(max_iter):
             state = _mirror_step(z, valid, *state, op, lam, tol)
             if trace:
                 info.gap_trace.append(state[3].clone())
                 info.step_trace.append(state[4].clone())
-    done = 0 if check_every else max_iter
-    while done < max_iter:
-        rows = torch.nonzero(state[3] > tol).squeeze(1)
-        if rows.numel() == 0:
-            break
-        part = [t.index_select(0, rows) for t in state]
-        zr, vr = z.index_select(0, rows), valid.index_select(0, rows)
-        for _ in range(min(check_every, max_iter - done)):
-            part = _mirror_step(zr, vr, *part, op, lam, tol)
-            done += 1
-        for full, p in zip(state, part):
-            full.index_copy_(0, rows, p)
-        if trace:
-            info.gap_trace.append(state[3].clone())
-            info.step_trace.append(state[4].clone())
+    else:
+        done = 0
+        while done < max_iter:
+            rows = torch.nonzero(state[3] > tol).squeeze(1)
+            if rows.numel() == 0:
+                break
+            part = [t.index_select(0, rows) for t in state]
+            zr, vr = z.index_select(0, rows), valid.index_select(0, rows)
+            for _ in range(min(check_every, max_iter - done)):
+                part = _mirror_step(zr, vr, *part, op, lam, tol)
+                done += 1
+            for full, p in zip(state, part):
+                full.index_copy_(0, rows, p)
+            if trace:
+                info.gap_trace.append(state[3].clone())
+                info.step_trace.append(state[4].clone())
     s, _, _, g, _, iters, _ = state
     info.iterations, info.gap, info.converged = iters, g, g <= tol
     info.operator_applications = op.applications - start
