@@ -68,19 +68,29 @@ def restrict_reference(q: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tens
 
 
 def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: torch.Tensor, steps: int = 6):
-    """x(ν) and dx/dν; ``t`` are log-softmaxed logits."""
+    """x(ν) and its first two derivatives in ν; ``t`` are log-softmaxed logits."""
     if divergence == "rkl":
         on = a > 0
         s = torch.log(torch.where(on, a, 1.0)) - t + nu
-        s = torch.where(on, s, torch.zeros_like(s))
-        omega = log_lambertw_exp(s, steps=steps)
+        omega = log_lambertw_exp(torch.where(on, s, torch.zeros_like(s)), steps=steps)
+        e = torch.where(on, torch.exp(omega), torch.zeros_like(omega))  # a token with no reference mass: e^ω = 0
         x = torch.where(on, a * torch.exp(-omega), torch.exp(t - nu))
-        dx = torch.where(x > 0, -x * x / (x + a).clamp_min(_TINY), torch.zeros_like(x))
-        return x, dx
-    s = torch.where(torch.isfinite(t), t + a - nu + math.log(c), torch.zeros_like(t))
-    omega = log_lambertw_exp(s, steps=steps)
-    x = torch.where(torch.isfinite(t), torch.exp(omega) / c, torch.zeros_like(t))
-    return x, -x / (1.0 + c * x)
+    else:
+        s = torch.where(torch.isfinite(t), t + a - nu + math.log(c), torch.zeros_like(t))
+        e = torch.exp(log_lambertw_exp(s, steps=steps))
+        x = torch.where(torch.isfinite(t), e / c, torch.zeros_like(t))
+    # both kinds: dx/dν = −x/(1+e^ω), d²x/dν² = x(1+2e^ω)/(1+e^ω)³
+    r = 1.0 / (1.0 + e)
+    return x, -x * r, x * (1.0 + 2.0 * e) * r ** 3
+
+
+def _nu_step(divergence: str, s: torch.Tensor, ds: torch.Tensor, d2s: torch.Tensor) -> torch.Tensor:
+    """``lambert_kernel.nu_step`` for every row at once."""
+    g = s * d2s / (ds * ds) - 1.0
+    g = g.clamp(0.0, 1.0) if divergence == "rkl" else g.clamp(-1.0, 0.0)
+    log_s = torch.log(s)
+    small = g.abs() < 1e-12
+    return torch.where(small, -s * log_s / ds, -s * torch.expm1(g * log_s) / (torch.where(small, 1.0, g) * ds))
 
 
 def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str = "rkl", *, tol: float = 1e-6,
@@ -132,14 +142,15 @@ def _solve_rows_numba(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
     kind = lambert_kernel.RKL if divergence == "rkl" else lambert_kernel.L2
     t_np, a_np = t.contiguous().numpy(), a.contiguous().numpy()
     out = np.empty_like(t_np)
-    iters = [lambert_kernel.solve_row(kind, t_np[b], a_np[b], float(lam), max_iter, out[b]) for b in range(len(t_np))]
+    iters = [lambert_kernel.solve_row(kind, t_np[b], a_np[b], float(lam), max_iter, lambert_kernel.TABLE, out[b])
+             for b in range(len(t_np))]
     return torch.from_numpy(out), torch.tensor(iters, dtype=torch.long)
 
 
 def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: float,
                       max_iter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All rows at once in torch (any device): Newton on log Σx(ν), kept inside a bracket by bisection
-    (also taken when a Newton step does not halve |log Σx|)."""
+    """All rows at once in torch (any device): the kernel's ν steps, kept inside a bracket by bisection
+    (also taken when a step does not halve |log Σx|)."""
     valid = torch.isfinite(t)
     c = 2.0 * lam
     # starts: for rkl ν = 0 gives every xᵢ ≥ softmax(z)ᵢ; for l2 ν = logsumexp(z + 2λq) gives xᵢ ≤ its softmax
@@ -150,7 +161,7 @@ def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
     last = torch.full_like(nu, torch.inf)
     iters = torch.zeros(t.shape[0], dtype=torch.long, device=t.device)
     for _ in range(max_iter):
-        x, dx = _x_of_nu(divergence, t, a, c, nu)
+        x, dx, d2x = _x_of_nu(divergence, t, a, c, nu)
         s = x.sum(-1, keepdim=True)
         ds = dx.sum(-1, keepdim=True)
         lo = torch.where(s >= 1.0, torch.maximum(lo, nu), lo)
@@ -161,10 +172,10 @@ def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
         iters += (~done).long()
         if bool(done.all()):
             break
-        step = nu - s * log_s / ds
+        step = nu + _nu_step(divergence, s, ds, d2x.sum(-1, keepdim=True))
         both = torch.isfinite(lo) & torch.isfinite(hi)
         mid = torch.where(both, 0.5 * (lo + hi), torch.where(torch.isfinite(lo), lo + reach, hi - reach))
-        # bisect when a Newton step did not halve |log Σx| (it can bounce between the sides)
+        # bisect when a step did not halve |log Σx| (it can bounce between the sides)
         inside = (step > lo) & (step < hi) & ~(both & (miss > 0.5 * last))
         last = miss
         reach = torch.where(inside | both, reach, 2.0 * reach)

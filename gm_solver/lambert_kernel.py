@@ -1,10 +1,13 @@
-"""The CPU kernel of ``solve_toward`` for the Lambert-W divergences (``rkl`` and ``l2``), one fused numba pass per Newton step.
+"""The CPU kernel of ``solve_toward`` for the Lambert-W divergences (``rkl`` and ``l2``), one fused numba pass per ν step.
 
-The torch path in ``divergences.py`` evaluates x(ν) with a dozen 49k-long
-temporaries per Newton step; here each step is one parallel loop over the
-tokens that updates every token's Lambert ω in place and sums x and dx/dν.
-ω is warm-started across steps by its first-order change, ω += δ/(1 + e^ω)
-for a shift δ of its argument; each ω is then refined to rounding level, mostly in one or two Newton steps.
+Both divergences give xᵢ(ν) through ωᵢ = log W(e^sᵢ), the root of ω + e^ω = s,
+with sᵢ affine in ν. The torch path in ``divergences.py`` finds each ω by
+Newton, with a dozen 49k-long temporaries per step. Here ω and e^ω come from a
+table: quintic Hermite interpolation between nodes 1/32 apart, whose values
+and first two derivatives are exact (ω' = 1/(1+e^ω), ω'' = −e^ω/(1+e^ω)³).
+That is accurate to ~1e-14 with no exp, log or iteration per token, so each ν
+step is one parallel loop that sums x and its first two derivatives in ν.
+Arguments beyond the table use the series (below) or Newton (above).
 The result is certified by the same torch certificate as the torch path.
 """
 
@@ -16,10 +19,16 @@ import numba
 import numpy as np
 
 RKL, L2 = 0, 1
-# Newton on ν stops at |log Σx| ≤ NU_TOL / max(1, λ); x is then divided by Σx, which leaves
+# The ν search stops at |log Σx| ≤ NU_TOL / max(1, λ); x is then divided by Σx, which leaves
 # the stationarity off by a factor Σx in λ∇D only: a duality gap of order NU_TOL², far below
 # any tolerance, while a tighter stop costs one more pass over the vocabulary.
 NU_TOL = 1e-7
+
+# ω(s) tabulated on [S_LO, S_HI) at PER_UNIT nodes per unit of s. Below S_LO, e^s < 4e-11 and
+# the series W(y) = y − y² + O(y³) is exact to rounding; above S_HI (a reference ~e^64 times
+# likelier than the model's token), Newton.
+S_LO, S_HI, PER_UNIT = -24.0, 64.0, 32
+_COLUMNS = 6  # per node: ω, ω', ω'', e^ω, (e^ω)', (e^ω)''
 
 
 @numba.njit(cache=True)
@@ -28,34 +37,70 @@ def nu_tolerance(lam):
 
 
 @numba.njit(cache=True)
-def _lambert_start(s):
-    # log W(e^s): asymptotic start for large s, series start for small s
-    if s >= 1.0:
-        return math.log(s - math.log(s))
-    return s - 1.0 / (1.0 + math.exp(-s))
-
-
-@numba.njit(cache=True)
-def _lambert_refine(omega, s):
-    # Newton on ω + e^ω = s; returns ω and e^ω. The error after a step of size d
-    # is below d²/2 (f''/2f' < 1/2), so a step under 1e-8 leaves ω at rounding level.
+def _lambert_newton(s):
+    # (ω, e^ω) to rounding by Newton from the asymptotic start (s ≥ 1); the error after a
+    # step of size d is below d²/2 (f''/2f' < 1/2), so a step under 1e-8 leaves rounding only
+    omega = math.log(s - math.log(s))
     for _ in range(60):
         e = math.exp(omega)
         d = (omega + e - s) / (1.0 + e)
         omega -= d
         if abs(d) <= 1e-8:
-            return omega, e * (1.0 - d + 0.5 * d * d)  # e^(ω−d) to rounding, without an exp
+            break
     return omega, math.exp(omega)
 
 
-@numba.njit(parallel=True, cache=True)
-def _pass(kind, t, a, base, inv_c, nu, shift, omega, e_omega, fresh):
-    """Σx(ν) and Σdx/dν, moving each ω[i] (and e^ω[i]) to the new ν; ``shift`` is ν's change since the last pass.
+def _build_table() -> np.ndarray:
+    s = S_LO + np.arange(int((S_HI - S_LO) * PER_UNIT) + 1) / PER_UNIT
+    omega = np.where(s >= 1.0, np.log(np.maximum(s, 1.0) - np.log(np.maximum(s, 1.0))), s - 1.0 / (1.0 + np.exp(-s)))
+    for _ in range(8):  # Newton from a start within 0.3: rounding level well before 8 steps
+        e = np.exp(omega)
+        omega = omega - (omega + e - s) / (1.0 + e)
+    e = np.exp(omega)
+    d1 = 1.0 / (1.0 + e)
+    d2 = -e * d1 ** 3
+    return np.ascontiguousarray(np.stack([omega, d1, d2, e, e * d1, e * (d2 + d1 * d1)], axis=1).ravel())
 
-    The Lambert argument is s = base + ν (rkl) or base − ν (l2); see :func:`_bases`.
-    """
+
+TABLE = _build_table()
+
+
+@numba.njit(cache=True, inline="always")
+def lambert(s, table):
+    """(ω, e^ω) with ω + e^ω = s, i.e. ω = log W(e^s); ``table`` is :data:`TABLE`."""
+    u = (s - S_LO) * PER_UNIT
+    if u < 0.0:
+        y = math.exp(s)
+        return s - y, y - y * y
+    k = int(u)
+    if k >= table.size // _COLUMNS - 1:
+        return _lambert_newton(s)
+    # quintic Hermite on [node k, node k+1], f the fraction of the way, h the node spacing
+    f = u - k
+    g = 1.0 - f
+    h = 1.0 / PER_UNIT
+    f3, g3 = f * f * f, g * g * g
+    v0 = g3 * (1.0 + 3.0 * f + 6.0 * f * f)
+    v1 = f * g3 * (1.0 + 3.0 * f) * h
+    v2 = 0.5 * f * f * g3 * h * h
+    w0 = f3 * (1.0 + 3.0 * g + 6.0 * g * g)
+    w1 = -g * f3 * (1.0 + 3.0 * g) * h
+    w2 = 0.5 * g * g * f3 * h * h
+    j = _COLUMNS * k
+    n = j + _COLUMNS
+    omega = (v0 * table[j] + v1 * table[j + 1] + v2 * table[j + 2]
+             + w0 * table[n] + w1 * table[n + 1] + w2 * table[n + 2])
+    e = (v0 * table[j + 3] + v1 * table[j + 4] + v2 * table[j + 5]
+         + w0 * table[n + 3] + w1 * table[n + 4] + w2 * table[n + 5])
+    return omega, e
+
+
+@numba.njit(parallel=True, cache=True)
+def _pass(kind, t, a, base, inv_c, nu, table):
+    """Σx(ν), Σdx/dν and Σd²x/dν²; the Lambert argument is s = base + ν (rkl) or base − ν (l2), see :func:`_bases`."""
     total = 0.0
     slope = 0.0
+    curve = 0.0
     sign = 1.0 if kind == RKL else -1.0
     for i in numba.prange(t.size):
         ti = t[i]
@@ -66,22 +111,16 @@ def _pass(kind, t, a, base, inv_c, nu, shift, omega, e_omega, fresh):
             x = math.exp(ti - nu)
             total += x
             slope -= x
+            curve += x
             continue
-        s = base[i] + sign * nu
-        if fresh:
-            w, e = _lambert_refine(_lambert_start(s), s)
-        else:  # first-order predictor: a Newton step or two from there
-            w, e = _lambert_refine(omega[i] + sign * shift / (1.0 + e_omega[i]), s)
-        omega[i] = w
-        e_omega[i] = e
-        if kind == RKL:
-            x = ai / e
-            slope -= x * x / (x + ai)
-        else:
-            x = e * inv_c
-            slope -= x / (1.0 + e)
+        _, e = lambert(base[i] + sign * nu, table)
+        x = ai / e if kind == RKL else e * inv_c
+        # both kinds: dx/dν = −x/(1+e^ω), d²x/dν² = x(1+2e^ω)/(1+e^ω)³
+        r = 1.0 / (1.0 + e)
         total += x
-    return total, slope
+        slope -= x * r
+        curve += x * (1.0 + 2.0 * e) * r * r * r
+    return total, slope, curve
 
 
 @numba.njit(parallel=True, cache=True)
@@ -99,30 +138,47 @@ def _bases(kind, t, a, log_c):
 
 
 @numba.njit(parallel=True, cache=True)
-def _log_x(kind, t, a, base, log_c, nu, omega, log_total, out):
+def _log_x(kind, t, a, base, log_c, nu, log_total, table, out):
+    sign = 1.0 if kind == RKL else -1.0
     for i in numba.prange(t.size):
         ti = t[i]
         if ti == -np.inf:
             out[i] = -np.inf
         elif kind == RKL and a[i] <= 0.0:
             out[i] = ti - nu - log_total
-        elif kind == RKL:  # log x = log a − ω, and base = log a − t
-            out[i] = base[i] + ti - omega[i] - log_total
         else:
-            out[i] = omega[i] - log_c - log_total
+            omega, _ = lambert(base[i] + sign * nu, table)
+            # rkl: log x = log a − ω, and base = log a − t; l2: x = e^ω/c
+            out[i] = (base[i] + ti - omega if kind == RKL else omega - log_c) - log_total
 
 
 @numba.njit(cache=True)
-def solve_row(kind, t, a, lam, max_iter, out):
+def nu_step(kind, total, slope, curve):
+    """The ν step toward Σx = 1: Newton on h = (Σx^(−γ) − 1)/γ (log Σx at γ = 0), γ making h locally linear.
+
+    h'' = 0 at γ = S·S''/S'² − 1 (S = Σx). A token softmax dominates has x ∝ e^(−ν)
+    (γ = 0); one the reference dominates has x ≈ λq/(ν + c) under rkl (γ = 1) and
+    x ≈ (c − ν)/2λ under l2 (γ = −1), so γ is kept in [0, 1] or [−1, 0].
+    Against plain Newton on log Σx: 2.0 steps instead of 3.05 at λ = 1 (rkl, real
+    rows), 2.95 instead of 8 at λ = 1000.
+    """
+    g = total * curve / (slope * slope) - 1.0
+    g = min(1.0, max(0.0, g)) if kind == RKL else min(0.0, max(-1.0, g))
+    log_total = math.log(total)
+    if abs(g) < 1e-12:
+        return -total * log_total / slope
+    return -total * math.expm1(g * log_total) / (g * slope)
+
+
+@numba.njit(cache=True)
+def solve_row(kind, t, a, lam, max_iter, table, out):
     """Fill ``out`` with log x for one row (log-softmaxed logits ``t``, scaled reference ``a``); return iterations.
 
-    Newton on log Σx(ν) (exact for softmax), kept inside a bracket by bisection
-    (also taken when a Newton step does not halve |log Σx|),
-    stopped when |log Σx| ≤ ``nu_tolerance(λ)``, as the torch path.
+    The steps of :func:`nu_step`, kept inside a bracket by bisection (also taken
+    when a step does not halve |log Σx|), stopped when |log Σx| ≤
+    ``nu_tolerance(λ)``, as the torch path.
     """
     log_c = math.log(2.0 * lam)
-    omega = np.empty_like(t)
-    e_omega = np.empty_like(t)
     base = _bases(kind, t, a, log_c)
     if kind == RKL:
         nu = 0.0  # every x_i ≥ softmax_i here, so Σx ≥ 1
@@ -138,27 +194,22 @@ def solve_row(kind, t, a, lam, max_iter, out):
     lo, hi = -np.inf, np.inf
     reach = 1.0  # a one-sided fallback step, doubled each time: the root may lie hundreds away
     last = np.inf  # |log Σx| at the previous ν
-    prev = nu  # the ν at which ω and Σx were last evaluated
     iters = 0
-    for it in range(max_iter):
-        # after a long ν step the first-order predictor is far off, and Newton from there
-        # moves ω by only ~1 a step: start each ω afresh instead
-        fresh = it == 0 or abs(nu - prev) > 1.0
-        total, slope = _pass(kind, t, a, base, 0.5 / lam, nu, nu - prev, omega, e_omega, fresh)
-        prev = nu
+    for _ in range(max_iter):
+        at = nu  # where Σx was last evaluated: the answer if the budget runs out
+        total, slope, curve = _pass(kind, t, a, base, 0.5 / lam, nu, table)
         if total >= 1.0:
             lo = max(lo, nu)
         else:
             hi = min(hi, nu)
-        log_total = math.log(total)
-        miss = abs(log_total)
+        miss = abs(math.log(total))
         if miss <= nu_tolerance(lam):
             break
         iters += 1
-        step = nu - total * log_total / slope
+        step = nu + nu_step(kind, total, slope, curve)
         both = np.isfinite(lo) and np.isfinite(hi)
-        # Newton can bounce between the two sides without closing in (large λ): bisect when a
-        # step did not halve |log Σx|
+        # the steps can bounce between the two sides without closing in (large λ): bisect
+        # when a step did not halve |log Σx|
         slow = both and miss > 0.5 * last
         last = miss
         if slow or not (lo < step < hi):
@@ -171,5 +222,5 @@ def solve_row(kind, t, a, lam, max_iter, out):
                 step = hi - reach
                 reach *= 2.0
         nu = step
-    _log_x(kind, t, a, base, log_c, prev, omega, math.log(total), out)
+    _log_x(kind, t, a, base, log_c, at, math.log(total), table, out)
     return iters
