@@ -120,6 +120,9 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
     if backend == "numba" and not numba_fits:
         raise ValueError(f"the numba kernel takes float64 CPU tensors, got {z.dtype} on {z.device}; "
                          f"use backend='torch'")
+    if divergence != "kl" and (backend == "numba" or (backend == "auto" and numba_fits)):
+        logx, iters, g = _solve_rows_numba(divergence, z, q, lam, max_iter)
+        return logx, SolveInfo(iters, g, g <= tol, 0)
     valid = torch.isfinite(z)
     t = torch.log_softmax(z, dim=-1)
     q, has_q = restrict_reference(q, valid)
@@ -128,23 +131,24 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
         logx = torch.log_softmax(torch.where(valid, a, torch.full_like(a, -torch.inf)), dim=-1)
         iters = torch.ones(z.shape[0], dtype=torch.long, device=z.device)
     else:
-        solve = _solve_rows_numba if backend == "numba" or (backend == "auto" and numba_fits) else _solve_rows_torch
-        logx, iters = solve(divergence, t, lam * q if divergence == "rkl" else 2.0 * lam * q, lam, max_iter)
+        logx, iters = _solve_rows_torch(divergence, t, lam * q if divergence == "rkl" else 2.0 * lam * q, lam, max_iter)
     # a row whose reference has no mass on the allowed tokens carries no information: softmax
     logx = torch.where(has_q, logx, t)
     g = torch.where(has_q.squeeze(-1), certificate_toward(logx, t, torch.where(has_q, q, 1.0), lam, divergence), 0.0)
     return logx, SolveInfo(iters, g, g <= tol, 0)
 
 
-def _solve_rows_numba(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: float,
-                      max_iter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row by the fused CPU kernel (``lambert_kernel``)."""
+def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float,
+                      max_iter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row by the fused CPU kernel (``lambert_kernel.solve_row``): log x, iterations and certificate."""
     kind = lambert_kernel.RKL if divergence == "rkl" else lambert_kernel.L2
-    t_np, a_np = t.contiguous().numpy(), a.contiguous().numpy()
-    out = np.empty_like(t_np)
-    iters = [lambert_kernel.solve_row(kind, t_np[b], a_np[b], float(lam), max_iter, lambert_kernel.TABLE, out[b])
-             for b in range(len(t_np))]
-    return torch.from_numpy(out), torch.tensor(iters, dtype=torch.long)
+    z_np, q_np = z.contiguous().numpy(), q.to(torch.float64).contiguous().numpy()
+    out = np.empty_like(z_np)
+    rows = [lambert_kernel.solve_row(kind, z_np[b], q_np[b], float(lam), max_iter, lambert_kernel.TABLE, out[b])
+            for b in range(len(z_np))]
+    iters, gaps = zip(*rows) if rows else ((), ())
+    return (torch.from_numpy(out), torch.tensor(iters, dtype=torch.long),
+            torch.tensor(gaps, dtype=torch.float64))
 
 
 def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: float,

@@ -8,7 +8,11 @@ and first two derivatives are exact (ω' = 1/(1+e^ω), ω'' = −e^ω/(1+e^ω)³
 That is accurate to ~1e-14 with no exp, log or iteration per token, so each ν
 step is one parallel loop that sums x and its first two derivatives in ν.
 Arguments beyond the table use the series (below) or Newton (above).
-The result is certified by the same torch certificate as the torch path.
+
+:func:`solve_row` does one row of ``solve_toward`` whole (log-softmax, the
+reference restricted to the allowed tokens, the solve, and the certificate,
+computed from scratch as ``divergences.certificate_toward`` does), so a
+decoding step makes no torch temporaries.
 """
 
 from __future__ import annotations
@@ -171,7 +175,7 @@ def nu_step(kind, total, slope, curve):
 
 
 @numba.njit(cache=True)
-def solve_row(kind, t, a, lam, max_iter, table, out):
+def _solve(kind, t, a, lam, max_iter, table, out):
     """Fill ``out`` with log x for one row (log-softmaxed logits ``t``, scaled reference ``a``); return iterations.
 
     The steps of :func:`nu_step`, kept inside a bracket by bisection (also taken
@@ -224,3 +228,66 @@ def solve_row(kind, t, a, lam, max_iter, table, out):
         nu = step
     _log_x(kind, t, a, base, log_c, at, math.log(total), table, out)
     return iters
+
+
+@numba.njit(parallel=True, cache=True)
+def _log_softmax(z, out):
+    m = np.max(z)
+    acc = 0.0
+    for i in numba.prange(z.size):
+        acc += math.exp(z[i] - m)
+    shift = m + math.log(acc)
+    for i in numba.prange(z.size):
+        out[i] = z[i] - shift
+
+
+@numba.njit(parallel=True, cache=True)
+def _restricted(t, q, scale, out):
+    # q on the allowed tokens (finite t), renormalised and times ``scale``; returns q's mass there
+    mass = 0.0
+    for i in numba.prange(t.size):
+        if t[i] > -np.inf:
+            mass += q[i]
+    for i in numba.prange(t.size):
+        out[i] = q[i] * (scale / mass) if t[i] > -np.inf and mass > 0.0 else 0.0
+    return mass
+
+
+@numba.njit(parallel=True, cache=True)
+def certificate(kind, t, a, lam, logx):
+    """The duality gap KL(x ‖ softmax(y)), y = t − λ∇D(x), of the point exp(``logx``), computed from scratch.
+
+    ``a`` is the scaled reference (λq̂ for rkl, 2λq̂ for l2), so y = t + a/x (rkl) or
+    t − 2λx + a (l2): ``divergences.certificate_toward`` in one pass and a logsumexp.
+    """
+    y = np.empty_like(t)
+    inner = 0.0  # Σ x (log x − y)
+    for i in numba.prange(t.size):
+        if logx[i] == -np.inf:
+            y[i] = -np.inf
+            continue
+        x = math.exp(logx[i])
+        y[i] = t[i] + a[i] / x if kind == RKL else t[i] - 2.0 * lam * x + a[i]
+        inner += x * (logx[i] - y[i])
+    m = np.max(y)
+    acc = 0.0
+    for i in numba.prange(t.size):
+        acc += math.exp(y[i] - m)
+    return max(inner + m + math.log(acc), 0.0)
+
+
+@numba.njit(cache=True)
+def solve_row(kind, z, q, lam, max_iter, table, out):
+    """One row of ``solve_toward``: fill ``out`` with log x for logits ``z`` and reference ``q``; return (iterations, gap).
+
+    q is restricted to the finite logits and renormalised; a row with no mass
+    there is left as softmax, with gap 0, as in the torch path.
+    """
+    t = np.empty_like(z)
+    _log_softmax(z, t)
+    a = np.empty_like(z)
+    if not _restricted(t, q, lam if kind == RKL else 2.0 * lam, a) > 0.0:
+        out[:] = t
+        return 0, 0.0
+    iters = _solve(kind, t, a, lam, max_iter, table, out)
+    return iters, certificate(kind, t, a, lam, out)

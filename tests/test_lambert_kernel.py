@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy.special import lambertw
 
 from gm_solver import lambert_kernel as K
-from gm_solver.divergences import log_lambertw_exp
+from gm_solver.divergences import certificate_toward, log_lambertw_exp
 
 
 def _exact(s: float) -> float:
@@ -44,17 +44,29 @@ def test_torch_newton_lambert_agrees_with_the_table():
     torch.testing.assert_close(log_lambertw_exp(s), table, atol=1e-12, rtol=1e-13)
 
 
-def test_a_row_without_reference_mass_is_softmax_after_one_nu_step():
-    # Σx(ν) = e^(−ν)·Σe^t: γ = 0, and Newton on log Σx lands on the root
-    t = torch.log_softmax(torch.randn(1000, dtype=torch.float64), -1).numpy() + 0.3
-    out = np.empty_like(t)
-    iters = K.solve_row(K.RKL, t, np.zeros_like(t), 1.0, 60, K.TABLE, out)
-    assert iters == 1
-    np.testing.assert_allclose(out, t - 0.3, atol=1e-12)
+@pytest.mark.parametrize("kind, total, slope, curve, root", [
+    # softmax's own form, Σx = e^(−0.3−ν): γ = 0
+    (K.RKL, math.exp(-0.3), -math.exp(-0.3), math.exp(-0.3), -0.3),
+    # rkl where the reference dominates, x ≈ λq/(ν + c): Σx = 40/(ν + 3), γ = 1
+    (K.RKL, 40 / 3, -40 / 9, 80 / 27, 37.0),
+    # l2 where the reference dominates, x ≈ (c − ν)/2λ: Σx = (5 − ν)/2, γ = −1
+    (K.L2, 2.5, -0.5, 0.0, 3.0),
+])
+def test_the_nu_step_lands_on_the_root_of_each_limiting_form(kind, total, slope, curve, root):
+    assert 0.0 + K.nu_step(kind, total, slope, curve) == pytest.approx(root, rel=1e-12, abs=1e-12)
 
 
-def test_the_nu_step_is_exact_where_the_reference_dominates_rkl():
-    # x = λq/(ν + c) for every token: Σx = λ/(ν + c), a hyperbola, which the γ = 1 step solves in one
-    lam, c, nu = 40.0, 3.0, 0.0
-    total, slope, curve = lam / (nu + c), -lam / (nu + c) ** 2, 2 * lam / (nu + c) ** 3
-    assert nu + K.nu_step(K.RKL, total, slope, curve) == pytest.approx(lam - c, rel=1e-12)
+@given(st.integers(0, 10_000), st.sampled_from([K.RKL, K.L2]), st.sampled_from([0.1, 1.0, 10.0]))
+def test_kernel_certificate_equals_the_torch_certificate(seed, kind, lam):
+    g = torch.Generator().manual_seed(seed)
+    z = 4 * torch.randn(300, generator=g, dtype=torch.float64)
+    z[:5] = -torch.inf
+    q = torch.rand(300, generator=g, dtype=torch.float64) ** 4
+    t = torch.log_softmax(z, -1)
+    q_hat = torch.where(torch.isfinite(z), q, 0.0) / q[5:].sum()
+    # any point of the simplex, not only the optimum: here softmax of perturbed logits
+    logx = torch.log_softmax(z + torch.randn(300, generator=g, dtype=torch.float64), -1)
+    a = (lam if kind == K.RKL else 2 * lam) * q_hat
+    divergence = "rkl" if kind == K.RKL else "l2"
+    expected = float(certificate_toward(logx[None], t[None], q_hat[None], lam, divergence))
+    assert K.certificate(kind, t.numpy(), a.numpy(), lam, logx.numpy()) == pytest.approx(expected, rel=1e-10)
