@@ -72,7 +72,7 @@ def register(sub) -> None:
     p.add_argument("--clean", action="store_true", help="strip HTML tags/entities as the build did")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--docs", type=int, default=48, help="validation documents (default 48)")
-    p.add_argument("--positions", type=int, default=16, help="scored tokens per document (default 16)")
+    p.add_argument("--positions", type=int, default=32, help="scored tokens per document (default 32)")
     p.set_defaults(run=run)
 
 
