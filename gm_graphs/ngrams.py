@@ -14,10 +14,17 @@ arrays per order, sorted by context:
 Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
 (N⁴ < 2⁶³). The manifest's ``ngrams`` entry lists each order's files with their
 sizes and SHA-256.
+
+Counting keeps at most ``run_entries`` distinct n-grams of an order in memory
+when given a work folder: a larger table is written there as sorted runs, which
+are merged range by range of contexts into the final arrays (an external merge
+sort), so memory does not grow with the corpus' distinct n-grams.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -33,6 +40,7 @@ FOLDER = "ngrams"
 ORDERS = (3, 4)
 _ARRAYS = ("contexts", "indptr", "next", "counts")
 _FOLD_AT = 1 << 24  # pending (key, count) pairs before they are folded into the running table
+RUN_ENTRIES = 1 << 24  # distinct n-grams of an order held in memory before a sorted run goes to disk (~1 GB peak)
 
 
 @dataclass
@@ -96,40 +104,127 @@ def _check_orders(orders: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     return orders
 
 
-class _Accumulator:
-    """Keys and counts of one order, folded into a running table as they pile up."""
+_DTYPES = {"contexts": np.int64, "indptr": np.int64, "next": np.int32, "counts": np.int64}
 
-    def __init__(self):
+
+def _npy_from_raw(raw: Path, dtype, path: Path) -> None:
+    """Turn a raw file of ``dtype`` values into a .npy file: a header, then the bytes copied over, never all in memory."""
+    count = raw.stat().st_size // np.dtype(dtype).itemsize
+    with open(path, "wb") as out, open(raw, "rb") as fh:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)}
+        np.lib.format.write_array_header_1_0(out, header)
+        shutil.copyfileobj(fh, out, 1 << 24)
+    raw.unlink()
+
+
+def _merge_runs(runs: list[tuple[np.ndarray, np.ndarray]], order: int, vocab_size: int, out: Path,
+                chunk: int) -> NgramCounts:
+    """Merge sorted runs (keys, counts) into memory-mapped arrays in ``out``, a range of contexts at a time.
+
+    Ranges start at contexts sampled every chunk/len(runs) entries of each run, so a
+    range holds at most ~``chunk`` entries (plus one context's successors per run).
+    """
+    stride = max(1, chunk // len(runs))
+    starts = np.unique(np.concatenate([np.asarray(keys[stride::stride]) // vocab_size for keys, _ in runs]))
+    bounds = [None, *(int(c) * vocab_size for c in starts), None]
+    out.mkdir(parents=True, exist_ok=True)
+    raw = {name: out / f"{name}.raw" for name in _ARRAYS}
+    handles = {name: open(raw[name], "wb") for name in _ARRAYS}
+    offset = 0
+    try:
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            keys, counts = [], []
+            for run_keys, run_counts in runs:
+                a = 0 if lo is None else int(np.searchsorted(run_keys, lo))
+                b = len(run_keys) if hi is None else int(np.searchsorted(run_keys, hi))
+                keys.append(np.asarray(run_keys[a:b]))
+                counts.append(np.asarray(run_counts[a:b]))
+            key, cnt = _fold(keys, counts)
+            if not len(key):
+                continue
+            table = NgramCounts.from_keys(order, key, cnt, vocab_size)
+            (table.indptr[:-1] + offset).tofile(handles["indptr"])
+            for name in ("contexts", "next", "counts"):
+                getattr(table, name).tofile(handles[name])
+            offset += table.entries
+        np.array([offset], dtype=np.int64).tofile(handles["indptr"])
+    finally:
+        for fh in handles.values():
+            fh.close()
+    for name in _ARRAYS:
+        _npy_from_raw(raw[name], _DTYPES[name], out / f"{name}.npy")
+    return NgramCounts(order, vocab_size, **{name: np.load(out / f"{name}.npy", mmap_mode="r") for name in _ARRAYS})
+
+
+class _Accumulator:
+    """Keys and counts of one order, folded into a running table as they pile up; with a work folder, a
+    running table over ``run_entries`` is written there as a sorted run."""
+
+    def __init__(self, work: Path | None, run_entries: int):
         self.keys: list[np.ndarray] = []
         self.counts: list[np.ndarray] = []
-        self.pending = 0
+        self.pending = 0  # entries added since the last fold
+        self.folded = 0  # entries of the running table after the last fold
+        self.work, self.run_entries = work, run_entries
+        self.runs: list[tuple[Path, Path]] = []
 
     def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
         self.keys.append(keys)
         self.counts.append(counts)
         self.pending += len(keys)
-        if self.pending > _FOLD_AT:
+        # fold once the new entries outnumber the running table too: each fold re-sorts it
+        if self.pending > max(_FOLD_AT, self.folded):
             k, c = _fold(self.keys, self.counts)
-            self.keys, self.counts, self.pending = [k], [c], len(k)
+            self.keys, self.counts, self.pending, self.folded = [k], [c], 0, len(k)
+            if self.work is not None and len(k) > self.run_entries:
+                self._write_run(k, c)
+
+    def _write_run(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        i = len(self.runs)
+        paths = (self.work / f"run{i}-keys.npy", self.work / f"run{i}-counts.npy")
+        np.save(paths[0], keys)
+        np.save(paths[1], counts)
+        self.runs.append(paths)
+        self.keys, self.counts, self.pending, self.folded = [], [], 0, 0
 
     def table(self, order: int, vocab_size: int) -> NgramCounts:
-        if not self.keys:
+        if not self.keys and not self.runs:
             return NgramCounts.from_keys(order, np.zeros(0, np.int64), np.zeros(0, np.int64), vocab_size)
-        return NgramCounts.from_keys(order, *_fold(self.keys, self.counts), vocab_size)
+        if not self.runs:
+            return NgramCounts.from_keys(order, *_fold(self.keys, self.counts), vocab_size)
+        if self.keys:
+            self._write_run(*_fold(self.keys, self.counts))
+        runs = [(np.load(k, mmap_mode="r"), np.load(c, mmap_mode="r")) for k, c in self.runs]
+        table = _merge_runs(runs, order, vocab_size, self.work, self.run_entries)
+        del runs  # the memory maps, before their files go
+        for paths in self.runs:
+            for path in paths:
+                path.unlink()
+        return table
 
 
 def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
-                 clean: bool = False, batch_docs: int = 2048, progress: bool = True) -> dict[int, NgramCounts]:
+                 clean: bool = False, batch_docs: int = 2048, progress: bool = True, work: Path | None = None,
+                 run_entries: int = RUN_ENTRIES) -> dict[int, NgramCounts]:
     """Stream ``corpus`` through the tokenizer once and count its within-document n-grams of each order.
 
-    Memory stays bounded by the number of distinct n-grams (pending batches are
-    folded into the running tables as they pile up).
+    Without ``work`` the tables are built in memory, which grows with the
+    distinct n-grams. With a ``work`` folder (the caller's, on a disk with room
+    for the tables twice) an order whose distinct n-grams outgrow ``run_entries``
+    is sorted in runs there and merged, and its table is memory-mapped from
+    ``work/<n>/``.
     """
+    if run_entries < 1:
+        raise ValueError(f"run_entries must be >= 1, got {run_entries}")
     tok = load_tokenizer(tokenizer)
     encoder = BatchEncoder(tok)
     n = encoder.vocab_size
     orders = _check_orders(orders, n)
-    acc = {order: _Accumulator() for order in orders}
+    folders = {order: None if work is None else Path(work) / str(order) for order in orders}
+    for folder in folders.values():
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+    acc = {order: _Accumulator(folders[order], run_entries) for order in orders}
     for docs in tqdm(iter_documents(expand_corpus(corpus), text_column, clean=clean, batch_docs=batch_docs,
                                     stats=ReadStats()), desc="count n-grams", unit="batch", disable=not progress):
         ids, offsets = encoder.encode(docs)
@@ -175,13 +270,20 @@ def store_ngrams(graph, tables: dict[int, NgramCounts], source: dict) -> None:
 
 
 def add_ngrams(graph, corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
-               clean: bool = False, progress: bool = True) -> dict[int, NgramCounts]:
-    """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own) and store them in the graph folder."""
+               clean: bool = False, progress: bool = True, run_entries: int = RUN_ENTRIES) -> dict[int, NgramCounts]:
+    """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own) and store them in the graph folder.
+
+    Sorted runs, when the tables outgrow ``run_entries`` distinct n-grams, go to a
+    temporary folder beside the graph, removed afterwards.
+    """
     graph.check_tokenizer(tokenizer)
-    tables = count_ngrams(corpus, tokenizer, orders, text_column=text_column, clean=clean, progress=progress)
-    store_ngrams(graph, tables, {"corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean,
-                                 "text_column": text_column})
-    return tables
+    root = Path(graph.path)
+    with tempfile.TemporaryDirectory(dir=root.parent, prefix=f".{root.name}.ngram-runs-") as work:
+        tables = count_ngrams(corpus, tokenizer, orders, text_column=text_column, clean=clean, progress=progress,
+                              work=Path(work), run_entries=run_entries)
+        store_ngrams(graph, tables, {"corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean,
+                                     "text_column": text_column})
+    return graph.ngrams
 
 
 def read_ngrams(root: Path, entry: dict, vocab_size: int, verify: bool = True) -> dict[int, NgramCounts]:

@@ -7,6 +7,14 @@ import json
 import time
 
 from gm_graphs import PruneRule, add_ngrams, build_graph, list_graphs, load_graph, merge_graphs
+from gm_graphs.ngrams import RUN_ENTRIES
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -43,6 +51,9 @@ def register(sub) -> None:
     p.add_argument("--ngrams", type=_ints, metavar="ORDERS",
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
                         "conditions on up to n−1 tokens")
+    p.add_argument("--ngram-run-entries", type=_positive, default=RUN_ENTRIES, metavar="N",
+                   help=f"distinct n-grams of an order held in memory before a sorted run is written beside the "
+                        f"graph and merged later; bounds memory (default {RUN_ENTRIES:,}, about 1 GB)")
     _add_operator_options(p)
     p.set_defaults(run=run_build)
 
@@ -74,7 +85,8 @@ def run_build(args) -> int:
                     orders=args.orders, mixture=args.mixture, eps=args.eps, clean=args.clean,
                     bos_eos=args.bos_eos, prune=_prune(args), overwrite=args.overwrite)
     if args.ngrams:
-        add_ngrams(g, args.corpus, args.tokenizer, args.ngrams, text_column=args.text_column, clean=args.clean)
+        add_ngrams(g, args.corpus, args.tokenizer, args.ngrams, text_column=args.text_column, clean=args.clean,
+                   run_entries=args.ngram_run_entries)
     _summary(g, time.perf_counter() - t0)
     return 0
 

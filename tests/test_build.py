@@ -179,6 +179,22 @@ def test_cli_build_list_info(home, csv_corpus, bpe_tokenizer_file, capsys):
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_file, bpe_tokenizer, monkeypatch, capsys):
+    from gm_graphs import ngrams as ngrams_module
+
+    path, _ = csv_corpus
+    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)
+    assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "ng", "--ngrams", "3",
+                 "--ngram-run-entries", "60"]) == 0
+    in_memory = ngrams_module.count_ngrams(path, bpe_tokenizer, (3,), progress=False)[3]
+    stored = load_graph("ng").ngrams[3]
+    assert np.array_equal(stored.counts, in_memory.counts) and np.array_equal(stored.next, in_memory.next)
+    with pytest.raises(SystemExit):
+        main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "ng2", "--ngrams", "3",
+              "--ngram-run-entries", "0"])
+    assert "must be an integer >= 1" in capsys.readouterr().err
+
+
 def test_real_drug_reviews_with_the_real_smollm2_tokenizer(drug_graph, smollm2_tokenizer):
     from gm_graphs import bundled
     from gm_graphs.corpus import expand_corpus, iter_documents

@@ -50,6 +50,30 @@ def test_counts_equal_a_direct_count_within_documents(csv_corpus, bpe_tokenizer,
         tables[4].successors(gram[:2])
 
 
+def test_counts_spilled_to_sorted_runs_equal_the_counts_in_memory(csv_corpus, bpe_tokenizer, monkeypatch, tmp_path):
+    path, _ = csv_corpus
+    in_memory = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False)
+    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)
+    # runs of ~60 entries, merged in ranges of ~60 entries: many runs, many ranges, contexts across batches
+    spilled = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False, work=tmp_path / "w",
+                           run_entries=60)
+    for n in (3, 4):
+        assert isinstance(spilled[n].counts, np.memmap)  # the merged table is on disk, not in memory
+        for name in ("contexts", "indptr", "next", "counts"):
+            np.testing.assert_array_equal(getattr(spilled[n], name), getattr(in_memory[n], name))
+        assert sorted(p.name for p in (tmp_path / "w" / str(n)).iterdir()) == [
+            "contexts.npy", "counts.npy", "indptr.npy", "next.npy"]  # the runs are gone
+
+
+def test_add_ngrams_leaves_no_runs_beside_the_graph(csv_corpus, bpe_tokenizer, monkeypatch, tmp_path):
+    path, docs = csv_corpus
+    graph = build_graph(path, bpe_tokenizer, out=tmp_path / "graphs" / "g", progress=False)
+    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)
+    add_ngrams(graph, path, bpe_tokenizer, (3,), progress=False, run_entries=60)
+    assert [p.name for p in (tmp_path / "graphs").iterdir()] == ["g"]
+    assert _as_counter(load_graph(tmp_path / "graphs" / "g").ngrams[3]) == _expected(docs, bpe_tokenizer, 3)
+
+
 def test_orders_are_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer):
     path, _ = csv_corpus
     with pytest.raises(ValueError, match="3 or more"):
