@@ -21,14 +21,13 @@ import time
 
 import numpy as np
 import torch
-from transformers import LogitsProcessor
 
 from gm_graphs import bundled
 from gm_graphs.corpus import expand_corpus, iter_documents
 from gm_solver import ContextConfig, GraphmaxLogitsProcessor, TransitionOperator, graphmax
 from gm_solver.divergences import DIVERGENCES
 from pipelines.demo import ensure_imdb_graph
-from pipelines.generate import generate_texts
+from pipelines.generate import TimedLogitsProcessor, generate_texts
 from pipelines.models import load_model
 
 
@@ -38,19 +37,6 @@ def _time(fn, repeat: int = 20) -> float:
     for _ in range(repeat):
         fn()
     return (time.perf_counter() - t0) / repeat * 1e3
-
-
-class _Timed(LogitsProcessor):
-    """A logits processor that records how long each call of the one it wraps takes."""
-
-    def __init__(self, inner: LogitsProcessor):
-        self.inner, self.calls = inner, []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        t0 = time.perf_counter()
-        out = self.inner(input_ids, scores)
-        self.calls.append(time.perf_counter() - t0)
-        return out
 
 
 def main() -> None:
@@ -123,8 +109,8 @@ def main() -> None:
 
     n_prompts = min(args.prompts, len(prompts))
     print(f"\n4. generate(): greedy, {args.new_tokens} new tokens, batch 1, {n_prompts} prompts")
-    decoders = {"softmax": None, "paper graphmax λ=1": _Timed(GraphmaxLogitsProcessor(graph, lam=1.0)),
-                "context default": _Timed(GraphmaxLogitsProcessor.from_graph(graph))}
+    decoders = {"softmax": None, "paper graphmax λ=1": TimedLogitsProcessor(GraphmaxLogitsProcessor(graph, lam=1.0)),
+                "context default": TimedLogitsProcessor(GraphmaxLogitsProcessor.from_graph(graph))}
     rates: dict[str, list[float]] = {label: [] for label in decoders}
     for p in prompts[:n_prompts]:
         for label, pr in decoders.items():

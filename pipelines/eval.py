@@ -21,7 +21,7 @@ from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, wr
 from gm_solver import ContextConfig, GraphmaxLogitsProcessor, InterpolationLogitsProcessor, log_graphmax
 
 from . import figures, report
-from .generate import generate_texts
+from .generate import decode_cost, generate_texts
 from .heldout import paired_nll_difference, score_documents, token_nll
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
@@ -134,6 +134,12 @@ def run_eval(args) -> Path:
                          "ms_per_token": ms})
         print(f"generate {name:<45} BLEU-4 {gen_rows[-1]['BLEU-4']:.2f}  ({ms:.0f} ms/token)", flush=True)
 
+    # the per-step cost goal is for batch 1: greedy, one opening at a time, plain vs ours
+    cost = decode_cost(model, tok, openings[:4], decoders["context graphmax, tuned (ours)"][1],
+                       max_new_tokens=sizes["new_tokens"])
+    print(f"batch 1 greedy: ours {cost['ratio']:.2f}× plain ({cost['processor_ms']:.1f} ms per processor call, "
+          f"{cost['implied_ratio']:.3f}× implied)", flush=True)
+
     refs = References(references, 4)
     bleu4_vs_softmax = {name: paired_bleu_difference(samples[name], samples["softmax"], refs, 4)
                         for name in gen_names[1:]}
@@ -150,7 +156,7 @@ def run_eval(args) -> Path:
     report.write_ab_sheet(out, openings, samples["softmax"], samples["context graphmax, tuned (ours)"], args.seed)
     report.write_report(out, args=args, sizes=sizes, setup=setup, tuned=tuned, ppl_rows=ppl_rows,
                         nll=nll, gen_rows=gen_rows, bleu4_vs_softmax=bleu4_vs_softmax, traces=traces,
-                        top10=top10, samples=samples, openings=openings)
+                        top10=top10, samples=samples, openings=openings, cost=cost)
     return out
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+import statistics
+
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from gm_graphs import load_graph
 from gm_solver import GraphmaxLogitsProcessor
@@ -28,6 +30,37 @@ def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_to
     seconds = time.perf_counter() - t0
     new = out[:, batch["input_ids"].shape[1]:]
     return tok.batch_decode(new, skip_special_tokens=True), 1e3 * seconds / max_new_tokens
+
+
+class TimedLogitsProcessor(LogitsProcessor):
+    """Wraps a logits processor and records how long each of its calls takes (``calls``, seconds)."""
+
+    def __init__(self, inner: LogitsProcessor):
+        self.inner, self.calls = inner, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        t0 = time.perf_counter()
+        out = self.inner(input_ids, scores)
+        self.calls.append(time.perf_counter() - t0)
+        return out
+
+
+def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: int = 32) -> dict[str, float]:
+    """Greedy decoding one prompt at a time (batch 1), plain and with ``processor``, alternating prompt by prompt.
+
+    Returns the mean ms/token of each, their ratio, and the processor's median ms
+    per call inside ``generate()`` with the ratio that alone implies (which the
+    drift of a shared machine between runs does not blur).
+    """
+    timed = TimedLogitsProcessor(processor)
+    plain, graph = [], []
+    for p in prompts:
+        plain.append(generate_texts(model, tok, [p], None, max_new_tokens=max_new_tokens)[1])
+        graph.append(generate_texts(model, tok, [p], timed, max_new_tokens=max_new_tokens)[1])
+    base, with_proc = statistics.mean(plain), statistics.mean(graph)
+    own = 1e3 * statistics.median(timed.calls)
+    return {"plain_ms": base, "processor_run_ms": with_proc, "ratio": with_proc / base, "processor_ms": own,
+            "implied_ratio": (base + own) / base}
 
 
 def register(sub) -> None:

@@ -67,7 +67,7 @@ def _all_lower(diffs: list[tuple[float, float]]) -> str | bool:
 
 
 def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, gen_rows, bleu4_vs_softmax, traces,
-                 top10, samples, openings) -> None:
+                 top10, samples, openings, cost) -> None:
     ppl = {r["decoder"]: r for r in ppl_rows}
     gen = {r["decoder"]: r for r in gen_rows}
     soft_ppl, soft_gen = ppl["softmax"], gen["softmax"]
@@ -125,12 +125,14 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, gen_row
          f"BLEU-4 {ours_gen['BLEU-4']:.2f} vs softmax {soft_gen['BLEU-4']:.2f}: {_pm(ours_diff)}; BLEU-2/3/5 "
          + " / ".join(f"{ours_gen[f'BLEU-{n}']:.2f} vs {soft_gen[f'BLEU-{n}']:.2f}" for n in (2, 3, 5)),
          _verdict(_lower(ours_diff) is not True, noise)),
-        ("Ours: per-step cost ≤ 1.10× plain decoding on CPU.",
-         f"{ours_gen['ms_per_token']:.0f} vs {soft_gen['ms_per_token']:.0f} ms/token "
-         f"({ours_gen['ms_per_token'] / soft_gen['ms_per_token']:.2f}×) here, a batch of {len(openings)} prompts",
-         _verdict(ours_gen["ms_per_token"] <= 1.10 * soft_gen["ms_per_token"],
-                  "the solve is per row while the LM step is shared by the batch; batch 1 (greedy) is measured "
-                  "by benchmarks/solver.py")),
+        ("Ours: per-step cost ≤ 1.10× plain decoding on CPU (batch 1).",
+         f"greedy, one opening at a time: {cost['processor_run_ms']:.1f} vs {cost['plain_ms']:.1f} ms/token "
+         f"({cost['ratio']:.2f}×); the processor itself {cost['processor_ms']:.2f} ms per call "
+         f"({cost['implied_ratio']:.3f}×). Sampling a batch of {len(openings)}: "
+         f"{ours_gen['ms_per_token'] / soft_gen['ms_per_token']:.2f}×",
+         _verdict(cost["ratio"] <= 1.10,
+                  "runs drift on a shared machine, the processor's own time does not; in a batch the solve is "
+                  "per row while the LM step is shared, so the ratio grows with the batch")),
     ]
     lines = [
         "# graphmax eval report", "",

@@ -80,6 +80,7 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert report.count("| **") >= 6 and "Algorithm 1" in report
+    assert "greedy, one opening at a time" in report and "batch 1 greedy" in capsys.readouterr().out
     with open(out / "perplexity.csv") as fh:
         rows = {r["decoder"]: r for r in csv.DictReader(fh)}
     assert float(rows["softmax"]["ratio_to_softmax"]) == 1.0

@@ -23,3 +23,15 @@ def test_demo_builds_the_imdb_graph_then_reuses_it(home, capsys):
     assert (home / "graphs" / "imdb" / "manifest.json").is_file()
     assert main(["demo", "--max-new-tokens", "2"]) == 0
     assert "building graph" not in capsys.readouterr().out
+
+
+def test_timed_processor_passes_scores_through_and_times_every_call():
+    import torch
+
+    from pipelines.generate import TimedLogitsProcessor
+
+    timed = TimedLogitsProcessor(lambda ids, scores: scores * 2)
+    scores = torch.randn(2, 5)
+    for _ in range(3):
+        out = timed(torch.zeros(2, 1, dtype=torch.long), scores)
+    assert torch.equal(out, scores * 2) and len(timed.calls) == 3 and all(t >= 0 for t in timed.calls)
