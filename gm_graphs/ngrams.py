@@ -172,8 +172,9 @@ class _Accumulator:
         self.keys.append(keys)
         self.counts.append(counts)
         self.pending += len(keys)
-        # fold once the new entries outnumber the running table too: each fold re-sorts it
-        if self.pending > max(_FOLD_AT, self.folded):
+        # in memory, fold once the new entries outnumber the running table too (each fold re-sorts it);
+        # with a work folder, every run_entries new entries, so that memory holds at most about twice that
+        if self.pending > (max(_FOLD_AT, self.folded) if self.work is None else self.run_entries):
             k, c = _fold(self.keys, self.counts)
             self.keys, self.counts, self.pending, self.folded = [k], [c], 0, len(k)
             if self.work is not None and len(k) > self.run_entries:
