@@ -29,7 +29,7 @@ from .tune import tune_config
 
 PAPER_CONTEXT = "I was so disappointed by this, and at this stage I was going to"
 SIZES = {  # documents and tokens per step; --full uses the second set
-    "default": dict(ppl_docs=24, positions=32, tune_docs=24, prompts=8, new_tokens=24, references=2000),
+    "default": dict(ppl_docs=48, positions=32, tune_docs=24, prompts=8, new_tokens=24, references=2000),
     "full": dict(ppl_docs=200, positions=32, tune_docs=100, prompts=48, new_tokens=48, references=20000),
 }
 INTERP_WEIGHTS = (0.1, 0.2, 0.3, 0.5)
