@@ -33,6 +33,7 @@ NU_TOL = 1e-7
 # likelier than the model's token), Newton.
 S_LO, S_HI, PER_UNIT = -24.0, 64.0, 32
 _COLUMNS = 6  # per node: ω, ω', ω'', e^ω, (e^ω)', (e^ω)''
+_TINY = 1e-300  # divergences._TINY: the floor of x in ∇D
 
 
 @numba.njit(cache=True)
@@ -266,9 +267,10 @@ def certificate(kind, t, a, lam, logx):
         if logx[i] == -np.inf:
             y[i] = -np.inf
             continue
-        x = math.exp(logx[i])
-        y[i] = t[i] + a[i] / x if kind == RKL else t[i] - 2.0 * lam * x + a[i]
-        inner += x * (logx[i] - y[i])
+        x = math.exp(logx[i])  # may underflow to 0: then it adds nothing, and ∇D takes x at _TINY, as in torch
+        y[i] = t[i] + a[i] / max(x, _TINY) if kind == RKL else t[i] - 2.0 * lam * x + a[i]
+        if x > 0.0:
+            inner += x * (logx[i] - y[i])
     m = np.max(y)
     acc = 0.0
     for i in numba.prange(t.size):

@@ -85,6 +85,18 @@ def test_large_lambda_still_reaches_the_tolerance(divergence, backend, lam):
     assert (info.gap <= 1e-6).all()
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("lam", [1000.0, 1e6])
+def test_a_reference_on_one_token_at_large_lambda_is_certified(backend, lam):
+    # every other token's x underflows to 0 (log x ≈ −λ): the certificate must not read 0/0
+    z = 0.1 * torch.randn(2, 3000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    q = torch.zeros_like(z)
+    q[:, 5] = 1.0
+    logx, info = solve_toward(z, q, lam, "rkl", backend=backend)
+    assert (info.gap <= 1e-6).all() and not torch.isnan(logx).any()
+    torch.testing.assert_close(logx.exp().sum(-1), torch.ones(2, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_a_reference_with_no_mass_on_the_allowed_tokens_leaves_softmax(divergence):
     z = torch.tensor([[0.0, 2.0, -torch.inf, 1.0]], dtype=torch.float64)
