@@ -267,12 +267,14 @@ def store_ngrams(graph, tables: dict[int, NgramCounts], source: dict) -> None:
                      "files": {name: file_entry(root, root / FOLDER / str(order) / f"{name}.npy") for name in _ARRAYS}}
         for order, table in tables.items()}}
     graph.manifest = update_manifest(root, FOLDER, entry)
-    graph._ngrams = None  # the next access reads the new tables
+    # the new tables, memory-mapped; just written and hashed above, so not hashed again
+    graph._ngrams = read_ngrams(root, entry, graph.vocab_size, verify=False)
 
 
 def add_ngrams(graph, corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
                clean: bool = False, progress: bool = True, run_entries: int = RUN_ENTRIES) -> dict[int, NgramCounts]:
-    """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own) and store them in the graph folder.
+    """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own), store them in the graph folder, and return
+    the stored tables (memory-mapped).
 
     Sorted runs, when the tables outgrow ``run_entries`` distinct n-grams, go to a
     temporary folder beside the graph, removed afterwards.

@@ -188,14 +188,7 @@ def _solve(kind, t, a, lam, max_iter, table, out):
     if kind == RKL:
         nu = 0.0  # every x_i ≥ softmax_i here, so Σx ≥ 1
     else:
-        m = -np.inf
-        for i in range(t.size):
-            if t[i] + a[i] > m:
-                m = t[i] + a[i]
-        acc = 0.0
-        for i in range(t.size):
-            acc += math.exp(t[i] + a[i] - m)
-        nu = m + math.log(acc)  # every x_i ≤ its softmax here, so Σx ≤ 1
+        nu = _logsumexp(t + a)  # every x_i ≤ its softmax here, so Σx ≤ 1
     lo, hi = -np.inf, np.inf
     reach = 1.0  # a one-sided fallback step, doubled each time: the root may lie hundreds away
     last = np.inf  # |log Σx| at the previous ν
@@ -232,12 +225,17 @@ def _solve(kind, t, a, lam, max_iter, table, out):
 
 
 @numba.njit(parallel=True, cache=True)
-def _log_softmax(z, out):
-    m = np.max(z)
+def _logsumexp(v):
+    m = np.max(v)
     acc = 0.0
-    for i in numba.prange(z.size):
-        acc += math.exp(z[i] - m)
-    shift = m + math.log(acc)
+    for i in numba.prange(v.size):
+        acc += math.exp(v[i] - m)
+    return m + math.log(acc)
+
+
+@numba.njit(parallel=True, cache=True)
+def _log_softmax(z, out):
+    shift = _logsumexp(z)
     for i in numba.prange(z.size):
         out[i] = z[i] - shift
 
@@ -271,11 +269,7 @@ def certificate(kind, t, a, lam, logx):
         y[i] = t[i] + a[i] / max(x, _TINY) if kind == RKL else t[i] - 2.0 * lam * x + a[i]
         if x > 0.0:
             inner += x * (logx[i] - y[i])
-    m = np.max(y)
-    acc = 0.0
-    for i in numba.prange(t.size):
-        acc += math.exp(y[i] - m)
-    return max(inner + m + math.log(acc), 0.0)
+    return max(inner + _logsumexp(y), 0.0)
 
 
 @numba.njit(cache=True)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import statistics
+import time
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList

@@ -89,12 +89,14 @@ def test_stored_beside_the_graph_verified_and_tokenizer_checked(csv_corpus, bpe_
     with pytest.raises(TokenizerError):
         add_ngrams(graph, path, smollm2_tokenizer, progress=False)
     assert "ngrams" not in load_graph(tmp_path / "g").manifest  # a refused call leaves the graph as it was
-    tables = add_ngrams(graph, path, bpe_tokenizer, (3, 4), progress=False)
+    stored = add_ngrams(graph, path, bpe_tokenizer, (3, 4), progress=False)
+    tables = count_ngrams(path, bpe_tokenizer, (3, 4), progress=False)  # counted in memory
     reloaded = load_graph(tmp_path / "g").ngrams
-    assert sorted(reloaded) == [3, 4]
+    assert sorted(reloaded) == sorted(stored) == [3, 4]
     for n in (3, 4):
         assert np.array_equal(reloaded[n].contexts, tables[n].contexts)
         assert np.array_equal(reloaded[n].counts, tables[n].counts)
+        assert np.array_equal(stored[n].counts, tables[n].counts)
     add_ngrams(graph, path, bpe_tokenizer, (3,), progress=False)  # replacing keeps exactly the new tables
     assert [p.name for p in (tmp_path / "g").iterdir() if "ngrams" in p.name] == ["ngrams"]
     assert sorted(load_graph(tmp_path / "g").ngrams) == [3]
