@@ -48,10 +48,12 @@ SMOOTHINGS = ("kneser-ney", "dirichlet")
 
 @dataclass(frozen=True)
 class ContextConfig:
-    """The choices of context-aware graphmax: divergence, λ, order weights β_k, smoothing (D or κ), unigram α."""
+    """The choices of context-aware graphmax: divergence, λ, its share on KL(x‖q), order weights β_k, smoothing
+    (D or κ), unigram α. The regulariser is λ·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)]."""
 
     divergence: str = "rkl"
-    lam: float = 1.0
+    lam: float = 1.2
+    kl_share: float = 0.15
     order_weights: tuple[float, ...] = (1.0,)
     smoothing: str = "kneser-ney"
     discount: float = 0.75
@@ -65,6 +67,8 @@ class ContextConfig:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         if not self.lam >= 0:
             raise ValueError(f"lam must be >= 0 (0 gives softmax), got {self.lam}")
+        if not 0 <= self.kl_share <= 1:
+            raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {self.kl_share}")
         weights = tuple(float(b) for b in self.order_weights)
         if not weights or any(not b >= 0 for b in weights) or sum(weights) <= 0:
             raise ValueError(f"order_weights must be >= 0 with a positive sum (β_k for k = 1, 2, …), got {weights}")
@@ -79,6 +83,13 @@ class ContextConfig:
             raise ValueError(f"ngram_order must be an integer >= 2 (2: the bigram row only), got {self.ngram_order!r}")
 
     @property
+    def divergence_label(self) -> str:
+        """e.g. "rkl" or "0.85·rkl + 0.15·kl"."""
+        if self.kl_share == 0 or self.divergence == "kl":
+            return self.divergence
+        return "kl" if self.kl_share == 1 else f"{1 - self.kl_share:g}·{self.divergence} + {self.kl_share:g}·kl"
+
+    @property
     def smoothing_label(self) -> str:
         """e.g. "kneser-ney D=0.75" or "dirichlet κ=3"."""
         return (f"kneser-ney D={self.discount:g}" if self.smoothing == "kneser-ney"
@@ -91,10 +102,11 @@ class ContextConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ContextConfig":
-        known = {k: d[k] for k in ("divergence", "lam", "order_weights", "smoothing", "discount", "ngram_order",
-                                   "kappa", "alpha", "source") if k in d}
-        # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior
+        known = {k: d[k] for k in ("divergence", "lam", "kl_share", "order_weights", "smoothing", "discount",
+                                   "ngram_order", "kappa", "alpha", "source") if k in d}
+        # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior, before kl_share with none
         known.setdefault("smoothing", "dirichlet")
+        known.setdefault("kl_share", 0.0)
         if "trigrams" in d:  # stored before n-gram tables of any order: a switch for the trigram table
             known.setdefault("ngram_order", 3 if d["trigrams"] else 2)
         return cls(**known)

@@ -13,6 +13,13 @@ per row, found by a safeguarded Newton search on Σᵢ xᵢ(ν) = 1:
 W is Lambert's function, computed in log space. The certificate is the same as
 for the paper's objective: at u = λ∇D(x), f(x) − g(u) = KL(x ‖ softmax(z − λ∇D(x))),
 zero exactly at the optimum.
+
+``kl_share`` = m splits λ between a divergence and KL(x‖q):
+λ·[(1−m)·D(x,q) + m·KL(x‖q)]. The KL(x‖q) part merges with the entropy, so the
+problem is (1+λm) times the same one with z′ = (z + λm·log q)/(1+λm) and
+λ′ = λ(1−m)/(1+λm): one solve of D, whose certificate scales by 1+λm. It both
+flattens the LM's logits and leans them geometrically toward q, which the
+interpolation-like KL(q‖x) alone does not.
 """
 
 from __future__ import annotations
@@ -93,15 +100,16 @@ def _nu_step(divergence: str, s: torch.Tensor, ds: torch.Tensor, d2s: torch.Tens
     return torch.where(small, -s * log_s / ds, -s * torch.expm1(g * log_s) / (torch.where(small, 1.0, g) * ds))
 
 
-def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str = "rkl", *, tol: float = 1e-6,
-                 max_iter: int = 60, backend: str = "auto") -> tuple[torch.Tensor, SolveInfo]:
-    """log of argmin over the simplex of −⟨x,z⟩ + ⟨x,log x⟩ + λ·D(x, q), per row, with its certificate.
+def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str = "rkl", *, kl_share: float = 0.0,
+                 tol: float = 1e-6, max_iter: int = 60, backend: str = "auto") -> tuple[torch.Tensor, SolveInfo]:
+    """log of argmin over the simplex of −⟨x,z⟩ + ⟨x,log x⟩ + λ·[(1−m)·D(x, q) + m·KL(x‖q)], m = ``kl_share``,
+    per row, with its certificate.
 
     ``z`` and ``q`` are (B, V) in the working dtype; ``-inf`` logits get x = 0
     whatever q says (q is renormalised over the allowed tokens), and a row of q
     with no mass there leaves that row as softmax. ``backend``: "numba" (the
     fused CPU kernel, float64), "torch" (any device and dtype) or "auto" (numba
-    where it applies).
+    where it applies). ``kl_share`` = 0 is D alone, 1 is KL(x‖q) alone (``"kl"``).
 
     Example::
 
@@ -111,9 +119,19 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
         >>> logx, info = solve_toward(z, q, lam=1.0, divergence="rkl")
         >>> bool(info.gap.max() <= 1e-6), [round(v, 3) for v in logx.exp()[0].tolist()]
         (True, [0.393, 0.145, 0.462])
+        >>> q = torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)   # KL(x‖q) keeps x on q's support
+        >>> logx, info = solve_toward(z, q, lam=1.2, divergence="rkl", kl_share=0.15)
+        >>> bool(info.gap.max() <= 1e-6), [round(v, 3) for v in logx.exp()[0].tolist()]
+        (True, [0.421, 0.301, 0.278])
     """
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not 0.0 <= kl_share <= 1.0:
+        raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {kl_share}")
+    if kl_share == 1.0:
+        divergence = "kl"
+    if kl_share > 0.0 and divergence != "kl":
+        return _solve_with_kl_share(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter, backend=backend)
     numba_fits = z.device.type == "cpu" and z.dtype == torch.float64
     if backend not in ("auto", "numba", "torch"):
         raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
@@ -136,6 +154,20 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
     logx = torch.where(has_q, logx, t)
     g = torch.where(has_q.squeeze(-1), certificate_toward(logx, t, torch.where(has_q, q, 1.0), lam, divergence), 0.0)
     return logx, SolveInfo(iters, g, g <= tol, 0)
+
+
+def _solve_with_kl_share(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str, kl_share: float, *,
+                         tol: float, max_iter: int, backend: str) -> tuple[torch.Tensor, SolveInfo]:
+    """``solve_toward`` with 0 < m < 1: D alone at z′ = (z + λm·log q)/(1+λm) and λ′ = λ(1−m)/(1+λm)."""
+    scale = 1.0 + lam * kl_share
+    q, has_q = restrict_reference(q, torch.isfinite(z))
+    t = torch.log_softmax(z, dim=-1)
+    # KL(x‖q) gives x = 0 where q = 0; a row with no reference mass stays softmax, as for D alone
+    z_kl = torch.where(has_q, (t + lam * kl_share * torch.log(q)) / scale, t)
+    logx, info = solve_toward(z_kl, q, lam * (1.0 - kl_share) / scale, divergence, tol=tol / scale,
+                              max_iter=max_iter, backend=backend)
+    g = info.gap * scale  # the problem is (1+λm) times the solved one
+    return logx, SolveInfo(info.iterations, g, g <= tol, 0)
 
 
 def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float,

@@ -115,7 +115,8 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
                 return torch.log_softmax(scores, -1)
             z = scores.to(torch.float64)
             q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
-            logp, self.last_info = solve_toward(z, q, self.context.lam, self.context.divergence, tol=self.tol)
+            logp, self.last_info = solve_toward(z, q, self.context.lam, self.context.divergence,
+                                                kl_share=self.context.kl_share, tol=self.tol)
             return logp.to(scores.dtype)
         if scores.device != self.operator.device:
             self.operator = get_operator(self.graph, scores.device)

@@ -156,7 +156,7 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, gen_row
         _table(ppl_rows, ["decoder", "family", "perplexity", "ratio_to_softmax", "log_ratio", "± SE", "ms_per_position"],
                {"perplexity": ".2f", "ratio_to_softmax": ".3f", "log_ratio": "+.3f", "± SE": ".3f",
                 "ms_per_position": ".1f"}),
-        f"Tuned context graphmax: divergence {tuned.divergence}, λ = {tuned.lam:g}, {tuned.smoothing_label}, "
+        f"Tuned context graphmax: divergence {tuned.divergence_label}, λ = {tuned.lam:g}, {tuned.smoothing_label}, "
         f"n-grams up to {tuned.ngram_order}, "
         f"order weights {list(tuned.order_weights)} (all candidates in tuning.csv).",
         *(["Algorithm 1's simplex projection leaves exact zeros, so some held-out tokens get probability 0: its "

@@ -2,9 +2,9 @@
 
 Coordinate search on held-out perplexity of validation documents (the LM runs
 once; each candidate only re-decodes its logits): divergence × λ first, then
-the smoothing (Kneser–Ney's discount D or the Dirichlet prior κ), then how
-many of the graph's n-gram tables to use (when it has some), then the order weights,
-then λ again around the best. The choice
+the share of λ on KL(x‖q), the smoothing (Kneser–Ney's discount D or the
+Dirichlet prior κ), how many of the graph's n-gram tables to use (when it has
+some), the order weights, and finally λ and that share again around the best. The choice
 and the perplexities behind it go into the graph's manifest, where
 ``GraphmaxLogitsProcessor.from_graph`` finds them.
 """
@@ -25,10 +25,11 @@ LAMBDAS = (0.3, 1.0, 3.0)
 SMOOTHINGS = (*({"smoothing": "kneser-ney", "discount": d} for d in (0.6, 0.75, 0.9)),
               *({"smoothing": "dirichlet", "kappa": k} for k in (1.0, 3.0, 10.0)))
 ORDER_WEIGHTS = ((1.0,), (0.8, 0.2))
+KL_SHARES = (0.0, 0.1, 0.2, 0.3)
 
 
 def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lambdas=LAMBDAS,
-                smoothings=SMOOTHINGS, order_weights=ORDER_WEIGHTS,
+                kl_shares=KL_SHARES, smoothings=SMOOTHINGS, order_weights=ORDER_WEIGHTS,
                 progress: bool = True) -> tuple[ContextConfig, list[dict]]:
     """The ContextConfig with the lowest perplexity on ``heldout``, and every candidate tried."""
     tried: dict[ContextConfig, float] = {}
@@ -41,13 +42,19 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
             bar.set_postfix(best=f"{min(tried.values()):.2f}", refresh=False)
         return tried[cfg]
 
-    best = min((ContextConfig(divergence=d, lam=lam) for d in divergences for lam in lambdas), key=ppl)
+    best = min((ContextConfig(divergence=d, lam=lam, kl_share=0.0) for d in divergences for lam in lambdas), key=ppl)
+    if best.divergence != "kl":  # KL(x‖q) plus itself is itself
+        best = min((dataclasses.replace(best, kl_share=m) for m in kl_shares), key=ppl)
     best = min((dataclasses.replace(best, **sm) for sm in smoothings), key=ppl)
     tables = sorted(getattr(graph, "ngrams", None) or {})
     if tables:
         best = min((dataclasses.replace(best, ngram_order=n) for n in (2, *tables)), key=ppl)
     best = min((dataclasses.replace(best, order_weights=w) for w in order_weights), key=ppl)
-    best = min((dataclasses.replace(best, lam=best.lam * f) for f in (0.5, 0.7, 1.0, 1.4, 2.0)), key=ppl)
+    best = min((dataclasses.replace(best, lam=best.lam * f) for f in (0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0)), key=ppl)
+    if best.divergence != "kl":
+        best = min((dataclasses.replace(best, kl_share=round(min(1.0, max(0.0, best.kl_share + d)), 6))
+                    for d in (-0.05, 0, 0.05)),
+                   key=ppl)
     bar.close()
     table = [{**cfg.to_dict(), "perplexity": p} for cfg, p in sorted(tried.items(), key=lambda kv: kv[1])]
     for row in table:
@@ -87,12 +94,12 @@ def run(args) -> int:
               "documents": len(heldout.ids), "positions": heldout.positions, "softmax_perplexity": softmax,
               "perplexity": table[0]["perplexity"], "model": str(args.model)}
     graph.set_decoder({"mode": "context", **dataclasses.replace(best, source=source).to_dict()})
-    print(f"{'divergence':<10} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
+    print(f"{'divergence':<20} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:
-        label = ContextConfig.from_dict(row).smoothing_label
-        print(f"{row['divergence']:<10} {row['lam']:>6.3g} {label:<20} {str(row['order_weights']):<14} "
+        cfg = ContextConfig.from_dict(row)
+        print(f"{cfg.divergence_label:<20} {row['lam']:>6.3g} {cfg.smoothing_label:<20} {str(row['order_weights']):<14} "
               f"{row['perplexity']:>10.2f}")
-    print(f"softmax perplexity {softmax:.2f}; chosen: {best.divergence}, λ={best.lam:g}, {best.smoothing_label}, "
+    print(f"softmax perplexity {softmax:.2f}; chosen: {best.divergence_label}, λ={best.lam:g}, {best.smoothing_label}, "
           f"order weights {list(best.order_weights)} ({table[0]['perplexity'] / softmax:.3f}× softmax), "
           f"stored in {graph.path / 'manifest.json'}")
     return 0

@@ -41,8 +41,9 @@ def test_certificate_and_fixed_point_for_each_divergence(case, divergence):
     assert torch.allclose(certificate_toward(logx, z, q, lam, divergence), info.gap, atol=1e-12)
 
 
+@pytest.mark.parametrize("kl_share", [0.0, 0.3])
 @pytest.mark.parametrize("divergence", ["rkl", "l2"])
-def test_agrees_with_an_independent_solve(divergence):
+def test_agrees_with_an_independent_solve(divergence, kl_share):
     rng = np.random.default_rng(0)
     n, lam = 7, 2.0
     z, q = rng.normal(size=n) * 2, rng.dirichlet(np.ones(n))
@@ -51,24 +52,62 @@ def test_agrees_with_an_independent_solve(divergence):
         x = np.exp(v - v.max())
         x /= x.sum()
         d = np.sum(q * np.log(q / x)) if divergence == "rkl" else np.sum((x - q) ** 2)
-        return -x @ z + x @ np.log(x) + lam * d
+        return -x @ z + x @ np.log(x) + lam * ((1 - kl_share) * d + kl_share * np.sum(x * np.log(x / q)))
 
     v = scipy.optimize.minimize(f, np.zeros(n), method="BFGS", options={"gtol": 1e-11}).x
     ref = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
-    logx, _ = solve_toward(torch.tensor([z]), torch.tensor([q]), lam, divergence)
+    logx, _ = solve_toward(torch.tensor([z]), torch.tensor([q]), lam, divergence, kl_share=kl_share)
     np.testing.assert_allclose(logx.exp()[0].numpy(), ref, atol=1e-6)
 
 
-@given(CASES, st.sampled_from(["rkl", "l2"]))
-def test_numba_kernel_and_torch_path_agree(case, divergence):
+@given(CASES, st.sampled_from(["rkl", "l2"]), st.floats(0.01, 0.99))
+def test_a_kl_share_is_certified_on_the_whole_objective(case, divergence, kl_share):
+    n, seed, lam = case
+    g = torch.Generator().manual_seed(seed)
+    z = 4 * torch.randn(3, n, generator=g, dtype=torch.float64)
+    z[2, 0] = -torch.inf
+    q = torch.rand(3, n, generator=g, dtype=torch.float64) ** 4 + 1e-3
+    q[1, : n // 2] = 0
+    q = q / q.sum(-1, keepdim=True)
+    logx, info = solve_toward(z, q, lam, divergence, kl_share=kl_share)
+    x = logx.exp()
+    torch.testing.assert_close(x.sum(-1), torch.ones(3, dtype=torch.float64))
+    assert (info.gap <= 1e-6).all() and logx[2, 0] == -torch.inf and (x[1, : n // 2] == 0).all()
+    # the certificate of the objective as written: KL(x ‖ softmax(z − λ∇R(x))), R = (1−m)·D + m·KL(x‖q),
+    # with q renormalised over the allowed tokens; a bound on f(x) − f* like the reported one, and as small
+    on = (q > 0) & torch.isfinite(z)
+    q = torch.where(on, q, 0.0) / torch.where(on, q, 0.0).sum(-1, keepdim=True)
+    grad_d = -q / x.clamp_min(1e-300) if divergence == "rkl" else 2 * (x - q)
+    y = z - lam * ((1 - kl_share) * grad_d + kl_share * (logx - q.log()))
+    y = torch.where(on, y, torch.full_like(y, -torch.inf))
+    direct = (x * (logx - torch.log_softmax(y, -1))).where(x > 0, 0.0).sum(-1)
+    assert (direct <= 1e-6).all()
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_kl_share_runs_from_the_divergence_alone_to_kl(divergence):
+    g = torch.Generator().manual_seed(3)
+    z = 3 * torch.randn(4, 30, generator=g, dtype=torch.float64)
+    q = torch.softmax(2 * torch.randn(4, 30, generator=g, dtype=torch.float64), -1)
+    alone, _ = solve_toward(z, q, 1.5, divergence)
+    torch.testing.assert_close(solve_toward(z, q, 1.5, divergence, kl_share=0.0)[0], alone)
+    torch.testing.assert_close(solve_toward(z, q, 1.5, divergence, kl_share=1.0)[0], solve_toward(z, q, 1.5, "kl")[0])
+    if divergence == "kl":  # KL(x‖q) shared with itself is itself
+        torch.testing.assert_close(solve_toward(z, q, 1.5, "kl", kl_share=0.4)[0], alone)
+    with pytest.raises(ValueError, match="kl_share"):
+        solve_toward(z, q, 1.5, divergence, kl_share=1.5)
+
+
+@given(CASES, st.sampled_from(["rkl", "l2"]), st.sampled_from([0.0, 0.15]))
+def test_numba_kernel_and_torch_path_agree(case, divergence, kl_share):
     n, seed, lam = case
     g = torch.Generator().manual_seed(seed)
     z = 4 * torch.randn(3, n, generator=g, dtype=torch.float64)
     z[2, 0] = -torch.inf  # a masked token
     q = torch.rand(3, n, generator=g, dtype=torch.float64) ** 4
     q[1, n // 2:] = 0
-    a, info_a = solve_toward(z, q, lam, divergence, backend="numba")
-    b, info_b = solve_toward(z, q, lam, divergence, backend="torch")
+    a, info_a = solve_toward(z, q, lam, divergence, kl_share=kl_share, backend="numba")
+    b, info_b = solve_toward(z, q, lam, divergence, kl_share=kl_share, backend="torch")
     torch.testing.assert_close(a.exp(), b.exp(), atol=1e-10, rtol=0)
     assert a[2, 0] == -torch.inf and (info_a.gap <= 1e-6).all() and (info_b.gap <= 1e-6).all()
 
@@ -97,11 +136,12 @@ def test_a_reference_on_one_token_at_large_lambda_is_certified(backend, lam):
     torch.testing.assert_close(logx.exp().sum(-1), torch.ones(2, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("kl_share", [0.0, 0.15])
 @pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_a_reference_with_no_mass_on_the_allowed_tokens_leaves_softmax(divergence):
+def test_a_reference_with_no_mass_on_the_allowed_tokens_leaves_softmax(divergence, kl_share):
     z = torch.tensor([[0.0, 2.0, -torch.inf, 1.0]], dtype=torch.float64)
     q = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)  # all its mass on the masked token
-    logx, info = solve_toward(z, q, 1.0, divergence)
+    logx, info = solve_toward(z, q, 1.0, divergence, kl_share=kl_share)
     torch.testing.assert_close(logx, torch.log_softmax(z, -1))
     assert info.gap.item() == 0.0
 
@@ -114,11 +154,12 @@ def test_kl_is_the_closed_form_product_of_experts():
     assert torch.allclose(logx, expected) and info.gap.item() <= 1e-12
 
 
+@pytest.mark.parametrize("kl_share", [0.0, 0.15])
 @pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_masked_logits_stay_masked_whatever_q_says(divergence):
+def test_masked_logits_stay_masked_whatever_q_says(divergence, kl_share):
     z = torch.tensor([[0.0, -torch.inf, 1.0, 0.5]], dtype=torch.float64)
     q = torch.tensor([[0.1, 0.8, 0.05, 0.05]], dtype=torch.float64)
-    logx, info = solve_toward(z, q, 1.0, divergence)
+    logx, info = solve_toward(z, q, 1.0, divergence, kl_share=kl_share)
     assert logx[0, 1] == -torch.inf and torch.isclose(logx.exp().sum(), torch.tensor(1.0, dtype=torch.float64))
     assert info.gap.item() <= 1e-6
 
@@ -191,7 +232,7 @@ def test_processor_mode_is_validated(kwargs, error):
 @pytest.mark.parametrize("kwargs, error", [
     (dict(divergence="js"), "divergence"), (dict(lam=-1.0), "lam"), (dict(order_weights=()), "order_weights"),
     (dict(kappa=0.0), "kappa"), (dict(smoothing="witten-bell"), "smoothing"), (dict(discount=1.0), "discount"),
-    (dict(ngram_order=1), "ngram_order"),
+    (dict(ngram_order=1), "ngram_order"), (dict(kl_share=-0.1), "kl_share"), (dict(kl_share=2.0), "kl_share"),
 ])
 def test_config_is_validated(kwargs, error):
     with pytest.raises(ValueError, match=error):
@@ -218,8 +259,8 @@ def test_tuned_choice_round_trips_through_the_manifest(drug_graph, tmp_path):
     assert graph.decoder is None
     default = GraphmaxLogitsProcessor.from_graph(graph)
     assert default.mode == "context" and default.context == ContextConfig()
-    chosen = ContextConfig(divergence="kl", lam=0.7, order_weights=(0.8, 0.2), kappa=10.0, ngram_order=3,
-                           source={"tuned": True})
+    chosen = ContextConfig(divergence="l2", lam=0.7, kl_share=0.2, order_weights=(0.8, 0.2), kappa=10.0,
+                           ngram_order=3, source={"tuned": True})
     graph.set_decoder({"mode": "context", **chosen.to_dict()})
     reloaded = GraphmaxLogitsProcessor.from_graph(load_graph(path))
     assert reloaded.context == chosen and reloaded.context.source == {"tuned": True}
@@ -230,7 +271,8 @@ def test_tuned_choice_round_trips_through_the_manifest(drug_graph, tmp_path):
     assert dataclasses.asdict(chosen)["lam"] == 0.7
     # a choice stored before Kneser–Ney existed keeps the Dirichlet prior it was tuned with
     graph.set_decoder({"mode": "context", "divergence": "rkl", "lam": 1.0, "order_weights": [1.0], "kappa": 3.0})
-    assert GraphmaxLogitsProcessor.from_graph(load_graph(path)).context.smoothing == "dirichlet"
+    old = GraphmaxLogitsProcessor.from_graph(load_graph(path)).context
+    assert old.smoothing == "dirichlet" and old.kl_share == 0.0  # nor a share of λ on KL(x‖q)
     # … and one stored when only a trigram table existed keeps its switch as an n-gram order
     for switch, order in ((True, 3), (False, 2)):
         graph.set_decoder({"mode": "context", "smoothing": "kneser-ney", "trigrams": switch})
