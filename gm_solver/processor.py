@@ -22,8 +22,9 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
 
     - ``mode="paper"``: the paper's context-free regulariser λ‖x − Mx‖² (it does
       not read ``input_ids``).
-    - ``mode="context"``: λ·D(x, q(·|input_ids)), leaning toward the corpus'
-      next-token distribution for the current context (``gm_solver.context``);
+    - ``mode="context"``: λ·[(1−m)·D(x, q) + m·KL(x‖q)] with q = q(·|input_ids),
+      leaning toward the corpus' next-token distribution for the current context
+      (``gm_solver.context``);
       ``context`` holds its choices. :meth:`from_graph` uses what ``graphmax tune``
       stored in the graph, or the documented defaults.
 
