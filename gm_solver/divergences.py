@@ -130,8 +130,6 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
         raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {kl_share}")
     if kl_share == 1.0:
         divergence = "kl"
-    if kl_share > 0.0 and divergence != "kl":
-        return _solve_with_kl_share(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter, backend=backend)
     numba_fits = z.device.type == "cpu" and z.dtype == torch.float64
     if backend not in ("auto", "numba", "torch"):
         raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
@@ -139,8 +137,10 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
         raise ValueError(f"the numba kernel takes float64 CPU tensors, got {z.dtype} on {z.device}; "
                          f"use backend='torch'")
     if divergence != "kl" and (backend == "numba" or (backend == "auto" and numba_fits)):
-        logx, iters, g = _solve_rows_numba(divergence, z, q, lam, max_iter)
+        logx, iters, g = _solve_rows_numba(divergence, z, q, lam, kl_share, max_iter)
         return logx, SolveInfo(iters, g, g <= tol, 0)
+    if kl_share > 0.0 and divergence != "kl":
+        return _solve_with_kl_share(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter)
     valid = torch.isfinite(z)
     t = torch.log_softmax(z, dim=-1)
     q, has_q = restrict_reference(q, valid)
@@ -157,26 +157,28 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
 
 
 def _solve_with_kl_share(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str, kl_share: float, *,
-                         tol: float, max_iter: int, backend: str) -> tuple[torch.Tensor, SolveInfo]:
-    """``solve_toward`` with 0 < m < 1: D alone at z′ = (z + λm·log q)/(1+λm) and λ′ = λ(1−m)/(1+λm)."""
+                         tol: float, max_iter: int) -> tuple[torch.Tensor, SolveInfo]:
+    """``solve_toward``'s torch path with 0 < m < 1: D alone at z′ = (z + λm·log q)/(1+λm) and
+    λ′ = λ(1−m)/(1+λm) (the kernel does the same in ``lambert_kernel.solve_row``)."""
     scale = 1.0 + lam * kl_share
     q, has_q = restrict_reference(q, torch.isfinite(z))
     t = torch.log_softmax(z, dim=-1)
     # KL(x‖q) gives x = 0 where q = 0; a row with no reference mass stays softmax, as for D alone
     z_kl = torch.where(has_q, (t + lam * kl_share * torch.log(q)) / scale, t)
     logx, info = solve_toward(z_kl, q, lam * (1.0 - kl_share) / scale, divergence, tol=tol / scale,
-                              max_iter=max_iter, backend=backend)
+                              max_iter=max_iter, backend="torch")
     g = info.gap * scale  # the problem is (1+λm) times the solved one
     return logx, SolveInfo(info.iterations, g, g <= tol, 0)
 
 
-def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float,
+def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float, kl_share: float,
                       max_iter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row by the fused CPU kernel (``lambert_kernel.solve_row``): log x, iterations and certificate."""
     kind = lambert_kernel.RKL if divergence == "rkl" else lambert_kernel.L2
     z_np, q_np = z.contiguous().numpy(), q.to(torch.float64).contiguous().numpy()
     out = np.empty_like(z_np)
-    rows = [lambert_kernel.solve_row(kind, z_np[b], q_np[b], float(lam), max_iter, lambert_kernel.TABLE, out[b])
+    rows = [lambert_kernel.solve_row(kind, z_np[b], q_np[b], float(lam), float(kl_share), max_iter,
+                                     lambert_kernel.TABLE, out[b])
             for b in range(len(z_np))]
     iters, gaps = zip(*rows) if rows else ((), ())
     return (torch.from_numpy(out), torch.tensor(iters, dtype=torch.long),

@@ -10,9 +10,10 @@ step is one parallel loop that sums x and its first two derivatives in ν.
 Arguments beyond the table use the series (below) or Newton (above).
 
 :func:`solve_row` does one row of ``solve_toward`` whole (log-softmax, the
-reference restricted to the allowed tokens, the solve, and the certificate,
-computed from scratch as ``divergences.certificate_toward`` does), so a
-decoding step makes no torch temporaries.
+reference restricted to the allowed tokens, a share of λ on KL(x‖q) merged into
+the logits, the solve, and the certificate, computed from scratch as
+``divergences.certificate_toward`` does), so a decoding step makes no torch
+temporaries.
 """
 
 from __future__ import annotations
@@ -272,18 +273,34 @@ def certificate(kind, t, a, lam, logx):
     return max(inner + _logsumexp(y), 0.0)
 
 
+@numba.njit(parallel=True, cache=True)
+def _lean_toward(t, q, mass, weight):
+    # t ← log-softmax of (t + weight·log q̂)/(1 + weight), q̂ = q/mass: KL(x‖q)'s share, merged into the logits
+    for i in numba.prange(t.size):
+        t[i] = (t[i] + weight * math.log(q[i] / mass)) / (1.0 + weight) if t[i] > -np.inf and q[i] > 0.0 else -np.inf
+    _log_softmax(t, t)  # the shift is summed before any entry changes
+
+
 @numba.njit(cache=True)
-def solve_row(kind, z, q, lam, max_iter, table, out):
+def solve_row(kind, z, q, lam, kl_share, max_iter, table, out):
     """One row of ``solve_toward``: fill ``out`` with log x for logits ``z`` and reference ``q``; return (iterations, gap).
 
     q is restricted to the finite logits and renormalised; a row with no mass
-    there is left as softmax, with gap 0, as in the torch path.
+    there is left as softmax, with gap 0, as in the torch path. With
+    ``kl_share`` = m > 0, D is solved at λ′ = λ(1−m)/(1+λm) from the logits
+    leaned toward q, and the gap is scaled by 1 + λm (``divergences``).
     """
     t = np.empty_like(z)
     _log_softmax(z, t)
     a = np.empty_like(z)
-    if not _restricted(t, q, lam if kind == RKL else 2.0 * lam, a) > 0.0:
+    mass = _restricted(t, q, 1.0, a)
+    if not mass > 0.0:
         out[:] = t
         return 0, 0.0
+    scale = 1.0 + lam * kl_share
+    if kl_share > 0.0:
+        _lean_toward(t, q, mass, lam * kl_share)
+        lam = lam * (1.0 - kl_share) / scale
+    a *= lam if kind == RKL else 2.0 * lam
     iters = _solve(kind, t, a, lam, max_iter, table, out)
-    return iters, certificate(kind, t, a, lam, out)
+    return iters, scale * certificate(kind, t, a, lam, out)
