@@ -128,6 +128,11 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if not 0.0 <= kl_share <= 1.0:
         raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {kl_share}")
+    if not lam >= 0.0:
+        raise ValueError(f"lam must be >= 0 (0 gives softmax), got {lam}")
+    if lam == 0.0:  # no regulariser: softmax, exactly optimal
+        zeros = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+        return torch.log_softmax(z, dim=-1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
     if kl_share == 1.0:
         divergence = "kl"
     numba_fits = z.device.type == "cpu" and z.dtype == torch.float64

@@ -146,6 +146,19 @@ def test_a_reference_with_no_mass_on_the_allowed_tokens_leaves_softmax(divergenc
     assert info.gap.item() == 0.0
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("kl_share", [0.0, 0.15])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_lambda_zero_is_softmax(divergence, kl_share, backend):
+    z = torch.tensor([[0.5, -torch.inf, 2.0, -1.0]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    logx, info = solve_toward(z, q, 0.0, divergence, kl_share=kl_share, backend=backend)
+    torch.testing.assert_close(logx, torch.log_softmax(z, -1))
+    assert info.gap.item() == 0.0
+    with pytest.raises(ValueError, match="lam"):
+        solve_toward(z, q, -1.0, divergence)
+
+
 def test_kl_is_the_closed_form_product_of_experts():
     z = torch.tensor([[1.0, 0.0, -1.0, 2.0]], dtype=torch.float64)
     q = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
