@@ -28,8 +28,8 @@ from transformers import LogitsProcessor
 
 from gm_graphs import bundled
 from gm_graphs.corpus import expand_corpus, iter_documents
-from gm_solver import ContextConfig, GraphmaxLogitsProcessor, TransitionOperator, graphmax
-from gm_solver.divergences import DIVERGENCES
+from gm_solver import (DIVERGENCES, ContextConfig, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor,
+                       PaperGraphmaxLogitsProcessor, TransitionOperator, graphmax)
 from pipelines.demo import ensure_imdb_graph
 from pipelines.generate import TimedLogitsProcessor, generate_texts
 from pipelines.models import load_model
@@ -107,7 +107,7 @@ def main() -> None:
     contexts = [torch.tensor([tok(p, add_special_tokens=False)["input_ids"]]) for p in prompts]
     configs = [ContextConfig(divergence=d, lam=1.0, kl_share=0.0) for d in DIVERGENCES] + [ContextConfig()]
     for cfg in configs:
-        proc = GraphmaxLogitsProcessor(graph, mode="context", context=cfg)
+        proc = ContextGraphmaxLogitsProcessor.from_config(graph, cfg).warmup()
         times, iters, gaps = [], [], []
         for ids, row in zip(contexts, z):
             t0 = time.perf_counter()
@@ -129,8 +129,8 @@ def main() -> None:
 
     n_prompts = min(args.prompts, len(prompts))
     print(f"\n4. generate(): greedy, {args.new_tokens} new tokens, batch 1, {n_prompts} prompts")
-    decoders = {"softmax": None, "paper graphmax λ=1": TimedLogitsProcessor(GraphmaxLogitsProcessor(graph, lam=1.0)),
-                "context default": TimedLogitsProcessor(GraphmaxLogitsProcessor.from_graph(graph)),
+    decoders = {"softmax": None, "paper graphmax λ=1": TimedLogitsProcessor(PaperGraphmaxLogitsProcessor(graph, lam=1.0).warmup()),
+                "context default": TimedLogitsProcessor(GraphmaxLogitsProcessor.from_graph(graph).warmup()),
                 f"control: wait {args.pause_ms:g} ms": TimedLogitsProcessor(WaitLogitsProcessor(args.pause_ms / 1e3))}
     rates: dict[str, list[float]] = {label: [] for label in decoders}
     labels = list(decoders)

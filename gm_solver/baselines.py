@@ -6,6 +6,7 @@ datastore; q is the same back-off reference that context-aware graphmax uses.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -14,9 +15,23 @@ from transformers import LogitsProcessor
 from .context import ContextConfig, ContextReference
 from .divergences import restrict_reference
 
+# ContextConfig's fields that set graphmax's solve, not q: interpolation has no solve
+_SOLVE_FIELDS = ("divergence", "lam", "kl_share")
+
 
 class InterpolationLogitsProcessor(LogitsProcessor):
     """log((1−w)·softmax(scores) + w·q(·|input_ids)); ``-inf`` scores stay ``-inf``.
+
+    Args:
+        graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph whose counts give q, as for
+            ``ContextGraphmaxLogitsProcessor``.
+        weight (``float``, defaults to 0.3): w in [0, 1], the weight of q.
+        context (``ContextConfig`` or ``None``, defaults to ``None``): how q is smoothed (``ContextConfig()``:
+            the context decoder's defaults); its solve settings (divergence, λ, kl_share) do not apply here and
+            are refused when set away from their defaults.
+
+    Returns (when called with ``input_ids`` (B, T) and ``scores`` (B, V)):
+        ``torch.FloatTensor`` (B, V): the log of the mixture, in the scores' dtype.
 
     Example::
 
@@ -29,10 +44,17 @@ class InterpolationLogitsProcessor(LogitsProcessor):
     """
 
     def __init__(self, graph: Any, weight: float = 0.3, context: ContextConfig | None = None):
-        if not isinstance(weight, (int, float)) or not 0.0 <= weight <= 1.0:
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0.0 <= weight <= 1.0:
             raise ValueError(f"`weight` must be a float in [0, 1], got {weight!r}")
+        if context is not None and not isinstance(context, ContextConfig):
+            raise TypeError(f"`context` must be a ContextConfig or None, got {type(context).__name__}")
+        context = context or ContextConfig()
+        for name in _SOLVE_FIELDS:
+            if getattr(context, name) != getattr(ContextConfig(), name):
+                raise ValueError(f"`context` sets {name}={getattr(context, name)!r}, which interpolation does not "
+                                 f"use (it mixes softmax and q by `weight`); leave it at its default")
         self.weight = float(weight)
-        self.reference = ContextReference(graph, context or ContextConfig())
+        self.reference = ContextReference(graph, context)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         z = scores.to(torch.float64)

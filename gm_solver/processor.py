@@ -1,127 +1,437 @@
-"""``GraphmaxLogitsProcessor``: graphmax inside ``transformers``' ``generate()``."""
+"""The graphmax decoders as ``transformers`` logits processors: the paper's, and the context-aware one.
+
+One class per decoder, as in ``transformers.generation.logits_process``: each validates exactly its own
+arguments in ``__init__`` (the message names the argument and its value) and refuses an argument that would
+have no effect. :class:`GraphmaxLogitsProcessor` is their base; its :meth:`~GraphmaxLogitsProcessor.from_graph`
+returns the decoder ``graphmax tune`` stored in a graph.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+import math
+import numbers
+from typing import Any, Callable
 
+import scipy.sparse as sp
 import torch
 from transformers import LogitsProcessor
 
-from .context import ContextConfig, ContextReference
-from .divergences import solve_toward
+from .context import SMOOTHINGS, ContextConfig, ContextReference
+from .divergences import DIVERGENCES, solve_toward
 from .graphmax import SOLVERS, get_operator, log_graphmax
+from .graphmax import _check as check_logits  # the paper decoder's input checks, so both refuse bad scores alike
 from .operator import TransitionOperator
+from .solvers import SolveInfo
 
-MODES = ("paper", "context")
+
+def _real(name: str, value: Any, requirement: str, ok: Callable[[float], bool]) -> float:
+    """``value`` as a float, or a ValueError that names the argument and its value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
+        raise ValueError(f"`{name}` must be {requirement}, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any, requirement: str, ok: Callable[[int], bool]) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(int(value)):
+        raise ValueError(f"`{name}` must be {requirement}, got {value!r}")
+    return int(value)
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
+    return value
+
+
+def _finite_nonnegative(v: float) -> bool:
+    return 0.0 <= v < math.inf
+
+
+def _finite_positive(v: float) -> bool:
+    return 0.0 < v < math.inf
 
 
 class GraphmaxLogitsProcessor(LogitsProcessor):
-    r"""Replaces each step's scores by graphmax log-probabilities over a domain graph.
+    r"""The base of the two graphmax decoders; :meth:`from_graph` returns the one ``graphmax tune`` stored in a graph.
 
-    Two modes:
+    - :class:`PaperGraphmaxLogitsProcessor`: the paper's context-free λ‖x − Ãx‖² (Liu & Yin, JAIR 2023).
+    - :class:`ContextGraphmaxLogitsProcessor`: context-aware graphmax, which leans toward the corpus'
+      next-token distribution for the current context.
 
-    - ``mode="paper"``: the paper's context-free regulariser λ‖x − Mx‖² (it does
-      not read ``input_ids``).
-    - ``mode="context"``: λ·[(1−m)·D(x, q) + m·KL(x‖q)] with q = q(·|input_ids),
-      leaning toward the corpus' next-token distribution for the current context
-      (``gm_solver.context``);
-      ``context`` holds its choices. :meth:`from_graph` uses what ``graphmax tune``
-      stored in the graph, or the documented defaults.
+    Both replace each step's scores by log-probabilities (the solution of a convex problem over the simplex,
+    certified by its duality gap) and work with greedy search, sampling (put temperature/top-k/top-p warpers
+    after them), beam search (graphmax is invariant to the per-row shift of log-softmaxed scores), decoder-only
+    and encoder-decoder models, batches and left padding. ``-inf`` scores stay ``-inf``; NaN, ``+inf`` and a row
+    with no finite score are refused. After each call ``last_info`` holds the step's :class:`SolveInfo`
+    (per-row iterations and certified gap). Calling this base class directly raises a TypeError.
+    """
 
-    Works with greedy search, sampling (put temperature/top-k/top-p warpers after
-    it) and beam search (which passes log-softmaxed scores: graphmax is invariant
-    to a per-row shift), with decoder-only and encoder-decoder models, batches and
-    left padding. ``-inf`` scores from earlier processors stay ``-inf``. Scores
-    wider than the graph (padded vocabularies) treat the extra ids as isolated
-    nodes (paper mode) or as tokens the corpus never continues with (context mode).
+    last_info: SolveInfo | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is GraphmaxLogitsProcessor:
+            raise TypeError("GraphmaxLogitsProcessor is the base of the two graphmax decoders and is not constructed "
+                            "itself: use PaperGraphmaxLogitsProcessor(graph, lam=...) (the paper's λ‖x − Ãx‖²), "
+                            "ContextGraphmaxLogitsProcessor(graph, ...) (context-aware), or "
+                            "GraphmaxLogitsProcessor.from_graph(graph) (the decoder `graphmax tune` stored)")
+        return super().__new__(cls)
+
+    @classmethod
+    def from_graph(cls, graph: Any, **kwargs: Any) -> GraphmaxLogitsProcessor:
+        """The decoder ``graphmax tune`` stored in ``graph``, else :class:`ContextGraphmaxLogitsProcessor`'s defaults.
+
+        Args:
+            graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph; a scipy matrix stores no choice.
+            **kwargs: arguments of the stored decoder's class, overriding what is stored (e.g. ``lam=2.0``,
+                ``tokenizer=tok``); one that class does not take raises a TypeError.
+
+        Returns:
+            ``PaperGraphmaxLogitsProcessor`` or ``ContextGraphmaxLogitsProcessor``. A context decoder's
+            ``config.source`` records where its settings came from (``{"tuned": True, ...}`` after ``tune``).
+
+        Example::
+
+            >>> import scipy.sparse as sp
+            >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 1, 0]], dtype=float)
+            >>> GraphmaxLogitsProcessor.from_graph(counts, lam=2.0)    # never tuned: the context decoder's defaults
+            ContextGraphmaxLogitsProcessor(divergence='rkl', lam=2.0, kl_share=0.15, ngram_order=4, \
+order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.5, tol=1e-06)
+        """
+        stored = dict(getattr(graph, "decoder", None) or {})
+        target = PaperGraphmaxLogitsProcessor if stored.pop("mode", "context") == "paper" else \
+            ContextGraphmaxLogitsProcessor
+        takes = set(inspect.signature(target).parameters) - {"graph"}
+        for name in kwargs:
+            if name not in takes:
+                raise TypeError(f"`{name}` is not an argument of {target.__name__}, the decoder this graph stores; "
+                                f"construct the other decoder directly to use it")
+        if target is PaperGraphmaxLogitsProcessor:
+            return target(graph, **{**stored, **kwargs})
+        config = ContextConfig.from_dict(stored) if stored else ContextConfig()
+        settings = {**config.to_dict(), **kwargs}
+        source = settings.pop("source")
+        overridden = sorted(set(kwargs) & set(config.to_dict()))
+        proc = target(graph, **settings)
+        proc._set_source({**source, "overridden": overridden} if overridden else source)
+        return proc
+
+    def warmup(self) -> GraphmaxLogitsProcessor:
+        """Run one step on a batch of one row and one of two, so that numba compiles (or loads from its disk
+        cache) every kernel a decoding step uses now rather than inside the first timed ``generate()``.
+
+        Returns:
+            ``self``, so that ``proc = PaperGraphmaxLogitsProcessor(graph).warmup()`` reads as one step.
+        """
+        width, device = self._shape()
+        for rows in (1, 2):  # the batch-of-one CSR kernel and the batched one are compiled separately
+            self(torch.zeros(rows, 8, dtype=torch.long, device=device), torch.zeros(rows, width, device=device))
+        self.last_info = None
+        return self
+
+    def _shape(self) -> tuple[int, torch.device]:
+        """The graph's number of nodes and the device the decoder computes on."""
+        raise NotImplementedError
+
+    def _settings(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._settings().items())})"
+
+    def _refuse_unless_default(self, name: str, value: Any, why: str) -> None:
+        """Refuse an argument set away from its default where it has no effect (transformers' generation
+        config warns about such flags; a decoder that silently ignored one would mislead)."""
+        default = inspect.signature(type(self)).parameters[name].default
+        if value != default:
+            raise ValueError(f"`{name}`={value!r} has no effect {why}; leave it at its default ({default!r})")
+
+
+class PaperGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
+    r"""The paper's graphmax: each step's distribution is
+
+        x* = argmin over the simplex of −⟨x, z⟩ + ⟨x, log x⟩ + λ‖x − Mx‖²,
+
+    z the step's scores and M the graph operator (Ã, Ãᵏ or a mixture Ã+…+Ãⁿ); it does not read ``input_ids``.
+    Solved by certified mirror descent to a duality gap ≤ ``tol`` (``gm_solver.graphmax``). Scores wider than
+    the graph (padded vocabularies) treat the extra ids as isolated nodes.
 
     Args:
-        graph: a ``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``
-            (context mode needs a ``Graph`` or a scipy count matrix).
-        lam: paper mode's λ ≥ 0, the weight of ‖x − Mx‖²; 0 leaves the distribution as softmax.
-        tol: duality gap at which each step's solve stops (certified).
-        mode: "paper" or "context".
-        context: a ``ContextConfig`` (context mode; default ``ContextConfig()``).
-        solver: paper mode's "auto" (certified mirror descent) or "paper" (the paper's Algorithm 1).
-        max_iter: paper mode's iteration budget per step.
-        check_every: paper mode's iterations between convergence checks (host synchronisations); None:
-            every iteration on CPU, every 8 on GPUs; 0: none at all (``max_iter`` steps, converged rows
-            frozen; ``last_info.converged`` stays on the device).
-        tokenizer: when given, refuse a graph built with another vocabulary.
+        graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``):
+            M. A ``Graph`` loaded with ``order=k`` or ``mixture=n`` gives Ãᵏ or Ã+…+Ãⁿ (pruned orders are
+            applied exactly, matrix-free).
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite, the weight of ‖x − Mx‖²; 0 gives softmax exactly (the
+            solver settings then have no effect).
+        tol (``float``, defaults to 1e-6): the duality gap at which each step's solve stops (certified).
+        solver (``str``, defaults to ``"auto"``): ``"auto"`` or ``"mirror"`` (the same: certified mirror
+            descent), or ``"paper"``: the paper's Algorithm 1 as printed (T = 20 projected gradient steps; it does
+            not reach the optimum, and ``tol``, ``max_iter`` and ``check_every`` do not apply to it).
+        max_iter (``int``, defaults to 200): the iteration budget per step.
+        check_every (``int`` or ``None``, defaults to ``None``): iterations between the convergence checks that
+            read the gaps back to the host; ``None``: every iteration on CPU, every 8 on GPUs; 0: never (each row
+            runs ``max_iter`` steps, frozen once converged; ``last_info.converged`` stays on the device, and the
+            input checks are asserted on the device).
+        device (``str`` or ``torch.device``, defaults to ``None``): where to build the operator now, so that the
+            first step does not pay for the transpose; ``None``: the CPU (or a ``TransitionOperator``'s own
+            device). Scores arriving on another device get the operator built there.
+        tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused
+            (``graph`` must then be a ``gm_graphs.Graph``).
+
+    Returns (when called with ``input_ids`` (B, T) and ``scores`` (B, V)):
+        ``torch.FloatTensor`` (B, V): graphmax log-probabilities in the scores' dtype.
 
     Example::
 
         >>> import scipy.sparse as sp, torch
-        >>> A = sp.random(32, 32, density=0.2, format="csr", random_state=0)
-        >>> proc = GraphmaxLogitsProcessor(A, lam=1.0)
-        >>> out = proc(torch.zeros(1, 3, dtype=torch.long), torch.randn(1, 32))
-        >>> round(float(out.exp().sum()), 5)
-        1.0
+        >>> A = sp.csr_matrix([[0, 1.0, 0], [0, 0, 1.0], [1.0, 0, 0]])    # a 3-cycle: i is followed by i + 1
+        >>> proc = PaperGraphmaxLogitsProcessor(A, lam=1.0)
+        >>> logp = proc(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[2.0, 1.0, 0.0]]))
+        >>> [round(p, 3) for p in logp.exp()[0].tolist()], bool(proc.last_info.gap.max() <= 1e-6)
+        ([0.445, 0.329, 0.226], True)
     """
 
-    def __init__(self, graph: Any, lam: float = 1.0, tol: float = 1e-6, *, mode: str = "paper",
-                 context: ContextConfig | None = None, solver: str = "auto", max_iter: int = 200,
-                 check_every: int | None = None, tokenizer: Any = None, device: str | torch.device | None = None):
-        if mode not in MODES:
-            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-        if context is not None and mode != "context":
-            raise ValueError("`context` is only used with mode='context'")
-        if not isinstance(lam, (int, float)) or not lam >= 0:
-            raise ValueError(f"`lam` must be a float >= 0, got {lam!r}")
-        if not isinstance(tol, (int, float)) or not tol > 0:
-            raise ValueError(f"`tol` must be a float > 0, got {tol!r}")
-        if solver not in SOLVERS:
-            raise ValueError(f"`solver` must be one of {SOLVERS}, got {solver!r}")
-        if not isinstance(max_iter, int) or max_iter < 1:
-            raise ValueError(f"`max_iter` must be an int >= 1, got {max_iter!r}")
-        if check_every is not None and (not isinstance(check_every, int) or check_every < 0):
-            raise ValueError(f"`check_every` must be None or an int >= 0 (0: no host synchronisation), "
-                             f"got {check_every!r}")
+    SOLVERS = SOLVERS
+
+    def __init__(self, graph: Any, lam: float = 1.0, *, tol: float = 1e-6, solver: str = "auto",
+                 max_iter: int = 200, check_every: int | None = None,
+                 device: str | torch.device | None = None, tokenizer: Any = None):
+        self.lam = _real("lam", lam, "a finite float >= 0 (0 gives softmax)", _finite_nonnegative)
+        self.tol = _real("tol", tol, "a finite float > 0", _finite_positive)
+        self.solver = _choice("solver", solver, SOLVERS)
+        self.max_iter = _integer("max_iter", max_iter, "an int >= 1", lambda v: v >= 1)
+        self.check_every = None if check_every is None else _integer(
+            "check_every", check_every, "None or an int >= 0 (0: never read the gaps back to the host)",
+            lambda v: v >= 0)
+        if self.solver == "paper":
+            why = "with solver='paper': the paper's Algorithm 1 runs its own T = 20 steps and stopping rule"
+            for name, value in (("tol", tol), ("max_iter", max_iter), ("check_every", check_every)):
+                self._refuse_unless_default(name, value, why)
+        target = _device(device, graph)
         if tokenizer is not None:
             if not hasattr(graph, "check_tokenizer"):
-                raise ValueError("`tokenizer` can only be checked against a gm_graphs.Graph")
+                raise ValueError(f"`tokenizer` can only be checked against a gm_graphs.Graph, got a "
+                                 f"{type(graph).__name__} as `graph`")
             graph.check_tokenizer(tokenizer)
-        self.graph, self.lam, self.tol, self.solver, self.max_iter = graph, float(lam), float(tol), solver, max_iter
-        self.mode, self.check_every = mode, check_every
+        self.graph = graph
+        # built (and cached) now, so that the first decoding step does not pay for the transpose
+        self.operator: TransitionOperator = get_operator(graph, target)
         self.last_info = None
-        if mode == "context":
-            self.context = context or ContextConfig()
-            self.reference = ContextReference(graph, self.context)
-            return
-        # Build (and cache) the operator now, so the first decoding step does not pay for the transpose.
-        self.operator: TransitionOperator = get_operator(graph, torch.device(device or "cpu"))
-
-    @classmethod
-    def from_graph(cls, graph: Any, **kwargs) -> "GraphmaxLogitsProcessor":
-        """Decode with the choice ``graphmax tune`` stored in ``graph``'s manifest, else ``ContextConfig()``.
-
-        Example::
-
-            from gm_graphs import load_graph
-            proc = GraphmaxLogitsProcessor.from_graph(load_graph("imdb"))
-            model.generate(**inputs, logits_processor=[proc])
-        """
-        stored = getattr(graph, "decoder", None)
-        if stored and stored.get("mode") == "paper":
-            return cls(graph, lam=stored["lam"], mode="paper", **kwargs)
-        return cls(graph, mode="context", context=ContextConfig.from_dict(stored) if stored else ContextConfig(),
-                   **kwargs)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.mode == "context":
-            if scores.shape[-1] < self.reference.n:
-                raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.reference.n} "
-                                 f"nodes; rebuild the graph with this model's tokenizer")
-            if self.context.lam == 0:
-                return torch.log_softmax(scores, -1)
-            z = scores.to(torch.float64)
-            q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
-            logp, self.last_info = solve_toward(z, q, self.context.lam, self.context.divergence,
-                                                kl_share=self.context.kl_share, tol=self.tol)
-            return logp.to(scores.dtype)
         if scores.device != self.operator.device:
             self.operator = get_operator(self.graph, scores.device)
         logp, self.last_info = log_graphmax(scores, self.operator, self.lam, tol=self.tol, solver=self.solver,
                                             max_iter=self.max_iter, check_every=self.check_every,
                                             return_info=True)
         return logp
+
+    def _shape(self) -> tuple[int, torch.device]:
+        return self.operator.n, self.operator.device
+
+    def _settings(self) -> dict[str, Any]:
+        settings = {"lam": self.lam, "tol": self.tol, "solver": self.solver, "max_iter": self.max_iter}
+        if self.check_every is not None:
+            settings["check_every"] = self.check_every
+        if self.operator.device.type != "cpu":
+            settings["device"] = str(self.operator.device)
+        return settings
+
+
+def _device(device: str | torch.device | None, graph: Any) -> torch.device:
+    """The device the paper decoder builds its operator on, checked against the graph and this machine."""
+    if device is None:
+        return graph.device if isinstance(graph, TransitionOperator) else torch.device("cpu")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"`device` must be a torch.device or its name ('cpu', 'cuda', 'cuda:1'), got {device!r}") from e
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"`device`={device!r} but CUDA is not available here; use device='cpu'")
+    if isinstance(graph, TransitionOperator) and target != graph.device:
+        raise ValueError(f"`device`={device!r} differs from the TransitionOperator's device {graph.device}: build "
+                         f"the operator there (TransitionOperator(graph, device=...)) or leave `device` out")
+    return target
+
+
+class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
+    r"""Context-aware graphmax: each step's distribution is
+
+        x* = argmin over the simplex of −⟨x, z⟩ + ⟨x, log x⟩ + λ·[(1 − m)·D(x, q) + m·KL(x‖q)],
+
+    z the step's scores, m = ``kl_share`` and q = q(· | input_ids) the corpus' next-token distribution for the
+    current context (``gm_solver.context``): the Kneser–Ney-smoothed bigram row of the previous token,
+    conditioned on up to ``ngram_order`` − 1 tokens where the graph stores n-gram tables, mixed with the rows of
+    Ãᵏ for the tokens k back by ``order_weights``. Every step carries its certified duality gap in ``last_info``.
+    Scores wider than the graph (padded vocabularies) treat the extra ids as tokens the corpus never continues
+    with. Without ``graphmax tune`` the defaults are what the README's evaluation measured (rkl, λ = 1.2,
+    m = 0.15, Kneser–Ney D = 0.75); :meth:`from_graph` uses the tuned choice.
+
+    Args:
+        graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph whose bigram counts (and n-gram tables)
+            give q: a ``Graph`` loaded at order 1 (``load_graph(name)``), or a square count matrix.
+        divergence (``str``, defaults to ``"rkl"``): D: ``"rkl"`` KL(q‖x) (keeps mass on every token the corpus
+            continues with), ``"kl"`` KL(x‖q) (closed form) or ``"l2"`` ‖x − q‖².
+        lam (``float``, defaults to 1.2): λ ≥ 0, finite; 0 gives softmax exactly (the other settings then have no
+            effect).
+        kl_share (``float``, defaults to 0.15): m in [0, 1], the share of λ on KL(x‖q); it tempers the LM's logits
+            and leans them geometrically toward q. With ``divergence="kl"`` it has no effect (take 0 or the default).
+        ngram_order (``int``, defaults to 4): the longest n-gram that conditions q, as far as the graph has
+            tables (``graphmax build --ngrams 3,4``); 2: the bigram row only. A value above the graph's largest
+            table is refused, as it would have no effect.
+        order_weights (sequence of ``float``, defaults to ``(1.0,)``): β_k ≥ 0 with a positive sum, the weight of
+            q_k for the token k back (q_1 the n-gram row, q_k for k ≥ 2 the row of Ãᵏ).
+        smoothing (``str``, defaults to ``"kneser-ney"``): the bigram row's smoothing, ``"kneser-ney"``
+            (interpolated absolute discounting with the continuation unigram) or ``"dirichlet"`` (a prior κ).
+        discount (``float``, defaults to 0.75): Kneser–Ney's D in (0, 1), also the discount of the n-gram tables.
+        kappa (``float``, defaults to 3.0): κ > 0, the Dirichlet prior of ``smoothing="dirichlet"`` and of the
+            orders k ≥ 2.
+        alpha (``float``, defaults to 0.5): α > 0, the add-α smoothing of the unigram every row backs off to.
+        tol (``float``, defaults to 1e-6): the duality gap below which a step counts as converged in
+            ``last_info.converged``. (The search stops on its own criterion, |log Σx| ≤ 1e-7, which certifies
+            far below 1e-6: ``lambert_kernel.NU_TOL``.)
+        tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused
+            (``graph`` must then be a ``gm_graphs.Graph``).
+
+    An argument that the others switch off is refused when set away from its default: ``kappa`` with
+    Kneser–Ney and one order, ``discount`` with the Dirichlet prior and no n-gram tables in use, ``divergence``
+    at ``kl_share=1``.
+
+    Returns (when called with ``input_ids`` (B, T) and ``scores`` (B, V)):
+        ``torch.FloatTensor`` (B, V): log-probabilities in the scores' dtype.
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> counts = sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]], dtype=float)   # bigram counts
+        >>> proc = ContextGraphmaxLogitsProcessor(counts, lam=2.0)
+        >>> logp = proc(torch.tensor([[2, 0]]), torch.zeros(1, 3))    # after token 0 the corpus says 1 (5 of 6)
+        >>> [round(p, 3) for p in logp.exp()[0].tolist()], bool(proc.last_info.gap.max() <= 1e-6)
+        ([0.167, 0.627, 0.206], True)
+    """
+
+    DIVERGENCES = DIVERGENCES
+    SMOOTHINGS = SMOOTHINGS
+
+    def __init__(self, graph: Any, *, divergence: str = "rkl", lam: float = 1.2, kl_share: float = 0.15,
+                 ngram_order: int = 4, order_weights: tuple[float, ...] = (1.0,), smoothing: str = "kneser-ney",
+                 discount: float = 0.75, kappa: float = 3.0, alpha: float = 0.5, tol: float = 1e-6,
+                 tokenizer: Any = None):
+        divergence = _choice("divergence", divergence, DIVERGENCES)
+        lam = _real("lam", lam, "a finite float >= 0 (0 gives softmax)", _finite_nonnegative)
+        kl_share = _real("kl_share", kl_share, "a float in [0, 1] (the share of λ on KL(x‖q))", lambda v: 0 <= v <= 1)
+        ngram_order = _integer("ngram_order", ngram_order, "an int >= 2 (2: the bigram row only)", lambda v: v >= 2)
+        weights = _order_weights(order_weights)
+        smoothing = _choice("smoothing", smoothing, SMOOTHINGS)
+        discount = _real("discount", discount, "a float in (0, 1) (Kneser–Ney's D)", lambda v: 0 < v < 1)
+        kappa = _real("kappa", kappa, "a finite float > 0 (the Dirichlet prior's strength)", _finite_positive)
+        alpha = _real("alpha", alpha, "a finite float > 0 (add-α on the unigram)", _finite_positive)
+        self.tol = _real("tol", tol, "a finite float > 0", _finite_positive)
+        tables = _ngram_tables(graph)
+        in_use = [n for n in tables if n <= ngram_order]
+        if ngram_order > max(tables, default=2):
+            self._refuse_unless_default(
+                "ngram_order", ngram_order,
+                f"on a graph whose n-gram tables are {tables or 'none'}: add tables (`graphmax build --ngrams 3,4` "
+                f"or gm_graphs.add_ngrams) or choose an order it has")
+        if divergence == "kl" and kl_share != 0:
+            self._refuse_unless_default("kl_share", kl_share, "with divergence='kl': λ·KL(x‖q) whatever the share")
+        if kl_share == 1:
+            self._refuse_unless_default("divergence", divergence, "at kl_share=1: all of λ is on KL(x‖q)")
+        if smoothing == "kneser-ney" and not any(b > 0 for b in weights[1:]):
+            self._refuse_unless_default("kappa", kappa, "with smoothing='kneser-ney' and one order: κ is the prior "
+                                        "of smoothing='dirichlet' and of the orders k >= 2 (order_weights)")
+        if smoothing == "dirichlet" and not in_use:
+            self._refuse_unless_default("discount", discount, "with smoothing='dirichlet' and no n-gram tables in "
+                                        "use: D is Kneser–Ney's discount and the tables'")
+        if tokenizer is not None:
+            if not hasattr(graph, "check_tokenizer"):
+                raise ValueError(f"`tokenizer` can only be checked against a gm_graphs.Graph, got a "
+                                 f"{type(graph).__name__} as `graph`")
+            graph.check_tokenizer(tokenizer)
+        self.config = ContextConfig(divergence=divergence, lam=lam, kl_share=kl_share, order_weights=weights,
+                                    smoothing=smoothing, discount=discount, ngram_order=ngram_order, kappa=kappa,
+                                    alpha=alpha)
+        self.reference = ContextReference(graph, self.config)
+        self.last_info = None
+
+    @classmethod
+    def from_config(cls, graph: Any, config: ContextConfig, *, tol: float = 1e-6,
+                    tokenizer: Any = None) -> ContextGraphmaxLogitsProcessor:
+        """The decoder with the settings of ``config`` (what ``graphmax tune`` chooses and stores).
+
+        Args:
+            graph (``gm_graphs.Graph`` or scipy sparse matrix): as for the constructor.
+            config (``ContextConfig``): the settings; its ``source`` is kept as ``self.config.source``.
+            tol (``float``, defaults to 1e-6), tokenizer (defaults to ``None``): as for the constructor.
+
+        Returns:
+            ``ContextGraphmaxLogitsProcessor`` whose ``config`` equals ``config``.
+
+        Example::
+
+            >>> import scipy.sparse as sp
+            >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 1, 0]], dtype=float)
+            >>> proc = ContextGraphmaxLogitsProcessor.from_config(counts, ContextConfig(divergence="l2", lam=0.5))
+            >>> proc.config.divergence, proc.config.lam
+            ('l2', 0.5)
+        """
+        if not isinstance(config, ContextConfig):
+            raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
+        settings = config.to_dict()
+        source = settings.pop("source")
+        proc = cls(graph, **settings, tol=tol, tokenizer=tokenizer)
+        proc._set_source(source)
+        return proc
+
+    def _set_source(self, source: dict) -> None:
+        # where the settings came from (tune's record) is no decoding setting, so it is not a constructor argument
+        self.config = self.reference.config = ContextConfig(**{**self.config.to_dict(), "source": source})
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        cfg = self.config
+        check_logits(scores, cfg.lam, self.tol, "auto", sync=True)
+        if scores.shape[-1] < self.reference.n:
+            raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.reference.n} nodes; "
+                             f"rebuild the graph with this model's tokenizer")
+        if cfg.lam == 0:  # softmax, bit for bit in the scores' dtype (as log_graphmax at λ = 0)
+            return torch.log_softmax(scores, -1)
+        z = scores.to(torch.float64)
+        q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
+        logp, self.last_info = solve_toward(z, q, cfg.lam, cfg.divergence, kl_share=cfg.kl_share, tol=self.tol)
+        return logp.to(scores.dtype)
+
+    def _shape(self) -> tuple[int, torch.device]:
+        return self.reference.n, torch.device("cpu")
+
+    def _settings(self) -> dict[str, Any]:
+        c = self.config
+        return {"divergence": c.divergence, "lam": c.lam, "kl_share": c.kl_share, "ngram_order": c.ngram_order,
+                "order_weights": c.order_weights, "smoothing": c.smoothing, "discount": c.discount,
+                "kappa": c.kappa, "alpha": c.alpha, "tol": self.tol}
+
+
+def _order_weights(value: Any) -> tuple[float, ...]:
+    requirement = "a sequence of finite floats >= 0 with a positive sum (β_k for the token k back)"
+    try:
+        weights = tuple(value)
+    except TypeError:
+        raise ValueError(f"`order_weights` must be {requirement}, got {value!r}") from None
+    if not weights or isinstance(value, str) or any(
+            isinstance(b, bool) or not isinstance(b, numbers.Real) or not _finite_nonnegative(float(b))
+            for b in weights) or sum(weights) <= 0:
+        raise ValueError(f"`order_weights` must be {requirement}, got {value!r}")
+    return tuple(float(b) for b in weights)
+
+
+def _ngram_tables(graph: Any) -> list[int]:
+    """The orders of the graph's non-empty n-gram tables; checks that ``graph`` is something q can come from."""
+    counts = graph.counts if hasattr(graph, "counts") and not sp.issparse(graph) else graph
+    if not sp.issparse(counts) or counts.shape[0] != counts.shape[1]:
+        raise TypeError(f"`graph` must be a gm_graphs.Graph or a square scipy sparse count matrix, got "
+                        f"{type(graph).__name__}")
+    spec = getattr(graph, "spec", None)
+    if spec is not None and spec.name != "order1":
+        raise ValueError(f"`graph` is loaded as {spec.name}, but the context decoder reads the graph's counts, so "
+                         f"that choice would have no effect: pass load_graph(name) (order 1) and weigh the rows of "
+                         f"Ãᵏ with `order_weights`")
+    return sorted(n for n, table in (getattr(graph, "ngrams", None) or {}).items() if table.entries > 0)

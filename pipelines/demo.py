@@ -13,7 +13,7 @@ import textwrap
 
 from gm_graphs import GraphFormatError, add_ngrams, build_graph, bundled, load_graph
 from gm_graphs.graph import graph_dir
-from gm_solver import GraphmaxLogitsProcessor
+from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
 from .generate import generate_texts
 from .models import load_model
@@ -55,19 +55,31 @@ def register(sub) -> None:
 def run(args) -> int:
     model, tok = load_model()
     graph = ensure_imdb_graph(tokenizer=tok)
-    decoders = {"softmax": None, f"graphmax λ={args.lam:g}": GraphmaxLogitsProcessor(graph, lam=args.lam),
-                "context graphmax": GraphmaxLogitsProcessor.from_graph(graph)}
+    stored = GraphmaxLogitsProcessor.from_graph(graph)
+    decoders = {"softmax": None, f"graphmax λ={args.lam:g}": PaperGraphmaxLogitsProcessor(graph, lam=args.lam),
+                stored_label(stored): stored}
+    for proc in decoders.values():
+        if proc is not None:
+            proc.warmup()  # numba's kernels compile (or load from its cache) before anything is timed
     rows = {}
     for mode, sample in (("greedy", False), (f"sampled (seed {args.seed})", True)):
         for label, p in decoders.items():
             rows[mode, label] = generate_texts(model, tok, PROMPTS, p, max_new_tokens=args.max_new_tokens,
                                                do_sample=sample, seed=args.seed)
+    width = max(len(label) for label in decoders)
     for i, prompt in enumerate(PROMPTS):
         print(f"\n=== {prompt!r}")
         for (mode, label), (texts, _) in rows.items():
             body = textwrap.shorten(" ".join(texts[i].split()), 110, placeholder=" …")
-            print(f"  {mode:<18} {label:<16} | {body}")
+            print(f"  {mode:<18} {label:<{width}} | {body}")
     print("\ntime per generated token (batch of", len(PROMPTS), "prompts):")
     for (mode, label), (_, ms) in rows.items():
-        print(f"  {mode:<18} {label:<16} {ms:7.1f} ms")
+        print(f"  {mode:<18} {label:<{width}} {ms:7.1f} ms")
     return 0
+
+
+def stored_label(proc: GraphmaxLogitsProcessor) -> str:
+    """e.g. "context graphmax (tuned)": the decoder ``from_graph`` returned, and whether ``graphmax tune`` chose it."""
+    if isinstance(proc, ContextGraphmaxLogitsProcessor):
+        return "context graphmax" + (" (tuned)" if proc.config.source.get("tuned") else "")
+    return f"stored: graphmax λ={proc.lam:g}"

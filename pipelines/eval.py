@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
-from gm_solver import ContextConfig, GraphmaxLogitsProcessor, InterpolationLogitsProcessor, log_graphmax
+from gm_solver import (ContextGraphmaxLogitsProcessor, InterpolationLogitsProcessor, PaperGraphmaxLogitsProcessor,
+                       log_graphmax)
 
 from . import figures, report
 from .generate import decode_cost, generate_texts
@@ -90,17 +91,17 @@ def run_eval(args) -> Path:
 
     decoders: dict[str, tuple[str, object]] = {"softmax": ("baseline", None)}
     for lam in paper_lams:
-        decoders[f"paper graphmax Ã λ={lam:g}"] = ("paper", GraphmaxLogitsProcessor(setup.graph, lam=lam))
+        decoders[f"paper graphmax Ã λ={lam:g}"] = ("paper", PaperGraphmaxLogitsProcessor(setup.graph, lam=lam).warmup())
     for lam in paper_lams:
         if lam in args.mixture_lams:
-            decoders[f"paper graphmax Ã+Ã² λ={lam:g}"] = ("paper", GraphmaxLogitsProcessor(setup.mixture, lam=lam))
-    decoders["paper Algorithm 1 Ã λ=1"] = ("paper", GraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper"))
+            decoders[f"paper graphmax Ã+Ã² λ={lam:g}"] = ("paper", PaperGraphmaxLogitsProcessor(setup.mixture, lam=lam).warmup())
+    decoders["paper Algorithm 1 Ã λ=1"] = ("paper", PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper").warmup())
     for w in INTERP_WEIGHTS:
         decoders[f"interpolation w={w:g}"] = ("baseline", InterpolationLogitsProcessor(setup.graph, w))
     decoders["context graphmax, untuned defaults (ours)"] = (
-        "ours", GraphmaxLogitsProcessor(setup.graph, mode="context", context=ContextConfig()))
+        "ours", ContextGraphmaxLogitsProcessor(setup.graph).warmup())
     decoders["context graphmax, tuned (ours)"] = (
-        "ours", GraphmaxLogitsProcessor(setup.graph, mode="context", context=tuned))
+        "ours", ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup())
 
     ppl_rows, nll = [], {}
     for name, (family, proc) in decoders.items():
@@ -149,7 +150,7 @@ def run_eval(args) -> Path:
 
     traces = solver_traces(setup.graph, model, tok)
     top10 = top_tokens(model, tok, {"softmax": None, "paper graphmax Ã λ=1": decoders["paper graphmax Ã λ=1"][1]
-                                    if 1.0 in paper_lams else GraphmaxLogitsProcessor(setup.graph, lam=1.0),
+                                    if 1.0 in paper_lams else PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0),
                                     "context graphmax (ours)": decoders["context graphmax, tuned (ours)"][1]})
     write_tables(out, ppl_rows, gen_rows, tune_table)
     draw(out, lams, ppl_rows, gen_rows, softmax_ppl, traces, top10)

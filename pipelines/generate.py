@@ -1,17 +1,33 @@
-"""``graphmax generate``: continue prompts with a causal LM, with softmax or graphmax decoding."""
+"""``graphmax generate``: continue prompts with a causal LM, decoding with a graph's graphmax decoder.
+
+By default the decoder is the one ``graphmax tune`` stored in the graph (else context-aware graphmax with its
+defaults); ``--decoder paper|context`` picks one, and each takes only its own options.
+"""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from gm_graphs import load_graph
-from gm_solver import GraphmaxLogitsProcessor
+from gm_graphs import Graph, load_graph
+from gm_graphs.errors import GraphmaxError
+from gm_solver import (DIVERGENCES, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor,
+                       PaperGraphmaxLogitsProcessor)
 
 from .models import DEFAULT_MODEL, load_model
+
+DECODERS = {"paper": PaperGraphmaxLogitsProcessor, "context": ContextGraphmaxLogitsProcessor}
+# each decoder's options (argparse dest); --order/--mixture choose which operator of the graph the paper one uses
+OPTIONS = {
+    "paper": ("lam", "tol", "solver", "max_iter", "order", "mixture"),
+    "context": ("lam", "tol", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
+                "kappa", "alpha"),
+}
 
 
 def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_tokens: int = 32,
@@ -62,34 +78,100 @@ def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: in
             "implied_ratio": (base + own) / base}
 
 
+def _weights(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0.8,0.2, got {text!r}") from None
+
+
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="continue prompts with softmax and graphmax decoding")
+    p = sub.add_parser("generate", help="continue prompts with a graph's graphmax decoder (the tuned one by default)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (bundled), a .gguf file or a local folder")
-    p.add_argument("--graph", required=True, help="graph name or folder (built with the model's tokenizer)")
-    p.add_argument("--order", type=int, default=1, help="use Ãᵏ (default 1)")
-    p.add_argument("--mixture", type=int, default=None, help="use Ã+…+Ãⁿ")
-    p.add_argument("--lam", type=float, default=1.0, help="λ (0 = softmax)")
-    p.add_argument("--tol", type=float, default=1e-6, help="duality gap per step")
-    p.add_argument("--solver", default="auto", choices=["auto", "paper"])
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--sample", action="store_true", help="sample (top-k 50) instead of greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", action="store_true", help="also print the plain softmax continuation")
+    # the graph, and its decoder: each decoder's options are refused with the other (defaults: the stored choice)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--graph", metavar="NAME", help="graph name (under $GRAPHMAX_HOME/graphs), built with the "
+                                                       "model's tokenizer")
+    where.add_argument("--path", metavar="DIR", help="graph folder, instead of --graph NAME")
+    p.add_argument("--decoder", choices=tuple(DECODERS),
+                   help="default: the decoder `graphmax tune` stored in the graph, else context")
+    p.add_argument("--lam", type=float, help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
+    p.add_argument("--tol", type=float, help="duality gap per step (default 1e-6)")
+    p.add_argument("--solver", choices=PaperGraphmaxLogitsProcessor.SOLVERS,
+                   help="paper: certified mirror descent (auto) or the paper's Algorithm 1")
+    p.add_argument("--max-iter", type=int, help="paper: iterations per step (default 200)")
+    p.add_argument("--order", type=int, help="paper: use Ãᵏ (default 1)")
+    p.add_argument("--mixture", type=int, help="paper: use Ã+…+Ãⁿ")
+    p.add_argument("--divergence", choices=DIVERGENCES, help="context: D(x, q) (default rkl)")
+    p.add_argument("--kl-share", type=float, help="context: the share of λ on KL(x‖q) (default 0.15)")
+    p.add_argument("--ngram-order", type=int, help="context: longest n-gram conditioning q (default 4)")
+    p.add_argument("--order-weights", type=_weights, help="context: β_k for the token k back, e.g. 0.8,0.2")
+    p.add_argument("--smoothing", choices=ContextGraphmaxLogitsProcessor.SMOOTHINGS,
+                   help="context: the bigram row's smoothing (default kneser-ney)")
+    p.add_argument("--discount", type=float, help="context: Kneser–Ney's D (default 0.75)")
+    p.add_argument("--kappa", type=float, help="context: the Dirichlet prior κ (default 3)")
+    p.add_argument("--alpha", type=float, help="context: add-α of the unigram (default 0.5)")
     p.set_defaults(run=run)
 
 
+def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
+    """The graph, the decoder ``args`` ask for and where its settings come from; all checked before any model loads.
+
+    The graph's stored choice (``graphmax tune``) is the starting point when it is of the kind asked for (or no
+    kind is asked for); the options given override it. An option of the other decoder is an error.
+    """
+    source = Path(args.path) if args.path is not None else args.graph
+    graph = load_graph(source)
+    stored = graph.decoder.get("mode", "context") if graph.decoder else None
+    kind = args.decoder or stored or "context"
+    given = {name: getattr(args, name) for options in OPTIONS.values() for name in options
+             if getattr(args, name) is not None}
+    for name in given:
+        if name not in OPTIONS[kind]:
+            other = "paper" if kind == "context" else "context"
+            hint = "" if args.decoder else f" (this graph's {'stored' if stored else 'default'} decoder is {kind})"
+            raise GraphmaxError(f"--{name.replace('_', '-')} applies to --decoder {other}{hint}")
+    if kind == "paper" and (args.order is not None or args.mixture is not None):
+        graph = load_graph(source, order=args.order or 1, mixture=args.mixture)
+    settings = {k: v for k, v in given.items() if k not in ("order", "mixture")}
+    try:
+        if kind == stored:
+            proc, origin = GraphmaxLogitsProcessor.from_graph(graph, **settings), "stored by graphmax tune"
+        else:
+            proc = DECODERS[kind](graph, **settings)
+            origin = "defaults" + (f" (the graph stores a {stored} decoder)" if stored else "")
+    except (TypeError, ValueError) as e:
+        raise GraphmaxError(str(e)) from e
+    if settings:
+        origin += ", with " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in settings.items())
+    return graph, proc, origin
+
+
+def _show(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def run(args) -> int:
+    graph, proc, origin = build_decoder(args)  # the graph and every option are checked before the model loads
     model, tok = load_model(args.model)
-    graph = load_graph(args.graph, args.order, args.mixture, tokenizer=tok)
-    proc = GraphmaxLogitsProcessor(graph, lam=args.lam, tol=args.tol, solver=args.solver)
+    graph.check_tokenizer(tok)
+    proc.warmup()  # numba's kernels compile (or load from its cache) here, not inside the timed generate()
+    label = "paper graphmax" if isinstance(proc, PaperGraphmaxLogitsProcessor) else "context graphmax"
+    print(f"decoder: {proc!r}\n  settings: {origin}")
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)
     plain, plain_ms = generate_texts(model, tok, args.prompt, None, **kw) if args.compare else (None, None)
     for i, prompt in enumerate(args.prompt):
         print(f"prompt: {prompt}")
         if plain is not None:
-            print(f"  softmax         : {plain[i].strip()}")
-        print(f"  graphmax λ={args.lam:<5g}: {texts[i].strip()}")
-    print(f"time per token: graphmax {ms:.1f} ms" + (f", softmax {plain_ms:.1f} ms" if plain_ms else ""))
+            print(f"  {'softmax':<{len(label)}} : {plain[i].strip()}")
+        print(f"  {label} : {texts[i].strip()}")
+    print(f"time per token: {label} {ms:.1f} ms" + (f", softmax {plain_ms:.1f} ms" if plain_ms else ""))
     return 0

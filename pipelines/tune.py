@@ -15,7 +15,7 @@ import dataclasses
 
 from gm_graphs import load_graph
 from gm_graphs.corpus import ReadStats, expand_corpus, iter_documents
-from gm_solver import ContextConfig, GraphmaxLogitsProcessor
+from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor
 from tqdm.auto import tqdm
 
 from .heldout import HeldOut, perplexity, score_documents
@@ -37,7 +37,7 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
 
     def ppl(cfg: ContextConfig) -> float:
         if cfg not in tried:
-            tried[cfg] = perplexity(heldout, GraphmaxLogitsProcessor(graph, mode="context", context=cfg))
+            tried[cfg] = perplexity(heldout, ContextGraphmaxLogitsProcessor.from_config(graph, cfg))
             bar.update(1)
             bar.set_postfix(best=f"{min(tried.values()):.2f}", refresh=False)
         return tried[cfg]

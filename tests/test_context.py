@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import scipy.optimize
@@ -12,8 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import load_graph
-from gm_solver import (DIVERGENCES, ContextConfig, ContextReference, GraphmaxLogitsProcessor,
+from gm_solver import (DIVERGENCES, ContextConfig, ContextGraphmaxLogitsProcessor, ContextReference,
                        InterpolationLogitsProcessor, certificate_toward, solve_toward)
 
 COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],
@@ -221,25 +218,17 @@ def test_dirichlet_rows_and_unseen_contexts_back_off_to_the_unigram():
 def test_context_processor_lambda_zero_is_softmax_and_inputs_are_not_edited():
     scores = torch.randn(2, 5)
     before = scores.clone()
-    proc = GraphmaxLogitsProcessor(COUNTS, mode="context", context=ContextConfig(lam=0.0))
+    proc = ContextGraphmaxLogitsProcessor(COUNTS, lam=0.0)
     out = proc(torch.tensor([[0], [1]]), scores)
     assert torch.equal(out, torch.log_softmax(scores, -1)) and torch.equal(scores, before)
 
 
 def test_context_processor_moves_mass_toward_the_corpus_continuation():
     scores = torch.zeros(1, 5)
-    proc = GraphmaxLogitsProcessor(COUNTS, mode="context", context=ContextConfig(lam=2.0))
+    proc = ContextGraphmaxLogitsProcessor(COUNTS, lam=2.0)
     out = proc(torch.tensor([[0]]), scores).exp()[0]
     assert out.argmax().item() == 1  # after token 0 the corpus continues with 1 (5 of 6 times)
     assert proc.last_info.gap.max().item() <= 1e-6
-
-
-@pytest.mark.parametrize("kwargs, error", [
-    (dict(mode="other"), "`mode`"), (dict(context=ContextConfig()), "only used with mode='context'"),
-])
-def test_processor_mode_is_validated(kwargs, error):
-    with pytest.raises(ValueError, match=error):
-        GraphmaxLogitsProcessor(COUNTS, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, error", [
@@ -260,33 +249,3 @@ def test_interpolation_is_the_mixture_of_softmax_and_the_reference():
     assert torch.allclose(proc(torch.tensor([[2]]), scores).exp(), expected)
     with pytest.raises(ValueError, match="weight"):
         InterpolationLogitsProcessor(COUNTS, weight=1.5)
-
-
-@pytest.mark.slow
-def test_tuned_choice_round_trips_through_the_manifest(drug_graph, tmp_path):
-    import shutil
-
-    path = tmp_path / "g"
-    shutil.copytree(drug_graph.path, path)
-    graph = load_graph(path)
-    assert graph.decoder is None
-    default = GraphmaxLogitsProcessor.from_graph(graph)
-    assert default.mode == "context" and default.context == ContextConfig()
-    chosen = ContextConfig(divergence="l2", lam=0.7, kl_share=0.2, order_weights=(0.8, 0.2), kappa=10.0,
-                           ngram_order=3, source={"tuned": True})
-    graph.set_decoder({"mode": "context", **chosen.to_dict()})
-    reloaded = GraphmaxLogitsProcessor.from_graph(load_graph(path))
-    assert reloaded.context == chosen and reloaded.context.source == {"tuned": True}
-    assert load_graph(path).matrix.nnz == drug_graph.matrix.nnz  # the arrays are untouched and still verify
-    graph.set_decoder({"mode": "paper", "lam": 0.3})
-    paper = GraphmaxLogitsProcessor.from_graph(load_graph(path))
-    assert paper.mode == "paper" and paper.lam == 0.3
-    assert dataclasses.asdict(chosen)["lam"] == 0.7
-    # a choice stored before Kneser–Ney existed keeps the Dirichlet prior it was tuned with
-    graph.set_decoder({"mode": "context", "divergence": "rkl", "lam": 1.0, "order_weights": [1.0], "kappa": 3.0})
-    old = GraphmaxLogitsProcessor.from_graph(load_graph(path)).context
-    assert old.smoothing == "dirichlet" and old.kl_share == 0.0  # nor a share of λ on KL(x‖q)
-    # … and one stored when only a trigram table existed keeps its switch as an n-gram order
-    for switch, order in ((True, 3), (False, 2)):
-        graph.set_decoder({"mode": "context", "smoothing": "kneser-ney", "trigrams": switch})
-        assert GraphmaxLogitsProcessor.from_graph(load_graph(path)).context.ngram_order == order

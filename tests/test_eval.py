@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs import bundled, load_graph
-from gm_solver import ContextConfig, GraphmaxLogitsProcessor
+from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 from pipelines.cli import main
 from pipelines.heldout import paired_nll_difference, perplexity, score_documents
 
@@ -46,8 +46,8 @@ def test_heldout_perplexity_at_lambda_zero_is_the_plain_lms(smollm2, drug_graph)
         nll += float(loss) * (ids.shape[1] - 1)
         count += ids.shape[1] - 1
     assert plain == pytest.approx(math.exp(nll / count), rel=1e-4)
-    assert perplexity(held, GraphmaxLogitsProcessor(drug_graph, lam=0.0)) == pytest.approx(plain, rel=1e-5)  # float32 scores
-    ctx0 = GraphmaxLogitsProcessor(drug_graph, mode="context", context=ContextConfig(lam=0.0))
+    assert perplexity(held, PaperGraphmaxLogitsProcessor(drug_graph, lam=0.0)) == pytest.approx(plain, rel=1e-5)  # float32 scores
+    ctx0 = ContextGraphmaxLogitsProcessor(drug_graph, lam=0.0)
     assert perplexity(held, ctx0) == pytest.approx(plain, rel=1e-5)  # float32 scores
 
 
@@ -64,8 +64,8 @@ def test_tune_stores_its_choice_and_from_graph_uses_it(smollm2, drug_graph, tmp_
     stored = load_graph(path).decoder
     assert stored["mode"] == "context" and stored["source"]["tuned"] and stored["source"]["positions"] == 12
     proc = GraphmaxLogitsProcessor.from_graph(load_graph(path))
-    assert proc.context.lam == stored["lam"] and proc.context.divergence == stored["divergence"]
-    assert proc.context.kl_share == stored["kl_share"]
+    assert proc.config.lam == stored["lam"] and proc.config.divergence == stored["divergence"]
+    assert proc.config.kl_share == stored["kl_share"]
 
 
 def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_solver import TransitionOperator, certificate, dual, graphmax, log_graphmax, primal
+from gm_solver import TransitionOperator, certificate, graphmax, log_graphmax
+from gm_solver.objective import dual, primal
 from gm_solver.solvers import mirror_descent, project_simplex
 
 LAMS = [0.1, 1.0, 10.0]
@@ -236,7 +237,7 @@ def test_real_graph_and_real_logits(drug_graph, smollm2, lam):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the device tool lends one to some sessions)")
 @pytest.mark.parametrize("check_every", [None, 0])
 def test_cuda_agrees_with_cpu(check_every):
-    from gm_solver import GraphmaxLogitsProcessor
+    from gm_solver import PaperGraphmaxLogitsProcessor
 
     a = random_graph(60, 0.1, 8)
     z = torch.randn(5, 64, dtype=torch.float64) * 3  # wider than the graph, as padded vocabularies are
@@ -246,7 +247,7 @@ def test_cuda_agrees_with_cpu(check_every):
     assert gpu.device.type == "cuda" and bool(info.converged.all())
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-6, rtol=0)
     assert gpu[0, 3].item() == 0.0
-    proc = GraphmaxLogitsProcessor(a, lam=1.0, device="cuda", check_every=check_every, max_iter=100)
+    proc = PaperGraphmaxLogitsProcessor(a, lam=1.0, device="cuda", check_every=check_every, max_iter=100)
     ids = torch.zeros(5, 2, dtype=torch.long)
     torch.testing.assert_close(proc(ids.cuda(), z.float().cuda()).exp().cpu(),
-                               GraphmaxLogitsProcessor(a, lam=1.0)(ids, z.float()).exp(), atol=1e-5, rtol=0)
+                               PaperGraphmaxLogitsProcessor(a, lam=1.0)(ids, z.float()).exp(), atol=1e-5, rtol=0)
