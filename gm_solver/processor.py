@@ -96,7 +96,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
             >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 1, 0]], dtype=float)
             >>> GraphmaxLogitsProcessor.from_graph(counts, lam=2.0)    # never tuned: the context decoder's defaults
             ContextGraphmaxLogitsProcessor(divergence='rkl', lam=2.0, kl_share=0.15, ngram_order=4, \
-order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.5, tol=1e-06)
+order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.5)
         """
         stored = dict(getattr(graph, "decoder", None) or {})
         target = PaperGraphmaxLogitsProcessor if stored.pop("mode", "context") == "paper" else \
@@ -261,7 +261,9 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
     z the step's scores, m = ``kl_share`` and q = q(· | input_ids) the corpus' next-token distribution for the
     current context (``gm_solver.context``): the Kneser–Ney-smoothed bigram row of the previous token,
     conditioned on up to ``ngram_order`` − 1 tokens where the graph stores n-gram tables, mixed with the rows of
-    Ãᵏ for the tokens k back by ``order_weights``. Every step carries its certified duality gap in ``last_info``.
+    Ãᵏ for the tokens k back by ``order_weights``. Each step is solved to rounding (its search for the normaliser
+    stops at |log Σx| ≤ 1e-7/max(1, λ); certified gaps are ~1e-15, in ``last_info.gap``), so unlike the paper's
+    decoder it has no tolerance or iteration budget to set.
     Scores wider than the graph (padded vocabularies) treat the extra ids as tokens the corpus never continues
     with. Without ``graphmax tune`` the defaults are what the README's evaluation measured (rkl, λ = 1.2,
     m = 0.15, Kneser–Ney D = 0.75); :meth:`from_graph` uses the tuned choice.
@@ -286,9 +288,6 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         kappa (``float``, defaults to 3.0): κ > 0, the Dirichlet prior of ``smoothing="dirichlet"`` and of the
             orders k ≥ 2.
         alpha (``float``, defaults to 0.5): α > 0, the add-α smoothing of the unigram every row backs off to.
-        tol (``float``, defaults to 1e-6): the duality gap below which a step counts as converged in
-            ``last_info.converged``. (The search stops on its own criterion, |log Σx| ≤ 1e-7, which certifies
-            far below 1e-6: ``lambert_kernel.NU_TOL``.)
         tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused
             (``graph`` must then be a ``gm_graphs.Graph``).
 
@@ -314,8 +313,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
 
     def __init__(self, graph: Any, *, divergence: str = "rkl", lam: float = 1.2, kl_share: float = 0.15,
                  ngram_order: int = 4, order_weights: tuple[float, ...] = (1.0,), smoothing: str = "kneser-ney",
-                 discount: float = 0.75, kappa: float = 3.0, alpha: float = 0.5, tol: float = 1e-6,
-                 tokenizer: Any = None):
+                 discount: float = 0.75, kappa: float = 3.0, alpha: float = 0.5, tokenizer: Any = None):
         divergence = _choice("divergence", divergence, DIVERGENCES)
         lam = _real("lam", lam, "a finite float >= 0 (0 gives softmax)", _finite_nonnegative)
         kl_share = _real("kl_share", kl_share, "a float in [0, 1] (the share of λ on KL(x‖q))", lambda v: 0 <= v <= 1)
@@ -325,7 +323,6 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         discount = _real("discount", discount, "a float in (0, 1) (Kneser–Ney's D)", lambda v: 0 < v < 1)
         kappa = _real("kappa", kappa, "a finite float > 0 (the Dirichlet prior's strength)", _finite_positive)
         alpha = _real("alpha", alpha, "a finite float > 0 (add-α on the unigram)", _finite_positive)
-        self.tol = _real("tol", tol, "a finite float > 0", _finite_positive)
         tables = _ngram_tables(graph)
         in_use = [n for n in tables if n <= ngram_order]
         if ngram_order > max(tables, default=2):
@@ -355,14 +352,13 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         self.last_info = None
 
     @classmethod
-    def from_config(cls, graph: Any, config: ContextConfig, *, tol: float = 1e-6,
-                    tokenizer: Any = None) -> ContextGraphmaxLogitsProcessor:
+    def from_config(cls, graph: Any, config: ContextConfig, *, tokenizer: Any = None) -> ContextGraphmaxLogitsProcessor:
         """The decoder with the settings of ``config`` (what ``graphmax tune`` chooses and stores).
 
         Args:
             graph (``gm_graphs.Graph`` or scipy sparse matrix): as for the constructor.
             config (``ContextConfig``): the settings; its ``source`` is kept as ``self.config.source``.
-            tol (``float``, defaults to 1e-6), tokenizer (defaults to ``None``): as for the constructor.
+            tokenizer (defaults to ``None``): as for the constructor.
 
         Returns:
             ``ContextGraphmaxLogitsProcessor`` whose ``config`` equals ``config``.
@@ -379,7 +375,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
             raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
         settings = config.to_dict()
         source = settings.pop("source")
-        proc = cls(graph, **settings, tol=tol, tokenizer=tokenizer)
+        proc = cls(graph, **settings, tokenizer=tokenizer)
         proc._set_source(source)
         return proc
 
@@ -389,7 +385,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         cfg = self.config
-        check_logits(scores, cfg.lam, self.tol, "auto", sync=True)
+        check_logits(scores, cfg.lam, 1e-6, "auto", sync=True)  # the scores' checks (λ was checked in __init__)
         if scores.shape[-1] < self.reference.n:
             raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.reference.n} nodes; "
                              f"rebuild the graph with this model's tokenizer")
@@ -397,7 +393,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
             return torch.log_softmax(scores, -1)
         z = scores.to(torch.float64)
         q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
-        logp, self.last_info = solve_toward(z, q, cfg.lam, cfg.divergence, kl_share=cfg.kl_share, tol=self.tol)
+        logp, self.last_info = solve_toward(z, q, cfg.lam, cfg.divergence, kl_share=cfg.kl_share)
         return logp.to(scores.dtype)
 
     def _shape(self) -> tuple[int, torch.device]:
@@ -407,7 +403,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         c = self.config
         return {"divergence": c.divergence, "lam": c.lam, "kl_share": c.kl_share, "ngram_order": c.ngram_order,
                 "order_weights": c.order_weights, "smoothing": c.smoothing, "discount": c.discount,
-                "kappa": c.kappa, "alpha": c.alpha, "tol": self.tol}
+                "kappa": c.kappa, "alpha": c.alpha}
 
 
 def _order_weights(value: Any) -> tuple[float, ...]:

@@ -25,7 +25,7 @@ DECODERS = {"paper": PaperGraphmaxLogitsProcessor, "context": ContextGraphmaxLog
 # each decoder's options (argparse dest); --order/--mixture choose which operator of the graph the paper one uses
 OPTIONS = {
     "paper": ("lam", "tol", "solver", "max_iter", "order", "mixture"),
-    "context": ("lam", "tol", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
+    "context": ("lam", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
                 "kappa", "alpha"),
 }
 
@@ -101,7 +101,7 @@ def register(sub) -> None:
     p.add_argument("--decoder", choices=tuple(DECODERS),
                    help="default: the decoder `graphmax tune` stored in the graph, else context")
     p.add_argument("--lam", type=float, help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
-    p.add_argument("--tol", type=float, help="duality gap per step (default 1e-6)")
+    p.add_argument("--tol", type=float, help="paper: duality gap per step (default 1e-6)")
     p.add_argument("--solver", choices=PaperGraphmaxLogitsProcessor.SOLVERS,
                    help="paper: certified mirror descent (auto) or the paper's Algorithm 1")
     p.add_argument("--max-iter", type=int, help="paper: iterations per step (default 200)")

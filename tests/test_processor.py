@@ -1,18 +1,30 @@
-"""GraphmaxLogitsProcessor inside generate(): greedy, sampling, beam search, batches, encoder-decoder, real SmolLM2."""
+"""The two graphmax decoders as logits processors: their arguments, from_graph, the lazy import, and generate()."""
 
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, T5Config,
                           T5ForConditionalGeneration, TemperatureLogitsWarper, TopKLogitsWarper)
 
-from gm_solver import GraphmaxLogitsProcessor, graphmax
+from gm_graphs import add_ngrams, count_corpus, load_graph, write_graph
+from gm_solver import (ContextConfig, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor,
+                       PaperGraphmaxLogitsProcessor, graphmax)
 
-from .test_solver import random_graph
+from .conftest import make_docs
 
 VOCAB = 64
+COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],
+                                 [2, 0, 0, 3, 0],
+                                 [0, 0, 0, 0, 4],
+                                 [1, 1, 1, 1, 0],
+                                 [0, 0, 0, 0, 0]], dtype=float))
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +43,98 @@ def graph():
     return sp.csr_matrix(([1.0] * (n - 1), (list(range(n - 1)), list(range(1, n)))), shape=(n, n))
 
 
-def test_returns_log_probabilities_without_editing_scores(graph):
-    proc = GraphmaxLogitsProcessor(graph, lam=1.0)
+@pytest.fixture(scope="module")
+def small_graph(tmp_path_factory, bpe_tokenizer_file):
+    """A real graph folder (Ã and Ã², n-gram tables of orders 3 and 4) over the 300-token test tokenizer."""
+    root = tmp_path_factory.mktemp("small")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(make_docs(300, seed=3)) + "\n")
+    g = write_graph(count_corpus(corpus, bpe_tokenizer_file, progress=False), root / "g", orders=(1, 2),
+                    progress=False)
+    add_ngrams(g, corpus, bpe_tokenizer_file, (3, 4), progress=False)
+    return load_graph(root / "g")
+
+
+def _ids(*rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows)
+
+
+# ---- the base class, from_graph and the lazy import
+
+
+def test_the_base_class_is_not_constructed_and_names_what_to_use(graph):
+    with pytest.raises(TypeError, match="PaperGraphmaxLogitsProcessor.*ContextGraphmaxLogitsProcessor.*from_graph"):
+        GraphmaxLogitsProcessor(graph, lam=1.0)
+    assert isinstance(PaperGraphmaxLogitsProcessor(graph), GraphmaxLogitsProcessor)
+    assert isinstance(ContextGraphmaxLogitsProcessor(COUNTS), GraphmaxLogitsProcessor)
+
+
+def test_import_gm_solver_does_not_import_transformers_and_exports_no_internals():
+    code = ("import sys, gm_solver; assert 'transformers' not in sys.modules, 'imported'; "
+            "assert not any(hasattr(gm_solver, n) for n in ('primal', 'dual', 'project_simplex', 'get_operator')); "
+            "[getattr(gm_solver, n) for n in gm_solver.__all__]; assert 'transformers' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    import gm_solver
+
+    assert set(gm_solver.__all__) <= set(dir(gm_solver))
+    with pytest.raises(AttributeError, match="no attribute 'primal'"):
+        gm_solver.primal  # noqa: B018 (the attribute access is the test)
+
+
+def test_from_graph_round_trips_the_stored_choice(small_graph, tmp_path):
+    import shutil
+
+    path = tmp_path / "g"
+    shutil.copytree(small_graph.path, path)
+    graph = load_graph(path)
+    default = GraphmaxLogitsProcessor.from_graph(graph)
+    assert type(default) is ContextGraphmaxLogitsProcessor and default.config == ContextConfig()
+    assert default.config.source == {"tuned": False}
+    chosen = ContextConfig(divergence="l2", lam=0.7, kl_share=0.2, order_weights=(0.8, 0.2), kappa=10.0,
+                           ngram_order=3, source={"tuned": True})
+    graph.set_decoder({"mode": "context", **chosen.to_dict()})
+    reloaded = GraphmaxLogitsProcessor.from_graph(load_graph(path))
+    assert reloaded.config == chosen and reloaded.config.source == {"tuned": True}
+    assert load_graph(path).counts.nnz == small_graph.counts.nnz  # the arrays are untouched and still verify
+    # arguments override the stored settings, and the record says which
+    louder = GraphmaxLogitsProcessor.from_graph(load_graph(path), lam=2.0)
+    assert louder.config == ContextConfig(**{**chosen.to_dict(), "lam": 2.0})
+    assert louder.config.source == {"tuned": True, "overridden": ["lam"]}
+    with pytest.raises(TypeError, match="`solver` is not an argument of ContextGraphmaxLogitsProcessor"):
+        GraphmaxLogitsProcessor.from_graph(load_graph(path), solver="paper")
+    graph.set_decoder({"mode": "paper", "lam": 0.3})
+    paper = GraphmaxLogitsProcessor.from_graph(load_graph(path), tol=1e-4)
+    assert type(paper) is PaperGraphmaxLogitsProcessor and (paper.lam, paper.tol) == (0.3, 1e-4)
+    # a choice stored before Kneser–Ney existed keeps the Dirichlet prior it was tuned with, and no KL(x‖q) share
+    graph.set_decoder({"mode": "context", "divergence": "rkl", "lam": 1.0, "order_weights": [1.0], "kappa": 3.0})
+    old = GraphmaxLogitsProcessor.from_graph(load_graph(path)).config
+    assert old.smoothing == "dirichlet" and old.kl_share == 0.0
+    # … and one stored when only a trigram table existed keeps its switch as an n-gram order
+    for switch, order in ((True, 3), (False, 2)):
+        graph.set_decoder({"mode": "context", "smoothing": "kneser-ney", "trigrams": switch})
+        assert GraphmaxLogitsProcessor.from_graph(load_graph(path)).config.ngram_order == order
+
+
+def test_from_config_keeps_the_config_and_checks_its_type():
+    cfg = ContextConfig(divergence="kl", lam=0.5, kl_share=0.0, source={"tuned": True, "perplexity": 3.0})
+    proc = ContextGraphmaxLogitsProcessor.from_config(COUNTS, cfg)
+    assert proc.config == cfg and proc.config.source == cfg.source and proc.reference.config == cfg
+    with pytest.raises(TypeError, match="`config` must be a ContextConfig"):
+        ContextGraphmaxLogitsProcessor.from_config(COUNTS, {"lam": 1.0})
+
+
+def test_repr_names_the_decoder_and_every_setting(graph):
+    assert repr(PaperGraphmaxLogitsProcessor(graph, lam=2.0)) == \
+        "PaperGraphmaxLogitsProcessor(lam=2.0, tol=1e-06, solver='auto', max_iter=200)"
+    assert repr(ContextGraphmaxLogitsProcessor(COUNTS, divergence="l2")).startswith(
+        "ContextGraphmaxLogitsProcessor(divergence='l2', lam=1.2, kl_share=0.15, ngram_order=4,")
+
+
+# ---- the paper's decoder
+
+
+def test_paper_returns_log_probabilities_without_editing_scores(graph):
+    proc = PaperGraphmaxLogitsProcessor(graph, lam=1.0)
     scores = torch.randn(2, VOCAB)
     before = scores.clone()
     out = proc(torch.zeros(2, 3, dtype=torch.long), scores)
@@ -42,13 +144,156 @@ def test_returns_log_probabilities_without_editing_scores(graph):
     assert (proc.last_info.gap <= 1e-6).all()
 
 
-@pytest.mark.parametrize("kwargs,error", [
-    ({"lam": -1.0}, "`lam`"), ({"tol": 0.0}, "`tol`"), ({"solver": "newton"}, "`solver`"),
-    ({"max_iter": 0}, "`max_iter`"),
+@pytest.mark.parametrize("kwargs, error", [
+    ({"lam": -1.0}, "`lam` must be a finite float >= 0 .*, got -1.0"), ({"lam": math.inf}, "`lam`.*got inf"),
+    ({"lam": math.nan}, "`lam`.*got nan"), ({"lam": "1"}, "`lam`.*got '1'"), ({"lam": True}, "`lam`.*got True"),
+    ({"tol": 0.0}, "`tol` must be a finite float > 0, got 0.0"), ({"tol": math.inf}, "`tol`.*got inf"),
+    ({"solver": "newton"}, "`solver` must be one of .*'paper'.*got 'newton'"),
+    ({"max_iter": 0}, "`max_iter` must be an int >= 1, got 0"), ({"max_iter": 2.5}, "`max_iter`.*got 2.5"),
+    ({"check_every": -1}, "`check_every` must be None or an int >= 0.*got -1"),
+    ({"device": "gpu"}, "`device` must be a torch.device or its name.*got 'gpu'"),
+    ({"tokenizer": "smollm2"}, "`tokenizer` can only be checked against a gm_graphs.Graph, got a csr_matrix"),
+    # the paper's Algorithm 1 has its own step count and stopping rule
+    ({"solver": "paper", "tol": 1e-3}, "`tol`=0.001 has no effect with solver='paper'"),
+    ({"solver": "paper", "max_iter": 50}, "`max_iter`=50 has no effect with solver='paper'"),
+    ({"solver": "paper", "check_every": 0}, "`check_every`=0 has no effect with solver='paper'"),
 ])
-def test_arguments_are_validated_in_init(graph, kwargs, error):
+def test_paper_arguments_are_validated_in_init(graph, kwargs, error):
     with pytest.raises(ValueError, match=error):
-        GraphmaxLogitsProcessor(graph, **kwargs)
+        PaperGraphmaxLogitsProcessor(graph, **kwargs)
+
+
+def test_paper_refuses_a_device_it_cannot_use(graph):
+    from gm_solver import TransitionOperator
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="`device`='cuda' but CUDA is not available"):
+            PaperGraphmaxLogitsProcessor(graph, device="cuda")
+    with pytest.raises(ValueError, match="differs from the TransitionOperator's device"):
+        PaperGraphmaxLogitsProcessor(TransitionOperator(graph), device="meta")
+    with pytest.raises(TypeError, match="graph must be"):
+        PaperGraphmaxLogitsProcessor([[0, 1], [1, 0]])
+
+
+def test_every_paper_argument_changes_the_output_or_reaches_the_solver(graph, small_graph, bpe_tokenizer,
+                                                                         smollm2_tokenizer, monkeypatch):
+    torch.manual_seed(1)
+    scores, ids = torch.randn(3, VOCAB) * 3, torch.zeros(3, 2, dtype=torch.long)
+    base = PaperGraphmaxLogitsProcessor(graph)(ids, scores)
+    for kwargs in ({"lam": 3.0}, {"tol": 1e-2}, {"solver": "paper"}, {"max_iter": 2}):
+        assert not torch.allclose(PaperGraphmaxLogitsProcessor(graph, **kwargs)(ids, scores), base, atol=1e-7), kwargs
+    # check_every and device change where and how often the solve synchronises, not its result
+    import gm_solver.processor as module
+
+    seen = {}
+    solve = module.log_graphmax
+    monkeypatch.setattr(module, "log_graphmax", lambda *a, **kw: seen.update(kw) or solve(*a, **kw))
+    out = PaperGraphmaxLogitsProcessor(graph, check_every=0)(ids, scores)
+    assert seen["check_every"] == 0 and torch.allclose(out, base, atol=1e-6)
+    assert PaperGraphmaxLogitsProcessor(graph, device="cpu").operator.device == torch.device("cpu")
+    # tokenizer: the graph's own passes, another vocabulary is refused
+    PaperGraphmaxLogitsProcessor(small_graph, tokenizer=bpe_tokenizer)
+    with pytest.raises(ValueError, match="was built with the tokenizer"):
+        PaperGraphmaxLogitsProcessor(small_graph, tokenizer=smollm2_tokenizer)
+
+
+# ---- the context decoder
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"divergence": "js"}, "`divergence` must be one of \\('kl', 'rkl', 'l2'\\), got 'js'"),
+    ({"lam": -0.5}, "`lam` must be a finite float >= 0 .*got -0.5"), ({"lam": math.inf}, "`lam`.*got inf"),
+    ({"kl_share": 1.5}, "`kl_share` must be a float in \\[0, 1\\].*got 1.5"), ({"kl_share": math.nan}, "`kl_share`"),
+    ({"ngram_order": 1}, "`ngram_order` must be an int >= 2.*got 1"), ({"ngram_order": 3.0}, "`ngram_order`.*3.0"),
+    ({"order_weights": ()}, "`order_weights` must be .*got \\(\\)"), ({"order_weights": (1, -1)}, "`order_weights`"),
+    ({"order_weights": (0.0,)}, "positive sum"), ({"order_weights": "1"}, "`order_weights`.*got '1'"),
+    ({"order_weights": 1.0}, "`order_weights`.*got 1.0"),
+    ({"smoothing": "witten-bell"}, "`smoothing` must be one of .*got 'witten-bell'"),
+    ({"discount": 1.0}, "`discount` must be a float in \\(0, 1\\).*got 1.0"),
+    ({"kappa": 0.0}, "`kappa` must be a finite float > 0.*got 0.0"), ({"alpha": -1}, "`alpha`.*got -1"),
+    ({"tokenizer": "smollm2"}, "`tokenizer` can only be checked against a gm_graphs.Graph"),
+    # a setting that another one switches off
+    ({"kappa": 10.0}, "`kappa`=10.0 has no effect with smoothing='kneser-ney' and one order"),
+    ({"smoothing": "dirichlet", "discount": 0.5}, "`discount`=0.5 has no effect with smoothing='dirichlet'"),
+    ({"ngram_order": 3}, "`ngram_order`=3 has no effect on a graph whose n-gram tables are none"),
+    ({"divergence": "kl", "kl_share": 0.3}, "`kl_share`=0.3 has no effect with divergence='kl'"),
+    ({"divergence": "l2", "kl_share": 1.0}, "`divergence`='l2' has no effect at kl_share=1"),
+])
+def test_context_arguments_are_validated_in_init(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        ContextGraphmaxLogitsProcessor(COUNTS, **kwargs)
+
+
+def test_context_takes_the_graphs_counts_at_order_one_only(small_graph):
+    with pytest.raises(TypeError, match="`graph` must be a gm_graphs.Graph or a square scipy sparse count matrix"):
+        ContextGraphmaxLogitsProcessor(torch.eye(3).to_sparse_csr())
+    with pytest.raises(ValueError, match="`graph` is loaded as order2.*load_graph\\(name\\)"):
+        ContextGraphmaxLogitsProcessor(load_graph(small_graph.path, order=2))
+    with pytest.raises(ValueError, match="`ngram_order`=5 has no effect on a graph whose n-gram tables are \\[3, 4\\]"):
+        ContextGraphmaxLogitsProcessor(small_graph, ngram_order=5)
+    # what the switched-off settings need is there: accepted
+    ContextGraphmaxLogitsProcessor(small_graph, smoothing="dirichlet", discount=0.5)   # the n-gram tables' D
+    ContextGraphmaxLogitsProcessor(COUNTS, kappa=10.0, order_weights=(0.8, 0.2))        # Ã² rows' prior
+    ContextGraphmaxLogitsProcessor(COUNTS, divergence="kl", kl_share=0.0)
+
+
+def test_every_context_argument_changes_the_output(small_graph, bpe_tokenizer, smollm2_tokenizer):
+    torch.manual_seed(2)
+    n = small_graph.vocab_size
+    scores = torch.randn(2, n) * 2
+    ids = torch.tensor([bpe_tokenizer(text)["input_ids"][-3:] for text in ("the movie was really", "I loved it so")])
+
+    def out(**kwargs):
+        return ContextGraphmaxLogitsProcessor(small_graph, **kwargs)(ids, scores)
+
+    base = out()
+    changes = [{"divergence": "l2"}, {"lam": 0.5}, {"kl_share": 0.4}, {"ngram_order": 3}, {"order_weights": (0.7, 0.3)},
+               {"smoothing": "dirichlet"}, {"discount": 0.5}, {"alpha": 5.0},
+               {"smoothing": "dirichlet", "kappa": 30.0}, {"order_weights": (0.7, 0.3), "kappa": 30.0}]
+    for kwargs in changes:
+        assert not torch.allclose(out(**kwargs), base, atol=1e-6), kwargs
+    assert not torch.allclose(out(smoothing="dirichlet", kappa=30.0), out(smoothing="dirichlet"), atol=1e-6)
+    assert not torch.allclose(out(order_weights=(0.7, 0.3), kappa=30.0), out(order_weights=(0.7, 0.3)), atol=1e-6)
+    ContextGraphmaxLogitsProcessor(small_graph, tokenizer=bpe_tokenizer)
+    with pytest.raises(ValueError, match="was built with the tokenizer"):
+        ContextGraphmaxLogitsProcessor(small_graph, tokenizer=smollm2_tokenizer)
+
+
+@pytest.mark.parametrize("make", [lambda g: PaperGraphmaxLogitsProcessor(g), lambda g: ContextGraphmaxLogitsProcessor(g)],
+                         ids=["paper", "context"])
+@pytest.mark.parametrize("bad, error", [
+    (math.nan, "logits contain NaN"), (math.inf, "logits contain \\+inf"),
+    ("row", "a row of logits is entirely -inf"),
+])
+def test_both_decoders_refuse_bad_scores_alike(make, bad, error):
+    proc = make(COUNTS)
+    scores = torch.zeros(2, 5)
+    if bad == "row":
+        scores[1] = -math.inf
+    else:
+        scores[1, 2] = bad
+    with pytest.raises(ValueError, match=error):
+        proc(_ids([0], [1]), scores)
+
+
+def test_context_lambda_zero_is_softmax_and_narrow_scores_are_refused():
+    scores = torch.randn(2, 7)
+    assert torch.equal(ContextGraphmaxLogitsProcessor(COUNTS, lam=0.0)(_ids([0], [1]), scores),
+                       torch.log_softmax(scores, -1))
+    with pytest.raises(ValueError, match="scores have 4 entries but the graph has 5 nodes"):
+        ContextGraphmaxLogitsProcessor(COUNTS)(_ids([0]), torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("make", [lambda g: PaperGraphmaxLogitsProcessor(g, lam=2.0),
+                                  lambda g: ContextGraphmaxLogitsProcessor(g, lam=2.0)], ids=["paper", "context"])
+def test_warmup_returns_the_processor_and_leaves_no_trace(make):
+    proc = make(COUNTS)
+    assert proc.warmup() is proc and proc.last_info is None
+    scores = torch.randn(1, 5)
+    torch.testing.assert_close(proc(_ids([0, 1]), scores), make(COUNTS)(_ids([0, 1]), scores))
+
+
+# ---- inside generate()
 
 
 def _gen(model, ids, proc, **kw):
@@ -57,14 +302,17 @@ def _gen(model, ids, proc, **kw):
     return model.generate(ids, logits_processor=procs, max_new_tokens=6, min_new_tokens=6, pad_token_id=0, **kw)
 
 
-def test_greedy_sampling_and_beam_search(tiny_llama, graph):
+@pytest.mark.parametrize("decoder", ["paper", "context"])
+def test_greedy_sampling_and_beam_search(tiny_llama, graph, decoder):
     ids = torch.tensor([[5, 9, 13]])
-    proc = GraphmaxLogitsProcessor(graph, lam=5.0)
+    if decoder == "paper":
+        proc, off = PaperGraphmaxLogitsProcessor(graph, lam=5.0), PaperGraphmaxLogitsProcessor(graph, lam=0.0)
+    else:
+        proc, off = ContextGraphmaxLogitsProcessor(graph, lam=5.0), ContextGraphmaxLogitsProcessor(graph, lam=0.0)
     plain = _gen(tiny_llama, ids, None, do_sample=False)
     greedy = _gen(tiny_llama, ids, proc, do_sample=False)
     assert not torch.equal(plain, greedy)  # λ = 5 on a chain graph changes the path
-    # λ = 0 reproduces plain decoding exactly
-    assert torch.equal(plain, _gen(tiny_llama, ids, GraphmaxLogitsProcessor(graph, lam=0.0), do_sample=False))
+    assert torch.equal(plain, _gen(tiny_llama, ids, off, do_sample=False))  # λ = 0 is plain decoding exactly
     sampled = _gen(tiny_llama, ids, proc, do_sample=True, top_k=10, temperature=0.7)
     assert sampled.shape == (1, 9)
     beams = _gen(tiny_llama, ids, proc, do_sample=False, num_beams=3, num_return_sequences=2)
@@ -73,14 +321,14 @@ def test_greedy_sampling_and_beam_search(tiny_llama, graph):
 
 def test_warpers_after_graphmax_see_its_log_probabilities(graph):
     scores = torch.randn(1, VOCAB)
-    procs = LogitsProcessorList([GraphmaxLogitsProcessor(graph, lam=1.0), TemperatureLogitsWarper(0.5),
+    procs = LogitsProcessorList([PaperGraphmaxLogitsProcessor(graph, lam=1.0), TemperatureLogitsWarper(0.5),
                                  TopKLogitsWarper(5)])
     out = procs(torch.zeros(1, 1, dtype=torch.long), scores)
     assert torch.isfinite(out).sum() == 5
 
 
 def test_batch_with_left_padding_equals_single_rows(tiny_llama, graph):
-    proc = GraphmaxLogitsProcessor(graph, lam=2.0)
+    proc = PaperGraphmaxLogitsProcessor(graph, lam=2.0)
     a, b = [5, 9, 13, 17], [7, 11]
     batch = torch.tensor([a, [0, 0, *b]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
@@ -97,23 +345,26 @@ def test_encoder_decoder_model(graph):
     cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     model = T5ForConditionalGeneration(cfg).eval()
-    out = _gen(model, torch.tensor([[5, 6, 7]]), GraphmaxLogitsProcessor(graph, lam=1.0), do_sample=False)
-    assert out.shape[1] == 7  # start token + 6
+    for proc in (PaperGraphmaxLogitsProcessor(graph, lam=1.0), ContextGraphmaxLogitsProcessor(graph)):
+        out = _gen(model, torch.tensor([[5, 6, 7]]), proc, do_sample=False)
+        assert out.shape[1] == 7  # start token + 6
 
 
-def test_padded_model_vocabulary(graph):
-    proc = GraphmaxLogitsProcessor(graph, lam=1.0)
-    out = proc(torch.zeros(1, 1, dtype=torch.long), torch.randn(1, VOCAB + 16))
+@pytest.mark.parametrize("make", [lambda g: PaperGraphmaxLogitsProcessor(g), lambda g: ContextGraphmaxLogitsProcessor(g)],
+                         ids=["paper", "context"])
+def test_padded_model_vocabulary(graph, make):
+    out = make(graph)(torch.zeros(1, 1, dtype=torch.long), torch.randn(1, VOCAB + 16))
     assert out.shape == (1, VOCAB + 16) and abs(float(out.exp().sum()) - 1) < 1e-5
 
 
 @pytest.mark.slow
 def test_real_smollm2_generates_with_the_real_drug_graph(smollm2, drug_graph):
     model, tok = smollm2
-    proc = GraphmaxLogitsProcessor(drug_graph, lam=1.0, tokenizer=tok)
     ids = tok(["This medication"], return_tensors="pt", add_special_tokens=False).input_ids
-    out = model.generate(ids, logits_processor=LogitsProcessorList([proc]), max_new_tokens=4, min_new_tokens=4,
-                         do_sample=False, pad_token_id=tok.pad_token_id)
-    assert out.shape[1] == ids.shape[1] + 4
-    assert (proc.last_info.gap <= 1e-6).all()
-    assert tok.decode(out[0, ids.shape[1]:]).strip()
+    for proc in (PaperGraphmaxLogitsProcessor(drug_graph, lam=1.0, tokenizer=tok),
+                 GraphmaxLogitsProcessor.from_graph(drug_graph, tokenizer=tok)):
+        out = model.generate(ids, logits_processor=LogitsProcessorList([proc]), max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+        assert out.shape[1] == ids.shape[1] + 4
+        assert (proc.last_info.gap <= 1e-6).all()
+        assert tok.decode(out[0, ids.shape[1]:]).strip()
