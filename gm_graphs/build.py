@@ -19,8 +19,16 @@ from .errors import GraphExistsError
 from .graph import Graph, graph_dir
 from .ngrams import merge_ngrams, store_ngrams
 from .operators import OperatorSpec, PruneRule, build_operators, normalize
-from .storage import (DEFAULT_SHARD_NNZ, FORMAT_VERSION, CSRWriter, atomic_folder, file_entry, write_csr,
-                      write_edges, write_manifest)
+from .storage import (
+    DEFAULT_SHARD_NNZ,
+    FORMAT_VERSION,
+    CSRWriter,
+    atomic_folder,
+    file_entry,
+    write_csr,
+    write_edges,
+    write_manifest,
+)
 from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
 
 
@@ -35,7 +43,7 @@ class CorpusCounts:
     options: dict
     timings: dict = field(default_factory=dict)
 
-    def merge(self, other: "CorpusCounts") -> "CorpusCounts":
+    def merge(self, other: CorpusCounts) -> CorpusCounts:
         if other.tokenizer.vocab_sha256 != self.tokenizer.vocab_sha256:
             raise ValueError("cannot merge counts made with different tokenizers "
                              f"({self.tokenizer.name!r} and {other.tokenizer.name!r}); count both with one tokenizer")
@@ -140,7 +148,8 @@ def write_graph(cc: CorpusCounts, out: str | os.PathLike, *, name: str | None = 
     return Graph(out)
 
 
-def _write_operator(root: Path, name: str, matrix, shard_nnz: int, shards, kept, prune: PruneRule | None = None) -> dict:
+def _write_operator(root: Path, name: str, matrix, shard_nnz: int, shards, kept,
+                    prune: PruneRule | None = None) -> dict:
     if shards is None:
         shards = write_csr(root, name, matrix, np.float32, shard_nnz)
     write_edges(root, root / name / "edges.parquet", shards, shards[-1]["rows"][1], "weight")

@@ -7,9 +7,9 @@ their ``__init__`` modules need dependencies graphmax does not want.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .errors import GraphmaxError
 

@@ -20,7 +20,7 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Union
+from typing import IO
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 
 from .errors import CorpusError
 
-PathLike = Union[str, os.PathLike]
-CorpusSpec = Union[PathLike, Iterable[PathLike]]
+PathLike = str | os.PathLike
+CorpusSpec = PathLike | Iterable[PathLike]
 
 FORMATS = ("parquet", "csv", "tsv", "jsonl", "txt")
 _SUFFIX_FORMAT = {

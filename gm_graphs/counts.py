@@ -14,6 +14,10 @@ import numba
 import numpy as np
 import scipy.sparse as sp
 
+from .numba_cache import ensure_cache_dir
+
+ensure_cache_dir()  # before the cached kernels below are defined
+
 
 @numba.njit(cache=True)
 def _merge_sorted(ka, ca, kb, cb):
@@ -22,16 +26,29 @@ def _merge_sorted(ka, ca, kb, cb):
     i = j = n = 0
     while i < ka.size and j < kb.size:
         if ka[i] < kb[j]:
-            out_k[n] = ka[i]; out_c[n] = ca[i]; i += 1
+            out_k[n] = ka[i]
+            out_c[n] = ca[i]
+            i += 1
         elif kb[j] < ka[i]:
-            out_k[n] = kb[j]; out_c[n] = cb[j]; j += 1
+            out_k[n] = kb[j]
+            out_c[n] = cb[j]
+            j += 1
         else:
-            out_k[n] = ka[i]; out_c[n] = ca[i] + cb[j]; i += 1; j += 1
+            out_k[n] = ka[i]
+            out_c[n] = ca[i] + cb[j]
+            i += 1
+            j += 1
         n += 1
     while i < ka.size:
-        out_k[n] = ka[i]; out_c[n] = ca[i]; i += 1; n += 1
+        out_k[n] = ka[i]
+        out_c[n] = ca[i]
+        i += 1
+        n += 1
     while j < kb.size:
-        out_k[n] = kb[j]; out_c[n] = cb[j]; j += 1; n += 1
+        out_k[n] = kb[j]
+        out_c[n] = cb[j]
+        j += 1
+        n += 1
     return out_k[:n], out_c[:n]
 
 
@@ -51,25 +68,27 @@ class BigramCounts:
     tokens: int = 0
 
     @classmethod
-    def empty(cls, vocab_size: int) -> "BigramCounts":
+    def empty(cls, vocab_size: int) -> BigramCounts:
         return cls(vocab_size, np.empty(0, key_dtype(vocab_size)), np.empty(0, np.int64))
 
     @classmethod
-    def from_keys(cls, vocab_size: int, keys: np.ndarray, documents: int = 0, tokens: int = 0) -> "BigramCounts":
+    def from_keys(cls, vocab_size: int, keys: np.ndarray, documents: int = 0, tokens: int = 0) -> BigramCounts:
         uniq, counts = np.unique(keys, return_counts=True)
-        return cls(vocab_size, uniq.astype(key_dtype(vocab_size), copy=False), counts.astype(np.int64), documents, tokens)
+        return cls(vocab_size, uniq.astype(key_dtype(vocab_size), copy=False), counts.astype(np.int64), documents,
+                   tokens)
 
     @classmethod
-    def from_csr(cls, matrix: sp.csr_matrix, documents: int = 0, tokens: int = 0) -> "BigramCounts":
+    def from_csr(cls, matrix: sp.csr_matrix, documents: int = 0, tokens: int = 0) -> BigramCounts:
         n = matrix.shape[0]
         coo = matrix.tocoo()
         keys = coo.row.astype(np.uint64) * np.uint64(n) + coo.col.astype(np.uint64)
         order = np.argsort(keys, kind="stable")
         return cls(n, keys[order].astype(key_dtype(n)), coo.data[order].astype(np.int64), documents, tokens)
 
-    def merge(self, other: "BigramCounts") -> "BigramCounts":
+    def merge(self, other: BigramCounts) -> BigramCounts:
         if other.vocab_size != self.vocab_size:
-            raise ValueError(f"cannot merge counts over vocabularies of {self.vocab_size} and {other.vocab_size} tokens")
+            raise ValueError(f"cannot merge counts over vocabularies of {self.vocab_size} and {other.vocab_size} "
+                             f"tokens")
         keys, counts = _merge_sorted(self.keys, self.counts, other.keys, other.counts)
         return BigramCounts(self.vocab_size, keys, counts,
                             self.documents + other.documents, self.tokens + other.tokens)

@@ -99,7 +99,8 @@ class Graph:
         if name not in self.operators:
             built = ", ".join(sorted(self.operators))
             raise GraphFormatError(f"graph {self.name!r} has no materialised {name} (built: {built}); rebuild with "
-                                   f"--orders/--mixture including it, or use its matrix-free form (graph.base, graph.spec)")
+                                   f"--orders/--mixture including it, or use its matrix-free form (graph.base, "
+                                   f"graph.spec)")
         return read_csr(self.path, self.operators[name]["shards"], self.vocab_size, self.verify)
 
     @cached_property

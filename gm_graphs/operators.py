@@ -15,6 +15,10 @@ import numpy as np
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
+from .numba_cache import ensure_cache_dir
+
+ensure_cache_dir()  # before the cached kernels below are defined
+
 
 @dataclass(frozen=True)
 class PruneRule:
@@ -34,7 +38,7 @@ class PruneRule:
             raise ValueError(f"min_value must be >= 0, got {self.min_value}")
 
     @classmethod
-    def exact(cls) -> "PruneRule":
+    def exact(cls) -> PruneRule:
         return cls(top_k=None, min_value=0.0)
 
     @property
@@ -119,7 +123,7 @@ class OperatorSpec:
         return self.k
 
     @classmethod
-    def parse(cls, order: int = 1, mixture: int | None = None) -> "OperatorSpec":
+    def parse(cls, order: int = 1, mixture: int | None = None) -> OperatorSpec:
         return cls("mixture", int(mixture)) if mixture is not None else cls("power", int(order))
 
 

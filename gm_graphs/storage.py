@@ -23,9 +23,10 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -54,7 +55,8 @@ def file_entry(root: Path, path: Path) -> dict:
 def check_file(root: Path, entry: dict, verify: bool) -> Path:
     path = root / entry["file"]
     if not path.is_file():
-        raise GraphFormatError(f"graph {root}: {entry['file']} is missing; rebuild the graph (graphmax build … --overwrite)")
+        raise GraphFormatError(f"graph {root}: {entry['file']} is missing; rebuild the graph "
+                               f"(graphmax build … --overwrite)")
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise GraphFormatError(f"graph {root}: {entry['file']} has {size} bytes, the manifest says {entry['bytes']} "

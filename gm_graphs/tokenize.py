@@ -64,7 +64,7 @@ class TokenizerIdentity:
     vocab_sha256: str
 
     @classmethod
-    def of(cls, tok) -> "TokenizerIdentity":
+    def of(cls, tok) -> TokenizerIdentity:
         vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
         digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
         size = max(len(tok), (vocab[-1][1] + 1) if vocab else 0)

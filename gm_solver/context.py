@@ -101,7 +101,7 @@ class ContextConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ContextConfig":
+    def from_dict(cls, d: dict) -> ContextConfig:
         known = {k: d[k] for k in ("divergence", "lam", "kl_share", "order_weights", "smoothing", "discount",
                                    "ngram_order", "kappa", "alpha", "source") if k in d}
         # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior, before kl_share with none
@@ -205,7 +205,8 @@ class ContextReference:
             total += beta
         return q / total if total > 0 else q
 
-    def __call__(self, input_ids: torch.Tensor, width: int | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, width: int | None = None,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph."""
         width = self.n if width is None else width
         ids = input_ids.detach().to("cpu").tolist()

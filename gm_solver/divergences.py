@@ -57,7 +57,8 @@ def _grad(divergence: str, x: torch.Tensor, q: torch.Tensor, logx: torch.Tensor)
     return 2.0 * (x - q)
 
 
-def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str) -> torch.Tensor:
+def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam: float,
+                       divergence: str) -> torch.Tensor:
     """Duality gap of the point exp(``logx``) for the problem toward ``q``, computed from scratch."""
     x = torch.exp(logx)
     y = z - lam * _grad(divergence, x, q, logx)

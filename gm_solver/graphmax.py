@@ -11,7 +11,7 @@ from .operator import TransitionOperator
 from .solvers import SolveInfo, mirror_descent, paper_pgd
 
 SOLVERS = ("auto", "mirror", "paper")
-_operators: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_operators: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def get_operator(graph: Any, device: torch.device, backend: str = "auto") -> TransitionOperator:

@@ -1,4 +1,5 @@
-"""The CPU kernel of ``solve_toward`` for the Lambert-W divergences (``rkl`` and ``l2``), one fused numba pass per ν step.
+"""The CPU kernel of ``solve_toward`` for the Lambert-W divergences (``rkl`` and ``l2``), one fused numba pass per
+ν step.
 
 Both divergences give xᵢ(ν) through ωᵢ = log W(e^sᵢ), the root of ω + e^ω = s,
 with sᵢ affine in ν. The torch path in ``divergences.py`` finds each ω by
@@ -283,7 +284,8 @@ def _lean_toward(t, q, mass, weight):
 
 @numba.njit(cache=True)
 def solve_row(kind, z, q, lam, kl_share, max_iter, table, out):
-    """One row of ``solve_toward``: fill ``out`` with log x for logits ``z`` and reference ``q``; return (iterations, gap).
+    """One row of ``solve_toward``: fill ``out`` with log x for logits ``z`` and reference ``q``; return
+    (iterations, gap).
 
     q is restricted to the finite logits and renormalised; a row with no mass
     there is left as softmax, with gap 0, as in the torch path. With

@@ -19,7 +19,6 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-
 _CHUNKS = 64  # row blocks of equal non-zeros, spread over the threads
 
 

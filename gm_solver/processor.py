@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import scipy.sparse as sp
 import torch
@@ -244,7 +245,8 @@ def _device(device: str | torch.device | None, graph: Any) -> torch.device:
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"`device` must be a torch.device or its name ('cpu', 'cuda', 'cuda:1'), got {device!r}") from e
+        raise ValueError(f"`device` must be a torch.device or its name ('cpu', 'cuda', 'cuda:1'), "
+                         f"got {device!r}") from e
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"`device`={device!r} but CUDA is not available here; use device='cpu'")
     if isinstance(graph, TransitionOperator) and target != graph.device:

@@ -21,7 +21,7 @@ def _ints(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2, got {text!r}") from None
 
 
 def _add_operator_options(p: argparse.ArgumentParser) -> None:

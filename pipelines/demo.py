@@ -15,7 +15,7 @@ from gm_graphs import GraphFormatError, add_ngrams, build_graph, bundled, load_g
 from gm_graphs.graph import graph_dir
 from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
-from .generate import generate_texts
+from .generate import generate_texts, warm_up
 from .models import load_model
 
 PROMPTS = [
@@ -58,9 +58,7 @@ def run(args) -> int:
     stored = GraphmaxLogitsProcessor.from_graph(graph)
     decoders = {"softmax": None, f"graphmax λ={args.lam:g}": PaperGraphmaxLogitsProcessor(graph, lam=args.lam),
                 stored_label(stored): stored}
-    for proc in decoders.values():
-        if proc is not None:
-            proc.warmup()  # numba's kernels compile (or load from its cache) before anything is timed
+    warm_up(model, tok, [proc for proc in decoders.values() if proc is not None])
     rows = {}
     for mode, sample in (("greedy", False), (f"sampled (seed {args.seed})", True)):
         for label, p in decoders.items():

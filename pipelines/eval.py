@@ -18,8 +18,12 @@ from pathlib import Path
 import torch
 
 from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
-from gm_solver import (ContextGraphmaxLogitsProcessor, InterpolationLogitsProcessor, PaperGraphmaxLogitsProcessor,
-                       log_graphmax)
+from gm_solver import (
+    ContextGraphmaxLogitsProcessor,
+    InterpolationLogitsProcessor,
+    PaperGraphmaxLogitsProcessor,
+    log_graphmax,
+)
 
 from . import figures, report
 from .generate import decode_cost, generate_texts
@@ -94,8 +98,10 @@ def run_eval(args) -> Path:
         decoders[f"paper graphmax Ã λ={lam:g}"] = ("paper", PaperGraphmaxLogitsProcessor(setup.graph, lam=lam).warmup())
     for lam in paper_lams:
         if lam in args.mixture_lams:
-            decoders[f"paper graphmax Ã+Ã² λ={lam:g}"] = ("paper", PaperGraphmaxLogitsProcessor(setup.mixture, lam=lam).warmup())
-    decoders["paper Algorithm 1 Ã λ=1"] = ("paper", PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper").warmup())
+            decoders[f"paper graphmax Ã+Ã² λ={lam:g}"] = (
+                "paper", PaperGraphmaxLogitsProcessor(setup.mixture, lam=lam).warmup())
+    decoders["paper Algorithm 1 Ã λ=1"] = (
+        "paper", PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper").warmup())
     for w in INTERP_WEIGHTS:
         decoders[f"interpolation w={w:g}"] = ("baseline", InterpolationLogitsProcessor(setup.graph, w))
     decoders["context graphmax, untuned defaults (ours)"] = (
@@ -131,7 +137,8 @@ def run_eval(args) -> Path:
         bleu = corpus_bleu_scores(texts, references)
         gen_rows.append({"decoder": name, **{f"BLEU-{n}": 100 * b for n, b in bleu.items()},
                          "self-BLEU-4": 100 * self_bleu(texts, 4), "distinct-1": distinct_n(texts, 1),
-                         "distinct-2": distinct_n(texts, 2), "LM perplexity": lm_perplexity_of(model, tok, openings, texts),
+                         "distinct-2": distinct_n(texts, 2),
+                         "LM perplexity": lm_perplexity_of(model, tok, openings, texts),
                          "ms_per_token": ms})
         print(f"generate {name:<45} BLEU-4 {gen_rows[-1]['BLEU-4']:.2f}  ({ms:.0f} ms/token)", flush=True)
 

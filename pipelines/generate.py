@@ -16,8 +16,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from gm_graphs import Graph, load_graph
 from gm_graphs.errors import GraphmaxError
-from gm_solver import (DIVERGENCES, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor,
-                       PaperGraphmaxLogitsProcessor)
+from gm_solver import DIVERGENCES, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
 from .models import DEFAULT_MODEL, load_model
 
@@ -45,6 +44,14 @@ def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_to
     seconds = time.perf_counter() - t0
     new = out[:, batch["input_ids"].shape[1]:]
     return tok.batch_decode(new, skip_special_tokens=True), 1e3 * seconds / max_new_tokens
+
+
+def warm_up(model, tok, processors: list[GraphmaxLogitsProcessor]) -> None:
+    """Pay every first-call cost before anything is timed: numba compiling (or loading from its disk cache) each
+    decoder's kernels, and the model's first ``generate()`` (a two-token one)."""
+    for proc in processors:
+        proc.warmup()
+    generate_texts(model, tok, ["Hello"], None, max_new_tokens=2)
 
 
 class TimedLogitsProcessor(LogitsProcessor):
@@ -162,9 +169,9 @@ def run(args) -> int:
     graph, proc, origin = build_decoder(args)  # the graph and every option are checked before the model loads
     model, tok = load_model(args.model)
     graph.check_tokenizer(tok)
-    proc.warmup()  # numba's kernels compile (or load from its cache) here, not inside the timed generate()
+    warm_up(model, tok, [proc])
     label = "paper graphmax" if isinstance(proc, PaperGraphmaxLogitsProcessor) else "context graphmax"
-    print(f"decoder: {proc!r}\n  settings: {origin}")
+    print(f"graph: {graph!r}\ndecoder: {proc!r}\n  settings: {origin}")
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)
     plain, plain_ms = generate_texts(model, tok, args.prompt, None, **kw) if args.compare else (None, None)

@@ -91,7 +91,7 @@ def mean_and_standard_error(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / len(values))
 
 
-def paired_bleu_difference(hyp_a: list[str], hyp_b: list[str], references: "References | list[str]",
+def paired_bleu_difference(hyp_a: list[str], hyp_b: list[str], references: References | list[str],
                            n: int = 4) -> tuple[float, float]:
     """Mean and standard error of BLEU-n(a_i) − BLEU-n(b_i) over paired texts (the same prompt), in [−1, 1].
 

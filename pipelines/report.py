@@ -141,7 +141,8 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, gen_row
     ]
     lines = [
         "# graphmax eval report", "",
-        f"Corpus: {', '.join(str(c) for c in args.corpus)} (clean={args.clean}); model: {args.model}; seed {args.seed}.",
+        f"Corpus: {', '.join(str(c) for c in args.corpus)} (clean={args.clean}); model: {args.model}; "
+        f"seed {args.seed}.",
         f"Split by document: {setup.split_docs['train']:,} training documents (the graph is built from these only), "
         f"{setup.split_docs['heldout']:,} held out, alternating into validation ({len(setup.validation):,}, used "
         f"only to tune context graphmax) and test ({len(setup.test):,}, everything below).",
@@ -153,7 +154,8 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, gen_row
         "| claim | measured | verdict |", "|---|---|---|",
         *[f"| {c} | {m} | {v} |" for c, m, v in claims],
         "", "## Held-out perplexity (teacher-forced)", "",
-        _table(ppl_rows, ["decoder", "family", "perplexity", "ratio_to_softmax", "log_ratio", "± SE", "ms_per_position"],
+        _table(ppl_rows,
+               ["decoder", "family", "perplexity", "ratio_to_softmax", "log_ratio", "± SE", "ms_per_position"],
                {"perplexity": ".2f", "ratio_to_softmax": ".3f", "log_ratio": "+.3f", "± SE": ".3f",
                 "ms_per_position": ".1f"}),
         f"Tuned context graphmax: divergence {tuned.divergence_label}, λ = {tuned.lam:g}, {tuned.smoothing_label}, "

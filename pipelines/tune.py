@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from tqdm.auto import tqdm
+
 from gm_graphs import load_graph
 from gm_graphs.corpus import ReadStats, expand_corpus, iter_documents
 from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor
-from tqdm.auto import tqdm
 
 from .heldout import HeldOut, perplexity, score_documents
 from .models import DEFAULT_MODEL, load_model
@@ -72,7 +73,8 @@ def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("tune", help="choose context-aware graphmax settings on validation text; store them in the graph")
+    p = sub.add_parser("tune",
+                       help="choose context-aware graphmax settings on validation text; store them in the graph")
     p.add_argument("graph", help="graph name or folder")
     p.add_argument("--corpus", nargs="+", required=True, help="validation files (not the graph's training text)")
     p.add_argument("--text-column", default="text")
@@ -97,8 +99,8 @@ def run(args) -> int:
     print(f"{'divergence':<20} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:
         cfg = ContextConfig.from_dict(row)
-        print(f"{cfg.divergence_label:<20} {row['lam']:>6.3g} {cfg.smoothing_label:<20} {str(row['order_weights']):<14} "
-              f"{row['perplexity']:>10.2f}")
+        print(f"{cfg.divergence_label:<20} {row['lam']:>6.3g} {cfg.smoothing_label:<20} "
+              f"{str(row['order_weights']):<14} {row['perplexity']:>10.2f}")
     print(f"softmax perplexity {softmax:.2f}; chosen: {best.divergence_label}, λ={best.lam:g}, {best.smoothing_label}, "
           f"order weights {list(best.order_weights)} ({table[0]['perplexity'] / softmax:.3f}× softmax), "
           f"stored in {graph.path / 'manifest.json'}")

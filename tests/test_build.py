@@ -9,8 +9,18 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from gm_graphs import (CorpusError, GraphExistsError, GraphFormatError, PruneRule, TokenizerError, build_graph,
-                       list_graphs, load_graph, load_tokenizer, merge_graphs)
+from gm_graphs import (
+    CorpusError,
+    GraphExistsError,
+    GraphFormatError,
+    PruneRule,
+    TokenizerError,
+    build_graph,
+    list_graphs,
+    load_graph,
+    load_tokenizer,
+    merge_graphs,
+)
 from pipelines.cli import main
 
 from .conftest import make_docs

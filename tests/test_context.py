@@ -10,8 +10,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_solver import (DIVERGENCES, ContextConfig, ContextGraphmaxLogitsProcessor, ContextReference,
-                       InterpolationLogitsProcessor, certificate_toward, solve_toward)
+from gm_solver import (
+    DIVERGENCES,
+    ContextConfig,
+    ContextGraphmaxLogitsProcessor,
+    ContextReference,
+    InterpolationLogitsProcessor,
+    certificate_toward,
+    solve_toward,
+)
 
 COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],
                                  [2, 0, 0, 3, 0],

@@ -46,7 +46,8 @@ def test_heldout_perplexity_at_lambda_zero_is_the_plain_lms(smollm2, drug_graph)
         nll += float(loss) * (ids.shape[1] - 1)
         count += ids.shape[1] - 1
     assert plain == pytest.approx(math.exp(nll / count), rel=1e-4)
-    assert perplexity(held, PaperGraphmaxLogitsProcessor(drug_graph, lam=0.0)) == pytest.approx(plain, rel=1e-5)  # float32 scores
+    paper0 = PaperGraphmaxLogitsProcessor(drug_graph, lam=0.0)
+    assert perplexity(held, paper0) == pytest.approx(plain, rel=1e-5)  # float32 scores
     ctx0 = ContextGraphmaxLogitsProcessor(drug_graph, lam=0.0)
     assert perplexity(held, ctx0) == pytest.approx(plain, rel=1e-5)  # float32 scores
 

@@ -9,8 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sacrebleu.metrics import BLEU
 
-from pipelines.metrics import (References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu,
-                               sentence_bleu, words)
+from pipelines.metrics import (
+    References,
+    corpus_bleu_scores,
+    distinct_n,
+    paired_bleu_difference,
+    self_bleu,
+    sentence_bleu,
+    words,
+)
 
 VOCAB = "the a movie film was good bad great not very I it this and of , .".split()
 TEXT = st.lists(st.sampled_from(VOCAB), min_size=1, max_size=14).map(" ".join)

@@ -1,4 +1,5 @@
-"""n-gram counts: exact within-document counts, stored and verified like the operators, merged, read by the context reference."""
+"""n-gram counts: exact within-document counts, stored and verified like the operators, merged, read by the context
+reference."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gm_graphs import (GraphFormatError, TokenizerError, add_ngrams, build_graph, count_ngrams, load_graph,
-                       merge_graphs)
+from gm_graphs import GraphFormatError, TokenizerError, add_ngrams, build_graph, count_ngrams, load_graph, merge_graphs
 from gm_graphs import ngrams as ngrams_module
 from gm_solver import ContextConfig, ContextReference
 

@@ -1,18 +1,152 @@
-"""The command-line jobs end to end with the real SmolLM2 model and real corpora."""
+"""The command-line jobs: generate's decoder options (with a tiny model), and end to end with the real SmolLM2."""
 
 from __future__ import annotations
 
-import pytest
+import argparse
+import shutil
 
+import pytest
+import torch
+
+from gm_graphs import add_ngrams, count_corpus, load_graph, write_graph
+from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
+from pipelines import generate
 from pipelines.cli import main
+
+from .conftest import make_docs
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, bpe_tokenizer):
+    """A 2-layer Llama over the 300-token test tokenizer, saved as a local model folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=bpe_tokenizer.bos_token_id, eos_token_id=bpe_tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, bpe_tokenizer_file):
+    """A graph folder (Ã, Ã², n-gram tables 3 and 4) built with the test tokenizer, never tuned."""
+    root = tmp_path_factory.mktemp("generate")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(make_docs(300, seed=4)) + "\n")
+    graph = write_graph(count_corpus(corpus, bpe_tokenizer_file, progress=False), root / "g", orders=(1, 2),
+                        progress=False)
+    add_ngrams(graph, corpus, bpe_tokenizer_file, (3, 4), progress=False)
+    return root / "g"
+
+
+@pytest.fixture()
+def graph_path(built, tmp_path):
+    """A fresh copy of the graph, so that a test may store a decoder choice in it."""
+    shutil.copytree(built, tmp_path / "g")
+    return tmp_path / "g"
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    generate.register(parser.add_subparsers())
+    return parser.parse_args(["generate", "--prompt", "the movie", *argv])
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Makes loading a model fail the test: the checks under test must come before it."""
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+    monkeypatch.setattr(generate, "load_model", fail)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--solver", "paper"], "--solver applies to --decoder paper (this graph's default decoder is context)"),
+    (["--max-iter", "5", "--lam", "1"], "--max-iter applies to --decoder paper"),
+    (["--order", "2"], "--order applies to --decoder paper"),
+    (["--decoder", "context", "--tol", "1e-3"], "--tol applies to --decoder paper"),
+    (["--decoder", "paper", "--kl-share", "0.2"], "--kl-share applies to --decoder context"),
+    (["--decoder", "paper", "--smoothing", "dirichlet"], "--smoothing applies to --decoder context"),
+    (["--lam", "-1"], "`lam` must be a finite float >= 0"),
+    (["--decoder", "paper", "--lam", "inf"], "`lam` must be a finite float >= 0"),
+    (["--ngram-order", "5"], "`ngram_order`=5 has no effect on a graph whose n-gram tables are [3, 4]"),
+    (["--kappa", "5"], "`kappa`=5.0 has no effect with smoothing='kneser-ney' and one order"),
+    (["--decoder", "paper", "--solver", "paper", "--max-iter", "9"], "`max_iter`=9 has no effect with solver='paper'"),
+])
+def test_generate_refuses_options_in_one_line_before_loading_the_model(graph_path, no_model, capsys, argv, error):
+    assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphmax generate: error: ") and error in err and err.count("\n") == 1
+
+
+def test_generate_refuses_a_missing_graph_and_takes_a_name_or_a_folder(home, no_model, graph_path, capsys):
+    assert main(["generate", "--graph", "nowhere", "--prompt", "x"]) == 2
+    assert "graphmax generate: error: no graph 'nowhere'" in capsys.readouterr().err
+    for both_or_none in (["--graph", "a", "--path", str(graph_path)], []):
+        with pytest.raises(SystemExit):
+            main(["generate", "--prompt", "x", *both_or_none])
+    shutil.copytree(graph_path, home / "graphs" / "mine")
+    graph, proc, _ = generate.build_decoder(_args("--graph", "mine"))
+    assert graph.path == home / "graphs" / "mine" and isinstance(proc, ContextGraphmaxLogitsProcessor)
+
+
+def test_generate_starts_from_the_stored_choice_and_options_override_it(graph_path):
+    graph, proc, origin = generate.build_decoder(_args("--path", str(graph_path)))
+    assert isinstance(proc, ContextGraphmaxLogitsProcessor) and proc.config == ContextConfig()
+    assert origin == "defaults"
+    tuned = ContextConfig(divergence="l2", lam=0.7, ngram_order=3, source={"tuned": True})
+    load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict()})
+    _, proc, origin = generate.build_decoder(_args("--path", str(graph_path)))
+    assert proc.config == tuned and origin == "stored by graphmax tune"
+    _, proc, origin = generate.build_decoder(_args("--path", str(graph_path), "--lam", "2",
+                                                   "--order-weights", "0.8,0.2", "--kappa", "10"))
+    assert proc.config == ContextConfig(divergence="l2", lam=2.0, ngram_order=3, order_weights=(0.8, 0.2), kappa=10.0)
+    assert origin == "stored by graphmax tune, with --lam 2 --order-weights 0.8,0.2 --kappa 10"
+    # the other kind starts from its defaults; --order/--mixture choose the paper decoder's operator
+    graph, proc, origin = generate.build_decoder(_args("--path", str(graph_path), "--decoder", "paper", "--order", "2",
+                                                       "--lam", "0.5", "--solver", "paper"))
+    assert isinstance(proc, PaperGraphmaxLogitsProcessor) and (proc.lam, proc.solver) == (0.5, "paper")
+    assert graph.spec.name == "order2" and proc.graph is graph
+    assert origin == "defaults (the graph stores a context decoder), with --lam 0.5 --solver paper"
+    graph, _, _ = generate.build_decoder(_args("--path", str(graph_path), "--decoder", "paper", "--mixture", "2"))
+    assert graph.spec.name == "mixture2"
+    # a stored paper decoder is the default, and then the context options are the other decoder's
+    load_graph(graph_path).set_decoder({"mode": "paper", "lam": 0.3})
+    _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--tol", "1e-4"))
+    assert isinstance(proc, PaperGraphmaxLogitsProcessor) and (proc.lam, proc.tol) == (0.3, 1e-4)
+    with pytest.raises(Exception, match="--divergence applies to --decoder context \\(this graph's stored decoder"):
+        generate.build_decoder(_args("--path", str(graph_path), "--divergence", "kl"))
+
+
+def test_generate_prints_the_decoder_its_settings_and_softmax_beside_it(graph_path, tiny_model, capsys):
+    argv = ["generate", "--path", str(graph_path), "--model", str(tiny_model), "--prompt", "the movie was",
+            "--prompt", "I loved", "--max-new-tokens", "4", "--compare"]
+    assert main([*argv, "--lam", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "decoder: ContextGraphmaxLogitsProcessor(divergence='rkl', lam=3.0," in out
+    assert "settings: defaults, with --lam 3" in out
+    assert out.count("  softmax          : ") == 2 and out.count("  context graphmax : ") == 2
+    assert "time per token: context graphmax" in out and ", softmax" in out
+    assert main([*argv, "--decoder", "paper", "--lam", "0"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "decoder: PaperGraphmaxLogitsProcessor(lam=0.0, tol=1e-06, solver='auto', max_iter=200)" in out
+    # λ = 0 is softmax: the continuations agree line for line
+    paper = [line.split(" : ", 1)[1] for line in lines if line.startswith("  paper graphmax : ")]
+    plain = [line.split(" : ", 1)[1] for line in lines if line.startswith("  softmax        : ")]
+    assert len(paper) == 2 and paper == plain
 
 
 @pytest.mark.slow
 def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
-    assert main(["generate", "--graph", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",
+    assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",
                  "--max-new-tokens", "3", "--compare"]) == 0
     out = capsys.readouterr().out
-    assert "softmax" in out and "graphmax λ=1" in out and "time per token" in out
+    assert "softmax" in out and "context graphmax" in out and "lam=1.0" in out and "time per token" in out
 
 
 @pytest.mark.slow
@@ -26,8 +160,6 @@ def test_demo_builds_the_imdb_graph_then_reuses_it(home, capsys):
 
 
 def test_timed_processor_passes_scores_through_and_times_every_call():
-    import torch
-
     from pipelines.generate import TimedLogitsProcessor
 
     timed = TimedLogitsProcessor(lambda ids, scores: scores * 2)
