@@ -65,7 +65,9 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
     after them), beam search (graphmax is invariant to the per-row shift of log-softmaxed scores), decoder-only
     and encoder-decoder models, batches and left padding. ``-inf`` scores stay ``-inf``; NaN, ``+inf`` and a row
     with no finite score are refused. After each call ``last_info`` holds the step's :class:`SolveInfo`
-    (per-row iterations and certified gap). Calling this base class directly raises a TypeError.
+    (per-row iterations and certified gap). The first step of a process compiles numba's kernels (or loads them
+    from numba's disk cache): call :meth:`warmup` before timing anything. Calling this base class directly raises
+    a TypeError.
     """
 
     last_info: SolveInfo | None = None
