@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from gm_graphs import Graph, load_graph
-from gm_graphs.errors import GraphmaxError
+from gm_graphs import Graph, GraphmaxError, load_graph
 from gm_solver import DIVERGENCES, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
 from .models import DEFAULT_MODEL, load_model
