@@ -382,7 +382,8 @@ def _open_inside(root: Path, parts: list[str]) -> int:
 class GraphFiles:
     """Opens a graph folder's arrays, each unit checked (structure; SHA-256 when ``verify``) before it is returned.
 
-    A unit's checks run once per identity of its files; :meth:`trust_written` records the units a build wrote.
+    A file is hashed once per identity, and a unit's structure checked once per identity of its files
+    (``gm_graphs.verified``); :meth:`trust_written` records what a build wrote.
     """
 
     def __init__(self, root: Path, manifest: dict, verify: bool = True):
@@ -397,17 +398,17 @@ class GraphFiles:
         try:
             for part, (entry, dtypes) in entries.items():
                 opened[part] = _Opened(self.root, self._real_root, entry, dtypes)
-            ids = [o.identity for o in opened.values()]
-            level = "full" if self.verify or self._trusted else "structure"
+            for o in opened.values():
+                if (self.verify or self._trusted) and not verified.is_verified("sha256", {}, [o.identity]):
+                    if not self._trusted and o.sha256() != o.entry["sha256"]:
+                        raise GraphFormatError(f"graph {self.root}: {o.rel} fails its SHA-256 checksum "
+                                               f"(corrupted); {validate.REBUILD}")
+                    verified.remember("sha256", {}, [o.identity])
             arrays = {part: o.array() for part, o in opened.items() if o.dtype is not None}
-            if not verified.is_verified(kind, context, ids, level):
-                if self.verify and not self._trusted:
-                    for o in opened.values():
-                        if o.sha256() != o.entry["sha256"]:
-                            raise GraphFormatError(f"graph {self.root}: {o.rel} fails its SHA-256 checksum "
-                                                   f"(corrupted); {validate.REBUILD}")
+            ids = [o.identity for o in opened.values()]
+            if arrays and not verified.is_verified(kind, context, ids):
                 check(arrays)
-                verified.remember(kind, context, ids, level)
+                verified.remember(kind, context, ids)
             return arrays
         finally:
             for o in opened.values():

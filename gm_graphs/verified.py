@@ -1,9 +1,9 @@
 """The verification cache: which graph files already passed their checks, so a multi-GB graph is hashed once.
 
-A unit of checks (one CSR shard, one n-gram order, the stats, one file) is remembered as an empty file
-``$GRAPHMAX_HOME/verified/<key>``. The key hashes what was checked (the unit's kind and manifest context, the
-level: ``structure`` alone or ``full`` with SHA-256, and the checks' version) and each file's identity: real path,
-device, inode, size, mtime and ctime in ns, and the SHA-256 the manifest expects. Rewriting a file makes a new
+A passed check is remembered as an empty file ``$GRAPHMAX_HOME/verified/<key>``: a file's SHA-256 (kind ``sha256``)
+or the structure checks of a unit of arrays (one CSR shard, one n-gram order, the stats). The key hashes what was
+checked (the kind, its manifest context, the checks' version) and each file's identity: real path, device, inode,
+size, mtime and ctime in ns, and the SHA-256 the manifest expects. Rewriting a file makes a new
 inode; editing it in place moves its ctime, which no user can set back; either gives a new key, so the file is
 checked again. The build records what it wrote (it hashed the bytes as it wrote them).
 
@@ -37,26 +37,17 @@ class FileIdentity:
         return cls(realpath, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha256)
 
 
-LEVELS = ("structure", "full")
+def _entry(kind: str, context: dict, files: list[FileIdentity]) -> str:
+    blob = json.dumps([CHECKS_VERSION, kind, context, [astuple(f) for f in files]], sort_keys=True)
+    return os.path.join(graphmax_home(), "verified", hashlib.sha256(blob.encode()).hexdigest())
 
 
-def unit_key(kind: str, context: dict, files: list[FileIdentity], level: str) -> str:
-    blob = json.dumps([CHECKS_VERSION, kind, context, level, [astuple(f) for f in files]], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+def is_verified(kind: str, context: dict, files: list[FileIdentity]) -> bool:
+    return os.path.isfile(_entry(kind, context, files))
 
 
-def _entry(key: str) -> str:
-    return os.path.join(graphmax_home(), "verified", key)
-
-
-def is_verified(kind: str, context: dict, files: list[FileIdentity], level: str) -> bool:
-    """Whether this unit passed at ``level`` (a ``structure`` request is met by a ``full`` entry too)."""
-    levels = LEVELS[LEVELS.index(level):]
-    return any(os.path.isfile(_entry(unit_key(kind, context, files, lv))) for lv in levels)
-
-
-def remember(kind: str, context: dict, files: list[FileIdentity], level: str) -> None:
-    path = _entry(unit_key(kind, context, files, level))
+def remember(kind: str, context: dict, files: list[FileIdentity]) -> None:
+    path = _entry(kind, context, files)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
