@@ -25,7 +25,7 @@ from .corpus import CorpusSpec, ReadStats, expand_corpus, fingerprint, iter_docu
 from .counts import BigramCounts, CountAccumulator
 from .errors import CorpusError, GraphmaxError, MergeError, OptionError
 from .faults import fault_point
-from .folders import locked, remove_tree, staged_folder, sync_tree, target_folder
+from .folders import disk_errors, locked, remove_tree, staged_folder, sync_tree, target_folder
 from .graph import Graph, load_graph
 from .ngrams import RUN_ENTRIES, ORDERS, NgramCounts, check_orders, count_ngrams, merge_ngrams
 from .operators import OperatorSpec, PruneRule, build_operators, normalize
@@ -305,14 +305,14 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
     target = target_folder(name, path)
     check_options(**{k: v for k, v in write_options.items() if k in ("orders", "mixture", "eps", "prune",
                                                                       "shard_nnz")})
-    sources = [g if isinstance(g, Graph) else load_graph(g) for g in graphs]
-    seen: dict[str, Graph] = {}
-    for g in sources:
-        real = os.path.realpath(g.path)
-        if real in seen:
-            raise MergeError(f"the graph {g.path} is given twice; merging it with itself would double its counts")
-        seen[real] = g
     with locked(target):
+        sources = [g if isinstance(g, Graph) else load_graph(g) for g in graphs]
+        seen: set[str] = set()
+        for g in sources:
+            real = os.path.realpath(g.path)
+            if real in seen:
+                raise MergeError(f"the graph {g.path} is given twice; merging it with itself would double its counts")
+            seen.add(real)
         parts = [load_counts(g) for g in sources]
         merged = parts[0]
         for p in parts[1:]:
@@ -336,7 +336,7 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
     orders = check_orders(orders)
     graph.check_tokenizer(tokenizer)
     root = graph.path
-    with locked(root):
+    with locked(root), disk_errors(root):
         manifest = read_manifest(root)
         remove_unreferenced(root, manifest)
         folder = new_ngram_folder()

@@ -6,7 +6,8 @@
 - graphmax replaces or deletes only folders it wrote: a graph folder (its manifest carries the format marker),
   a folder holding one of its marker files (splits, eval reports), or one of its temporary folders.
 - A writer holds the target's lock (``fcntl.flock`` on ``.<name>.lock`` beside it); a second writer of the same
-  target fails at once with :class:`GraphBusyError`. The lock file itself stays (removing it would race).
+  target fails at once with :class:`GraphBusyError`. The holder removes the lock file before releasing it, and a
+  writer that locked a removed file's inode tries again, so no lock file is left and no two writers both hold one.
 - A folder is written as a temporary sibling ``.<name>.tmp-<hex>`` (marked inside) and committed in one atomic
   step: a rename when the target is absent, ``renameat2(RENAME_EXCHANGE)`` when it replaces one, so the name
   always holds the old folder or the new one. Where the kernel lacks the exchange, the old folder is first moved
@@ -17,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -165,7 +167,7 @@ def _write_marker(path: Path) -> None:
 
 # ---- locks --------------------------------------------------------------------------------------------------------
 
-_held = threading.local()  # lock path -> [fd, depth]: re-entrant within a thread, exclusive across threads/processes
+_held = threading.local()  # the lock paths this thread holds: re-entrant within it, exclusive across threads/processes
 
 
 def lock_path(target: Path) -> Path:
@@ -177,34 +179,44 @@ def locked(target: Path) -> Iterator[None]:
     """Hold ``target``'s writer lock; fail at once with :class:`GraphBusyError` if another writer holds it."""
     lock = lock_path(Path(target))
     key = os.path.abspath(lock)
-    held = getattr(_held, "locks", None)
-    if held is None:
-        held = _held.locks = {}
-    if key in held:
-        held[key][1] += 1
-        try:
-            yield
-        finally:
-            held[key][1] -= 1
+    held = _held.__dict__.setdefault("paths", set())
+    if key in held:  # an outer block of this thread holds it
+        yield
         return
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        raise StorageError(f"cannot create the lock file {lock}: {e.strerror}; check that its folder is "
-                           f"writable") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise GraphBusyError(f"{target} is being written by another graphmax process (it holds {lock.name}); "
-                             f"wait for it to finish, or write another name") from None
-    held[key] = [fd, 1]
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = _acquire(lock, target)
+    held.add(key)
     try:
         yield
     finally:
-        del held[key]
-        os.close(fd)  # releases the flock
+        held.discard(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)  # while still holding it: a writer that opened this inode sees it gone and retries
+        os.close(fd)
+
+
+def _acquire(lock: Path, target: Path) -> int:
+    """An fd holding the flock of the file now at ``lock`` (a removed lock file's inode does not count)."""
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise StorageError(f"cannot create the lock file {lock}: {e.strerror}; check that its folder is "
+                               f"writable") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GraphBusyError(f"{target} is being written by another graphmax process (it holds {lock.name}); "
+                                 f"wait for it to finish, or write another name") from None
+        mine = os.fstat(fd)
+        try:
+            now = os.stat(lock, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)  # its holder removed it as we opened it: lock the file that is there now
 
 
 # ---- atomic commit ------------------------------------------------------------------------------------------------
@@ -324,6 +336,18 @@ def _commit(tmp: Path, target: Path) -> None:
 
 
 @contextmanager
+def disk_errors(target: Path) -> Iterator[None]:
+    """Turn a full disk (or a read-only file system) while writing ``target`` into a one-line StorageError."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in _FULL_DISK and not isinstance(e, StorageError):
+            raise StorageError(f"cannot write {target}: {e.strerror} ({e.filename}); nothing was written and what "
+                               f"was there is unchanged; free space and run again") from e
+        raise
+
+
+@contextmanager
 def staged_folder(target: Path, *, overwrite: bool, kind: str = "graph") -> Iterator[Path]:
     """Yield a marked temporary sibling of ``target`` that atomically becomes ``target`` if the block succeeds.
 
@@ -332,7 +356,8 @@ def staged_folder(target: Path, *, overwrite: bool, kind: str = "graph") -> Iter
     Disk-full errors become a one-line :class:`StorageError`.
     """
     target = Path(target)
-    with locked(target):
+    check_replaceable(target, overwrite, kind)  # before the lock file: a refused target gets nothing beside it
+    with locked(target), disk_errors(target):
         check_replaceable(target, overwrite, kind)
         clean_stale(target, kind)
         tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
@@ -347,12 +372,6 @@ def staged_folder(target: Path, *, overwrite: bool, kind: str = "graph") -> Iter
             sync_tree(tmp)
             fault_point("stage.unmarked")
             _commit(tmp, target)
-        except OSError as e:
-            _discard(tmp)
-            if e.errno in _FULL_DISK and not isinstance(e, StorageError):
-                raise StorageError(f"cannot write {target}: {e.strerror} ({e.filename}); nothing was written and "
-                                   f"what was there is unchanged; free space and run again") from e
-            raise
         except BaseException:
             _discard(tmp)
             raise

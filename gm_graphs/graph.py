@@ -12,7 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .errors import GraphFormatError, TokenizerError
-from .folders import NAME, graph_path, graphmax_home, graphs_root, locked
+from .folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
 from .ngrams import NgramCounts
 from .operators import OperatorSpec
 from .storage import GraphFiles, compute_stats, read_manifest, remove_unreferenced, write_manifest
@@ -148,7 +148,7 @@ class Graph:
         """
         check_decoder(self.path, choice)
         json.dumps(choice)  # refuse what the manifest cannot hold before touching it
-        with locked(self.path):
+        with locked(self.path), disk_errors(self.path):
             manifest = read_manifest(self.path)
             manifest["decoder"] = choice
             write_manifest(self.path, manifest)
