@@ -49,6 +49,10 @@ class _Schema:
     def __init__(self, root):
         self.root = root
 
+    @staticmethod
+    def at(where: str, key) -> str:
+        return f"{where}.{key}" if where else str(key)
+
     def need(self, ok: bool, where: str, expected: str, value) -> None:
         if not ok:
             shown = repr(value)
@@ -59,28 +63,28 @@ class _Schema:
         if optional and key not in d:
             return None
         v = d.get(key)
-        self.need(isinstance(v, dict), f"{where}.{key}", "an object", v)
+        self.need(isinstance(v, dict), self.at(where, key), "an object", v)
         return v
 
     def int(self, d: dict, key: str, where: str, lo: int = 0, hi: int | None = None) -> int:
         v = d.get(key)
-        self.need(_is_int(v) and v >= lo and (hi is None or v <= hi), f"{where}.{key}",
+        self.need(_is_int(v) and v >= lo and (hi is None or v <= hi), self.at(where, key),
                   f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""), v)
         return v
 
     def str(self, d: dict, key: str, where: str) -> str:
         v = d.get(key)
-        self.need(isinstance(v, str), f"{where}.{key}", "a string", v)
+        self.need(isinstance(v, str), self.at(where, key), "a string", v)
         return v
 
     def number(self, d: dict, key: str, where: str, lo: float = 0.0) -> float:
         v = d.get(key)
-        self.need(_is_number(v) and v >= lo, f"{where}.{key}", f"a finite number >= {lo:g}", v)
+        self.need(_is_number(v) and v >= lo, self.at(where, key), f"a finite number >= {lo:g}", v)
         return float(v)
 
     def file(self, d: dict, key: str, where: str) -> dict:
         e = self.dict(d, key, where)
-        where = f"{where}.{key}"
+        where = self.at(where, key)
         name = e.get("file")
         self.need(isinstance(name, str), f"{where}.file", "a relative path", name)
         check_relative(self.root, name, where)
@@ -109,13 +113,13 @@ def check_manifest(root, m) -> None:
                                f"{FORMAT_VERSION}; rebuild the graph with this version")
     if "format" in m:
         s.need(m["format"] == GRAPH_FORMAT, "format", repr(GRAPH_FORMAT), m["format"])
-    s.str(m, "name", "manifest")
-    tok = s.dict(m, "tokenizer", "manifest")
+    s.str(m, "name", "")
+    tok = s.dict(m, "tokenizer", "")
     n = s.int(tok, "vocab_size", "tokenizer", lo=1, hi=MAX_INDEX)
     s.str(tok, "name", "tokenizer")
     s.str(tok, "vocab_sha256", "tokenizer")
-    s.number(m, "eps", "manifest")
-    corpus = s.dict(m, "corpus", "manifest")
+    s.number(m, "eps", "")
+    corpus = s.dict(m, "corpus", "")
     for key in ("documents", "tokens", "bigrams", "distinct_bigrams", "empty_skipped", "undecodable_documents",
                 "replaced_sequences"):
         s.int(corpus, key, "corpus")
@@ -129,10 +133,10 @@ def check_manifest(root, m) -> None:
     per_file = s.dict(corpus, "per_file", "corpus")
     s.need(all(_is_int(v) and v >= 0 for v in per_file.values()), "corpus.per_file", "counts per file", per_file)
     s.dict(corpus, "options", "corpus")
-    counts = s.dict(m, "counts", "manifest")
+    counts = s.dict(m, "counts", "")
     s.file(counts, "parquet", "counts")
     check_shards(s, counts.get("shards"), "counts.shards", n)
-    ops = s.dict(m, "operators", "manifest")
+    ops = s.dict(m, "operators", "")
     s.need("order1" in ops, "operators", "an object with order1", sorted(ops))
     for name, op in ops.items():
         where = f"operators.{name}"
@@ -145,7 +149,7 @@ def check_manifest(root, m) -> None:
         s.need(isinstance(op.get("pruned"), bool), f"{where}.pruned", "true or false", op.get("pruned"))
         if "row_mass" in op:
             s.file(op, "row_mass", where)
-    ngrams = s.dict(m, "ngrams", "manifest", optional=True)
+    ngrams = s.dict(m, "ngrams", "", optional=True)
     if ngrams is not None:
         orders = s.dict(ngrams, "orders", "ngrams")
         for order, e in orders.items():
@@ -159,7 +163,7 @@ def check_manifest(root, m) -> None:
             s.need(sorted(parts) == sorted(NGRAM_PARTS), f"{where}.files", f"the files {NGRAM_PARTS}", sorted(parts))
             for part in NGRAM_PARTS:
                 s.file(parts, part, f"{where}.files")
-    stats = s.dict(m, "stats", "manifest", optional=True)
+    stats = s.dict(m, "stats", "", optional=True)
     if stats is not None:
         s.need(sorted(stats) == sorted(STATS), "stats", f"the files {STATS}", sorted(stats))
         for name in STATS:
@@ -275,7 +279,7 @@ def check_csr(root, what: str, indptr: np.ndarray, indices: np.ndarray, data: np
         raise _fail(root, f"{what}: {_CSR_PROBLEMS[code]} (at position {pos})")
     pos = _first_below(data, 1) if counts else _first_not_finite_or_negative(data)
     if pos >= 0:
-        raise _fail(root, f"{what}: entry {pos} is {data[pos]!r}, "
+        raise _fail(root, f"{what}: entry {pos} is {data[pos].item()!r}, "
                           f"{'counts must be >= 1' if counts else 'weights must be finite and >= 0'}")
 
 
