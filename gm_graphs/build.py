@@ -356,8 +356,11 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
             _discard_unreferenced(root, folder)
             raise
         fault_point("ngrams.committed")
-        remove_unreferenced(root, manifest)
         GraphFiles(root, manifest).trust_written(NGRAMS)
+        try:
+            remove_unreferenced(root, manifest)  # the replaced tables
+        except OSError:
+            pass  # committed all the same; the next writer of this graph removes them
     graph.refresh()
     return graph.ngrams
 

@@ -324,15 +324,28 @@ def _commit(tmp: Path, target: Path) -> None:
     if _rename2(tmp, target, _RENAME_EXCHANGE):
         fsync_dir(parent)
         fault_point("commit.exchanged")
-        remove_tree(tmp)  # now holds the old folder
+        _remove_after_commit(tmp)  # now holds the old folder
         return
     old = parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
     os.rename(target, old)
     fault_point("commit.moved_aside")
-    os.rename(tmp, target)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
     fsync_dir(parent)
     fault_point("commit.replaced")
-    remove_tree(old)
+    _remove_after_commit(old)
+
+
+def _remove_after_commit(path: Path) -> None:
+    """The replaced folder, best effort: the new one is committed, so a failure here fails nothing; what is left
+    stays marked (or a graph) under a temporary name, and the next writer removes it."""
+    try:
+        remove_tree(path)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 @contextmanager

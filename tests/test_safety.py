@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gm_graphs import (CorpusError, GraphBusyError, GraphExistsError, GraphFormatError, GraphNameError, MergeError,
                        NotOwnedError, OptionError, StorageError, build_graph, load_graph, merge_graphs)
-from gm_graphs.folders import REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path
+from gm_graphs.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main
 
 from .conftest import make_docs
@@ -279,10 +281,13 @@ def test_a_failure_at_any_fault_point_leaves_the_old_graph_or_the_new_one_and_no
     old, new = r["old"], r["new"]
     for point, res in r["points"].items():
         after = res["after"]
-        assert after["exit"] == 3 and "InjectedFault" in after["stderr"], (point, after["stderr"])
         assert after["referenced"] in (old["referenced"], new["referenced"]) and after["valid"] == "ok", point
-        assert not any(STALE.fullmatch(s) for s in after["siblings"]), (point, after["siblings"])
-        assert res["recovered"]["full"] == new["full"], point
+        if after["referenced"] == old["referenced"]:  # failed before the commit: reported, and nothing left over
+            assert after["exit"] == 3 and "InjectedFault" in after["stderr"], (point, after["stderr"])
+            assert after["full"] == old["full"] and after["siblings"] == old["siblings"], point
+        else:  # after it: removing what was replaced is best effort, finished by the next writer
+            assert after["exit"] in (0, 3), (point, after["stderr"])
+        assert res["recovered"]["full"] == new["full"] and res["recovered"]["siblings"] == new["siblings"], point
 
 
 def test_without_rename_exchange_a_kill_between_the_two_renames_is_repaired(corpora, bpe_tokenizer_file, tmp_path):
@@ -358,6 +363,17 @@ def test_a_string_that_is_not_a_name_is_refused(home, bad, csv_corpus, bpe_token
     with pytest.raises(GraphNameError):
         build_graph(csv_corpus[0], bpe_tokenizer, name=bad, progress=False)
     assert not (home / "graphs").exists() and not (home.parent / "escaped").exists()
+
+
+@given(st.text(max_size=40))
+def test_a_name_never_leaves_the_graphs_folder(text):
+    try:
+        folder = graph_path(text)
+    except GraphNameError:
+        assert not NAME.fullmatch(text)
+        return
+    assert folder.parent == graphs_root() and folder.name == text and not text.startswith(".") and "/" not in text
+    assert os.path.normpath(folder) == str(folder)  # nothing like '..' to resolve
 
 
 def test_cli_name_outside_home_is_refused_in_one_line(home, csv_corpus, bpe_tokenizer_file, capsys):
