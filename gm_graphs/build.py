@@ -25,7 +25,7 @@ from .corpus import CorpusSpec, ReadStats, expand_corpus, fingerprint, iter_docu
 from .counts import BigramCounts, CountAccumulator
 from .errors import CorpusError, GraphmaxError, MergeError, OptionError
 from .faults import fault_point
-from .folders import disk_errors, locked, remove_tree, staged_folder, sync_tree, target_folder
+from .folders import check_replaceable, disk_errors, locked, remove_tree, staged_folder, sync_tree, target_folder
 from .graph import Graph, load_graph
 from .ngrams import RUN_ENTRIES, ORDERS, NgramCounts, check_orders, count_ngrams, merge_ngrams
 from .operators import OperatorSpec, PruneRule, build_operators, normalize
@@ -210,10 +210,6 @@ def _opened(target: Path) -> Graph:
     return Graph(target)
 
 
-def _display_name(target: Path, name: str | None) -> str:
-    return name if name is not None else target.name
-
-
 def write_graph(cc: CorpusCounts, graph: str | os.PathLike, *, orders: Sequence[int] = (1,),
                 mixture: int | None = None, eps: float = 1e-8, prune: PruneRule = PruneRule(),
                 shard_nnz: int = DEFAULT_SHARD_NNZ, overwrite: bool = False, progress: bool = True,
@@ -274,7 +270,7 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
                                   work=work, run_entries=ngram_run_entries)
             source = {"corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean, "text_column": text_column}
             fault_point("build.ngrams_counted")
-        _write_into(tmp, cc, name=_display_name(target, name), orders=orders, mixture=mixture, eps=eps, prune=prune,
+        _write_into(tmp, cc, name=target.name, orders=orders, mixture=mixture, eps=eps, prune=prune,
                     shard_nnz=shard_nnz, progress=progress, ngrams=tables, ngram_source=source)
         if ngrams:
             del tables  # the memory maps of the work folder, before it goes
@@ -305,6 +301,7 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
     target = target_folder(name, path)
     check_options(**{k: v for k, v in write_options.items() if k in ("orders", "mixture", "eps", "prune",
                                                                       "shard_nnz")})
+    check_replaceable(target, bool(write_options.get("overwrite", False)))  # before reading any part
     with locked(target):
         sources = [g if isinstance(g, Graph) else load_graph(g) for g in graphs]
         seen: set[str] = set()
