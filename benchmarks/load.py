@@ -97,7 +97,8 @@ def main() -> None:
             print(f"{label:<34} {'  '.join(f'{t:7.3f}' for t in times):>30}   "
                   f"{'  '.join(f'{t:.2f}' for t in starts)}")
         r = rows[0][2]
-        print(f"(counts + Ã: {r['nnz']:,} non-zeros; n-gram entries: {r['ngram_entries']:,}; {r['stats']} stats arrays)")
+        print(f"(counts + Ã: {r['nnz']:,} non-zeros; n-gram entries: {r['ngram_entries']:,}; "
+              f"{r['stats']} stats arrays)")
 
 
 if __name__ == "__main__":

@@ -187,7 +187,8 @@ def _write_into(tmp: Path, cc: CorpusCounts, *, name: str, orders: Sequence[int]
     cc.timings["write_s"] = time.perf_counter() - t0
 
 
-def _write_operator(root: Path, name: str, matrix, shard_nnz: int, shards, kept, prune: PruneRule | None = None) -> dict:
+def _write_operator(root: Path, name: str, matrix, shard_nnz: int, shards, kept,
+                    prune: PruneRule | None = None) -> dict:
     if shards is None:
         shards = write_csr(root, name, matrix, np.float32, shard_nnz)
     entry = {"shards": shards, "nnz": int(sum(s["nnz"] for s in shards)),

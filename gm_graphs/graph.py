@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,7 +87,8 @@ class Graph:
         if name not in self.operators:
             built = ", ".join(sorted(self.operators))
             raise GraphFormatError(f"graph {self.name!r} has no materialised {name} (built: {built}); rebuild with "
-                                   f"--orders/--mixture including it, or use its matrix-free form (graph.base, graph.spec)")
+                                   f"--orders/--mixture including it, or use its matrix-free form "
+                                   f"(graph.base, graph.spec)")
         return self._files.csr(self.operators[name]["shards"], weights=True)
 
     @cached_property

@@ -71,7 +71,7 @@ class NgramCounts:
         return ctx * self.vocab_size + np.asarray(self.next, dtype=np.int64)
 
     def successors(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
-        """(next tokens, counts) after ``context`` (its n−1 tokens, oldest first), or None if the corpus never has it."""
+        """(next tokens, counts) after ``context`` (its n−1 tokens, oldest first); None if the corpus never has it."""
         if len(context) != self.order - 1:
             raise ValueError(f"an order-{self.order} table takes {self.order - 1} context tokens, got {len(context)}")
         key = 0
@@ -111,7 +111,7 @@ _DTYPES = {"contexts": np.int64, "indptr": np.int64, "next": np.int32, "counts":
 
 
 def _npy_from_raw(raw: Path, dtype, path: Path) -> None:
-    """Turn a raw file of ``dtype`` values into a .npy file: a header, then the bytes copied over, never all in memory."""
+    """Turn a raw file of ``dtype`` values into a .npy file: a header, then the bytes copied, never all in memory."""
     count = raw.stat().st_size // np.dtype(dtype).itemsize
     with open(path, "wb") as out, open(raw, "rb") as fh:
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)}

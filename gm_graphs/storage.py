@@ -44,7 +44,7 @@ from . import validate, verified
 from .errors import GraphFormatError
 from .faults import fault_point
 from .folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, fsync_dir
-from .validate import CSR_PARTS, FORMAT_VERSION, NGRAM_PARTS, STATS
+from .validate import FORMAT_VERSION, NGRAM_PARTS, STATS
 
 DEFAULT_SHARD_NNZ = 1 << 26  # 64M non-zeros: 768 MB of float32 data + int64 indices at most
 NGRAMS = "ngrams"
@@ -434,8 +434,9 @@ class GraphFiles:
         return blocks[0] if len(blocks) == 1 else sp.vstack(blocks, format="csr")
 
     def row_mass(self, entry: dict) -> np.ndarray:
-        return self._unit("row_mass", {"n": self.n}, {"row_mass": (entry, _DTYPES["row_mass"])},
-                          lambda a: validate.check_row_mass(self.root, entry["file"], a["row_mass"], self.n))["row_mass"]
+        arrays = self._unit("row_mass", {"n": self.n}, {"row_mass": (entry, _DTYPES["row_mass"])},
+                            lambda a: validate.check_row_mass(self.root, entry["file"], a["row_mass"], self.n))
+        return arrays["row_mass"]
 
     def ngram_arrays(self) -> dict[int, dict[str, np.ndarray]]:
         """The n-gram tables' arrays by order (empty if the graph has none)."""

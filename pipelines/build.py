@@ -106,7 +106,8 @@ def register(sub) -> None:
                         "conditions on up to n−1 tokens; part of the same atomic build")
     p.add_argument("--ngram-run-entries", type=_positive, default=RUN_ENTRIES, metavar="N",
                    help=f"distinct n-grams of an order held in memory before a sorted run is written to the "
-                        f"build's temporary folder and merged later; bounds memory (default {RUN_ENTRIES:,}, about 1 GB)")
+                        f"build's temporary folder and merged later; bounds memory (default {RUN_ENTRIES:,}, "
+                        f"about 1 GB)")
     _add_operator_options(p)
     p.set_defaults(run=run_build)
 

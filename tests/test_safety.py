@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs import (CorpusError, GraphBusyError, GraphExistsError, GraphFormatError, GraphNameError, MergeError,
-                       NotOwnedError, OptionError, StorageError, build_graph, load_graph, merge_graphs)
+                       NotOwnedError, OptionError, build_graph, load_graph, merge_graphs)
 from gm_graphs.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main
 
@@ -515,7 +514,8 @@ def test_graphs_list_shows_a_broken_graph_and_the_others(home, csv_corpus, bpe_t
 
 
 def test_a_corpus_of_one_token_documents_is_refused_naming_the_text_column(home, tmp_path, bpe_tokenizer):
-    (tmp_path / "c.csv").write_text("label,text\n" + "".join(f"{'ab'[i % 2]},{d}\n" for i, d in enumerate(make_docs(20))))
+    rows = (f"{'ab'[i % 2]},{d}\n" for i, d in enumerate(make_docs(20)))  # labels of one character: one token
+    (tmp_path / "c.csv").write_text("label,text\n" + "".join(rows))
     with pytest.raises(CorpusError, match="--text-column"):
         build_graph(tmp_path / "c.csv", bpe_tokenizer, name="g", text_column="label", progress=False)
     assert list((home / "graphs").iterdir()) == []
