@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -17,6 +16,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from gm_graphs import Graph, GraphmaxError, load_graph
 from gm_solver import DIVERGENCES, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
+from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
 
 DECODERS = {"paper": PaperGraphmaxLogitsProcessor, "context": ContextGraphmaxLogitsProcessor}
@@ -100,10 +100,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", action="store_true", help="also print the plain softmax continuation")
     # the graph, and its decoder: each decoder's options are refused with the other (defaults: the stored choice)
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--graph", metavar="NAME", help="graph name (under $GRAPHMAX_HOME/graphs), built with the "
-                                                       "model's tokenizer")
-    where.add_argument("--path", metavar="DIR", help="graph folder, instead of --graph NAME")
+    add_graph_arguments(p, "--graph")
     p.add_argument("--decoder", choices=tuple(DECODERS),
                    help="default: the decoder `graphmax tune` stored in the graph, else context")
     p.add_argument("--lam", type=float, help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
@@ -131,7 +128,7 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
     The graph's stored choice (``graphmax tune``) is the starting point when it is of the kind asked for (or no
     kind is asked for); the options given override it. An option of the other decoder is an error.
     """
-    source = Path(args.path) if args.path is not None else args.graph
+    source = graph_arg(args)
     graph = load_graph(source)
     stored = graph.decoder.get("mode", "context") if graph.decoder else None
     kind = args.decoder or stored or "context"
