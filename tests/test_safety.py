@@ -180,14 +180,14 @@ def _run_crafted(spec: dict) -> dict:
     """Load and decode each folder in a child: exit 0 (fine), 1 (GraphmaxError, printed), 3 (anything else)."""
     import torch
 
-    from gm_solver import ContextConfig, GraphmaxLogitsProcessor, graphmax
+    from gm_solver import ContextGraphmaxLogitsProcessor, graphmax
 
     def decode(folder: str):
         def run() -> int:
             g = load_graph(Path(folder))
             z = torch.randn(2, g.vocab_size, generator=torch.Generator().manual_seed(0))
             graphmax(z, g, 1.0)
-            proc = GraphmaxLogitsProcessor(g, mode="context", context=ContextConfig(ngram_order=4))
+            proc = ContextGraphmaxLogitsProcessor(g, ngram_order=4)
             proc(torch.tensor([spec["context"]]), z[:1])
             g.stats  # noqa: B018 - what context decoding reads at start-up (gm_solver reads them from here on)
             return 0
