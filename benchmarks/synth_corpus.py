@@ -94,7 +94,8 @@ class Model:
 
     def describe(self) -> dict:
         return {"kind": "interpolated Kneser-Ney word trigram", "discount": DISCOUNT,
-                "mean_tokens_target": MEAN_TOKENS, "min_tokens": MIN_TOKENS, "length_scale": self.scale,
+                "mean_tokens_target": float(self.scale * self.real_lengths.mean()), "min_tokens": MIN_TOKENS,
+                "length_scale": self.scale,
                 "words": len(self.words), "bigrams": int(self.b_next.size), "trigrams": int(self.t_next.size),
                 "sources": self.sources}
 
@@ -181,8 +182,8 @@ def _row_cumsum(ptr, weights, discount):
     return cum, tot
 
 
-def estimate(docs: list[str], sources: list[dict], tokenizer=None) -> Model:
-    """Estimate the model from real documents."""
+def estimate(docs: list[str], sources: list[dict], tokenizer=None, mean_tokens: float = MEAN_TOKENS) -> Model:
+    """Estimate the model from real documents; target lengths are theirs scaled to a mean of ``mean_tokens``."""
     from gm_graphs.tokenize import load_tokenizer
 
     tok = load_tokenizer(tokenizer or "smollm2")
@@ -233,7 +234,7 @@ def estimate(docs: list[str], sources: list[dict], tokenizer=None) -> Model:
     np.cumsum([len(b) for b in data], out=off[1:])
     hashes = np.sort(_fnv1a_many(np.frombuffer(b"".join(data), np.uint8), off))
     return Model(words, word_bytes, word_off, word_tokens, flags, b_ptr, b_next, b_cum, b_tot, t_ptr,
-                 t_next, t_state, t_cum, t_tot, u_cum, lengths, MEAN_TOKENS / float(lengths.mean()), hashes,
+                 t_next, t_state, t_cum, t_tot, u_cum, lengths, mean_tokens / float(lengths.mean()), hashes,
                  sources)
 
 
@@ -271,7 +272,8 @@ def _target(state, real_lengths, scale):
 
 
 @numba.njit(cache=True)
-def _cap(length):
+def cap(length):
+    """The token count at which a document of target ``length`` (a number or an array) stops even mid-sentence."""
     return length + length // 4 + 4
 
 
@@ -304,17 +306,16 @@ def _step(state, v, rng, b_ptr, b_next, b_cum, b_tot, t_ptr, t_next, t_state, t_
 
 
 @numba.njit(cache=True, parallel=True)
-def _sample_words(first, n, seed, slot_off, words, counts, tokens, word_bytes, word_off, word_tokens, word_flags,
-                  b_ptr, b_next, b_cum, b_tot, t_ptr, t_next, t_state, t_cum, t_tot, u_cum, real_lengths, scale,
-                  hashes):
+def _sample_words(first, seed, lengths, slot_off, words, counts, tokens, word_bytes, word_off, word_tokens,
+                  word_flags, b_ptr, b_next, b_cum, b_tot, t_ptr, t_next, t_state, t_cum, t_tot, u_cum, hashes):
     """Documents first … first+n−1 into their word slots; returns each document's byte length (−1: no
     acceptable draw within MAX_ATTEMPTS)."""
-    nbytes = np.full(n, -1, dtype=np.int64)
-    for i in numba.prange(n):
+    nbytes = np.full(lengths.size, -1, dtype=np.int64)
+    for i in numba.prange(lengths.size):
         doc = first + i
         base = slot_off[i]
-        length, _ = _target(_doc_state(seed, doc, 0), real_lengths, scale)
-        cap = _cap(length)
+        length = lengths[i]
+        limit = cap(length)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             rng = _doc_state(seed, doc, attempt)
             state, v, m, tok, size, text = 0, 0, 0, 0, 0, False
@@ -337,7 +338,7 @@ def _sample_words(first, n, seed, slot_off, words, counts, tokens, word_bytes, w
                 text = text or (word_flags[w] & 2) != 0
                 for k in range(word_off[w], word_off[w + 1]):
                     h = (h ^ np.uint64(word_bytes[k])) * np.uint64(0x100000001B3)
-                if tok >= cap or (tok >= length and (word_flags[w] & 1) != 0):
+                if tok >= limit or (tok >= length and (word_flags[w] & 1) != 0):
                     break
             j = np.searchsorted(hashes, h)
             if text and not (j < hashes.size and hashes[j] == h):
@@ -349,13 +350,12 @@ def _sample_words(first, n, seed, slot_off, words, counts, tokens, word_bytes, w
 
 
 @numba.njit(cache=True, parallel=True)
-def _slots(first, n, seed, real_lengths, scale):
-    """Each document's word slot: every word adds at least a token and sampling stops at the cap."""
-    size = np.empty(n, dtype=np.int64)
+def targets(first, n, seed, real_lengths, scale):
+    """The target lengths (SmolLM2 tokens) of documents first … first+n−1, drawn from their own streams."""
+    out = np.empty(n, dtype=np.int64)
     for i in numba.prange(n):
-        length, _ = _target(_doc_state(seed, first + i, 0), real_lengths, scale)
-        size[i] = _cap(length) + 1
-    return size
+        out[i], _ = _target(_doc_state(seed, first + i, 0), real_lengths, scale)
+    return out
 
 
 @numba.njit(cache=True, parallel=True)
@@ -369,21 +369,23 @@ def _write_bytes(slot_off, counts, words, byte_off, word_bytes, word_off, out):
                 p += 1
 
 
-def sample_shard(model: Model, first: int, n: int, seed: int) -> tuple[pa.StringArray, int, int]:
-    """Documents ``first`` … ``first + n − 1`` as a string array, their SmolLM2 token estimate and text bytes."""
+def sample_shard(model: Model, first: int, n: int, seed: int) -> tuple[pa.StringArray, np.ndarray]:
+    """Documents ``first`` … ``first + n − 1`` as a string array, and each one's SmolLM2 length as estimated by
+    the sampler (the sum of its words' token counts)."""
     m = model
-    slot_off = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(_slots(first, n, seed, m.real_lengths, m.scale), out=slot_off[1:])
+    lengths = targets(first, n, seed, m.real_lengths, m.scale)
+    slot_off = np.zeros(n + 1, dtype=np.int64)  # every word adds at least a token and sampling stops at the cap
+    np.cumsum(cap(lengths) + 1, out=slot_off[1:])
     words = np.empty(slot_off[-1], dtype=np.int32)
     counts = np.empty(n, dtype=np.int64)
     tokens = np.empty(n, dtype=np.int64)
-    nbytes = _sample_words(first, n, seed, slot_off, words, counts, tokens, m.word_bytes, m.word_off, m.word_tokens,
-                           m.word_flags, m.b_ptr, m.b_next, m.b_cum, m.b_tot, m.t_ptr, m.t_next, m.t_state,
-                           m.t_cum, m.t_tot, m.u_cum, m.real_lengths, m.scale, m.bundled_hashes)
+    nbytes = _sample_words(first, seed, lengths, slot_off, words, counts, tokens, m.word_bytes, m.word_off,
+                           m.word_tokens, m.word_flags, m.b_ptr, m.b_next, m.b_cum, m.b_tot, m.t_ptr, m.t_next,
+                           m.t_state, m.t_cum, m.t_tot, m.u_cum, m.bundled_hashes)
     if (nbytes < 0).any():
         raise SynthError(f"document {first + int(np.argmax(nbytes < 0)):,} equalled a bundled document or held no "
                          f"text in {MAX_ATTEMPTS} draws; try another --seed")
-    if (counts > slot_off[1:] - slot_off[:-1]).any():  # cannot happen: see _slots
+    if (counts > slot_off[1:] - slot_off[:-1]).any():  # cannot happen: see slot_off
         raise AssertionError("a document outgrew its word slot")
     byte_off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(nbytes, out=byte_off[1:])
@@ -394,7 +396,7 @@ def sample_shard(model: Model, first: int, n: int, seed: int) -> tuple[pa.String
     _write_bytes(slot_off, counts, words, byte_off, m.word_bytes, m.word_off, data)
     arr = pa.StringArray.from_buffers(n, pa.py_buffer(byte_off.astype(np.int32)), pa.py_buffer(data))
     arr.validate(full=True)  # the words are whole UTF-8 strings, so this only guards the kernel
-    return arr, int(tokens.sum()), int(byte_off[-1])
+    return arr, tokens
 
 
 # ---------------------------------------------------------------- the folder
@@ -471,15 +473,15 @@ def write_corpus(folder: Path, docs: int, seed: int = 0, shard_docs: int = 250_0
     schema = pa.schema([("text", pa.string())])
     total_bytes = total_tokens = 0
     for entry in manifest["shards"]:
-        arr, tokens, text_bytes = sample_shard(model, entry["first_doc"], entry["docs"], seed)
+        arr, tokens = sample_shard(model, entry["first_doc"], entry["docs"], seed)
         tmp = folder / f".{entry['file']}.tmp"
         pq.write_table(pa.Table.from_arrays([arr], schema=schema), tmp, compression="zstd", use_dictionary=False,
                        write_statistics=False, row_group_size=50_000)
         os.replace(tmp, folder / entry["file"])
-        entry.update(text_bytes=text_bytes, tokens_estimate=tokens,
+        entry.update(text_bytes=len(arr.buffers()[2]), tokens_estimate=int(tokens.sum()),
                      file_bytes=(folder / entry["file"]).stat().st_size, sha256=_sha256(folder / entry["file"]))
         total_bytes += entry["text_bytes"]
-        total_tokens += tokens
+        total_tokens += entry["tokens_estimate"]
         log(f"{entry['file']}: documents {entry['first_doc']:,}–{entry['first_doc'] + entry['docs'] - 1:,}, "
             f"{entry['text_bytes'] / 2**20:,.0f} MiB of text ({time.perf_counter() - t0:.0f} s)")
     manifest.update(status="complete", text_bytes=total_bytes, tokens_estimate=total_tokens)
