@@ -11,6 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from gm_graphs import load_graph
 from gm_solver import GraphmaxLogitsProcessor
 
+from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
 
 
@@ -65,7 +66,7 @@ def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: in
 def register(sub) -> None:
     p = sub.add_parser("generate", help="continue prompts with softmax and graphmax decoding")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (bundled), a .gguf file or a local folder")
-    p.add_argument("--graph", required=True, help="graph name or folder (built with the model's tokenizer)")
+    add_graph_arguments(p, "--graph")
     p.add_argument("--order", type=int, default=1, help="use Ãᵏ (default 1)")
     p.add_argument("--mixture", type=int, default=None, help="use Ã+…+Ãⁿ")
     p.add_argument("--lam", type=float, default=1.0, help="λ (0 = softmax)")
@@ -80,8 +81,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    graph = load_graph(graph_arg(args), args.order, args.mixture)  # refused before the model loads
     model, tok = load_model(args.model)
-    graph = load_graph(args.graph, args.order, args.mixture, tokenizer=tok)
+    graph.check_tokenizer(tok)
     proc = GraphmaxLogitsProcessor(graph, lam=args.lam, tol=args.tol, solver=args.solver)
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)

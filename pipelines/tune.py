@@ -18,6 +18,7 @@ from gm_graphs.corpus import ReadStats, expand_corpus, iter_documents
 from gm_solver import ContextConfig, GraphmaxLogitsProcessor
 from tqdm.auto import tqdm
 
+from .build import add_graph_arguments, graph_arg
 from .heldout import HeldOut, perplexity, score_documents
 from .models import DEFAULT_MODEL, load_model
 
@@ -73,7 +74,7 @@ def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
 
 def register(sub) -> None:
     p = sub.add_parser("tune", help="choose context-aware graphmax settings on validation text; store them in the graph")
-    p.add_argument("graph", help="graph name or folder")
+    add_graph_arguments(p)
     p.add_argument("--corpus", nargs="+", required=True, help="validation files (not the graph's training text)")
     p.add_argument("--text-column", default="text")
     p.add_argument("--clean", action="store_true", help="strip HTML tags/entities as the build did")
@@ -84,8 +85,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    graph = load_graph(graph_arg(args))  # a missing or broken graph is refused before the model loads
     model, tok = load_model(args.model)
-    graph = load_graph(args.graph, tokenizer=tok)
+    graph.check_tokenizer(tok)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
     heldout = score_documents(model, tok, texts, args.positions)
     softmax = perplexity(heldout)
