@@ -54,14 +54,14 @@ _SUFFIX_FORMAT = {
 # Compressions and archives people try, with what to do instead.
 _UNSUPPORTED = {".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".lz4": "lz4", ".tar": "tar", ".tgz": "tar",
                 ".7z": "7-Zip", ".rar": "RAR"}
-MAX_DOCUMENT_BYTES = 64 << 20  # a longer line is not a document but a damaged file or a decompression bomb
-CSV_BLOCK_BYTES = 8 << 20  # pyarrow's block; a row must fit in one, so it grows (×4) up to the next limit
-CSV_MAX_BLOCK_BYTES = 2 * MAX_DOCUMENT_BYTES
+MAX_DOCUMENT_BYTES = 32 << 20  # a longer line is not a document but a damaged file or a decompression bomb
+CSV_BLOCK_BYTES = 8 << 20  # pyarrow's block; a row must fit in one, so it grows (×4) up to a document's limit
 _ZIP_METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 _BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
 _FFFD = "\ufffd"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _UTF8_BOM = b"\xef\xbb\xbf"
+_COLUMN_COUNT = re.compile(r"Expected (\d+) columns, got (\d+): (.*)", re.DOTALL)
 _MB = 1 << 20
 
 
@@ -302,7 +302,7 @@ class _Source:
     name: str  # its suffixes give the format
     where: str  # for messages: the path, or archive!member
     opener: Callable[[], IO[bytes]]
-    path: Path | None = None  # a plain file, which pyarrow can open natively
+    path: Path | None = None  # an uncompressed file, which pyarrow opens itself
 
     @contextmanager
     def open(self) -> Iterator[IO[bytes]]:
@@ -334,7 +334,8 @@ def iter_documents(
                     source = _Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info))
                     yield from _read(source, text_column, clean, batch_docs, stats)
         else:
-            source = _Source(f.name, str(f), lambda f=f: open(f, "rb"), path=f)
+            plain = f if not f.name.lower().endswith(".gz") else None
+            source = _Source(f.name, str(f), lambda f=f: open(f, "rb"), path=plain)
             yield from _read(source, text_column, clean, batch_docs, stats)
         stats.per_file[str(f)] = stats.documents - before
     if stats.documents == 0:
@@ -354,12 +355,11 @@ def _decompression_errors(where: str) -> Iterator[None]:
     except EOFError:
         raise CorpusError(f"{where}: the compressed data ends early (the file is truncated); "
                           f"copy or download it again") from None
-    except (gzip.BadGzipFile, zlib.error) as e:
-        raise CorpusError(f"{where}: corrupt gzip data ({_brief(e)}); copy or download it again, "
+    except gzip.BadGzipFile as e:
+        raise CorpusError(f"{where}: not valid gzip data ({_brief(e)}); copy or download it again, "
                           f"or remove the .gz suffix if it is not compressed") from None
-    except (zipfile.BadZipFile, lzma.LZMAError, struct.error) as e:
-        raise CorpusError(f"{where}: corrupt archive data ({_brief(e)}); re-create or download the archive "
-                          f"again") from None
+    except (zlib.error, zipfile.BadZipFile, lzma.LZMAError, struct.error, UnicodeDecodeError) as e:
+        raise CorpusError(f"{where}: corrupt compressed data ({_brief(e)}); copy or download it again") from None
     except PermissionError:
         raise CorpusError(f"{where}: cannot be read (permission denied); make it readable (chmod u+r)") from None
     except OSError as e:
@@ -483,6 +483,7 @@ def _csv_rows(source: _Source, column: str, delimiter: str, stats: ReadStats) ->
     """The text column of a CSV/TSV; a row larger than pyarrow's block reopens the file with a larger one.
 
     Rows already yielded are skipped after a reopen, so nothing is counted twice.
+    A plain file is read by pyarrow itself; a decompressed stream through ``_Replay``.
     """
     kind = "TSV" if delimiter == "\t" else "CSV"
     block, done = CSV_BLOCK_BYTES, 0
@@ -493,18 +494,15 @@ def _csv_rows(source: _Source, column: str, delimiter: str, stats: ReadStats) ->
             if column not in names:
                 raise _missing_column(source.where, column, names)
             last = names[-1]
-            invalid: list = []
-            parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
-                                       invalid_row_handler=lambda row: invalid.append(row) or "error")
+            parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
             # The text is read as binary so that undecodable bytes are replaced instead of failing the batch;
             # the last column too, to tell a quote left open at the end of the file.
             wanted = list(dict.fromkeys([column, last]))
             convert = pacsv.ConvertOptions(include_columns=wanted, column_types={c: pa.binary() for c in wanted})
-            body = _Replay(header, fh)
-            rows, tail_value = 0, None
+            body = _Replay(header, fh) if source.path is None else None
+            rows, tail_value, reader = 0, None, None
             try:
-                reader = pacsv.open_csv(io.BufferedReader(body, buffer_size=1 << 20),
-                                        read_options=pacsv.ReadOptions(block_size=block),
+                reader = pacsv.open_csv(body or str(source.path), read_options=pacsv.ReadOptions(block_size=block),
                                         parse_options=parse, convert_options=convert)
                 for batch in reader:
                     n = batch.num_rows
@@ -515,29 +513,40 @@ def _csv_rows(source: _Source, column: str, delimiter: str, stats: ReadStats) ->
                     if skip < n:
                         yield _arrow_text(batch.column(column).slice(skip), stats)
                         done = rows
-            except pa.ArrowInvalid as e:
-                if "straddl" in str(e) and block < CSV_MAX_BLOCK_BYTES:
-                    block *= 4
+            except pa.ArrowException as e:
+                if "straddl" in str(e) and block < MAX_DOCUMENT_BYTES:
+                    block = min(4 * block, MAX_DOCUMENT_BYTES)
                     continue
-                raise _csv_error(source.where, kind, e, invalid) from None
-            if tail_value and (b"\n" in tail_value or b"\r" in tail_value) \
-                    and not body.tail.rstrip(b"\r\n").endswith(b'"'):
+                if isinstance(e, OSError):
+                    raise  # reading failed, not parsing: the caller names it
+                raise _csv_error(source.where, kind, e) from None
+            finally:
+                # pyarrow reads ahead from a Python stream in its own threads: a reader left for the interpreter's
+                # exit to free (an error's traceback holds this frame) aborts the process, so drop it here.
+                reader = None
+            tail = body.tail if body is not None else _file_tail(source.path)
+            if tail_value and (b"\n" in tail_value or b"\r" in tail_value) and not tail.rstrip(b"\r\n").endswith(b'"'):
                 raise CorpusError(f"{source.where}: a quote opened in the last row is never closed, so its field "
                                   f"runs to the end of the file; close the quote, or double it (\"\") inside a field")
             return
 
 
-def _csv_error(where: str, kind: str, e: pa.ArrowInvalid, invalid: list) -> CorpusError:
+def _file_tail(path: Path, size: int = 256) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(max(os.fstat(fh.fileno()).st_size - size, 0))
+        return fh.read()
+
+
+def _csv_error(where: str, kind: str, e: pa.ArrowException) -> CorpusError:
     if "straddl" in str(e):
-        return CorpusError(f"{where}: a row is longer than {CSV_MAX_BLOCK_BYTES // _MB} MB, most likely a quote "
-                           f"that is never closed; close the quote, or split documents over "
-                           f"{MAX_DOCUMENT_BYTES // _MB} MB")
-    if invalid:
-        row = invalid[0]
-        start = _brief(row.text, 40)
-        return CorpusError(f"malformed {kind} {where}: a row has {row.actual_columns} field(s) where the header has "
-                           f"{row.expected_columns} (it starts {start!r}); a quote that is never closed or an "
-                           f"unquoted delimiter: fix the quoting of that row")
+        return CorpusError(f"{where}: a row is longer than {MAX_DOCUMENT_BYTES // _MB} MB, most likely a quote "
+                           f"that is never closed; close the quote, or split the documents")
+    columns = _COLUMN_COUNT.search(str(e))
+    if columns:
+        expected, got, start = columns.groups()
+        return CorpusError(f"malformed {kind} {where}: a row has {got} field(s) where the header has {expected} "
+                           f"(it starts {_brief(start, 40)!r}); a quote that is never closed or an unquoted "
+                           f"delimiter: fix the quoting of that row")
     return CorpusError(f"malformed {kind} {where} ({_brief(e)}); fix the file or convert it to JSONL or Parquet")
 
 
@@ -557,11 +566,18 @@ def _header_names(header: bytes, delimiter: str, where: str, kind: str) -> list[
     except pa.ArrowInvalid as e:
         raise CorpusError(f"malformed {kind} {where}: its header line cannot be parsed ({_brief(e)}); "
                           f"fix the first line") from None
-    return [str(v) for v in next(iter(table.to_pylist()), {}).values()]
+    names = list(next(iter(table.to_pylist()), {}).values())
+    if not all(isinstance(n, str) for n in names):  # pyarrow reads a header that is not UTF-8 as binary
+        raise CorpusError(f"{where}: the header line is not UTF-8 text; save the file as UTF-8")
+    return names
 
 
 class _Replay(io.RawIOBase):
-    """A raw stream that replays an already-read header before the rest of ``fh``, and keeps its last bytes."""
+    """A stream that replays an already-read header before the rest of ``fh``, and keeps its last bytes.
+
+    pyarrow reads it a block at a time with ``read(n)``, which hands over the
+    underlying stream's bytes without another copy.
+    """
 
     def __init__(self, head: bytes, fh: IO[bytes]):
         self._head, self._fh = head, fh
@@ -570,15 +586,19 @@ class _Replay(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf) -> int:
+    def read(self, n: int = -1) -> bytes:
         if self._head:
-            n = min(len(buf), len(self._head))
-            buf[:n], self._head = self._head[:n], self._head[n:]
-            return n
-        data = self._fh.read(len(buf))
-        buf[:len(data)] = data
+            data = self._head if n < 0 else self._head[:n]
+            self._head = self._head[len(data):]
+            return data
+        data = self._fh.read(n)
         if data:
             self.tail = (self.tail + data[-256:])[-256:]
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[:len(data)] = data
         return len(data)
 
 
@@ -617,7 +637,7 @@ def _jsonl_rows(source: _Source, column: str, batch_docs: int,
             raise CorpusError(f"{where}: line {lineno} nests too deeply to be a record; "
                               f"write one flat JSON object per line") from None
         if not isinstance(record, dict) or column not in record:
-            keys = list(record)[:20] if isinstance(record, dict) else type(record).__name__
+            keys = _brief(list(record), 120) if isinstance(record, dict) else type(record).__name__
             raise CorpusError(f"{where}: line {lineno} has no field {column!r} (it has {keys}); "
                               f"pass the text field with --text-column")
         value = record[column]
