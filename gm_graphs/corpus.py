@@ -566,7 +566,7 @@ def _header_names(header: bytes, delimiter: str, where: str, kind: str) -> list[
     except pa.ArrowInvalid as e:
         raise CorpusError(f"malformed {kind} {where}: its header line cannot be parsed ({_brief(e)}); "
                           f"fix the first line") from None
-    names = list(next(iter(table.to_pylist()), {}).values())
+    names = ["" if n is None else n for n in next(iter(table.to_pylist()), {}).values()]  # None: an empty name
     if not all(isinstance(n, str) for n in names):  # pyarrow reads a header that is not UTF-8 as binary
         raise CorpusError(f"{where}: the header line is not UTF-8 text; save the file as UTF-8")
     return names
