@@ -231,6 +231,11 @@ def _check_header(fh: IO[bytes], f: Path, fmt: str, size: int) -> None:
             if head != b"PAR1" or fh.read(4) != b"PAR1":
                 raise CorpusError(f"{where!r} is not a whole Parquet file (no PAR1 marker at its start and end): "
                                   f"copy it again if it was truncated, or rename it to its real format")
+            try:  # the footer: schema and row groups, a small read at the end
+                pq.ParquetFile(str(f)).schema_arrow
+            except (pa.ArrowException, OSError) as e:
+                raise CorpusError(f"{where!r} is not a readable Parquet file ({_brief(e)}); copy it again if it "
+                                  f"was truncated, or rename it to its real format") from None
     if fmt != "parquet":
         _check_encoding(head, where)
 
