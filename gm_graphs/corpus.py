@@ -182,7 +182,8 @@ def _check_file(f: Path, graphs: _GraphFolders) -> None:
         st = os.stat(f)
     except FileNotFoundError:
         if os.path.islink(f):
-            raise CorpusError(f"corpus file {where!r} is a broken symbolic link; point it at the file or remove it")
+            raise CorpusError(f"corpus file {where!r} is a broken symbolic link; point it at the file or remove it") \
+                from None
         raise CorpusError(f"corpus file {where!r} does not exist; check the path") from None
     except OSError as e:
         raise CorpusError(f"corpus file {where!r} cannot be reached ({e.strerror}); check the path") from None
@@ -229,7 +230,7 @@ def _check_header(fh: IO[bytes], f: Path, fmt: str, size: int) -> None:
         if fmt == "parquet":
             fh.seek(max(size - 4, 0))
             if head != b"PAR1" or fh.read(4) != b"PAR1":
-                raise CorpusError(f"{where!r} is not a whole Parquet file (no PAR1 marker at its start and end): "
+                raise CorpusError(f"{where!r} is not a whole Parquet file (no PAR1 marker at its start and end); "
                                   f"copy it again if it was truncated, or rename it to its real format")
             try:  # the footer: schema and row groups, a small read at the end
                 pq.ParquetFile(str(f)).schema_arrow

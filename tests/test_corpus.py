@@ -5,8 +5,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -496,16 +498,34 @@ for spec in ("pipe.csv", "folder.csv", "link.csv", "*.csv"):
     assert "folder.csv' is a folder" in lines[3]  # the glob matched the folder and the FIFO: refused, not skipped
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
-def test_unreadable_file_is_refused(tmp_path):
-    path = tmp_path / "c.csv"
-    path.write_text("text\nx\n")
-    path.chmod(0)
+def test_unreadable_file_is_refused():
+    """chmod 000: as root (who reads anything) the check runs in a forked child that became `nobody`."""
+    folder = Path(tempfile.mkdtemp(prefix="graphmax-perm-"))  # not under pytest's tmp, which only root may enter
     try:
-        with pytest.raises(CorpusError, match=r"c\.csv' cannot be read \(permission denied\); make it readable"):
-            expand_corpus(path)
+        folder.chmod(0o755)
+        path = folder / "c.csv"
+        path.write_text("text\nx\n")
+        path.chmod(0)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: drop root, check, report through the pipe, never return into pytest
+            try:
+                if os.geteuid() == 0:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                expand_corpus(path)
+                os.write(write, b"accepted")
+            except CorpusError as e:
+                os.write(write, str(e).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as fh:
+            message = fh.read().decode()
+        assert "c.csv' cannot be read (permission denied); make it readable (chmod u+r)" in message
     finally:
-        path.chmod(0o600)
+        shutil.rmtree(folder)
 
 
 @pytest.mark.parametrize("name,match", [
