@@ -24,7 +24,7 @@ def integer(minimum: int) -> Callable[[str], int]:
         except ValueError:
             value = None
         if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
         return value
 
     return parse
@@ -41,7 +41,7 @@ def number(*, at_least: float | None = None, above: float | None = None,
         except ValueError:
             value = math.nan
         if not _within(value, at_least, above, below):
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
         return value
 
     return parse
@@ -56,7 +56,7 @@ def integers(minimum: int, example: str) -> Callable[[str], list[int]]:
         except ValueError:
             values = []
         if not values or min(values) < minimum:
-            raise argparse.ArgumentTypeError(f"expected integers >= {minimum} separated by commas, like {example}, "
+            raise argparse.ArgumentTypeError(f"must be integers >= {minimum} separated by commas, like {example}, "
                                              f"got {text!r}")
         return values
 
@@ -72,22 +72,18 @@ def numbers(*, at_least: float, example: str) -> Callable[[str], list[float]]:
         except ValueError:
             values = []
         if not values or not all(_within(v, at_least, None, None) for v in values):
-            raise argparse.ArgumentTypeError(f"expected finite numbers >= {at_least:g} separated by commas, "
+            raise argparse.ArgumentTypeError(f"must be finite numbers >= {at_least:g} separated by commas, "
                                              f"like {example}, got {text!r}")
         return values
 
     return parse
 
 
-def nonblank(what: str) -> Callable[[str], str]:
+def nonblank(text: str) -> str:
     """Any text that is not empty or only spaces."""
-
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"expected {what}, got an empty one")
-        return text
-
-    return parse
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty or only spaces")
+    return text
 
 
 def several(minimum: int, what: str) -> type[argparse.Action]:

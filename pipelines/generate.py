@@ -72,7 +72,7 @@ def register(sub) -> None:
     p.add_argument("--lam", type=number(at_least=0), default=1.0, help="λ (0 = softmax)")
     p.add_argument("--tol", type=number(above=0), default=1e-6, help="duality gap per step")
     p.add_argument("--solver", default="auto", choices=["auto", "paper"])
-    p.add_argument("--prompt", action="append", required=True, type=nonblank("a prompt"),
+    p.add_argument("--prompt", action="append", required=True, type=nonblank,
                    help="a prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=integer(1), default=32)
     p.add_argument("--sample", action="store_true", help="sample (top-k 50) instead of greedy")
