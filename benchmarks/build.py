@@ -46,7 +46,7 @@ def _child(job: str, corpus: str, text_column: str, out: str) -> dict:
         result = {"seconds": time.perf_counter() - t0, "tokens": tokens}
     elif job == "build":
         t0 = time.perf_counter()
-        g = build_graph(corpus, tok, out=out, text_column=text_column, clean=True, progress=False)
+        g = build_graph(corpus, tok, path=Path(out), text_column=text_column, clean=True, progress=False)
         c = g.manifest["corpus"]
         result = {"seconds": time.perf_counter() - t0, "tokens": c["tokens"], "documents": c["documents"],
                   "distinct": c["distinct_bigrams"]}
@@ -57,7 +57,7 @@ def _child(job: str, corpus: str, text_column: str, out: str) -> dict:
         tables = count_ngrams(corpus, tok, (3, 4), text_column=text_column, clean=True, progress=False, **work)
         result = {"seconds": time.perf_counter() - t0, "distinct": {n: t.entries for n, t in tables.items()}}
     elif job in ("a2-pruned", "a2-exact"):
-        base = load_graph(out).base
+        base = load_graph(Path(out)).base
         rule = PruneRule() if job == "a2-pruned" else PruneRule.exact()
         nnz = 0
         t0 = time.perf_counter()

@@ -1,58 +1,58 @@
-"""A built graph on disk, and ``load_graph`` that opens one by name or path."""
+"""A built graph on disk, and ``load_graph`` that opens one by name or by folder."""
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 
 from .errors import GraphFormatError, TokenizerError
+from .folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
+from .ngrams import NgramCounts
 from .operators import OperatorSpec
-from .storage import check_file, read_csr, read_manifest, update_manifest
+from .storage import GraphFiles, compute_stats, read_manifest, remove_unreferenced, write_manifest
+from .validate import check_decoder
 
-
-def graphmax_home() -> Path:
-    """``$GRAPHMAX_HOME`` or ``~/.cache/graphmax``; named graphs live in its ``graphs/``."""
-    return Path(os.environ.get("GRAPHMAX_HOME") or Path.home() / ".cache" / "graphmax")
-
-
-def graph_dir(name_or_path: str | os.PathLike) -> Path:
-    """A path if it is one (contains a separator or exists), else ``<home>/graphs/<name>``."""
-    text = os.fspath(name_or_path)
-    if os.sep in text or "/" in text or Path(text).exists():
-        return Path(text)
-    if not text or text.startswith("."):
-        raise ValueError(f"invalid graph name {text!r}; use letters, digits, '-' or '_'")
-    return graphmax_home() / "graphs" / text
+__all__ = ["Graph", "graphmax_home", "list_graphs", "load_graph"]
 
 
 def list_graphs() -> list[str]:
-    root = graphmax_home() / "graphs"
+    """The names of the folders under ``$GRAPHMAX_HOME/graphs`` that hold a manifest (whole or not)."""
+    root = graphs_root()
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file() and not p.name.startswith("."))
+    return sorted(p.name for p in root.iterdir() if NAME.fullmatch(p.name) and (p / "manifest.json").is_file())
 
 
 class Graph:
     """One operator of a graph folder: Ã (``order=1``), Ãᵏ or the mixture Ã+…+Ãⁿ.
 
-    ``matrix`` is the materialised operator (memory-mapped CSR). For orders that
-    were built pruned or not built at all, ``base`` (Ã) and ``spec`` give what a
-    solver needs to apply the exact operator matrix-free.
+    ``graph`` is a name (``str``, under ``$GRAPHMAX_HOME/graphs``) or a folder (``pathlib.Path``). The manifest is
+    schema-checked on opening; each array is checked (structure, and SHA-256 when ``verify``) before it is first
+    handed out, once per file identity. ``matrix`` is the materialised operator (memory-mapped CSR). For orders
+    that were built pruned or not built at all, ``base`` (Ã) and ``spec`` give what a solver needs to apply the
+    exact operator matrix-free.
     """
 
-    def __init__(self, path: str | os.PathLike, order: int = 1, mixture: int | None = None, *, verify: bool = True):
-        self.path = Path(path)
-        self.manifest: dict[str, Any] = read_manifest(self.path)
+    def __init__(self, graph: str | os.PathLike, order: int = 1, mixture: int | None = None, *, verify: bool = True):
+        self.path = graph_path(graph)
         self.spec = OperatorSpec.parse(order, mixture)
         self.verify = verify
-        self._ngrams = None
         if self.spec.kind == "mixture" and self.spec.k == 1:
             self.spec = OperatorSpec("power", 1)
+        self.manifest: dict[str, Any] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the manifest (after another writer changed it) and forget the arrays opened so far."""
+        self.manifest = read_manifest(self.path)
+        self._files = GraphFiles(self.path, self.manifest, self.verify)
+        for name in ("matrix", "base", "counts", "row_mass_kept", "ngrams", "stats"):
+            self.__dict__.pop(name, None)
 
     def __repr__(self) -> str:
         return f"Graph({str(self.path)!r}, operator={self.spec.name}, vocab_size={self.vocab_size})"
@@ -68,18 +68,6 @@ class Graph:
     @property
     def eps(self) -> float:
         return float(self.manifest["eps"])
-
-    @property
-    def ngrams(self) -> dict:
-        """The stored n-gram tables by order (``gm_graphs.ngrams``), memory-mapped; empty if the graph has none."""
-        from .ngrams import FOLDER, read_ngrams
-
-        entry = self.manifest.get(FOLDER)
-        if entry is None:
-            return {}
-        if self._ngrams is None:
-            self._ngrams = read_ngrams(self.path, entry, self.vocab_size, self.verify)
-        return self._ngrams
 
     @property
     def operators(self) -> dict[str, dict]:
@@ -99,8 +87,9 @@ class Graph:
         if name not in self.operators:
             built = ", ".join(sorted(self.operators))
             raise GraphFormatError(f"graph {self.name!r} has no materialised {name} (built: {built}); rebuild with "
-                                   f"--orders/--mixture including it, or use its matrix-free form (graph.base, graph.spec)")
-        return read_csr(self.path, self.operators[name]["shards"], self.vocab_size, self.verify)
+                                   f"--orders/--mixture including it, or use its matrix-free form "
+                                   f"(graph.base, graph.spec)")
+        return self._files.csr(self.operators[name]["shards"], weights=True)
 
     @cached_property
     def matrix(self) -> sp.csr_matrix:
@@ -115,7 +104,7 @@ class Graph:
     @cached_property
     def counts(self) -> sp.csr_matrix:
         """The raw bigram counts A as an N×N int64 CSR matrix, memory-mapped."""
-        return read_csr(self.path, self.manifest["counts"]["shards"], self.vocab_size, self.verify)
+        return self._files.csr(self.manifest["counts"]["shards"], weights=False)
 
     @cached_property
     def row_mass_kept(self) -> np.ndarray:
@@ -123,7 +112,28 @@ class Graph:
         entry = self.operators.get(self.spec.name, {})
         if "row_mass" not in entry:
             return np.ones(self.vocab_size, dtype=np.float32)
-        return np.load(check_file(self.path, entry["row_mass"], self.verify), mmap_mode="r")
+        return self._files.row_mass(entry["row_mass"])
+
+    @cached_property
+    def ngrams(self) -> dict[int, NgramCounts]:
+        """The stored n-gram tables by order (``gm_graphs.ngrams``), memory-mapped; empty if the graph has none."""
+        return {order: NgramCounts(order, self.vocab_size, **arrays)
+                for order, arrays in self._files.ngram_arrays().items()}
+
+    @cached_property
+    def stats(self) -> dict[str, np.ndarray]:
+        """Per-node int64 arrays, N long: ``row_counts`` (Σ_j A_ij), ``successors`` (#{j: A_ij > 0}),
+        ``predecessors`` (#{i: A_ij > 0}) and ``column_counts`` (Σ_i A_ij).
+
+        Memory-mapped from ``stats/`` (built since that folder exists); computed from the counts for older graphs.
+        """
+        stored = self._files.stats()
+        return stored if stored is not None else compute_stats(self.counts)
+
+    def validate(self) -> "Graph":
+        """Check every file of the graph now (the arrays are otherwise checked when first used); returns self."""
+        self._files.check_all()
+        return self
 
     @property
     def decoder(self) -> dict | None:
@@ -131,8 +141,19 @@ class Graph:
         return self.manifest.get("decoder")
 
     def set_decoder(self, choice: dict) -> None:
-        """Store a decoding choice in the manifest (atomically); ``GraphmaxLogitsProcessor.from_graph`` reads it."""
-        self.manifest = update_manifest(self.path, "decoder", choice)
+        """Store a decoding choice in the manifest; ``GraphmaxLogitsProcessor.from_graph`` reads it.
+
+        Holds the graph's lock and replaces the manifest atomically, so a concurrent writer fails at once and a
+        kill leaves the old manifest or the new one.
+        """
+        check_decoder(self.path, choice)
+        json.dumps(choice)  # refuse what the manifest cannot hold before touching it
+        with locked(self.path), disk_errors(self.path):
+            manifest = read_manifest(self.path)
+            manifest["decoder"] = choice
+            write_manifest(self.path, manifest)
+            remove_unreferenced(self.path, manifest)
+        self.refresh()
 
     def check_tokenizer(self, tokenizer) -> None:
         """Raise :class:`TokenizerError` unless ``tokenizer`` has this graph's vocabulary."""
@@ -148,20 +169,24 @@ class Graph:
             )
 
 
-def load_graph(name_or_path: str | os.PathLike, order: int = 1, mixture: int | None = None, *,
+def load_graph(graph: str | os.PathLike, order: int = 1, mixture: int | None = None, *,
                tokenizer=None, verify: bool = True) -> Graph:
-    """Open a built graph by name (under ``$GRAPHMAX_HOME/graphs``) or by folder.
+    """Open a built graph by name (``str``, under ``$GRAPHMAX_HOME/graphs``) or by folder (``pathlib.Path``).
 
-    ``order=k`` selects Ãᵏ, ``mixture=n`` the mixture Ã+…+Ãⁿ. Given a tokenizer
-    (loaded, or anything ``--tokenizer`` accepts), refuses a graph built with
-    another vocabulary. ``verify`` checks each array's SHA-256 as it is opened.
+    ``order=k`` selects Ãᵏ, ``mixture=n`` the mixture Ã+…+Ãⁿ. Given a tokenizer (loaded, or anything
+    ``--tokenizer`` accepts), refuses a graph built with another vocabulary. Arrays are checked before first use:
+    their structure always, their SHA-256 when ``verify``, each once per file identity (a verification cache
+    under ``$GRAPHMAX_HOME``), so reopening a multi-GB graph does not re-hash it.
     """
-    path = graph_dir(name_or_path)
-    if not path.exists():
-        known = ", ".join(list_graphs()) or "none"
-        raise GraphFormatError(f"no graph {os.fspath(name_or_path)!r} at {path} (graphs here: {known}); "
-                               f"build it with `graphmax build CORPUS --tokenizer T --name NAME`")
-    graph = Graph(path, order, mixture, verify=verify)
+    path = graph_path(graph)
+    if not os.path.lexists(path):
+        if isinstance(graph, str):
+            known = ", ".join(list_graphs()) or "none"
+            raise GraphFormatError(f"no graph {graph!r} in {graphs_root()} (graphs there: {known}); build it with "
+                                   f"`graphmax build CORPUS --tokenizer T --name {graph}`")
+        raise GraphFormatError(f"no graph folder {path}; build one with `graphmax build CORPUS --tokenizer T "
+                               f"--path {path}`")
+    opened = Graph(path, order, mixture, verify=verify)
     if tokenizer is not None:
-        graph.check_tokenizer(tokenizer)
-    return graph
+        opened.check_tokenizer(tokenizer)
+    return opened

@@ -1,9 +1,10 @@
 """n-gram counts (n = 3, 4): tables (w_{t−n+1} … w_{t−1}) → w_t that let context-aware graphmax see further back.
 
 A bigram graph conditions on one token; its powers Ãᵏ marginalise over the
-tokens in between instead of conditioning on them. The n-gram tables are
-stored beside the operators, in ``ngrams/<n>/``, as four memory-mappable
-arrays per order, sorted by context:
+tokens in between instead of conditioning on them. This module counts; the
+tables are stored beside the operators (``gm_graphs.storage`` writes and checks
+them, ``gm_graphs.build.add_ngrams`` adds them to a built graph) as four
+memory-mappable arrays per order, sorted by context:
 
 - ``contexts.npy``  int64, the distinct contexts in base N (N = vocabulary size): for n = 3,
   u·N + v with u = w_{t−2}, v = w_{t−1}; ascending
@@ -12,8 +13,7 @@ arrays per order, sorted by context:
 - ``counts.npy``    int64, how often (context, w) occurred within one document
 
 Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
-(N⁴ < 2⁶³). The manifest's ``ngrams`` entry lists each order's files with their
-sizes and SHA-256.
+(N⁴ < 2⁶³).
 
 Counting keeps at most ``run_entries`` distinct n-grams of an order in memory
 when given a work folder: a larger table is written there as sorted runs, which
@@ -24,7 +24,6 @@ sort), so memory does not grow with the corpus' distinct n-grams.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -33,7 +32,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .corpus import CorpusSpec, ReadStats, expand_corpus, iter_documents
-from .storage import atomic_folder, check_file, file_entry, update_manifest
+from .errors import OptionError
 from .tokenize import BatchEncoder, load_tokenizer
 
 FOLDER = "ngrams"
@@ -72,7 +71,7 @@ class NgramCounts:
         return ctx * self.vocab_size + np.asarray(self.next, dtype=np.int64)
 
     def successors(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
-        """(next tokens, counts) after ``context`` (its n−1 tokens, oldest first), or None if the corpus never has it."""
+        """(next tokens, counts) after ``context`` (its n−1 tokens, oldest first); None if the corpus never has it."""
         if len(context) != self.order - 1:
             raise ValueError(f"an order-{self.order} table takes {self.order - 1} context tokens, got {len(context)}")
         key = 0
@@ -94,13 +93,17 @@ def _fold(keys: list[np.ndarray], counts: list[np.ndarray]) -> tuple[np.ndarray,
     return uniq, np.bincount(inverse, weights=c, minlength=len(uniq)).astype(np.int64)
 
 
-def _check_orders(orders: Sequence[int], vocab_size: int) -> tuple[int, ...]:
-    orders = tuple(sorted(set(int(n) for n in orders)))
+def check_orders(orders: Sequence[int], vocab_size: int | None = None) -> tuple[int, ...]:
+    """The n-gram orders, sorted and unique; each ≥ 3, and (given the vocabulary) with int64 keys."""
+    if isinstance(orders, (int, str)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in orders):
+        raise OptionError(f"n-gram orders are a list of integers like (3, 4), got {orders!r}")
+    orders = tuple(sorted(set(orders)))
     if not orders or orders[0] < 3:
-        raise ValueError(f"n-gram orders are 3 or more (the graph itself holds the bigrams), got {orders}")
-    if float(vocab_size) ** orders[-1] >= 2.0 ** 63:
-        raise ValueError(f"order {orders[-1]} over a vocabulary of {vocab_size:,} tokens overflows int64 keys; "
-                         f"use a lower order")
+        raise OptionError(f"n-gram orders are 3 or more (the graph itself holds the bigrams), got {list(orders)}; "
+                          f"use e.g. --ngrams 3,4")
+    if vocab_size is not None and float(vocab_size) ** orders[-1] >= 2.0 ** 63:
+        raise OptionError(f"order {orders[-1]} over a vocabulary of {vocab_size:,} tokens overflows int64 keys; "
+                          f"use a lower order")
     return orders
 
 
@@ -108,7 +111,7 @@ _DTYPES = {"contexts": np.int64, "indptr": np.int64, "next": np.int32, "counts":
 
 
 def _npy_from_raw(raw: Path, dtype, path: Path) -> None:
-    """Turn a raw file of ``dtype`` values into a .npy file: a header, then the bytes copied over, never all in memory."""
+    """Turn a raw file of ``dtype`` values into a .npy file: a header, then the bytes copied, never all in memory."""
     count = raw.stat().st_size // np.dtype(dtype).itemsize
     with open(path, "wb") as out, open(raw, "rb") as fh:
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)}
@@ -215,12 +218,12 @@ def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, 
     is sorted in runs there and merged, and its table is memory-mapped from
     ``work/<n>/``.
     """
-    if run_entries < 1:
-        raise ValueError(f"run_entries must be >= 1, got {run_entries}")
+    if not isinstance(run_entries, int) or run_entries < 1:
+        raise OptionError(f"run_entries must be an integer >= 1, got {run_entries!r}")
     tok = load_tokenizer(tokenizer)
     encoder = BatchEncoder(tok)
     n = encoder.vocab_size
-    orders = _check_orders(orders, n)
+    orders = check_orders(orders, n)
     folders = {order: None if work is None else Path(work) / str(order) for order in orders}
     for folder in folders.values():
         if folder is not None:
@@ -252,47 +255,3 @@ def merge_ngrams(parts: Sequence[dict[int, NgramCounts]]) -> dict[int, NgramCoun
         keys, counts = _fold([t.keys() for t in tables], [np.asarray(t.counts) for t in tables])
         merged[order] = NgramCounts.from_keys(order, keys, counts, tables[0].vocab_size)
     return merged
-
-
-def store_ngrams(graph, tables: dict[int, NgramCounts], source: dict) -> None:
-    """Write ``tables`` to ``ngrams/`` (a temporary folder renamed when complete) and record them in the manifest."""
-    root = Path(graph.path)
-    with atomic_folder(root / FOLDER, overwrite=True) as tmp:
-        for order, table in tables.items():
-            (tmp / str(order)).mkdir()
-            for name in _ARRAYS:
-                np.save(tmp / str(order) / f"{name}.npy", getattr(table, name))
-    entry = {**source, "orders": {
-        str(order): {"contexts": len(table.contexts), "entries": table.entries,
-                     "files": {name: file_entry(root, root / FOLDER / str(order) / f"{name}.npy") for name in _ARRAYS}}
-        for order, table in tables.items()}}
-    graph.manifest = update_manifest(root, FOLDER, entry)
-    # the new tables, memory-mapped; just written and hashed above, so not hashed again
-    graph._ngrams = read_ngrams(root, entry, graph.vocab_size, verify=False)
-
-
-def add_ngrams(graph, corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
-               clean: bool = False, progress: bool = True, run_entries: int = RUN_ENTRIES) -> dict[int, NgramCounts]:
-    """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own), store them in the graph folder, and return
-    the stored tables (memory-mapped).
-
-    Sorted runs, when the tables outgrow ``run_entries`` distinct n-grams, go to a
-    temporary folder beside the graph, removed afterwards.
-    """
-    graph.check_tokenizer(tokenizer)
-    root = Path(graph.path)
-    with tempfile.TemporaryDirectory(dir=root.parent, prefix=f".{root.name}.ngram-runs-") as work:
-        tables = count_ngrams(corpus, tokenizer, orders, text_column=text_column, clean=clean, progress=progress,
-                              work=Path(work), run_entries=run_entries)
-        store_ngrams(graph, tables, {"corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean,
-                                     "text_column": text_column})
-    return graph.ngrams
-
-
-def read_ngrams(root: Path, entry: dict, vocab_size: int, verify: bool = True) -> dict[int, NgramCounts]:
-    """The stored tables by order, memory-mapped, after checking each file against the manifest."""
-    tables = {}
-    for order, e in entry["orders"].items():
-        arrays = {name: np.load(check_file(root, e["files"][name], verify), mmap_mode="r") for name in _ARRAYS}
-        tables[int(order)] = NgramCounts(int(order), vocab_size, **arrays)
-    return dict(sorted(tables.items()))

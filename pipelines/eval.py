@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
+from gm_graphs.folders import claim_folder
 from gm_solver import ContextConfig, GraphmaxLogitsProcessor, InterpolationLogitsProcessor, log_graphmax
 
 from . import figures, report
@@ -50,7 +51,7 @@ def prepare(args, tok, work: Path) -> Setup:
     split = split_corpus(args.corpus, work / "split", heldout_fraction=args.heldout_fraction, seed=args.seed,
                          text_column=args.text_column, clean=args.clean, overwrite=True)
     counts = count_corpus(split.path("train"), tok, clean=False)
-    graph = write_graph(counts, work / "graph", name="eval-train", overwrite=True)
+    graph = write_graph(counts, work / "graph", overwrite=True)
     add_ngrams(graph, split.path("train"), tok)
     heldout = split.texts("heldout")
     # held-out documents alternate between validation (tuning) and test (reporting)
@@ -77,8 +78,7 @@ def run_eval(args) -> Path:
     for key in sizes:
         if getattr(args, key, None):
             sizes[key] = getattr(args, key)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_folder(Path(args.out))  # absent, empty or a report graphmax wrote: never a user's folder
     model, tok = load_model(args.model)
     setup = prepare(args, tok, out / "work")
     lams = args.lams
@@ -219,7 +219,8 @@ def register(sub) -> None:
     p.add_argument("--clean", action=argparse.BooleanOptionalAction, default=None,
                    help="strip HTML tags/entities (default: off for files, as needed for a bundled corpus)")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--out", default="eval-report", help="report folder (default ./eval-report)")
+    p.add_argument("--out", default="eval-report",
+                   help="report folder: new, empty, or a report graphmax wrote (default ./eval-report)")
     p.add_argument("--heldout-fraction", type=number(above=0, below=1), default=0.1)
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--lams", type=numbers(at_least=0, example="0,0.1,1"), default="0,0.1,0.3,1,3,10",

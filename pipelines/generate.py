@@ -12,6 +12,7 @@ from gm_graphs import load_graph
 from gm_solver import GraphmaxLogitsProcessor
 
 from .args import integer, nonblank, number
+from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
 
 
@@ -66,7 +67,7 @@ def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: in
 def register(sub) -> None:
     p = sub.add_parser("generate", help="continue prompts with softmax and graphmax decoding")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (bundled), a .gguf file or a local folder")
-    p.add_argument("--graph", required=True, help="graph name or folder (built with the model's tokenizer)")
+    add_graph_arguments(p, "--graph")
     p.add_argument("--order", type=integer(1), default=1, help="use Ãᵏ (default 1)")
     p.add_argument("--mixture", type=integer(2), default=None, help="use Ã+…+Ãⁿ (n ≥ 2)")
     p.add_argument("--lam", type=number(at_least=0), default=1.0, help="λ (0 = softmax)")
@@ -82,8 +83,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    graph = load_graph(graph_arg(args), args.order, args.mixture)  # refused before the model loads
     model, tok = load_model(args.model)
-    graph = load_graph(args.graph, args.order, args.mixture, tokenizer=tok)
+    graph.check_tokenizer(tok)
     proc = GraphmaxLogitsProcessor(graph, lam=args.lam, tol=args.tol, solver=args.solver)
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)

@@ -19,6 +19,7 @@ from gm_solver import ContextConfig, GraphmaxLogitsProcessor
 from tqdm.auto import tqdm
 
 from .args import CorpusFiles, integer
+from .build import add_graph_arguments, graph_arg
 from .heldout import HeldOut, perplexity, score_documents
 from .models import DEFAULT_MODEL, load_model
 
@@ -74,7 +75,7 @@ def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
 
 def register(sub) -> None:
     p = sub.add_parser("tune", help="choose context-aware graphmax settings on validation text; store them in the graph")
-    p.add_argument("graph", help="graph name or folder")
+    add_graph_arguments(p)
     p.add_argument("--corpus", nargs="+", required=True, action=CorpusFiles,
                    help="validation files (not the graph's training text)")
     p.add_argument("--text-column", default="text")
@@ -86,8 +87,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    graph = load_graph(graph_arg(args))  # a missing or broken graph is refused before the model loads
     model, tok = load_model(args.model)
-    graph = load_graph(args.graph, tokenizer=tok)
+    graph.check_tokenizer(tok)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
     heldout = score_documents(model, tok, texts, args.positions)
     softmax = perplexity(heldout)

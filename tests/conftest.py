@@ -78,7 +78,7 @@ def drug_graph(tmp_path_factory, smollm2_tokenizer):
     from gm_graphs import build_graph, bundled
 
     out = tmp_path_factory.mktemp("graphs") / "drugs"
-    return build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, out=out, text_column="review",
+    return build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, path=out, text_column="review",
                        clean=True, orders=(1, 2), progress=False)
 
 

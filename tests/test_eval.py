@@ -59,7 +59,7 @@ def test_tune_stores_its_choice_and_from_graph_uses_it(smollm2, drug_graph, tmp_
     shutil.copytree(drug_graph.path, path)
     valid = tmp_path / "valid.txt"
     valid.write_text("\n".join(TEXTS) + "\n")
-    assert main(["tune", str(path), "--corpus", str(valid), "--docs", "2", "--positions", "6"]) == 0
+    assert main(["tune", "--path", str(path), "--corpus", str(valid), "--docs", "2", "--positions", "6"]) == 0
     assert "chosen:" in capsys.readouterr().out
     stored = load_graph(path).decoder
     assert stored["mode"] == "context" and stored["source"]["tuned"] and stored["source"]["positions"] == 12

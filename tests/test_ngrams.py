@@ -65,12 +65,17 @@ def test_counts_spilled_to_sorted_runs_equal_the_counts_in_memory(csv_corpus, bp
             "contexts.npy", "counts.npy", "indptr.npy", "next.npy"]  # the runs are gone
 
 
-def test_add_ngrams_leaves_no_runs_beside_the_graph(csv_corpus, bpe_tokenizer, monkeypatch, tmp_path):
+def test_add_ngrams_leaves_no_runs_behind(csv_corpus, bpe_tokenizer, monkeypatch, tmp_path):
     path, docs = csv_corpus
-    graph = build_graph(path, bpe_tokenizer, out=tmp_path / "graphs" / "g", progress=False)
+    graph = build_graph(path, bpe_tokenizer, path=tmp_path / "graphs" / "g", progress=False)
+    before = sorted(p.name for p in graph.path.iterdir())
     monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)
     add_ngrams(graph, path, bpe_tokenizer, (3,), progress=False, run_entries=60)
-    assert [p.name for p in (tmp_path / "graphs").iterdir()] == ["g"]
+    assert sorted(p.name for p in (tmp_path / "graphs").iterdir()) == ["g"]
+    added = sorted(set(p.name for p in graph.path.iterdir()) - set(before))
+    assert len(added) == 1 and added[0].startswith("ngrams-")  # the tables' folder, and no work folder in it
+    assert sorted(p.relative_to(graph.path / added[0]).as_posix() for p in (graph.path / added[0]).rglob("*")) == [
+        "3", "3/contexts.npy", "3/counts.npy", "3/indptr.npy", "3/next.npy"]
     assert _as_counter(load_graph(tmp_path / "graphs" / "g").ngrams[3]) == _expected(docs, bpe_tokenizer, 3)
 
 
@@ -84,7 +89,7 @@ def test_orders_are_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer):
 
 def test_stored_beside_the_graph_verified_and_tokenizer_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer, tmp_path):
     path, docs = csv_corpus
-    graph = build_graph(path, bpe_tokenizer, out=tmp_path / "g", progress=False)
+    graph = build_graph(path, bpe_tokenizer, path=tmp_path / "g", progress=False)
     assert graph.ngrams == {}
     with pytest.raises(TokenizerError):
         add_ngrams(graph, path, smollm2_tokenizer, progress=False)
@@ -98,9 +103,11 @@ def test_stored_beside_the_graph_verified_and_tokenizer_checked(csv_corpus, bpe_
         assert np.array_equal(reloaded[n].counts, tables[n].counts)
         assert np.array_equal(stored[n].counts, tables[n].counts)
     add_ngrams(graph, path, bpe_tokenizer, (3,), progress=False)  # replacing keeps exactly the new tables
-    assert [p.name for p in (tmp_path / "g").iterdir() if "ngrams" in p.name] == ["ngrams"]
+    folders = [p.name for p in (tmp_path / "g").iterdir() if "ngrams" in p.name]
+    assert len(folders) == 1 and graph.manifest["ngrams"]["orders"]["3"]["files"]["counts"]["file"].startswith(
+        folders[0] + "/")
     assert sorted(load_graph(tmp_path / "g").ngrams) == [3]
-    with open(tmp_path / "g" / "ngrams" / "3" / "counts.npy", "r+b") as fh:
+    with open(tmp_path / "g" / folders[0] / "3" / "counts.npy", "r+b") as fh:
         fh.seek(-1, 2)
         fh.write(b"\x7f")
     with pytest.raises(GraphFormatError, match="checksum"):
@@ -115,17 +122,17 @@ def test_merged_parts_equal_the_whole(csv_corpus, bpe_tokenizer, tmp_path):
     parts = []
     for i, half in enumerate((docs[:50], docs[50:])):
         pacsv.write_csv(pa.table({"text": half}), tmp_path / f"part{i}.csv")
-        g = build_graph(tmp_path / f"part{i}.csv", bpe_tokenizer, out=tmp_path / f"g{i}", progress=False)
+        g = build_graph(tmp_path / f"part{i}.csv", bpe_tokenizer, path=tmp_path / f"g{i}", progress=False)
         add_ngrams(g, tmp_path / f"part{i}.csv", bpe_tokenizer, (3, 4) if i == 0 else (3,), progress=False)
         parts.append(g)
-    merged = merge_graphs(parts, out=tmp_path / "merged")
+    merged = merge_graphs(parts, path=tmp_path / "merged")
     assert sorted(merged.ngrams) == [3]  # only the orders every part has
     assert _as_counter(load_graph(tmp_path / "merged").ngrams[3]) == _expected(docs, bpe_tokenizer, 3)
 
 
 def test_reference_conditions_on_exactly_the_last_n_minus_one_tokens(csv_corpus, bpe_tokenizer, tmp_path):
     path, docs = csv_corpus
-    graph = build_graph(path, bpe_tokenizer, out=tmp_path / "g", progress=False)
+    graph = build_graph(path, bpe_tokenizer, path=tmp_path / "g", progress=False)
     add_ngrams(graph, path, bpe_tokenizer, (3, 4), progress=False)
     graph = load_graph(tmp_path / "g")
     four, three, bigram = (ContextReference(graph, ContextConfig(ngram_order=n)) for n in (4, 3, 2))

@@ -9,7 +9,7 @@ from pipelines.cli import main
 
 @pytest.mark.slow
 def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
-    assert main(["generate", "--graph", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",
+    assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",
                  "--max-new-tokens", "3", "--compare"]) == 0
     out = capsys.readouterr().out
     assert "softmax" in out and "graphmax λ=1" in out and "time per token" in out

@@ -183,9 +183,9 @@ def test_matrix_free_order_equals_materialised_exact_order(tmp_path, csv_corpus,
     from gm_graphs import PruneRule, build_graph, load_graph
 
     path, _ = csv_corpus
-    g = build_graph(path, bpe_tokenizer, out=tmp_path / "g", orders=(1, 2), mixture=2, prune=PruneRule.exact(),
+    g = build_graph(path, bpe_tokenizer, path=tmp_path / "g", orders=(1, 2), mixture=2, prune=PruneRule.exact(),
                     progress=False)
-    pruned = build_graph(path, bpe_tokenizer, out=tmp_path / "p", orders=(2,), prune=PruneRule(top_k=1),
+    pruned = build_graph(path, bpe_tokenizer, path=tmp_path / "p", orders=(2,), prune=PruneRule(top_k=1),
                          progress=False)
     n = g.vocab_size
     z = torch.randn(2, n, dtype=torch.float64) * 3

@@ -1,0 +1,38 @@
+"""Named fault points, for tests that kill or fail a write at every step and check what is left on disk.
+
+``fault_point("name")`` does nothing unless ``GRAPHMAX_FAULT`` names that point:
+
+- ``GRAPHMAX_FAULT=name`` ends the process there at once (``os._exit(137)``, as a SIGKILL would: no cleanup);
+- ``GRAPHMAX_FAULT=name:raise`` raises :class:`InjectedFault` there;
+- ``GRAPHMAX_FAULT=name:enospc`` raises ``OSError(ENOSPC)`` there, as a full disk would.
+
+``GRAPHMAX_FAULT_LOG=FILE`` appends the name of every point reached to FILE, so a test can list a job's points
+and then fail the job at each of them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a fault point named by ``GRAPHMAX_FAULT=name:raise``."""
+
+
+def fault_point(name: str) -> None:
+    log = os.environ.get("GRAPHMAX_FAULT_LOG")
+    if log:
+        with open(log, "a") as fh:
+            fh.write(name + "\n")
+    spec = os.environ.get("GRAPHMAX_FAULT")
+    if not spec:
+        return
+    point, _, action = spec.partition(":")
+    if point != name:
+        return
+    if action == "raise":
+        raise InjectedFault(f"fault injected at {name}")
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+    os._exit(137)

@@ -1,0 +1,398 @@
+"""Where graphs live, and how graphmax writes folders without ever losing one it did not write.
+
+- A graph *name* (``[A-Za-z0-9_-][A-Za-z0-9._-]*``) means ``$GRAPHMAX_HOME/graphs/<name>``. A folder anywhere
+  else is given explicitly: a ``pathlib.Path`` in Python, ``--path DIR`` on the command line. A ``str`` is always
+  a name, so ``"../x"`` or ``"mydata/"`` are refused rather than read as paths.
+- graphmax replaces or deletes only folders it wrote: a graph folder (its manifest carries the format marker),
+  a folder holding one of its marker files (splits, eval reports), or one of its temporary folders.
+- A writer holds the target's lock (``fcntl.flock`` on ``.<name>.lock`` beside it); a second writer of the same
+  target fails at once with :class:`GraphBusyError`. The holder removes the lock file before releasing it, and a
+  writer that locked a removed file's inode tries again, so no lock file is left and no two writers both hold one.
+- A folder is written as a temporary sibling ``.<name>.tmp-<hex>`` (marked inside) and committed in one atomic
+  step: a rename when the target is absent, ``renameat2(RENAME_EXCHANGE)`` when it replaces one, so the name
+  always holds the old folder or the new one. Where the kernel lacks the exchange, the old folder is first moved
+  aside to ``.<name>.old-<hex>``; if the process dies between the two renames, the next writer puts it back.
+- Temporary and moved-aside folders of dead writers are removed by the next writer of that target (it holds the
+  lock, so their writers are gone). Deleting keeps the marker until last, so a kill midway leaves them marked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import stat
+import threading
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .errors import GraphBusyError, GraphExistsError, GraphNameError, NotOwnedError, StorageError
+from .faults import fault_point
+
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")  # ≤ 200 characters: room for ".<name>.tmp-<hex>"
+MANIFEST = "manifest.json"
+GRAPH_FORMAT = "graphmax-graph"  # the manifest's "format": what makes a folder a graph graphmax wrote
+TEMP_MARKER = ".graphmax-temp"
+SPLIT_MARKER = ".graphmax-split"
+REPORT_MARKER = ".graphmax-report"
+MAX_MANIFEST_BYTES = 64 << 20
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def graphmax_home() -> Path:
+    """``$GRAPHMAX_HOME`` or ``~/.cache/graphmax``; named graphs live in its ``graphs/``."""
+    return Path(os.environ.get("GRAPHMAX_HOME") or Path.home() / ".cache" / "graphmax")
+
+
+def graphs_root() -> Path:
+    return graphmax_home() / "graphs"
+
+
+def check_name(name: object) -> str:
+    """``name`` if it is a valid graph name, else a :class:`GraphNameError` that says how to give a folder."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise GraphNameError(f"{name!r} is not a graph name (letters, digits, '.', '_', '-'; not starting with '.'; "
+                             f"at most 200 characters); to use a folder, pass Path({str(name)!r}) in Python or "
+                             f"--path on the command line")
+    return name
+
+
+def graph_path(graph: str | os.PathLike) -> Path:
+    """The folder of a graph given by name (``str``) or by folder (any other ``os.PathLike``)."""
+    if isinstance(graph, str):
+        return graphs_root() / check_name(graph)
+    if isinstance(graph, os.PathLike):
+        folder = os.fspath(graph)
+        if isinstance(folder, str):
+            return Path(folder)
+    raise TypeError(f"a graph is a name (str) or a folder (pathlib.Path), got {type(graph).__name__}")
+
+
+def target_folder(name: str | None, path: str | os.PathLike | None) -> Path:
+    """The folder a writer fills: ``$GRAPHMAX_HOME/graphs/<name>`` or the explicit ``path``, exactly one of them."""
+    if (name is None) == (path is None):
+        raise GraphNameError("give exactly one of name= (stored under $GRAPHMAX_HOME/graphs) or path= (a folder); "
+                             "on the command line --name NAME or --path DIR")
+    if name is not None:
+        return graphs_root() / check_name(name)
+    folder = Path(os.fspath(path))
+    if not folder.name or folder.name in (".", ".."):
+        raise GraphNameError(f"--path {str(path)!r} does not end in a folder name; give the folder to write, "
+                             f"e.g. {os.path.join(str(path), 'graph')!r}")
+    return folder
+
+
+# ---- what graphmax owns -------------------------------------------------------------------------------------------
+
+def is_graph_folder(path: Path) -> bool:
+    """A real folder whose manifest (a regular file) is a graphmax manifest: it has the format marker, or is of
+    format version 1 with tokenizer, counts and operators (graphs written before the marker)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        st = os.lstat(path / MANIFEST)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            return False
+        data = json.loads((path / MANIFEST).read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    if data.get("format") == GRAPH_FORMAT:
+        return True
+    return data.get("format_version") == 1 and {"tokenizer", "counts", "operators"} <= data.keys()
+
+
+def _is_marked(path: Path, marker: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and stat.S_ISREG(os.lstat(path / marker).st_mode)
+    except OSError:
+        return False
+
+
+def is_owned(path: Path, kind: str) -> bool:
+    """Whether graphmax wrote ``path`` as a ``kind`` ("graph", "split" or "report") folder."""
+    if kind == "graph":
+        return is_graph_folder(path)
+    return _is_marked(path, {"split": SPLIT_MARKER, "report": REPORT_MARKER}[kind])
+
+
+def _describe(path: Path, kind: str) -> str:
+    if kind == "graph" and path.parent == graphs_root():
+        return f"graph {path.name!r} ({path})"
+    return f"{kind} folder {path}"
+
+
+def check_replaceable(target: Path, overwrite: bool, kind: str = "graph") -> None:
+    """Refuse a target that exists unless ``overwrite`` and graphmax wrote it as a ``kind`` folder."""
+    if not os.path.lexists(target):
+        return
+    if not is_owned(target, kind):
+        what = "a symlink" if os.path.islink(target) else ("a folder" if target.is_dir() else "a file")
+        raise NotOwnedError(f"{target} exists and is {what} graphmax did not write as a {kind} (no graphmax "
+                            f"{'manifest' if kind == 'graph' else 'marker'} in it); graphmax never replaces it: "
+                            f"choose another {'name or --path' if kind == 'graph' else 'folder'}")
+    if not overwrite:
+        raise GraphExistsError(f"{_describe(target, kind)} already exists; choose another name or pass --overwrite")
+
+
+def claim_folder(path: Path, marker: str = REPORT_MARKER) -> Path:
+    """Make ``path`` a folder graphmax may write into: create it (absent), or accept it if empty or already marked.
+
+    Anything else is refused, so a report never lands in (or replaces files of) a folder the user owns.
+    """
+    path = Path(path)
+    if os.path.lexists(path):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise NotOwnedError(f"{path} exists and is not a folder; choose another --out")
+        if not _is_marked(path, marker) and any(os.scandir(path)):
+            raise NotOwnedError(f"{path} is a folder graphmax did not write (no {marker} in it) and is not empty; "
+                                f"choose a new or empty folder for --out")
+    path.mkdir(parents=True, exist_ok=True)
+    _write_marker(path / marker)
+    return path
+
+
+def _write_marker(path: Path) -> None:
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"pid": os.getpid()}) + "\n")
+
+
+# ---- locks --------------------------------------------------------------------------------------------------------
+
+_held = threading.local()  # the lock paths this thread holds: re-entrant within it, exclusive across threads/processes
+
+
+def lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.lock"
+
+
+@contextmanager
+def locked(target: Path) -> Iterator[None]:
+    """Hold ``target``'s writer lock; fail at once with :class:`GraphBusyError` if another writer holds it."""
+    lock = lock_path(Path(target))
+    key = os.path.abspath(lock)
+    held = _held.__dict__.setdefault("paths", set())
+    if key in held:  # an outer block of this thread holds it
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = _acquire(lock, target)
+    held.add(key)
+    try:
+        yield
+    finally:
+        held.discard(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)  # while still holding it: a writer that opened this inode sees it gone and retries
+        os.close(fd)
+
+
+def _acquire(lock: Path, target: Path) -> int:
+    """An fd holding the flock of the file now at ``lock`` (a removed lock file's inode does not count)."""
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise StorageError(f"cannot create the lock file {lock}: {e.strerror}; check that its folder is "
+                               f"writable") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GraphBusyError(f"{target} is being written by another graphmax process (it holds {lock.name}); "
+                                 f"wait for it to finish, or write another name") from None
+        mine = os.fstat(fd)
+        try:
+            now = os.stat(lock, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)  # its holder removed it as we opened it: lock the file that is there now
+
+
+# ---- atomic commit ------------------------------------------------------------------------------------------------
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _libc_renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _libc_renameat2()  # None where libc lacks it (not Linux, old glibc): the fallback is used
+
+
+def _rename2(src: Path, dst: Path, flags: int) -> bool:
+    """renameat2(src, dst, flags); False where the kernel or file system does not support it."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (before a rename makes them visible under the final name)."""
+    for folder, dirs, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(folder, f), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder graphmax owns, its marker last, so a kill midway leaves it marked (or empty) for cleanup."""
+    marker = path / TEMP_MARKER
+    if not os.path.lexists(marker):
+        _write_marker(marker)
+    for entry in os.scandir(path):
+        if entry.name == TEMP_MARKER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    fault_point("remove.emptied")
+    os.unlink(marker)
+    os.rmdir(path)
+
+
+def _stale_pattern(target: Path) -> re.Pattern:
+    return re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-[0-9a-f]{{12}}")
+
+
+def clean_stale(target: Path, kind: str = "graph") -> None:
+    """Remove temporary and moved-aside folders of dead writers of ``target`` (call with its lock held).
+
+    Only folders named like graphmax's and marked as its own (or empty) are touched; a moved-aside folder whose
+    target is missing (a death between the fallback's two renames) is put back instead.
+    """
+    parent, pattern = target.parent, _stale_pattern(target)
+    if not parent.is_dir():
+        return
+    for entry in sorted(os.scandir(parent), key=lambda e: e.name):
+        match = pattern.fullmatch(entry.name)
+        if not match or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        if match.group(1) == "old" and not os.path.lexists(target) and is_owned(path, kind):
+            os.rename(path, target)
+            fsync_dir(parent)
+            continue
+        if _is_marked(path, TEMP_MARKER) or is_owned(path, kind) or not any(os.scandir(path)):
+            remove_tree(path)
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    parent = target.parent
+    if not os.path.lexists(target):
+        if not _rename2(tmp, target, _RENAME_NOREPLACE):
+            os.rename(tmp, target)  # the target is checked absent under the lock; no graphmax writer races us
+        fsync_dir(parent)
+        fault_point("commit.renamed")
+        return
+    if _rename2(tmp, target, _RENAME_EXCHANGE):
+        fsync_dir(parent)
+        fault_point("commit.exchanged")
+        _remove_after_commit(tmp)  # now holds the old folder
+        return
+    old = parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+    os.rename(target, old)
+    fault_point("commit.moved_aside")
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    fsync_dir(parent)
+    fault_point("commit.replaced")
+    _remove_after_commit(old)
+
+
+def _remove_after_commit(path: Path) -> None:
+    """The replaced folder, best effort: the new one is committed, so a failure here fails nothing; what is left
+    stays marked (or a graph) under a temporary name, and the next writer removes it."""
+    try:
+        remove_tree(path)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
+@contextmanager
+def disk_errors(target: Path) -> Iterator[None]:
+    """Turn a full disk (or a read-only file system) while writing ``target`` into a one-line StorageError."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in _FULL_DISK and not isinstance(e, StorageError):
+            raise StorageError(f"cannot write {target}: {e.strerror} ({e.filename}); nothing was written and what "
+                               f"was there is unchanged; free space and run again") from e
+        raise
+
+
+@contextmanager
+def staged_folder(target: Path, *, overwrite: bool, kind: str = "graph") -> Iterator[Path]:
+    """Yield a marked temporary sibling of ``target`` that atomically becomes ``target`` if the block succeeds.
+
+    Holds ``target``'s lock throughout; refuses at once (before any work) a target that exists and is not
+    ``overwrite``-able. A failure removes the temporary folder; a kill leaves it, marked, for the next writer.
+    Disk-full errors become a one-line :class:`StorageError`.
+    """
+    target = Path(target)
+    check_replaceable(target, overwrite, kind)  # before the lock file: a refused target gets nothing beside it
+    with locked(target), disk_errors(target):
+        check_replaceable(target, overwrite, kind)
+        clean_stale(target, kind)
+        tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            os.mkdir(tmp)
+            _write_marker(tmp / TEMP_MARKER)
+            fault_point("stage.created")
+            yield tmp
+            fault_point("stage.filled")
+            check_replaceable(target, overwrite, kind)  # again: a user may have put something there meanwhile
+            os.unlink(tmp / TEMP_MARKER)
+            sync_tree(tmp)
+            fault_point("stage.unmarked")
+            _commit(tmp, target)
+        except BaseException:
+            _discard(tmp)
+            raise
+
+
+def _discard(tmp: Path) -> None:
+    if os.path.lexists(tmp):
+        try:
+            remove_tree(tmp)
+        except OSError:
+            pass  # still marked (or unmarked but a graph): the next writer removes it

@@ -1,0 +1,332 @@
+"""Structural checks of a graph folder: the manifest's schema and every array's invariants.
+
+Everything a solver kernel indexes with is checked before it is handed out, so that a crafted or damaged folder
+ends in a one-line :class:`GraphFormatError`, never in an out-of-bounds read: CSR ``indptr`` starts at 0, never
+decreases and ends at nnz, every column index is in [0, N), shards cover [0, N) contiguously; n-gram contexts
+ascend strictly below N^(n−1), successors are in [0, N), counts ≥ 1; the stats are N long and ≥ 0. The array
+scans are numba loops (one pass, no temporaries), run once per file identity (``gm_graphs.verified``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numba
+import numpy as np
+
+from .errors import GraphFormatError
+from .folders import GRAPH_FORMAT
+
+FORMAT_VERSION = 1
+REBUILD = "rebuild the graph (graphmax build … --overwrite)"
+OPERATOR_NAME = re.compile(r"(order|mixture)[1-9][0-9]{0,2}")
+NGRAM_ORDER = re.compile(r"[3-9]")
+STATS = ("row_counts", "successors", "predecessors", "column_counts")
+CSR_PARTS = ("indptr", "indices", "data")
+NGRAM_PARTS = ("contexts", "indptr", "next", "counts")
+_SHA = re.compile(r"[0-9a-f]{64}")
+MAX_INDEX = 2**31 - 1  # vocabularies and rows fit int32 node ids
+
+
+def _fail(root, what: str) -> GraphFormatError:
+    return GraphFormatError(f"graph {root}: {what}; {REBUILD}")
+
+
+# ---- the manifest -------------------------------------------------------------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+class _Schema:
+    """Typed access to a manifest, failing with the field's path and what was expected."""
+
+    def __init__(self, root):
+        self.root = root
+
+    @staticmethod
+    def at(where: str, key) -> str:
+        return f"{where}.{key}" if where else str(key)
+
+    def need(self, ok: bool, where: str, expected: str, value) -> None:
+        if not ok:
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise _fail(self.root, f"manifest field {where} should be {expected}, got {shown}")
+
+    def dict(self, d: dict, key: str, where: str, optional: bool = False):
+        if optional and key not in d:
+            return None
+        v = d.get(key)
+        self.need(isinstance(v, dict), self.at(where, key), "an object", v)
+        return v
+
+    def int(self, d: dict, key: str, where: str, lo: int = 0, hi: int | None = None) -> int:
+        v = d.get(key)
+        self.need(_is_int(v) and v >= lo and (hi is None or v <= hi), self.at(where, key),
+                  f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""), v)
+        return v
+
+    def str(self, d: dict, key: str, where: str) -> str:
+        v = d.get(key)
+        self.need(isinstance(v, str), self.at(where, key), "a string", v)
+        return v
+
+    def number(self, d: dict, key: str, where: str, lo: float = 0.0) -> float:
+        v = d.get(key)
+        self.need(_is_number(v) and v >= lo, self.at(where, key), f"a finite number >= {lo:g}", v)
+        return float(v)
+
+    def file(self, d: dict, key: str, where: str) -> dict:
+        e = self.dict(d, key, where)
+        where = self.at(where, key)
+        name = e.get("file")
+        self.need(isinstance(name, str), f"{where}.file", "a relative path", name)
+        check_relative(self.root, name, where)
+        self.int(e, "bytes", where)
+        sha = e.get("sha256")
+        self.need(isinstance(sha, str) and bool(_SHA.fullmatch(sha)), f"{where}.sha256", "64 hex digits", sha)
+        return e
+
+
+def check_relative(root, name: str, where: str) -> None:
+    """A manifest file entry: a relative POSIX path inside the folder (no '..', not absolute, no odd characters)."""
+    parts = name.split("/")
+    bad = (not name or len(name) > 1024 or name.startswith("/") or "\\" in name or "\0" in name
+           or any(p in ("", ".", "..") for p in parts) or not name.isprintable())
+    if bad:
+        raise _fail(root, f"manifest {where} names {name[:80]!r}, which is not a path inside the graph folder")
+
+
+def check_manifest(root, m) -> None:
+    """The manifest's schema: every field graphmax reads, with its type and range, and its file entries' paths."""
+    s = _Schema(root)
+    s.need(isinstance(m, dict), "(top level)", "an object", type(m).__name__)
+    version = m.get("format_version")
+    if version != FORMAT_VERSION or not _is_int(version):
+        raise GraphFormatError(f"graph {root} has format version {version!r}; this graphmax reads version "
+                               f"{FORMAT_VERSION}; rebuild the graph with this version")
+    if "format" in m:
+        s.need(m["format"] == GRAPH_FORMAT, "format", repr(GRAPH_FORMAT), m["format"])
+    s.str(m, "name", "")
+    tok = s.dict(m, "tokenizer", "")
+    n = s.int(tok, "vocab_size", "tokenizer", lo=1, hi=MAX_INDEX)
+    s.str(tok, "name", "tokenizer")
+    s.str(tok, "vocab_sha256", "tokenizer")
+    s.number(m, "eps", "")
+    corpus = s.dict(m, "corpus", "")
+    for key in ("documents", "tokens", "bigrams", "distinct_bigrams", "empty_skipped", "undecodable_documents",
+                "replaced_sequences"):
+        s.int(corpus, key, "corpus")
+    files = corpus.get("files")
+    s.need(isinstance(files, list), "corpus.files", "a list", files)
+    for i, f in enumerate(files):
+        s.need(isinstance(f, dict), f"corpus.files[{i}]", "an object", f)
+        s.str(f, "path", f"corpus.files[{i}]")
+        s.str(f, "sha256", f"corpus.files[{i}]")
+        s.int(f, "bytes", f"corpus.files[{i}]")
+    per_file = s.dict(corpus, "per_file", "corpus")
+    s.need(all(_is_int(v) and v >= 0 for v in per_file.values()), "corpus.per_file", "counts per file", per_file)
+    s.dict(corpus, "options", "corpus")
+    counts = s.dict(m, "counts", "")
+    s.file(counts, "parquet", "counts")
+    check_shards(s, counts.get("shards"), "counts.shards", n)
+    ops = s.dict(m, "operators", "")
+    s.need("order1" in ops, "operators", "an object with order1", sorted(ops))
+    for name, op in ops.items():
+        where = f"operators.{name}"
+        s.need(bool(OPERATOR_NAME.fullmatch(name)), "operators", "keys like order2 or mixture3", name)
+        s.need(isinstance(op, dict), where, "an object", op)
+        nnz = s.int(op, "nnz", where)
+        shards = check_shards(s, op.get("shards"), f"{where}.shards", n)
+        s.need(sum(sh["nnz"] for sh in shards) == nnz, f"{where}.nnz", "the sum of its shards' nnz", nnz)
+        s.file(op, "edges", where)
+        s.need(isinstance(op.get("pruned"), bool), f"{where}.pruned", "true or false", op.get("pruned"))
+        if "row_mass" in op:
+            s.file(op, "row_mass", where)
+    ngrams = s.dict(m, "ngrams", "", optional=True)
+    if ngrams is not None:
+        orders = s.dict(ngrams, "orders", "ngrams")
+        for order, e in orders.items():
+            where = f"ngrams.orders.{order}"
+            s.need(bool(NGRAM_ORDER.fullmatch(order)) and float(n) ** int(order) < 2.0 ** 63, "ngrams.orders",
+                   f"orders 3..9 whose keys fit int64 for N = {n}", order)
+            s.need(isinstance(e, dict), where, "an object", e)
+            s.int(e, "contexts", where)
+            s.int(e, "entries", where)
+            parts = s.dict(e, "files", where)
+            s.need(sorted(parts) == sorted(NGRAM_PARTS), f"{where}.files", f"the files {NGRAM_PARTS}", sorted(parts))
+            for part in NGRAM_PARTS:
+                s.file(parts, part, f"{where}.files")
+    stats = s.dict(m, "stats", "", optional=True)
+    if stats is not None:
+        s.need(sorted(stats) == sorted(STATS), "stats", f"the files {STATS}", sorted(stats))
+        for name in STATS:
+            s.file(stats, name, "stats")
+    if m.get("decoder") is not None:
+        check_decoder(root, m["decoder"])
+
+
+def check_shards(s: _Schema, shards, where: str, n: int) -> list[dict]:
+    """Shard entries whose row ranges cover [0, N) contiguously, each with its three CSR files."""
+    s.need(isinstance(shards, list) and len(shards) > 0, where, "a non-empty list", shards)
+    start = 0
+    for i, sh in enumerate(shards):
+        w = f"{where}[{i}]"
+        s.need(isinstance(sh, dict), w, "an object", sh)
+        rows = sh.get("rows")
+        s.need(isinstance(rows, list) and len(rows) == 2 and all(_is_int(r) for r in rows)
+               and rows[0] == start and start <= rows[1] <= n, f"{w}.rows",
+               f"[{start}, end] with {start} <= end <= {n} (shards cover the rows in order)", rows)
+        start = rows[1]
+        s.int(sh, "nnz", w)
+        parts = s.dict(sh, "files", w)
+        s.need(sorted(parts) == sorted(CSR_PARTS), f"{w}.files", f"the files {CSR_PARTS}", sorted(parts))
+        for part in CSR_PARTS:
+            s.file(parts, part, f"{w}.files")
+    s.need(start == n, f"{where}", f"shards covering all {n} rows", start)
+    return shards
+
+
+def check_decoder(root, d) -> None:
+    """The choice ``graphmax tune`` stored: the types the processors read (their own checks do the ranges)."""
+    s = _Schema(root)
+    s.need(isinstance(d, dict), "decoder", "an object", d)
+    if "mode" in d:
+        s.need(d["mode"] in ("paper", "context"), "decoder.mode", "'paper' or 'context'", d["mode"])
+    for key in ("lam", "kl_share", "discount", "kappa", "alpha"):
+        if key in d:
+            s.need(_is_number(d[key]), f"decoder.{key}", "a finite number", d[key])
+    for key in ("divergence", "smoothing"):
+        if key in d:
+            s.need(isinstance(d[key], str), f"decoder.{key}", "a string", d[key])
+    if "ngram_order" in d:
+        s.need(_is_int(d["ngram_order"]), "decoder.ngram_order", "an integer", d["ngram_order"])
+    if "order_weights" in d:
+        w = d["order_weights"]
+        s.need(isinstance(w, list) and 0 < len(w) <= 16 and all(_is_number(x) for x in w), "decoder.order_weights",
+               "a list of numbers", w)
+
+
+# ---- the arrays ---------------------------------------------------------------------------------------------------
+
+@numba.njit(cache=True)
+def _csr_problem(indptr, indices, n_cols):
+    """(code, position): 0 fine; 1 indptr[0] ≠ 0; 2 indptr decreases; 3 indptr[-1] ≠ nnz; 4 index out of range."""
+    if indptr[0] != 0:
+        return 1, 0
+    for i in range(indptr.size - 1):
+        if indptr[i + 1] < indptr[i]:
+            return 2, i + 1
+    if indptr[indptr.size - 1] != indices.size:
+        return 3, indptr.size - 1
+    for p in range(indices.size):
+        j = indices[p]
+        if j < 0 or j >= n_cols:
+            return 4, p
+    return 0, 0
+
+
+@numba.njit(cache=True)
+def _first_below(values, low):
+    """Position of the first value < low (or not a number), else -1."""
+    for p in range(values.size):
+        if not values[p] >= low:
+            return p
+    return -1
+
+
+@numba.njit(cache=True)
+def _first_not_finite_or_negative(values):
+    for p in range(values.size):
+        v = values[p]
+        if not (v >= 0 and v < np.inf):
+            return p
+    return -1
+
+
+@numba.njit(cache=True)
+def _first_not_ascending(values, bound):
+    """Position of the first value ≤ its predecessor, < 0 or ≥ bound, else -1."""
+    for p in range(values.size):
+        v = values[p]
+        if v < 0 or v >= bound or (p > 0 and v <= values[p - 1]):
+            return p
+    return -1
+
+
+_CSR_PROBLEMS = {1: "indptr does not start at 0", 2: "indptr decreases", 3: "indptr does not end at nnz",
+                 4: "a column index is outside [0, N)"}
+
+
+def check_csr(root, what: str, indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, rows: int, n: int,
+              nnz: int, counts: bool) -> None:
+    """One CSR shard of ``rows`` rows over ``n`` columns with ``nnz`` entries: counts ≥ 1, or weights finite ≥ 0."""
+    if indptr.dtype != indices.dtype:
+        raise _fail(root, f"{what}: indptr is {indptr.dtype} but indices is {indices.dtype} (they must agree)")
+    if indptr.shape != (rows + 1,):
+        raise _fail(root, f"{what}: indptr has {indptr.shape[0]} entries for {rows} rows (expected {rows + 1})")
+    if indices.shape != (nnz,) or data.shape != (nnz,):
+        raise _fail(root, f"{what}: indices/data have {indices.shape[0]}/{data.shape[0]} entries, the manifest says "
+                          f"nnz = {nnz}")
+    code, pos = _csr_problem(indptr, indices, n)
+    if code:
+        raise _fail(root, f"{what}: {_CSR_PROBLEMS[code]} (at position {pos})")
+    pos = _first_below(data, 1) if counts else _first_not_finite_or_negative(data)
+    if pos >= 0:
+        raise _fail(root, f"{what}: entry {pos} is {data[pos].item()!r}, "
+                          f"{'counts must be >= 1' if counts else 'weights must be finite and >= 0'}")
+
+
+def check_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n_contexts: int, entries: int) -> None:
+    what = f"the {order}-gram table"
+    if contexts.shape != (n_contexts,) or indptr.shape != (n_contexts + 1,):
+        raise _fail(root, f"{what}: {contexts.shape[0]} contexts and {indptr.shape[0]} indptr entries, the manifest "
+                          f"says {n_contexts} contexts")
+    if nxt.shape != (entries,) or counts.shape != (entries,):
+        raise _fail(root, f"{what}: next/counts have {nxt.shape[0]}/{counts.shape[0]} entries, the manifest says "
+                          f"{entries}")
+    pos = _first_not_ascending(contexts, n ** (order - 1))
+    if pos >= 0:
+        raise _fail(root, f"{what}: context {pos} is not above the previous one or not below N^{order - 1}")
+    code, pos = _csr_problem(indptr, nxt, n)
+    if code:
+        problem = _CSR_PROBLEMS[code].replace("a column index", "a next token")
+        raise _fail(root, f"{what}: {problem} (at position {pos})")
+    pos = _first_below(counts, 1)
+    if pos >= 0:
+        raise _fail(root, f"{what}: count {pos} is {counts[pos]}; counts must be >= 1")
+
+
+def check_stats(root, stats: dict[str, np.ndarray], n: int, nnz: int, total: int) -> None:
+    """The per-node arrays: N long, ≥ 0, and consistent with the counts' nnz and total."""
+    for name, a in stats.items():
+        if a.shape != (n,):
+            raise _fail(root, f"stats/{name} has shape {a.shape}, expected ({n},)")
+        pos = _first_below(a, 0)
+        if pos >= 0:
+            raise _fail(root, f"stats/{name}[{pos}] is {a[pos]}; the stats are >= 0")
+    succ, pred = stats["successors"], stats["predecessors"]
+    rows, cols = stats["row_counts"], stats["column_counts"]
+    if int(succ.sum()) != nnz or int(pred.sum()) != nnz:
+        raise _fail(root, f"stats: successors and predecessors sum to {int(succ.sum())} and {int(pred.sum())}, "
+                          f"the counts have {nnz} non-zeros")
+    if int(rows.sum()) != total or int(cols.sum()) != total:
+        raise _fail(root, f"stats: row and column counts sum to {int(rows.sum())} and {int(cols.sum())}, the corpus "
+                          f"has {total} bigrams")
+    if int(succ.max(initial=0)) > n or int(pred.max(initial=0)) > n or bool(np.any(rows < succ)) \
+            or bool(np.any((succ == 0) != (rows == 0))):
+        raise _fail(root, "stats: a node's successors exceed N or its row count, or a row count has no successors")
+
+
+def check_row_mass(root, what: str, kept: np.ndarray, n: int) -> None:
+    if kept.shape != (n,):
+        raise _fail(root, f"{what} has shape {kept.shape}, expected ({n},)")
+    pos = _first_not_finite_or_negative(kept)
+    if pos >= 0 or (kept.size and float(kept.max()) > 1.0 + 1e-5):
+        raise _fail(root, f"{what} holds values outside [0, 1]")

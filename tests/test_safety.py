@@ -1,0 +1,700 @@
+"""Nothing a user owns is lost, and no input crashes the process (issue 13).
+
+Names vs folders and what graphmax may replace; the lock; a kill or a failure at every named fault point of
+build, overwrite, merge, add_ngrams and set_decoder (old graph or new graph, whole); crafted graph folders loaded
+and decoded in child processes (a one-line GraphFormatError, never a signal); and the smaller refusals.
+
+The jobs that may die run in children forked by a runner subprocess (``python -m tests.test_safety``), which
+imports graphmax once: a child per fault point or crafted folder, so that a kill or a segfault is the child's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gm_graphs import (CorpusError, GraphBusyError, GraphExistsError, GraphFormatError, GraphNameError, MergeError,
+                       NotOwnedError, OptionError, build_graph, load_graph, merge_graphs)
+from gm_graphs.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
+from pipelines.cli import main
+
+from .conftest import make_docs
+
+REPO = Path(__file__).resolve().parents[1]
+STALE = re.compile(r"\.g\.(tmp|old)-[0-9a-f]{12}")
+
+
+# ---- the runner: python -m tests.test_safety faults|crafted|hold SPEC ---------------------------------------------
+
+def _fork(run, env: dict[str, str], stderr: Path) -> int:
+    """Run ``run()`` in a forked child with ``env`` set; its exit code (or −signal)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            os.environ.update(env)
+            code = run()
+        except BaseException as e:  # the child reports, never returns into the runner
+            from gm_graphs import GraphmaxError
+
+            print(f"{type(e).__name__}: {e}", file=sys.stderr)
+            code = 1 if isinstance(e, GraphmaxError) else 3
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _tree(folder: Path, referenced_only: bool) -> dict[str, str] | None:
+    """Path → SHA-256 of a graph folder (n-gram folder names normalised); None when absent."""
+    import hashlib
+
+    if not folder.exists():
+        return None
+
+    def norm(text: str) -> str:
+        return re.sub(r"ngrams-[0-9a-f]{12}", "ngrams-*", text)
+
+    keep = None
+    if referenced_only:
+        from gm_graphs.storage import referenced_folders
+
+        try:
+            keep = referenced_folders(json.loads((folder / "manifest.json").read_text())) | {"manifest.json"}
+        except (OSError, ValueError):
+            keep = {"manifest.json"}
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_dir() or (keep is not None and rel.split("/", 1)[0] not in keep):
+            continue
+        out[norm(rel)] = hashlib.sha256(norm(p.read_text()).encode() if p.name == "manifest.json"
+                                        else p.read_bytes()).hexdigest()
+    return out
+
+
+def _state(home: Path) -> dict:
+    target = home / "graphs" / "g"
+    state = {"referenced": _tree(target, True), "full": _tree(target, False),
+             "siblings": sorted(p.name for p in (home / "graphs").iterdir()) if (home / "graphs").exists() else [],
+             "valid": None}
+    if state["full"] is not None:
+        try:
+            load_graph("g").validate()
+            state["valid"] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            state["valid"] = f"{type(e).__name__}: {e}"
+    return state
+
+
+def _jobs(tok, corpora: dict[str, str]):
+    from gm_graphs import add_ngrams
+
+    def build(a: str, name: str = "g", **kw):
+        return lambda: build_graph(corpora[a], tok, name=name, orders=(1, 2), ngrams=(3,), overwrite=True,
+                                   progress=False, **kw)
+
+    setups = {"build": [], "overwrite": [build("a")], "add_ngrams": [build("a")], "set_decoder": [build("a")],
+              "merge": [build("a"), build("b1", "p1"), build("b2", "p2")]}
+    jobs = {"build": build("b"), "overwrite": build("b"),
+            "merge": lambda: merge_graphs(["p1", "p2"], name="g", orders=(1, 2), overwrite=True, progress=False),
+            "add_ngrams": lambda: add_ngrams("g", corpora["b"], tok, (3, 4), progress=False),
+            "set_decoder": lambda: load_graph("g").set_decoder({"mode": "context", "lam": 2.0})}
+    return setups, jobs
+
+
+def _run_faults(spec: dict) -> dict:
+    """Every fault point of one job: fail there, record what is on disk, then run the job again cleanly."""
+    from gm_graphs import folders, load_tokenizer
+
+    home, work = Path(spec["home"]), Path(spec["work"])
+    os.environ["GRAPHMAX_HOME"] = str(home)
+    if spec["fallback"]:
+        folders._renameat2 = None  # as on a kernel without RENAME_EXCHANGE
+    tok = load_tokenizer(spec["tokenizer"])
+    setups, jobs = _jobs(tok, spec["corpora"])
+    for step in setups[spec["job"]]:
+        step()
+    pristine = work / "pristine"
+    shutil.copytree(home / "graphs", pristine, symlinks=True) if (home / "graphs").exists() else None
+
+    def restore() -> None:
+        shutil.rmtree(home / "graphs", ignore_errors=True)
+        if pristine.exists():
+            shutil.copytree(pristine, home / "graphs", symlinks=True)
+
+    job = jobs[spec["job"]]
+    log = work / "points.log"
+
+    def run() -> int:
+        job()
+        return 0
+
+    old = _state(home)
+    code = _fork(run, {"GRAPHMAX_FAULT_LOG": str(log)}, work / "stderr")
+    new = _state(home)
+    points = list(dict.fromkeys(log.read_text().split()))
+    results = {"old": old, "new": new, "clean_exit": code, "points": {}}
+    for point in points:
+        if spec["mode"] == "enospc" and point != "write.array":
+            continue
+        restore()
+        action = point if spec["mode"] == "kill" else f"{point}:{spec['mode']}"
+        code = _fork(run, {"GRAPHMAX_FAULT": action}, work / "stderr")
+        after = _state(home)
+        after["exit"], after["stderr"] = code, (work / "stderr").read_text()
+        code = _fork(run, {}, work / "stderr")  # the next writer of the same graph
+        recovered = _state(home)
+        recovered["exit"], recovered["stderr"] = code, (work / "stderr").read_text()
+        results["points"][point] = {"after": after, "recovered": recovered}
+    return results
+
+
+def _run_crafted(spec: dict) -> dict:
+    """Load and decode each folder in a child: exit 0 (fine), 1 (GraphmaxError, printed), 3 (anything else)."""
+    import torch
+
+    from gm_solver import ContextConfig, GraphmaxLogitsProcessor, graphmax
+
+    def decode(folder: str):
+        def run() -> int:
+            g = load_graph(Path(folder))
+            z = torch.randn(2, g.vocab_size, generator=torch.Generator().manual_seed(0))
+            graphmax(z, g, 1.0)
+            proc = GraphmaxLogitsProcessor(g, mode="context", context=ContextConfig(ngram_order=4))
+            proc(torch.tensor([spec["context"]]), z[:1])
+            g.stats  # noqa: B018 - what context decoding reads at start-up (gm_solver reads them from here on)
+            return 0
+        return run
+
+    out = {}
+    for i, (name, folder) in enumerate(spec["folders"].items()):
+        err = Path(spec["work"]) / f"case{i}.err"
+        out[name] = {"exit": _fork(decode(folder), {}, err), "stderr": err.read_text()}
+    return out
+
+
+def _hold(target: str) -> None:
+    from gm_graphs.folders import locked
+
+    with locked(Path(target)):
+        print("held", flush=True)
+        sys.stdin.read()
+
+
+def _runner(argv: list[str]) -> int:
+    command, arg = argv
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # children are forked
+    if command == "hold":
+        _hold(arg)
+        return 0
+    spec = json.loads(Path(arg).read_text())
+    result = _run_faults(spec) if command == "faults" else _run_crafted(spec)
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
+
+
+def _run_runner(command: str, spec: dict, tmp_path: Path) -> dict:
+    spec = {**spec, "out": str(tmp_path / f"{command}-result.json"), "work": str(tmp_path / f"{command}-work")}
+    Path(spec["work"]).mkdir()
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("GRAPHMAX_FAULT", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.test_safety", command, str(tmp_path / "spec.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(Path(spec["out"]).read_text())
+
+
+# ---- fixtures -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("corpora")
+    docs = {"a": make_docs(60, seed=21), "b": make_docs(90, seed=22)}
+    docs["b1"], docs["b2"] = docs["b"][:45], docs["b"][45:]
+    for key, texts in docs.items():
+        (root / f"{key}.txt").write_text("\n".join(texts) + "\n")
+    return {key: str(root / f"{key}.txt") for key in docs}
+
+
+def _one_line_error(stderr: str, kind: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{kind}: "), stderr
+    return lines[0]
+
+
+# ---- crash safety -------------------------------------------------------------------------------------------------
+
+STAGED = {"stage.created", "build.counts_written", "build.operators_written", "write.array", "manifest.written",
+          "manifest.replaced", "stage.filled", "stage.unmarked"}
+POINTS = {  # at least these; a job passes whatever points it reaches
+    "build": STAGED | {"build.started", "build.counted", "build.ngrams_counted", "build.ngrams_written",
+                       "commit.renamed"},
+    "overwrite": STAGED | {"build.started", "build.counted", "build.ngrams_counted", "build.ngrams_written",
+                           "commit.exchanged", "remove.emptied"},
+    "merge": STAGED | {"build.ngrams_written", "commit.exchanged", "remove.emptied"},
+    "add_ngrams": {"write.array", "ngrams.counted", "ngrams.written", "manifest.written", "manifest.replaced",
+                   "ngrams.committed", "remove.emptied"},
+    "set_decoder": {"manifest.written", "manifest.replaced"},
+}
+
+@pytest.mark.parametrize("job", ["build", "overwrite", "merge", "add_ngrams", "set_decoder"])
+def test_a_kill_at_any_fault_point_leaves_the_old_graph_or_the_new_one(job, corpora, bpe_tokenizer_file, tmp_path):
+    r = _run_runner("faults", {"job": job, "mode": "kill", "fallback": False, "home": str(tmp_path / "home"),
+                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+    old, new = r["old"], r["new"]
+    assert r["clean_exit"] == 0 and new["valid"] == "ok" and new["referenced"] != old["referenced"]
+    assert POINTS[job] <= set(r["points"]), sorted(r["points"])
+    for point, res in r["points"].items():
+        after, recovered = res["after"], res["recovered"]
+        assert after["exit"] == 137, (point, after["stderr"])
+        assert after["referenced"] in (old["referenced"], new["referenced"]), point
+        if after["referenced"] is not None:
+            assert after["valid"] == "ok", (point, after["valid"])
+        # the next writer of the same graph succeeds and leaves nothing of the dead one behind
+        assert recovered["exit"] == 0, (point, recovered["stderr"])
+        assert recovered["full"] == new["full"] and recovered["siblings"] == new["siblings"], point
+
+
+@pytest.mark.parametrize("job", ["overwrite", "add_ngrams"])
+def test_a_failure_at_any_fault_point_leaves_the_old_graph_or_the_new_one_and_no_debris(job, corpora,
+                                                                                       bpe_tokenizer_file, tmp_path):
+    r = _run_runner("faults", {"job": job, "mode": "raise", "fallback": False, "home": str(tmp_path / "home"),
+                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+    old, new = r["old"], r["new"]
+    for point, res in r["points"].items():
+        after = res["after"]
+        assert after["referenced"] in (old["referenced"], new["referenced"]) and after["valid"] == "ok", point
+        if after["referenced"] == old["referenced"]:  # failed before the commit: reported, and nothing left over
+            assert after["exit"] == 3 and "InjectedFault" in after["stderr"], (point, after["stderr"])
+            assert after["full"] == old["full"] and after["siblings"] == old["siblings"], point
+        else:  # after it: removing what was replaced is best effort, finished by the next writer
+            assert after["exit"] in (0, 3), (point, after["stderr"])
+        assert res["recovered"]["full"] == new["full"] and res["recovered"]["siblings"] == new["siblings"], point
+
+
+def test_without_rename_exchange_a_kill_between_the_two_renames_is_repaired(corpora, bpe_tokenizer_file, tmp_path):
+    r = _run_runner("faults", {"job": "overwrite", "mode": "kill", "fallback": True, "home": str(tmp_path / "home"),
+                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+    old, new = r["old"], r["new"]
+    assert {"commit.moved_aside", "commit.replaced"} <= set(r["points"])
+    for point, res in r["points"].items():
+        after = res["after"]
+        if point == "commit.moved_aside":  # the fallback's window: the name is missing, the old graph is aside
+            assert after["referenced"] is None and any(s.startswith(".g.old-") for s in after["siblings"])
+        else:
+            assert after["referenced"] in (old["referenced"], new["referenced"]), point
+        assert res["recovered"]["full"] == new["full"] and res["recovered"]["siblings"] == new["siblings"], point
+
+
+@pytest.mark.parametrize("job", ["build", "overwrite", "add_ngrams"])
+def test_a_full_disk_leaves_nothing_half_written(job, corpora, bpe_tokenizer_file, tmp_path):
+    r = _run_runner("faults", {"job": job, "mode": "enospc", "fallback": False, "home": str(tmp_path / "home"),
+                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+    after = r["points"]["write.array"]["after"]
+    line = _one_line_error(after["stderr"], "StorageError")
+    assert "No space left on device" in line and "nothing was written" in line
+    assert after["full"] == r["old"]["full"] and after["siblings"] == r["old"]["siblings"]
+
+
+def test_disk_full_in_the_cli_is_one_line(home, csv_corpus, bpe_tokenizer_file, monkeypatch, capsys):
+    path, _ = csv_corpus
+    monkeypatch.setenv("GRAPHMAX_FAULT", "write.array:enospc")
+    assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # after the progress bars
+    assert len(err) == 1 and err[0].startswith("graphmax build: error: cannot write") and "free space" in err[0]
+    assert list((home / "graphs").iterdir()) == []
+
+
+# ---- the lock -----------------------------------------------------------------------------------------------------
+
+def test_a_second_writer_of_the_same_graph_fails_at_once(home, csv_corpus, bpe_tokenizer, tmp_path):
+    path, _ = csv_corpus
+    build_graph(path, bpe_tokenizer, name="g", progress=False)
+    before = sorted(p.relative_to(home).as_posix() for p in (home / "graphs").rglob("*"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home)}
+    holder = subprocess.Popen([sys.executable, "-m", "tests.test_safety", "hold", str(home / "graphs" / "g")],
+                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for write in (lambda: build_graph(path, bpe_tokenizer, name="g", overwrite=True, progress=False),
+                      lambda: merge_graphs(["x", "y"], name="g", overwrite=True),
+                      lambda: load_graph("g").set_decoder({"mode": "paper", "lam": 1.0})):
+            t0 = time.perf_counter()
+            with pytest.raises(GraphBusyError, match="being written by another graphmax process"):
+                write()
+            assert time.perf_counter() - t0 < 30  # refused before the corpus is read, not after a wait
+        from gm_graphs import add_ngrams
+
+        with pytest.raises(GraphBusyError):
+            add_ngrams(load_graph("g"), path, bpe_tokenizer, (3,), progress=False)
+        during = sorted(p.relative_to(home).as_posix() for p in (home / "graphs").rglob("*"))
+        assert during == sorted([*before, "graphs/.g.lock"])  # the holder's lock file, and nothing else new
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    build_graph(path, bpe_tokenizer, name="g", overwrite=True, progress=False)  # released with its process
+    assert sorted(p.name for p in (home / "graphs").iterdir()) == ["g"]
+
+
+# ---- names, folders and what graphmax may replace -----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["../escaped", "a/b", ".hidden", "", "with space", "x" * 201, "/abs", "..", "ü"])
+def test_a_string_that_is_not_a_name_is_refused(home, bad, csv_corpus, bpe_tokenizer):
+    with pytest.raises(GraphNameError, match=r"Path\("):
+        load_graph(bad)
+    with pytest.raises(GraphNameError):
+        build_graph(csv_corpus[0], bpe_tokenizer, name=bad, progress=False)
+    assert not (home / "graphs").exists() and not (home.parent / "escaped").exists()
+
+
+@given(st.text(max_size=40))
+def test_a_name_never_leaves_the_graphs_folder(text):
+    try:
+        folder = graph_path(text)
+    except GraphNameError:
+        assert not NAME.fullmatch(text)
+        return
+    assert folder.parent == graphs_root() and folder.name == text and not text.startswith(".") and "/" not in text
+    assert os.path.normpath(folder) == str(folder)  # nothing like '..' to resolve
+
+
+def test_cli_name_outside_home_is_refused_in_one_line(home, csv_corpus, bpe_tokenizer_file, capsys):
+    assert main(["build", str(csv_corpus[0]), "--tokenizer", str(bpe_tokenizer_file), "--name", "../escaped"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("graphmax build: error: '../escaped' is not a graph name") and "--path" in err
+    assert "\n" not in err and not (home.parent / "escaped").exists() and not (home / "escaped").exists()
+
+
+def test_a_name_is_never_a_folder_in_the_current_directory(home, tmp_path, csv_corpus, bpe_tokenizer_file,
+                                                           monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mydata").mkdir()
+    (tmp_path / "mydata" / "thesis.txt").write_text("x\n")
+    tok = str(bpe_tokenizer_file)
+    assert main(["build", str(csv_corpus[0]), "--tokenizer", tok, "--name", "mydata", "--overwrite"]) == 0
+    assert (home / "graphs" / "mydata" / "manifest.json").is_file()
+    capsys.readouterr()
+    assert main(["build", str(csv_corpus[0]), "--tokenizer", tok, "--path", "mydata", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()  # refused before the corpus is read: no progress bar either
+    assert err.startswith("graphmax build: error: mydata exists") and "did not write as a graph" in err
+    assert "\n" not in err
+    assert sorted(p.name for p in (tmp_path / "mydata").iterdir()) == ["thesis.txt"]
+    assert (tmp_path / "mydata" / "thesis.txt").read_text() == "x\n"
+    with pytest.raises(GraphFormatError, match="not a graph folder"):
+        load_graph(Path("mydata"))
+    assert graph_path("mydata") == home / "graphs" / "mydata"
+
+
+def test_overwrite_replaces_only_a_graph_graphmax_wrote(home, tmp_path, csv_corpus, bpe_tokenizer):
+    path, _ = csv_corpus
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "manifest.json").write_text('{"name": "my own manifest", "format_version": 1}')  # not graphmax's
+    (home / "graphs").mkdir(parents=True)
+    (home / "graphs" / "linked").symlink_to(user)
+    for target in ({"path": user}, {"name": "linked"}, {"path": user / "manifest.json"}):
+        with pytest.raises(NotOwnedError, match="never replaces it"):
+            build_graph(path, bpe_tokenizer, overwrite=True, progress=False, **target)
+    assert sorted(p.name for p in user.iterdir()) == ["manifest.json"] and (home / "graphs" / "linked").is_symlink()
+    g = build_graph(path, bpe_tokenizer, path=tmp_path / "mine", progress=False)
+    with pytest.raises(GraphExistsError, match="--overwrite"):
+        build_graph(path, bpe_tokenizer, path=tmp_path / "mine", progress=False)
+    assert build_graph(path, bpe_tokenizer, path=g.path, overwrite=True, progress=False).path == g.path
+
+
+def test_temporary_folders_of_dead_builds_are_removed_by_the_next_build(home, csv_corpus, bpe_tokenizer):
+    path, _ = csv_corpus
+    graphs = home / "graphs"
+    graphs.mkdir(parents=True)
+    dead = graphs / f".g.tmp-{uuid.uuid4().hex[:12]}"  # marked: a build of g that was killed
+    (dead / "counts").mkdir(parents=True)
+    (dead / TEMP_MARKER).write_text("{}")
+    (dead / "counts" / "x.npy").write_bytes(b"partial")
+    empty = graphs / f".g.old-{uuid.uuid4().hex[:12]}"
+    empty.mkdir()
+    foreign = [graphs / f".g.tmp-{uuid.uuid4().hex[:12]}", graphs / ".g.tmp-short", graphs / f".h.tmp-{'a' * 12}"]
+    for f in foreign:  # not marked, or not named like g's temporary folders: never touched
+        f.mkdir()
+        (f / TEMP_MARKER if f.name.startswith(".h") else f / "notes.txt").write_text("mine")
+    build_graph(path, bpe_tokenizer, name="g", progress=False)
+    assert not dead.exists() and not empty.exists() and all(f.exists() for f in foreign)
+    assert sorted(p.name for p in graphs.iterdir()) == sorted(["g", *(f.name for f in foreign)])
+
+
+def test_eval_writes_only_into_a_new_empty_or_report_folder(tmp_path, capsys):
+    user = tmp_path / "results"
+    user.mkdir()
+    (user / "paper.tex").write_text("x")
+    assert main(["eval", "--corpus", "drug-reviews", "--out", str(user)]) == 2  # before any model loads
+    assert "not empty" in capsys.readouterr().err and sorted(p.name for p in user.iterdir()) == ["paper.tex"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotOwnedError):
+        claim_folder(tmp_path / "file")
+    for folder in (tmp_path / "new" / "report", tmp_path / "empty"):
+        if folder.name == "empty":
+            folder.mkdir()
+        assert (claim_folder(folder) / REPORT_MARKER).is_file()
+        (folder / "report.md").write_text("old report")
+        assert claim_folder(folder) == folder  # a report folder graphmax wrote may be written again
+
+
+def test_demo_uses_the_graph_in_home_and_leaves_a_local_imdb_alone(home, tmp_path, csv_corpus, bpe_tokenizer,
+                                                                   monkeypatch):
+    from pipelines.demo import ensure_imdb_graph
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "imdb").mkdir()
+    (tmp_path / "imdb" / "reviews.txt").write_text("mine\n")
+    built = build_graph(csv_corpus[0], bpe_tokenizer, name="imdb", ngrams=(3,), progress=False)
+    assert ensure_imdb_graph(tokenizer=bpe_tokenizer).path == built.path == home / "graphs" / "imdb"
+    assert sorted(p.name for p in (tmp_path / "imdb").iterdir()) == ["reviews.txt"]
+    shutil.rmtree(home / "graphs" / "imdb")
+    (home / "graphs" / "imdb").mkdir()
+    (home / "graphs" / "imdb" / "manifest.json").write_text("{}")  # a folder in home that is not a graph
+    with pytest.raises(NotOwnedError):
+        ensure_imdb_graph(tokenizer=bpe_tokenizer)
+    assert (home / "graphs" / "imdb" / "manifest.json").read_text() == "{}"
+
+
+# ---- the smaller refusals -----------------------------------------------------------------------------------------
+
+def test_merge_refuses_one_graph_the_same_graph_twice_and_other_tokenizers(home, tmp_path, csv_corpus,
+                                                                          bpe_tokenizer, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path, docs = csv_corpus
+    build_graph(path, bpe_tokenizer, name="g", progress=False)
+    with pytest.raises(MergeError, match="at least two"):
+        merge_graphs(["g"], name="m")
+    with pytest.raises(MergeError, match="given twice"):
+        merge_graphs(["g", home / "graphs" / "g"], name="m")
+    shutil.copytree(home / "graphs" / "g", tmp_path / "copy")
+    with pytest.raises(MergeError, match="count it twice"):
+        merge_graphs(["g", tmp_path / "copy"], name="m")
+    other = Tokenizer(models.BPE(unk_token="[UNK]"))
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=280, special_tokens=["[UNK]"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "other.txt").write_text("\n".join(make_docs(30, seed=9)) + "\n")
+    build_graph(tmp_path / "other.txt", PreTrainedTokenizerFast(tokenizer_object=other), name="o", progress=False)
+    with pytest.raises(MergeError, match="different tokenizers"):
+        merge_graphs(["g", "o"], name="m")
+    assert main(["merge", "g", "g", "--name", "m"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("graphmax merge: error: the graph") and "\n" not in err
+    assert not (home / "graphs" / "m").exists()
+
+
+def test_graphs_list_shows_a_broken_graph_and_the_others(home, csv_corpus, bpe_tokenizer, capsys):
+    build_graph(csv_corpus[0], bpe_tokenizer, name="good", progress=False)
+    shutil.copytree(home / "graphs" / "good", home / "graphs" / "bad")
+    (home / "graphs" / "bad" / "manifest.json").write_bytes(b"\xff\xfe junk")
+    assert main(["graphs", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("bad ") and "broken:" in lines[0] and "not UTF-8" in lines[0]
+    assert lines[1].startswith("good ") and "120 docs" in lines[1]
+
+
+def test_a_corpus_of_one_token_documents_is_refused_naming_the_text_column(home, tmp_path, bpe_tokenizer):
+    rows = (f"{'ab'[i % 2]},{d}\n" for i, d in enumerate(make_docs(20)))  # labels of one character: one token
+    (tmp_path / "c.csv").write_text("label,text\n" + "".join(rows))
+    with pytest.raises(CorpusError, match="--text-column"):
+        build_graph(tmp_path / "c.csv", bpe_tokenizer, name="g", text_column="label", progress=False)
+    assert list((home / "graphs").iterdir()) == []
+
+
+@pytest.mark.parametrize("option", [["--orders", "0"], ["--orders", "1,x"], ["--eps", "-1"], ["--eps", "nan"],
+                                    ["--prune-top-k", "-3"], ["--prune-min", "-0.5"], ["--mixture", "0"],
+                                    ["--ngrams", "2"], ["--ngrams", "3,2"], ["--ngram-run-entries", "0"]])
+def test_out_of_range_options_are_refused_before_any_work(home, tmp_path, bpe_tokenizer_file, capsys, option):
+    with pytest.raises(SystemExit) as e:  # the corpus does not even exist: nothing was read
+        main(["build", str(tmp_path / "missing.csv"), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", *option])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith(f"graphmax build: error: argument {option[0]}")
+    assert not home.exists()
+
+
+def test_out_of_range_options_in_python_are_option_errors(home, tmp_path, bpe_tokenizer):
+    from gm_graphs import PruneRule
+
+    for kw in ({"orders": (0,)}, {"orders": 2}, {"eps": -1.0}, {"eps": float("inf")}, {"mixture": 0},
+               {"ngrams": (2,)}, {"ngrams": (3,), "ngram_run_entries": 0}, {"shard_nnz": 0},
+               {"prune": PruneRule(min_value=float("inf"))}):
+        with pytest.raises(OptionError):
+            build_graph(tmp_path / "missing.csv", bpe_tokenizer, name="g", progress=False, **kw)
+    with pytest.raises(OptionError, match="overflows int64"):
+        build_graph(tmp_path / "missing.csv", "smollm2", name="g", ngrams=(5,), progress=False)
+    assert not (home / "graphs").exists()
+
+
+# ---- crafted graph folders ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def decodable(tmp_path_factory, bpe_tokenizer):
+    """A small graph with n-gram tables of orders 3 and 4, and a 4-token context its tables hold."""
+    root = tmp_path_factory.mktemp("decodable")
+    (root / "c.txt").write_text("\n".join(make_docs(150, seed=31)) + "\n")
+    g = build_graph(root / "c.txt", bpe_tokenizer, path=root / "g", ngrams=(3, 4), progress=False)
+    table = g.ngrams[4]
+    ctx, n = int(table.contexts[0]), g.vocab_size
+    return g, [ctx // n // n, ctx // n % n, ctx % n]
+
+
+def _rehash(folder: Path) -> None:
+    """Recompute every listed file's size and SHA-256, as a crafted folder's author would."""
+    from gm_graphs.storage import sha256_file
+
+    m = json.loads((folder / "manifest.json").read_text())
+
+    def walk(v):
+        if isinstance(v, dict):
+            if isinstance(v.get("file"), str) and "sha256" in v:
+                p = folder / v["file"] if not v["file"].startswith("/") else Path(v["file"])
+                if p.is_file():
+                    v["bytes"], v["sha256"] = p.stat().st_size, sha256_file(p)
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    walk(m)
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
+def _edit_array(rel: str, edit):
+    def craft(folder: Path) -> None:
+        a = np.load(folder / rel)
+        np.save(folder / rel, edit(a.copy()))
+    return craft
+
+
+def _set(i: int, value):
+    def edit(a):
+        a[i] = value
+        return a
+    return edit
+
+
+def _edit_manifest(edit):
+    def craft(folder: Path) -> None:
+        m = json.loads((folder / "manifest.json").read_text())
+        edit(m, folder)
+        (folder / "manifest.json").write_text(json.dumps(m))
+    return craft
+
+
+def _entry(m: dict, *keys):
+    for k in keys:
+        m = m[k]
+    return m
+
+
+def _outside(m, folder: Path, absolute: bool) -> None:
+    e = m["operators"]["order1"]["shards"][0]["files"]["indices"]
+    shutil.copy(folder / e["file"], folder.parent / "x.npy")
+    e["file"] = str(folder.parent / "x.npy") if absolute else "../x.npy"
+
+
+def _symlink_file(folder: Path) -> None:
+    f = folder / "order1" / "shard-00000" / "data.npy"
+    shutil.move(f, folder.parent / "data.npy")
+    f.symlink_to(folder.parent / "data.npy")
+
+
+def _symlink_dir(folder: Path) -> None:
+    shutil.move(folder / "counts", folder.parent / "counts")
+    (folder / "counts").symlink_to(folder.parent / "counts")
+
+
+def _fifo(folder: Path) -> None:
+    f = folder / "stats" / "successors.npy"
+    f.unlink()
+    os.mkfifo(f)
+
+
+N_ = 300  # the bpe fixture's vocabulary
+IDX = "order1/shard-00000/indices.npy"
+PTR = "order1/shard-00000/indptr.npy"
+CRAFTS = {
+    "index >= N": _edit_array(IDX, _set(5, N_)),
+    "negative index": _edit_array(IDX, _set(0, -1)),
+    "indptr not monotone": _edit_array(PTR, lambda a: _set(10, a[-1])(a)),  # within nnz, above indptr[11]
+    "indptr beyond nnz": _edit_array(PTR, _set(-1, 10**7)),
+    "indptr not from 0": _edit_array(PTR, lambda a: a + 1),
+    "indices of another dtype": _edit_array(IDX, lambda a: a.astype(np.float64)),
+    "counts of another dtype": _edit_array("counts/shard-00000/data.npy", lambda a: a.astype(np.int32)),
+    "two-dimensional data": _edit_array("order1/shard-00000/data.npy", lambda a: a[:, None]),
+    "big-endian indices": _edit_array(IDX, lambda a: a.astype(">i4")),
+    "NaN weight": _edit_array("order1/shard-00000/data.npy", _set(0, np.nan)),
+    "zero count": _edit_array("counts/shard-00000/data.npy", _set(0, 0)),
+    "counts index >= N": _edit_array("counts/shard-00000/indices.npy", _set(7, 10**6)),
+    "file ../x.npy": _edit_manifest(lambda m, f: _outside(m, f, absolute=False)),
+    "absolute path": _edit_manifest(lambda m, f: _outside(m, f, absolute=True)),
+    "symlinked file": _symlink_file,
+    "symlinked folder": _symlink_dir,
+    "a FIFO for a file": _fifo,
+    "non-UTF-8 manifest": lambda f: (f / "manifest.json").write_bytes(b'{"format_version": 1, "name": "\xff\xfe\x00"}'),
+    "non-ASCII junk manifest": lambda f: (f / "manifest.json").write_text("ñ☃ {{ graph ]]"),
+    "deeply nested manifest": lambda f: (f / "manifest.json").write_text("[" * 100000 + "]" * 100000),
+    "vocab_size a string": _edit_manifest(lambda m, f: _entry(m, "tokenizer").update(vocab_size="300")),
+    "vocab_size huge": _edit_manifest(lambda m, f: _entry(m, "tokenizer").update(vocab_size=2**31 - 1)),
+    "vocab_size smaller than the indices": _edit_manifest(lambda m, f: _entry(m, "tokenizer").update(vocab_size=50)),
+    "nnz negative": _edit_manifest(lambda m, f: _entry(m, "operators", "order1").update(nnz=-1)),
+    "rows as strings": _edit_manifest(lambda m, f: _entry(m, "counts", "shards", 0).update(rows=["0", "300"])),
+    "rows not covering N": _edit_manifest(lambda m, f: _entry(m, "counts", "shards", 0).update(rows=[0, 200])),
+    "eps NaN": _edit_manifest(lambda m, f: m.update(eps=float("nan"))),
+    "shards not a list": _edit_manifest(lambda m, f: _entry(m, "operators", "order1").update(shards={"a": 1})),
+    "decoder lam a string": _edit_manifest(lambda m, f: m.update(decoder={"mode": "context", "lam": "big"})),
+    "n-gram contexts unsorted": _edit_array("ngrams/4/contexts.npy", lambda a: a[::-1].copy()),
+    "n-gram context >= N^3": _edit_array("ngrams/4/contexts.npy", _set(-1, N_ ** 3)),
+    "n-gram next >= N": _edit_array("ngrams/3/next.npy", _set(0, N_)),
+    "n-gram next negative": _edit_array("ngrams/4/next.npy", _set(-1, -5)),
+    "n-gram indptr decreasing": _edit_array("ngrams/4/indptr.npy", _set(1, 10**6)),
+    "n-gram count zero": _edit_array("ngrams/3/counts.npy", _set(0, 0)),
+    "n-gram order 2": _edit_manifest(lambda m, f: m["ngrams"]["orders"].update({"2": m["ngrams"]["orders"]["3"]})),
+    "stats negative": _edit_array("stats/row_counts.npy", _set(0, -1)),
+    "stats short": _edit_array("stats/successors.npy", lambda a: a[:-1]),
+}
+
+
+def test_crafted_graph_folders_end_in_a_one_line_graph_format_error(decodable, tmp_path):
+    graph, context = decodable
+    assert graph.vocab_size == N_
+    folders = {}
+    for i, (name, craft) in enumerate(CRAFTS.items()):
+        folder = tmp_path / f"case{i}" / "g"
+        shutil.copytree(graph.path, folder)
+        craft(folder)
+        if "manifest" not in name:
+            _rehash(folder)  # checksums match: only the structure checks stand between the file and a kernel
+        folders[name] = str(folder)
+    folders["untouched"] = str(graph.path)
+    results = _run_runner("crafted", {"folders": folders, "context": context}, tmp_path)
+    assert results.pop("untouched") == {"exit": 0, "stderr": ""}
+    wrong = {name: r for name, r in results.items() if r["exit"] != 1}  # a signal is negative, another error 3
+    assert not wrong
+    for name, r in results.items():
+        _one_line_error(r["stderr"], "GraphFormatError")
+
+
+if __name__ == "__main__":
+    sys.exit(_runner(sys.argv[1:]))
