@@ -40,6 +40,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from .errors import CorpusError
+from .folders import graphs_root, is_graph_folder
 
 PathLike = Union[str, os.PathLike]
 CorpusSpec = Union[PathLike, Iterable[PathLike]]
@@ -147,9 +148,7 @@ class _GraphFolders:
     """Tells whether a file lies inside a graph folder: graphmax's own files are never corpus text."""
 
     def __init__(self) -> None:
-        from .graph import graphmax_home  # graph imports storage, which needs nothing from here
-
-        self.graphs_root = (graphmax_home() / "graphs").resolve()
+        self.graphs_root = graphs_root().resolve()
         self._seen: dict[Path, Path | None] = {}
 
     def of(self, path: Path) -> Path | None:
@@ -157,22 +156,11 @@ class _GraphFolders:
 
     def _folder(self, d: Path) -> Path | None:
         if d not in self._seen:  # each folder is looked at once, whatever the number of files in it
-            if d == self.graphs_root or _is_graph_folder(d):
+            if d == self.graphs_root or is_graph_folder(d):
                 self._seen[d] = d
             else:
                 self._seen[d] = None if d.parent == d else self._folder(d.parent)
         return self._seen[d]
-
-
-def _is_graph_folder(d: Path) -> bool:
-    manifest = d / "manifest.json"
-    try:
-        if not manifest.is_file() or manifest.stat().st_size > 64 * _MB:
-            return False
-        m = json.loads(manifest.read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(m, dict) and "format_version" in m and "tokenizer" in m
 
 
 def _check_file(f: Path, graphs: _GraphFolders) -> None:

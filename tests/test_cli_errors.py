@@ -52,10 +52,10 @@ BAD_ARGUMENTS = [  # argv, what the message says
     (MERGE + ["--orders", "0"], "argument --orders: must be integers >= 1"),
     (MERGE + ["--eps", "-1"], "argument --eps: must be a finite number >= 0"),
     (MERGE + ["--mixture", "0"], "argument --mixture: must be an integer >= 2"),
-    (["merge", "a", "--name", "m"], "argument graphs: give at least 2 graphs, got 1"),
-    (["merge", "a", "b", "a", "--name", "m"], "argument graphs: 'a' is given twice; name each of the graphs once"),
+    (["merge", "a", "b"], "one of the arguments --name --path is required"),
+    (["merge", "a", "b", "--name", "m", "--path", "m"], "argument --path: not allowed with argument --name"),
     (["graphs"], "the following arguments are required: {list,info}"),
-    (["graphs", "info"], "the following arguments are required: name"),
+    (["graphs", "info"], "one of the arguments NAME --path is required"),
     (GENERATE + ["--lam", "-1"], "argument --lam: must be a finite number >= 0, got '-1'"),
     (GENERATE + ["--lam", "nan"], "argument --lam: must be a finite number >= 0, got 'nan'"),
     (GENERATE + ["--lam", "inf"], "argument --lam: must be a finite number >= 0, got 'inf'"),
@@ -68,7 +68,7 @@ BAD_ARGUMENTS = [  # argv, what the message says
     (GENERATE + ["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
     (GENERATE + ["--prompt", "  "], "argument --prompt: must not be empty or only spaces"),
     (GENERATE + ["--solver", "fast"], "argument --solver: invalid choice: 'fast'"),
-    (["generate", "--prompt", "x"], "the following arguments are required: --graph"),
+    (["generate", "--prompt", "x"], "one of the arguments --graph --path is required"),
     (TUNE + ["--docs", "0"], "argument --docs: must be an integer >= 1, got '0'"),
     (TUNE + ["--positions", "-4"], "argument --positions: must be an integer >= 1, got '-4'"),
     (["tune", "g", "--corpus", "missing.csv"], "argument --corpus: corpus file 'missing.csv' does not exist"),
@@ -229,7 +229,7 @@ def _bad_files(folder: Path) -> dict[str, tuple[Path | str, str]]:
     (folder / "c.jsonl").write_text('{"body": "the text is under another key"}\n')
     graph = folder / "home" / "graphs" / "old"
     graph.mkdir(parents=True)
-    (graph / "manifest.json").write_text('{"format_version": 1, "tokenizer": {}}')
+    (graph / "manifest.json").write_text('{"format": "graphmax-graph"}')
     (graph / "counts.parquet").write_bytes((folder / "whole.parquet").read_bytes())
     return {
         "missing": (folder / "missing.csv", "corpus file '{f}/missing.csv' does not exist; check the path"),
@@ -299,8 +299,8 @@ def test_bad_corpus_file_is_one_line(case, bad_files, bpe_tokenizer_file, tmp_pa
 
 @pytest.mark.parametrize("argv,message", [
     (BUILD + ["--ngrams", "2"], "argument --ngrams: must be integers >= 3"),
-    (["merge", "a", "--name", "m"], "argument graphs: give at least 2 graphs, got 1"),
-    (["graphs", "info"], "the following arguments are required: name"),
+    (["merge", "a", "b"], "one of the arguments --name --path is required"),
+    (["graphs", "info"], "one of the arguments NAME --path is required"),
     (GENERATE + ["--tol", "0"], "argument --tol: must be a finite number > 0, got '0'"),
     (["eval", "--heldout-fraction", "1.5"], "argument --heldout-fraction: must be a number strictly between 0 and 1"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")

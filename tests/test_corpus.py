@@ -460,7 +460,7 @@ def test_files_of_a_graph_folder_are_refused(tmp_path, home):
         expand_corpus(str(home / "**" / "*.parquet"))
     elsewhere = tmp_path / "mygraph"  # a graph folder given by path, outside $GRAPHMAX_HOME
     (elsewhere / "counts").mkdir(parents=True)
-    (elsewhere / "manifest.json").write_text(_json.dumps({"format_version": 1, "tokenizer": {}}))
+    (elsewhere / "manifest.json").write_text(_json.dumps({"format": "graphmax-graph"}))
     (elsewhere / "counts" / "edges.csv").write_text("text\nx\n")
     with pytest.raises(CorpusError, match=r"is inside the graph folder '.*mygraph'"):
         expand_corpus(elsewhere / "counts" / "edges.csv")
