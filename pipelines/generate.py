@@ -11,6 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from gm_graphs import load_graph
 from gm_solver import GraphmaxLogitsProcessor
 
+from .args import integer, nonblank, number
 from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
 
@@ -67,15 +68,16 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="continue prompts with softmax and graphmax decoding")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (bundled), a .gguf file or a local folder")
     add_graph_arguments(p, "--graph")
-    p.add_argument("--order", type=int, default=1, help="use Ãᵏ (default 1)")
-    p.add_argument("--mixture", type=int, default=None, help="use Ã+…+Ãⁿ")
-    p.add_argument("--lam", type=float, default=1.0, help="λ (0 = softmax)")
-    p.add_argument("--tol", type=float, default=1e-6, help="duality gap per step")
+    p.add_argument("--order", type=integer(1), default=1, help="use Ãᵏ (default 1)")
+    p.add_argument("--mixture", type=integer(2), default=None, help="use Ã+…+Ãⁿ (n ≥ 2)")
+    p.add_argument("--lam", type=number(at_least=0), default=1.0, help="λ (0 = softmax)")
+    p.add_argument("--tol", type=number(above=0), default=1e-6, help="duality gap per step")
     p.add_argument("--solver", default="auto", choices=["auto", "paper"])
-    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompt", action="append", required=True, type=nonblank,
+                   help="a prompt (repeatable)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=32)
     p.add_argument("--sample", action="store_true", help="sample (top-k 50) instead of greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--compare", action="store_true", help="also print the plain softmax continuation")
     p.set_defaults(run=run)
 
