@@ -1,9 +1,16 @@
 """Streaming corpus reading: files or globs of Parquet, CSV/TSV, JSONL or plain text.
 
 Every reader yields batches of document strings and never holds a whole file:
-Parquet and CSV go through pyarrow's batch readers, JSONL and text line by line.
-Files may be gzip'd (``.gz``) or members of a ``.zip`` archive. Undecodable bytes
-are replaced by U+FFFD and counted; empty documents are skipped and counted.
+Parquet and CSV go through pyarrow's batch readers, JSONL and text line by line,
+a line at most ``MAX_DOCUMENT_BYTES`` long. Files may be gzip'd (``.gz``) or
+members of a ``.zip`` archive (members gzip'd too); an archive's folders, macOS
+metadata (``__MACOSX/``, ``._x``), hidden files and members of no corpus format
+(README, LICENSE) are skipped and listed in ``ReadStats.skipped_members``.
+Undecodable bytes and NUL characters are replaced by U+FFFD and counted; a
+leading byte-order mark is dropped; empty documents are skipped and counted.
+Anything unreadable (a truncated or corrupt file, a FIFO, a file without read
+permission, a graph folder's own files) is a one-line ``CorpusError`` that
+names the file and the fix.
 """
 
 from __future__ import annotations
@@ -13,11 +20,17 @@ import gzip
 import hashlib
 import html
 import io
+import itertools
 import json
+import lzma
 import os
 import re
+import stat
+import struct
 import zipfile
-from collections.abc import Iterable, Iterator
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -27,6 +40,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from .errors import CorpusError
+from .folders import graphs_root, is_graph_folder
 
 PathLike = str | os.PathLike
 CorpusSpec = PathLike | Iterable[PathLike]
@@ -38,8 +52,18 @@ _SUFFIX_FORMAT = {
     ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
     ".txt": "txt", ".text": "txt",
 }
+# Compressions and archives people try, with what to do instead.
+_UNSUPPORTED = {".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".lz4": "lz4", ".tar": "tar", ".tgz": "tar",
+                ".7z": "7-Zip", ".rar": "RAR"}
+MAX_DOCUMENT_BYTES = 32 << 20  # a longer line is not a document but a damaged file or a decompression bomb
+CSV_BLOCK_BYTES = 8 << 20  # pyarrow's block; a row must fit in one, so it grows (×4) up to a document's limit
+_ZIP_METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 _BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
 _FFFD = "\ufffd"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_UTF8_BOM = b"\xef\xbb\xbf"
+_COLUMN_COUNT = re.compile(r"Expected (\d+) columns, got (\d+): (.*)", re.DOTALL)
+_MB = 1 << 20
 
 
 @dataclass
@@ -51,6 +75,8 @@ class ReadStats:
     undecodable_documents: int = 0
     replaced_sequences: int = 0
     per_file: dict[str, int] = field(default_factory=dict)
+    nul_replaced: int = 0
+    skipped_members: list[str] = field(default_factory=list)  # "archive.zip!member" of no corpus format
 
 
 def clean_review_text(text: str) -> str:
@@ -60,7 +86,12 @@ def clean_review_text(text: str) -> str:
 
 
 def expand_corpus(corpus: CorpusSpec) -> list[Path]:
-    """Expand paths and globs into a sorted, de-duplicated list of existing files."""
+    """Expand paths and globs into a sorted, de-duplicated list of readable corpus files.
+
+    Each file is checked here, before anything is built: it exists, is a regular
+    file that can be read, is not empty, has a known format whose header is
+    intact, and is not inside a graph folder.
+    """
     specs = [corpus] if isinstance(corpus, (str, os.PathLike)) else list(corpus)
     if not specs:
         raise CorpusError("no corpus files were given; pass one or more paths or globs")
@@ -71,20 +102,17 @@ def expand_corpus(corpus: CorpusSpec) -> list[Path]:
             matches = sorted(glob.glob(spec, recursive=True))
             if not matches:
                 raise CorpusError(f"the glob {spec!r} matches no file; check the pattern and the folder")
-            files.extend(Path(m) for m in matches if os.path.isfile(m))
-        elif os.path.isdir(spec):
-            raise CorpusError(f"{spec!r} is a folder; pass the files in it, e.g. {os.path.join(spec, '*.csv')!r}")
-        elif not os.path.exists(spec):
-            raise CorpusError(f"corpus file {spec!r} does not exist; check the path")
+            for m in matches:
+                if os.path.isdir(m) and not _named_like_corpus(m):
+                    continue  # `data/**` also matches folders
+                files.append(Path(m))
         else:
             files.append(Path(spec))
+    graphs = _GraphFolders()
+    for f in files:
+        _check_file(f, graphs)
     seen: set[Path] = set()
-    unique = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
-    for f in unique:
-        if f.stat().st_size == 0:
-            raise CorpusError(f"corpus file {str(f)!r} is empty (0 bytes); remove it from the inputs")
-        detect_format(f.name)
-    return unique
+    return [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
 
 
 def detect_format(name: str) -> str:
@@ -94,13 +122,159 @@ def detect_format(name: str) -> str:
         lower = lower[:-3]
     if lower.endswith(".zip"):
         return "zip"
-    fmt = _SUFFIX_FORMAT.get(Path(lower).suffix)
+    suffix = Path(lower).suffix
+    fmt = _SUFFIX_FORMAT.get(suffix)
     if fmt is None:
+        if suffix in _UNSUPPORTED:
+            kind = _UNSUPPORTED[suffix]
+            raise CorpusError(f"{name!r} is a {kind} file, which graphmax does not read; unpack it, "
+                              f"or recompress the corpus files with gzip or zip")
         raise CorpusError(
             f"cannot tell the format of {name!r}; use one of the suffixes "
             f"{', '.join(sorted(_SUFFIX_FORMAT))} (optionally .gz), or .zip"
         )
     return fmt
+
+
+def _named_like_corpus(path: str) -> bool:
+    try:
+        detect_format(os.path.basename(path.rstrip(os.sep)))
+    except CorpusError:
+        return False
+    return True
+
+
+class _GraphFolders:
+    """Tells whether a file lies inside a graph folder: graphmax's own files are never corpus text."""
+
+    def __init__(self) -> None:
+        self.graphs_root = graphs_root().resolve()
+        self._seen: dict[Path, Path | None] = {}
+
+    def of(self, path: Path) -> Path | None:
+        return self._folder(path.resolve().parent)
+
+    def _folder(self, d: Path) -> Path | None:
+        if d not in self._seen:  # each folder is looked at once, whatever the number of files in it
+            if d == self.graphs_root or is_graph_folder(d):
+                self._seen[d] = d
+            else:
+                self._seen[d] = None if d.parent == d else self._folder(d.parent)
+        return self._seen[d]
+
+
+def _check_file(f: Path, graphs: _GraphFolders) -> None:
+    """Refuse, with the fix, a corpus path that cannot be read as one; never opens a FIFO or a device."""
+    where = str(f)
+    try:
+        st = os.stat(f)
+    except FileNotFoundError:
+        if os.path.islink(f):
+            raise CorpusError(f"corpus file {where!r} is a broken symbolic link; point it at the file or remove it") \
+                from None
+        raise CorpusError(f"corpus file {where!r} does not exist; check the path") from None
+    except OSError as e:
+        raise CorpusError(f"corpus file {where!r} cannot be reached ({e.strerror}); check the path") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CorpusError(f"{where!r} is a folder; pass the files in it, e.g. {os.path.join(where, '*.csv')!r}")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+        raise CorpusError(f"{where!r} is {kind}, not a regular file; write the corpus to a file and pass that")
+    if st.st_size == 0:
+        raise CorpusError(f"corpus file {where!r} is empty (0 bytes); remove it from the inputs")
+    fmt = detect_format(f.name)
+    graph = graphs.of(f)
+    if graph is not None:
+        raise CorpusError(f"{where!r} is inside the graph folder {str(graph)!r}, whose files are graphmax's own, "
+                          f"not corpus text; narrow the glob or list the corpus files")
+    try:
+        with open(f, "rb") as fh:
+            _check_header(fh, f, fmt, st.st_size)
+    except PermissionError:
+        raise CorpusError(f"corpus file {where!r} cannot be read (permission denied); make it readable "
+                          f"(chmod u+r) or remove it from the inputs") from None
+    except OSError as e:
+        raise CorpusError(f"corpus file {where!r} cannot be read ({e.strerror or e}); check the file") from None
+
+
+def _check_header(fh: IO[bytes], f: Path, fmt: str, size: int) -> None:
+    """Cheap checks of a file's first (and for Parquet last) bytes, so a wrong file fails before any work."""
+    where = str(f)
+    if fmt == "zip":
+        if f.name.lower().endswith(".gz"):
+            raise CorpusError(f"{where!r} is a gzip'd zip archive; gunzip it and pass the .zip")
+        with _open_zip(fh, where) as zf:
+            _zip_members(zf, where)
+        return
+    if f.name.lower().endswith(".gz"):
+        if fh.read(2) != b"\x1f\x8b":
+            raise CorpusError(f"{where!r} is not gzip-compressed (no gzip header); "
+                              f"remove the .gz suffix if it is not compressed")
+        fh.seek(0)
+        with _decompression_errors(where):
+            head = gzip.GzipFile(fileobj=fh).read(4)
+    else:
+        head = fh.read(4)
+        if fmt == "parquet":
+            fh.seek(max(size - 4, 0))
+            if head != b"PAR1" or fh.read(4) != b"PAR1":
+                raise CorpusError(f"{where!r} is not a whole Parquet file (no PAR1 marker at its start and end); "
+                                  f"copy it again if it was truncated, or rename it to its real format")
+            try:  # the footer: schema and row groups, a small read at the end
+                _ = pq.ParquetFile(str(f)).schema_arrow
+            except (pa.ArrowException, OSError) as e:
+                raise CorpusError(f"{where!r} is not a readable Parquet file ({_brief(e)}); copy it again if it "
+                                  f"was truncated, or rename it to its real format") from None
+    if fmt != "parquet":
+        _check_encoding(head, where)
+
+
+def _check_encoding(head: bytes, where: str) -> None:
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise CorpusError(f"{where!r} is UTF-16 text; convert it to UTF-8 "
+                          f"(e.g. iconv -f UTF-16 -t UTF-8 IN > OUT) and pass that")
+
+
+@contextmanager
+def _open_zip(fh: IO[bytes] | Path, where: str) -> Iterator[zipfile.ZipFile]:
+    try:
+        zf = zipfile.ZipFile(fh)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, struct.error) as e:
+        raise CorpusError(f"{where!r} is not a readable zip archive ({_brief(e)}); copy it again if it was "
+                          f"truncated, or rename it to its real format") from None
+    with zf:
+        yield zf
+
+
+def _zip_members(zf: zipfile.ZipFile, where: str) -> tuple[list[zipfile.ZipInfo], list[str]]:
+    """The members to read, in name order, and those skipped (metadata, hidden files, other formats)."""
+    readable, skipped = [], []
+    for info in sorted(zf.infolist(), key=lambda i: i.filename):
+        if info.is_dir():
+            continue
+        name = info.filename
+        parts = name.split("/")
+        if any(p.startswith(".") or p == "__MACOSX" for p in parts):
+            skipped.append(name)
+            continue
+        try:
+            fmt = detect_format(parts[-1])
+        except CorpusError:
+            skipped.append(name)
+            continue
+        if fmt == "zip":
+            raise CorpusError(f"{where}!{name}: nested archives are not supported; unpack the inner archive")
+        if info.flag_bits & 0x1:
+            raise CorpusError(f"{where}!{name} is encrypted; unpack it with its password and pass the files")
+        if info.compress_type not in _ZIP_METHODS:
+            raise CorpusError(f"{where}!{name} uses zip compression method {info.compress_type}, which Python "
+                              f"cannot read; re-create the archive with the default (deflate)")
+        readable.append(info)
+    if not readable:
+        shown = ", ".join(repr(s) for s in skipped[:5]) + (", …" if len(skipped) > 5 else "")
+        raise CorpusError(f"the archive {where!r} holds no corpus file (skipped: {shown or 'nothing'}); "
+                          f"add .parquet/.csv/.tsv/.jsonl/.txt members")
+    return readable, skipped
 
 
 def fingerprint(files: list[Path]) -> list[dict]:
@@ -113,6 +287,25 @@ def fingerprint(files: list[Path]) -> list[dict]:
                 h.update(block)
         out.append({"path": str(f), "bytes": f.stat().st_size, "sha256": h.hexdigest()})
     return out
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One stream of corpus text, a file or an archive member, and how to (re)open it decompressed."""
+
+    name: str  # its suffixes give the format
+    where: str  # for messages: the path, or archive!member
+    opener: Callable[[], IO[bytes]]
+    path: Path | None = None  # an uncompressed file, which pyarrow opens itself
+
+    @contextmanager
+    def open(self) -> Iterator[IO[bytes]]:
+        with self.opener() as raw:
+            if self.name.lower().endswith(".gz"):
+                with gzip.GzipFile(fileobj=raw) as fh:
+                    yield fh
+            else:
+                yield raw
 
 
 def iter_documents(
@@ -128,15 +321,16 @@ def iter_documents(
     for f in files:
         before = stats.documents
         if detect_format(f.name) == "zip":
-            with zipfile.ZipFile(f) as zf:
-                members = [m for m in sorted(zf.namelist()) if not m.endswith("/")]
-                for member in members:
-                    with zf.open(member) as fh:
-                        yield from _batches(fh, member, f"{f}!{member}", text_column, clean, batch_docs, stats)
+            with _decompression_errors(str(f)), _open_zip(f, str(f)) as zf:
+                members, skipped = _zip_members(zf, str(f))
+                stats.skipped_members.extend(f"{f}!{m}" for m in skipped)
+                for info in members:
+                    source = _Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info))
+                    yield from _read(source, text_column, clean, batch_docs, stats)
         else:
-            with open(f, "rb") as raw:
-                fh = gzip.GzipFile(fileobj=raw) if f.name.lower().endswith(".gz") else raw
-                yield from _batches(fh, f.name, str(f), text_column, clean, batch_docs, stats)
+            plain = f if not f.name.lower().endswith(".gz") else None
+            source = _Source(f.name, str(f), lambda f=f: open(f, "rb"), path=plain)
+            yield from _read(source, text_column, clean, batch_docs, stats)
         stats.per_file[str(f)] = stats.documents - before
     if stats.documents == 0:
         raise CorpusError(
@@ -145,28 +339,59 @@ def iter_documents(
         )
 
 
-def _batches(fh: IO[bytes], name: str, where: str, column: str, clean: bool,
-             batch_docs: int, stats: ReadStats) -> Iterator[list[str]]:
-    fmt = detect_format(name)
-    if fmt == "zip":
-        raise CorpusError(f"{where}: nested archives are not supported; unpack the inner archive")
+@contextmanager
+def _decompression_errors(where: str) -> Iterator[None]:
+    """Turn what a damaged file raises while it is read into one CorpusError naming the file and the fix."""
+    try:
+        yield
+    except CorpusError:
+        raise
+    except EOFError:
+        raise CorpusError(f"{where}: the compressed data ends early (the file is truncated); "
+                          f"copy or download it again") from None
+    except gzip.BadGzipFile as e:
+        raise CorpusError(f"{where}: not valid gzip data ({_brief(e)}); copy or download it again, "
+                          f"or remove the .gz suffix if it is not compressed") from None
+    except (zlib.error, zipfile.BadZipFile, lzma.LZMAError, struct.error, UnicodeDecodeError) as e:
+        raise CorpusError(f"{where}: corrupt compressed data ({_brief(e)}); copy or download it again") from None
+    except PermissionError:
+        raise CorpusError(f"{where}: cannot be read (permission denied); make it readable (chmod u+r)") from None
+    except OSError as e:
+        raise CorpusError(f"{where}: cannot be read ({_brief(e)}); check the file") from None
+
+
+def _brief(e: BaseException, limit: int = 160) -> str:
+    """An exception's message as one short line (pyarrow's can quote whole rows of data)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _read(source: _Source, column: str, clean: bool, batch_docs: int, stats: ReadStats) -> Iterator[list[str]]:
+    fmt = detect_format(source.name)
+    where = source.where
     raw: Iterator[list[str | None]]
-    if fmt == "parquet":
-        raw = _parquet_rows(fh, where, column, batch_docs, stats)
-    elif fmt in ("csv", "tsv"):
-        raw = _csv_rows(fh, where, column, "\t" if fmt == "tsv" else ",", stats)
-    elif fmt == "jsonl":
-        raw = _jsonl_rows(fh, where, column, batch_docs, stats)
-    else:
-        raw = _text_rows(fh, batch_docs, stats)
-    for rows in raw:
-        docs = [d for d in rows if d and not d.isspace()]
-        stats.empty_skipped += len(rows) - len(docs)
-        if clean:
-            docs = [clean_review_text(d) for d in docs]
-        stats.documents += len(docs)
-        for i in range(0, len(docs), batch_docs):
-            yield docs[i:i + batch_docs]
+    with _decompression_errors(where):
+        if fmt == "parquet":
+            raw = _parquet_rows(source, column, batch_docs, stats)
+        elif fmt in ("csv", "tsv"):
+            raw = _csv_rows(source, column, "\t" if fmt == "tsv" else ",", stats)
+        elif fmt == "jsonl":
+            raw = _jsonl_rows(source, column, batch_docs, stats)
+        else:
+            raw = _text_rows(source, batch_docs, stats)
+        for rows in raw:
+            docs = []
+            for d in rows:
+                if not d or d.isspace():
+                    stats.empty_skipped += 1
+                    continue
+                if "\x00" in d:  # not text, and C code downstream may stop at it
+                    stats.nul_replaced += d.count("\x00")
+                    d = d.replace("\x00", _FFFD)
+                docs.append(clean_review_text(d) if clean else d)
+            stats.documents += len(docs)
+            for i in range(0, len(docs), batch_docs):
+                yield docs[i:i + batch_docs]
 
 
 def _decode(values: list[bytes | None], stats: ReadStats) -> list[str | None]:
@@ -187,17 +412,26 @@ def _decode(values: list[bytes | None], stats: ReadStats) -> list[str | None]:
 
 def _arrow_text(arr: pa.Array, stats: ReadStats) -> list[str | None]:
     # Fast path: a valid UTF-8 column converts in C; only a bad batch is decoded row by row.
-    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-        return arr.to_pylist()
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
     try:
-        return arr.cast(pa.large_string()).to_pylist()
-    except pa.ArrowInvalid:
-        return _decode(arr.to_pylist(), stats)
+        if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+            arr = arr.cast(pa.large_string())  # binary and views; validates UTF-8
+        return arr.to_pylist()
+    except (pa.ArrowInvalid, UnicodeDecodeError):  # a string column's bytes are not checked by pyarrow
+        return _decode(arr.cast(pa.large_binary()).to_pylist(), stats)
+
+
+def _is_text_type(typ: pa.DataType) -> bool:
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    return (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)
+            or pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_binary_view(typ)
+            or pa.types.is_null(typ))
 
 
 def _check_column_type(typ: pa.DataType, where: str, column: str) -> None:
-    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)
-            or pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_null(typ)):
+    if not _is_text_type(typ):
         raise CorpusError(
             f"{where}: column {column!r} holds {typ}, not text; pass the text column with --text-column"
         )
@@ -209,82 +443,202 @@ def _missing_column(where: str, column: str, names: list[str]) -> CorpusError:
     )
 
 
-def _parquet_rows(fh: IO[bytes], where: str, column: str, batch_docs: int,
+def _parquet_rows(source: _Source, column: str, batch_docs: int,
                   stats: ReadStats) -> Iterator[list[str | None]]:
-    try:
-        pf = pq.ParquetFile(fh)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise CorpusError(f"{where}: not a readable Parquet file ({e})") from e
-    names = pf.schema_arrow.names
-    if column not in names:
-        raise _missing_column(where, column, names)
-    _check_column_type(pf.schema_arrow.field(column).type, where, column)
-    for batch in pf.iter_batches(batch_size=batch_docs, columns=[column]):
-        yield _arrow_text(batch.column(0), stats)
+    where = source.where
+    with (source.open() if source.path is None else _nothing()) as fh:
+        try:
+            pf = pq.ParquetFile(str(source.path) if source.path is not None else fh)
+            names = pf.schema_arrow.names
+        except (pa.ArrowException, OSError) as e:
+            if isinstance(e, gzip.BadGzipFile):
+                raise
+            raise CorpusError(f"{where}: not a readable Parquet file ({_brief(e)}); copy it again if it was "
+                              f"truncated, or rename it to its real format") from None
+        if column not in names:
+            raise _missing_column(where, column, names)
+        _check_column_type(pf.schema_arrow.field(column).type, where, column)
+        try:
+            for batch in pf.iter_batches(batch_size=batch_docs, columns=[column]):
+                yield _arrow_text(batch.column(0), stats)
+        except (pa.ArrowException, OSError) as e:
+            if isinstance(e, gzip.BadGzipFile):
+                raise
+            raise CorpusError(f"{where}: damaged Parquet data ({_brief(e)}); copy the file again or "
+                              f"re-create it") from None
 
 
-def _csv_rows(fh: IO[bytes], where: str, column: str, delimiter: str,
-              stats: ReadStats) -> Iterator[list[str | None]]:
-    parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
-    read = pacsv.ReadOptions(block_size=8 << 20)
-    # The header is read once to check the column; the text is then read as
-    # binary so that undecodable bytes can be replaced instead of failing the batch.
-    header = fh.readline()
-    names = next(iter(pacsv.read_csv(io.BytesIO(header), parse_options=parse,
-                                     read_options=pacsv.ReadOptions(autogenerate_column_names=True))
-                      .to_pylist()), {})
-    names = [str(v) for v in names.values()]
-    if column not in names:
-        raise _missing_column(where, column, names)
-    convert = pacsv.ConvertOptions(include_columns=[column], column_types={column: pa.binary()})
-    body = io.BufferedReader(_Prepend(header, fh), buffer_size=1 << 20)
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
+
+
+def _csv_rows(source: _Source, column: str, delimiter: str, stats: ReadStats) -> Iterator[list[str | None]]:
+    """The text column of a CSV/TSV; a row larger than pyarrow's block reopens the file with a larger one.
+
+    Rows already yielded are skipped after a reopen, so nothing is counted twice.
+    A plain file is read by pyarrow itself; a decompressed stream through ``_Replay``.
+    """
+    kind = "TSV" if delimiter == "\t" else "CSV"
+    block, done = CSV_BLOCK_BYTES, 0
+    while True:
+        with source.open() as fh:
+            header = _first_line(fh, source.where)
+            names = _header_names(header, delimiter, source.where, kind)
+            if column not in names:
+                raise _missing_column(source.where, column, names)
+            last = names[-1]
+            parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+            # The text is read as binary so that undecodable bytes are replaced instead of failing the batch;
+            # the last column too, to tell a quote left open at the end of the file.
+            wanted = list(dict.fromkeys([column, last]))
+            convert = pacsv.ConvertOptions(include_columns=wanted, column_types={c: pa.binary() for c in wanted})
+            body = _Replay(header, fh) if source.path is None else None
+            rows, tail_value, reader = 0, None, None
+            try:
+                reader = pacsv.open_csv(body or str(source.path), read_options=pacsv.ReadOptions(block_size=block),
+                                        parse_options=parse, convert_options=convert)
+                for batch in reader:
+                    n = batch.num_rows
+                    skip = min(max(done - rows, 0), n)
+                    rows += n
+                    if n:
+                        tail_value = batch.column(last)[n - 1].as_py()
+                    if skip < n:
+                        yield _arrow_text(batch.column(column).slice(skip), stats)
+                        done = rows
+            except pa.ArrowException as e:
+                if "straddl" in str(e) and block < MAX_DOCUMENT_BYTES:
+                    block = min(4 * block, MAX_DOCUMENT_BYTES)
+                    continue
+                if isinstance(e, OSError):
+                    raise  # reading failed, not parsing: the caller names it
+                raise _csv_error(source.where, kind, e) from None
+            finally:
+                # pyarrow reads ahead from a Python stream in its own threads: a reader left for the interpreter's
+                # exit to free (an error's traceback holds this frame) aborts the process, so drop it here.
+                reader = None
+            tail = body.tail if body is not None else _file_tail(source.path)
+            if tail_value and (b"\n" in tail_value or b"\r" in tail_value) and not tail.rstrip(b"\r\n").endswith(b'"'):
+                raise CorpusError(f"{source.where}: a quote opened in the last row is never closed, so its field "
+                                  f"runs to the end of the file; close the quote, or double it (\"\") inside a field")
+            return
+
+
+def _file_tail(path: Path, size: int = 256) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(max(os.fstat(fh.fileno()).st_size - size, 0))
+        return fh.read()
+
+
+def _csv_error(where: str, kind: str, e: pa.ArrowException) -> CorpusError:
+    if "straddl" in str(e):
+        return CorpusError(f"{where}: a row is longer than {MAX_DOCUMENT_BYTES // _MB} MB, most likely a quote "
+                           f"that is never closed; close the quote, or split the documents")
+    columns = _COLUMN_COUNT.search(str(e))
+    if columns:
+        expected, got, start = columns.groups()
+        return CorpusError(f"malformed {kind} {where}: a row has {got} field(s) where the header has {expected} "
+                           f"(it starts {_brief(start, 40)!r}); a quote that is never closed or an unquoted "
+                           f"delimiter: fix the quoting of that row")
+    return CorpusError(f"malformed {kind} {where} ({_brief(e)}); fix the file or convert it to JSONL or Parquet")
+
+
+def _first_line(fh: IO[bytes], where: str) -> bytes:
+    line = fh.readline(MAX_DOCUMENT_BYTES + 2)
+    if len(line.rstrip(b"\r\n")) > MAX_DOCUMENT_BYTES:
+        raise _too_long(where, 1)
+    _check_encoding(line, where)
+    return line[len(_UTF8_BOM):] if line.startswith(_UTF8_BOM) else line
+
+
+def _header_names(header: bytes, delimiter: str, where: str, kind: str) -> list[str]:
+    parse = pacsv.ParseOptions(delimiter=delimiter)
     try:
-        reader = pacsv.open_csv(body, read_options=read, parse_options=parse, convert_options=convert)
-        for batch in reader:
-            yield _arrow_text(batch.column(0), stats)
+        table = pacsv.read_csv(io.BytesIO(header), parse_options=parse,
+                               read_options=pacsv.ReadOptions(autogenerate_column_names=True))
     except pa.ArrowInvalid as e:
-        raise CorpusError(f"{where}: malformed {'TSV' if delimiter == chr(9) else 'CSV'} ({e})") from e
+        raise CorpusError(f"malformed {kind} {where}: its header line cannot be parsed ({_brief(e)}); "
+                          f"fix the first line") from None
+    names = ["" if n is None else n for n in next(iter(table.to_pylist()), {}).values()]  # None: an empty name
+    if not all(isinstance(n, str) for n in names):  # pyarrow reads a header that is not UTF-8 as binary
+        raise CorpusError(f"{where}: the header line is not UTF-8 text; save the file as UTF-8")
+    return names
 
 
-class _Prepend(io.RawIOBase):
-    """A raw stream that replays an already-read header before the rest of ``fh``."""
+class _Replay(io.RawIOBase):
+    """A stream that replays an already-read header before the rest of ``fh``, and keeps its last bytes.
+
+    pyarrow reads it a block at a time with ``read(n)``, which hands over the
+    underlying stream's bytes without another copy.
+    """
 
     def __init__(self, head: bytes, fh: IO[bytes]):
         self._head, self._fh = head, fh
+        self.tail = head[-256:]
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf) -> int:
+    def read(self, n: int = -1) -> bytes:
         if self._head:
-            n = min(len(buf), len(self._head))
-            buf[:n], self._head = self._head[:n], self._head[n:]
-            return n
-        data = self._fh.read(len(buf))
+            data = self._head if n < 0 else self._head[:n]
+            self._head = self._head[len(data):]
+            return data
+        data = self._fh.read(n)
+        if data:
+            self.tail = (self.tail + data[-256:])[-256:]
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
         buf[:len(data)] = data
         return len(data)
 
 
-def _jsonl_rows(fh: IO[bytes], where: str, column: str, batch_docs: int,
+def _too_long(where: str, lineno: int) -> CorpusError:
+    return CorpusError(f"{where}: line {lineno} is longer than {MAX_DOCUMENT_BYTES // _MB} MB, which is not a "
+                       f"document but a damaged file or a decompression bomb; split it into documents")
+
+
+def _lines(source: _Source) -> Iterator[tuple[int, bytes]]:
+    """Numbered lines of a source without their line breaks; a leading BOM is dropped, each line is bounded."""
+    with source.open() as fh:
+        for lineno in itertools.count(1):
+            line = _first_line(fh, source.where) if lineno == 1 else fh.readline(MAX_DOCUMENT_BYTES + 2)
+            if not line:
+                return
+            body = line.rstrip(b"\r\n")
+            if len(body) > MAX_DOCUMENT_BYTES:
+                raise _too_long(source.where, lineno)
+            yield lineno, body
+
+
+def _jsonl_rows(source: _Source, column: str, batch_docs: int,
                 stats: ReadStats) -> Iterator[list[str | None]]:
+    where = source.where
     rows: list[str | None] = []
-    for lineno, line in enumerate(fh, 1):
+    for lineno, line in _lines(source):
         if not line.strip():
             continue
         text = _decode([line], stats)[0]
         try:
-            record = json.loads(text)
+            record = json.loads(text, strict=False)  # strict=False: raw tabs and control bytes inside strings
         except json.JSONDecodeError as e:
-            raise CorpusError(f"{where}: line {lineno} is not JSON ({e.msg})") from e
+            raise CorpusError(f"{where}: line {lineno} is not JSON ({e.msg}); "
+                              f"write one JSON object per line") from None
+        except RecursionError:
+            raise CorpusError(f"{where}: line {lineno} nests too deeply to be a record; "
+                              f"write one flat JSON object per line") from None
         if not isinstance(record, dict) or column not in record:
-            keys = list(record) if isinstance(record, dict) else type(record).__name__
+            keys = _brief(list(record), 120) if isinstance(record, dict) else type(record).__name__
             raise CorpusError(f"{where}: line {lineno} has no field {column!r} (it has {keys}); "
                               f"pass the text field with --text-column")
         value = record[column]
         if value is not None and not isinstance(value, str):
             raise CorpusError(f"{where}: line {lineno}: field {column!r} holds "
                               f"{type(value).__name__}, not text; pass the text field with --text-column")
-        rows.append(value)
+        rows.append(_no_surrogates(value, stats) if value else value)
         if len(rows) >= batch_docs:
             yield rows
             rows = []
@@ -292,10 +646,22 @@ def _jsonl_rows(fh: IO[bytes], where: str, column: str, batch_docs: int,
         yield rows
 
 
-def _text_rows(fh: IO[bytes], batch_docs: int, stats: ReadStats) -> Iterator[list[str | None]]:
+def _no_surrogates(text: str, stats: ReadStats) -> str:
+    """JSON's ``\\ud800`` escapes give lone surrogates, which no tokenizer can encode: replace them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        fixed, n = _SURROGATE.subn(_FFFD, text)
+        stats.undecodable_documents += 1
+        stats.replaced_sequences += n
+        return fixed
+
+
+def _text_rows(source: _Source, batch_docs: int, stats: ReadStats) -> Iterator[list[str | None]]:
     rows: list[bytes | None] = []
-    for line in fh:
-        rows.append(line.rstrip(b"\r\n"))
+    for _, line in _lines(source):
+        rows.append(line)
         if len(rows) >= batch_docs:
             yield _decode(rows, stats)
             rows = []

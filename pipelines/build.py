@@ -4,55 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 from gm_graphs import GraphFormatError, PruneRule, build_graph, list_graphs, load_graph, merge_graphs
 from gm_graphs.ngrams import RUN_ENTRIES
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0 keeps every entry), got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _ints(low: int, example: str):
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(t) for t in text.split(",") if t.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers like {example}, got {text!r}") \
-                from None
-        if not values or min(values) < low:
-            raise argparse.ArgumentTypeError(f"expected integers >= {low} like {example}, got {text!r}")
-        return values
-    return parse
+from .args import CorpusFiles, integer, integers, number
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:
@@ -62,12 +20,13 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_operator_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--orders", type=_ints(1, "1,2"), default=[1], help="powers Ãᵏ to materialise, e.g. 1,2 (default 1)")
-    p.add_argument("--mixture", type=_positive, default=None, help="also materialise Ã+Ã²+…+Ãⁿ for this n")
-    p.add_argument("--eps", type=_non_negative_float, default=1e-8, help="ε in D_ii = Σ_j A_ij + ε (default 1e-8)")
-    p.add_argument("--prune-top-k", type=_non_negative_int, default=64,
+    p.add_argument("--orders", type=integers(1, "1,2"), default=[1],
+                   help="powers Ãᵏ to materialise, e.g. 1,2 (default 1)")
+    p.add_argument("--mixture", type=integer(2), default=None, help="also materialise Ã+Ã²+…+Ãⁿ for this n ≥ 2")
+    p.add_argument("--eps", type=number(at_least=0), default=1e-8, help="ε in D_ii = Σ_j A_ij + ε (default 1e-8)")
+    p.add_argument("--prune-top-k", type=integer(0), default=64,
                    help="keep the K largest entries of each row of a higher order (default 64; 0 keeps all)")
-    p.add_argument("--prune-min", type=_non_negative_float, default=0.0,
+    p.add_argument("--prune-min", type=number(at_least=0), default=0.0,
                    help="drop higher-order entries below this value")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing graph of that name (only ever a graph graphmax wrote)")
@@ -94,17 +53,18 @@ def _prune(args) -> PruneRule:
 
 def register(sub) -> None:
     p = sub.add_parser("build", help="build a graph from a corpus")
-    p.add_argument("corpus", nargs="+", help="files or globs: .parquet .csv .tsv .jsonl .txt (optionally .gz), .zip")
+    p.add_argument("corpus", nargs="+", action=CorpusFiles,
+                   help="files or globs: .parquet .csv .tsv .jsonl .txt (optionally .gz), .zip")
     p.add_argument("--tokenizer", required=True,
                    help="a local tokenizer folder, tokenizer.json, .gguf file, or 'smollm2' (bundled)")
     _add_target_options(p)
     p.add_argument("--text-column", default="text", help="column/field holding the text (default text)")
     p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags")
     p.add_argument("--bos-eos", action="store_true", help="add BOS→first and last→EOS edges per document")
-    p.add_argument("--ngrams", type=_ints(3, "3,4"), metavar="ORDERS",
+    p.add_argument("--ngrams", type=integers(3, "3,4"), metavar="ORDERS",
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
                         "conditions on up to n−1 tokens; part of the same atomic build")
-    p.add_argument("--ngram-run-entries", type=_positive, default=RUN_ENTRIES, metavar="N",
+    p.add_argument("--ngram-run-entries", type=integer(1), default=RUN_ENTRIES, metavar="N",
                    help=f"distinct n-grams of an order held in memory before a sorted run is written to the "
                         f"build's temporary folder and merged later; bounds memory (default {RUN_ENTRIES:,}, "
                         f"about 1 GB)")
@@ -120,7 +80,7 @@ def register(sub) -> None:
     p.set_defaults(run=run_merge)
 
     p = sub.add_parser("graphs", help="list built graphs or show one")
-    gsub = p.add_subparsers(dest="graphs_command", required=True)
+    gsub = p.add_subparsers(dest="graphs_command", required=True, metavar="{list,info}")
     gsub.add_parser("list", help="the graphs under $GRAPHMAX_HOME").set_defaults(run=run_list)
     info = gsub.add_parser("info", help="a graph's manifest summary")
     add_graph_arguments(info)

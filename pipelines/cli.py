@@ -1,26 +1,120 @@
-"""The ``graphmax`` console script: one sub-command per job module."""
+"""The ``graphmax`` console script: one sub-command per job module.
+
+A user error ends one way: one line on stderr, ``graphmax <command>: error: <message>``, and exit
+status 2. That covers bad arguments (refused while parsing, before any corpus or model is loaded),
+graphmax's own errors (``GraphmaxError``) and the file system's (no space, no permission, no such
+file), which name the path. Any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib
+import os
+import re
 import sys
+from typing import NoReturn
 
 from gm_graphs.errors import GraphmaxError
 
-from . import build, demo, eval, generate, tune
+from .args import corpus_error
+
+DESCRIPTION = "Word-transition graphs from a corpus, and graph-regularised softmax decoding with them."
+# command → the module whose register() defines it; only the module of the command run is imported
+JOBS = {"build": "build", "merge": "build", "graphs": "build", "generate": "generate", "demo": "demo",
+        "tune": "tune", "eval": "eval"}
+# file-system errors that are the user's to fix: what happened, and what to do
+OS_ERRORS = {
+    errno.ENOSPC: ("no space left on device", "free space and run again"),
+    errno.EDQUOT: ("disk quota exceeded", "free space and run again"),
+    errno.EACCES: ("permission denied", "check the permissions or choose another location"),
+    errno.EPERM: ("operation not permitted", "check the permissions or choose another location"),
+    errno.EROFS: ("read-only file system", "choose a writable location"),
+    errno.ENOENT: ("no such file or folder", "check the path"),
+    errno.ENOTDIR: ("a part of the path is not a folder", "check the path"),
+    errno.EISDIR: ("a folder where a file was expected", "check the path"),
+    errno.ENAMETOOLONG: ("file name too long", "use a shorter path"),
+    errno.ELOOP: ("too many levels of symbolic links", "check the links on the path"),
+    errno.EMFILE: ("too many open files", "raise the limit (ulimit -n) and run again"),
+    errno.ENFILE: ("too many open files in the system", "close other programs and run again"),
+}
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are graphmax's: one line on stderr and exit status 2, without the usage block.
+
+    ``add_subparsers`` makes every sub-parser of this class too.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        hint = "" if "; " in message else f"; see `{self.prog} --help`"  # a message with its fix needs none
+        self.exit(2, f"{self.prog}: error: {one_line(message)}{hint}\n")
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: line breaks become spaces, other control characters are escaped."""
+    message = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", message)
+
+
+def make_parser(argv: list[str]) -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
+    """The parser and its command parsers, with only the command's module imported when ``argv`` starts
+    with a command (``graphmax build`` needs no torch); every module for help and mistyped commands."""
+    parser = ArgumentParser(prog="graphmax", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = [JOBS[argv[0]]] if argv and argv[0] in JOBS else list(dict.fromkeys(JOBS.values()))
+    for module in modules:
+        importlib.import_module(f".{module}", __package__).register(sub)
+    return parser, sub.choices
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="graphmax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for job in (build, generate, demo, tune, eval):
-        job.register(sub)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, commands = make_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse leaves these to the top parser: name the command they were given to
+        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    bad_corpus = corpus_error(args)  # checked after every other argument: a mistyped option is named first
+    if bad_corpus:
+        commands[args.command].error(bad_corpus)
+    prog = f"graphmax {args.command}"
     try:
         return int(args.run(args) or 0)
     except GraphmaxError as e:
-        print(f"graphmax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return fail(prog, str(e))
+    except BrokenPipeError:  # `graphmax graphs list | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        if e.errno not in OS_ERRORS:
+            raise
+        return fail(prog, os_error_message(e, args))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def os_error_message(e: OSError, args: argparse.Namespace) -> str:
+    """What the file system refused, on which path, and the fix."""
+    what, fix = OS_ERRORS[e.errno]
+    if e.filename is not None:
+        paths = " → ".join(repr(os.fsdecode(p)) for p in (e.filename, e.filename2) if p is not None)
+        return f"{what}: {paths}; {fix}"
+    # a write that failed mid-file names no path: say where the command was writing
+    target = next((getattr(args, k) for k in ("path", "out") if isinstance(getattr(args, k, None), (str, os.PathLike))),
+                  None)
+    if target is None:
+        from gm_graphs.graph import graphmax_home
+
+        target = graphmax_home()
+    return f"{what} (writing under {os.fspath(target)!r}); {fix}"
 
 
 if __name__ == "__main__":

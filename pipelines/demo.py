@@ -15,6 +15,7 @@ from gm_graphs import GraphFormatError, add_ngrams, build_graph, bundled, graph_
 from gm_graphs.ngrams import ORDERS
 from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
+from .args import integer, number
 from .generate import generate_texts, warm_up
 from .models import load_model
 
@@ -46,9 +47,9 @@ def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="softmax vs graphmax on bundled movie reviews and SmolLM2-135M")
-    p.add_argument("--lam", type=float, default=1.0, help="λ of the paper's graphmax (default 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lam", type=number(at_least=0), default=1.0, help="λ of the paper's graphmax (default 1.0)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=24)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.set_defaults(run=run)
 
 

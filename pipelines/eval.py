@@ -27,6 +27,7 @@ from gm_solver import (
 )
 
 from . import figures, report
+from .args import integer, number, numbers
 from .generate import decode_cost, generate_texts
 from .heldout import paired_nll_difference, score_documents, token_nll
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
@@ -85,7 +86,7 @@ def run_eval(args) -> Path:
     out = claim_folder(Path(args.out))  # absent, empty or a report graphmax wrote: never a user's folder
     model, tok = load_model(args.model)
     setup = prepare(args, tok, out / "work")
-    lams = [float(v) for v in args.lams.split(",")]
+    lams = args.lams
     paper_lams = [lam for lam in lams if lam > 0]
 
     # context-aware graphmax is tuned on the validation half, never on the test half
@@ -228,13 +229,14 @@ def register(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", default="eval-report",
                    help="report folder: new, empty, or a report graphmax wrote (default ./eval-report)")
-    p.add_argument("--heldout-fraction", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lams", default="0,0.1,0.3,1,3,10", help="λ grid of the paper's graphmax")
-    p.add_argument("--mixture-lams", type=lambda s: [float(v) for v in s.split(",")], default=[0.1, 1.0],
+    p.add_argument("--heldout-fraction", type=number(above=0, below=1), default=0.1)
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--lams", type=numbers(at_least=0, example="0,0.1,1"), default="0,0.1,0.3,1,3,10",
+                   help="λ grid of the paper's graphmax")
+    p.add_argument("--mixture-lams", type=numbers(at_least=0, example="0.1,1"), default=[0.1, 1.0],
                    help="λ values at which Ã+Ã² is compared with Ã (default 0.1,1)")
     for key in SIZES["default"]:
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+        p.add_argument(f"--{key.replace('_', '-')}", type=integer(1), default=None,
                        help=f"default {SIZES['default'][key]} (--full: {SIZES['full'][key]})")
     p.add_argument("--full", action="store_true", help="larger sizes (hours on 2 CPU cores)")
     p.set_defaults(run=run)

@@ -6,7 +6,6 @@ defaults); ``--decoder paper|context`` picks one, and each takes only its own op
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -16,6 +15,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from gm_graphs import Graph, GraphmaxError, load_graph
 from gm_solver import DIVERGENCES, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
+from .args import integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
 
@@ -84,41 +84,36 @@ def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: in
             "implied_ratio": (base + own) / base}
 
 
-def _weights(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0.8,0.2, got {text!r}") from None
-
-
 def register(sub) -> None:
     p = sub.add_parser("generate", help="continue prompts with a graph's graphmax decoder (the tuned one by default)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (bundled), a .gguf file or a local folder")
-    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompt", action="append", required=True, type=nonblank, help="a prompt (repeatable)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=32)
     p.add_argument("--sample", action="store_true", help="sample (top-k 50) instead of greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--compare", action="store_true", help="also print the plain softmax continuation")
     # the graph, and its decoder: each decoder's options are refused with the other (defaults: the stored choice)
     add_graph_arguments(p, "--graph")
     p.add_argument("--decoder", choices=tuple(DECODERS),
                    help="default: the decoder `graphmax tune` stored in the graph, else context")
-    p.add_argument("--lam", type=float, help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
-    p.add_argument("--tol", type=float, help="paper: duality gap per step (default 1e-6)")
+    p.add_argument("--lam", type=number(at_least=0),
+                   help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
+    p.add_argument("--tol", type=number(above=0), help="paper: duality gap per step (default 1e-6)")
     p.add_argument("--solver", choices=PaperGraphmaxLogitsProcessor.SOLVERS,
                    help="paper: certified mirror descent (auto) or the paper's Algorithm 1")
-    p.add_argument("--max-iter", type=int, help="paper: iterations per step (default 200)")
-    p.add_argument("--order", type=int, help="paper: use Ãᵏ (default 1)")
-    p.add_argument("--mixture", type=int, help="paper: use Ã+…+Ãⁿ")
+    p.add_argument("--max-iter", type=integer(1), help="paper: iterations per step (default 200)")
+    p.add_argument("--order", type=integer(1), help="paper: use Ãᵏ (default 1)")
+    p.add_argument("--mixture", type=integer(2), help="paper: use Ã+…+Ãⁿ (n ≥ 2)")
     p.add_argument("--divergence", choices=DIVERGENCES, help="context: D(x, q) (default rkl)")
-    p.add_argument("--kl-share", type=float, help="context: the share of λ on KL(x‖q) (default 0.15)")
-    p.add_argument("--ngram-order", type=int, help="context: longest n-gram conditioning q (default 4)")
-    p.add_argument("--order-weights", type=_weights, help="context: β_k for the token k back, e.g. 0.8,0.2")
+    p.add_argument("--kl-share", type=number(at_least=0), help="context: the share of λ on KL(x‖q) (default 0.15)")
+    p.add_argument("--ngram-order", type=integer(2), help="context: longest n-gram conditioning q (default 4)")
+    p.add_argument("--order-weights", type=numbers(at_least=0, example="0.8,0.2"),
+                   help="context: β_k for the token k back, e.g. 0.8,0.2")
     p.add_argument("--smoothing", choices=ContextGraphmaxLogitsProcessor.SMOOTHINGS,
                    help="context: the bigram row's smoothing (default kneser-ney)")
-    p.add_argument("--discount", type=float, help="context: Kneser–Ney's D (default 0.75)")
-    p.add_argument("--kappa", type=float, help="context: the Dirichlet prior κ (default 3)")
-    p.add_argument("--alpha", type=float, help="context: add-α of the unigram (default 0.5)")
+    p.add_argument("--discount", type=number(above=0, below=1), help="context: Kneser–Ney's D (default 0.75)")
+    p.add_argument("--kappa", type=number(above=0), help="context: the Dirichlet prior κ (default 3)")
+    p.add_argument("--alpha", type=number(above=0), help="context: add-α of the unigram (default 0.5)")
     p.set_defaults(run=run)
 
 
@@ -156,7 +151,7 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
 
 
 def _show(value) -> str:
-    if isinstance(value, tuple):
+    if isinstance(value, (list, tuple)):
         return ",".join(f"{v:g}" for v in value)
     return f"{value:g}" if isinstance(value, float) else str(value)
 

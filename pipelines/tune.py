@@ -19,6 +19,7 @@ from gm_graphs import load_graph
 from gm_graphs.corpus import ReadStats, expand_corpus, iter_documents
 from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor
 
+from .args import CorpusFiles, integer
 from .build import add_graph_arguments, graph_arg
 from .heldout import HeldOut, perplexity, score_documents
 from .models import DEFAULT_MODEL, load_model
@@ -77,12 +78,13 @@ def register(sub) -> None:
     p = sub.add_parser("tune",
                        help="choose context-aware graphmax settings on validation text; store them in the graph")
     add_graph_arguments(p)
-    p.add_argument("--corpus", nargs="+", required=True, help="validation files (not the graph's training text)")
+    p.add_argument("--corpus", nargs="+", required=True, action=CorpusFiles,
+                   help="validation files (not the graph's training text)")
     p.add_argument("--text-column", default="text")
     p.add_argument("--clean", action="store_true", help="strip HTML tags/entities as the build did")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--docs", type=int, default=48, help="validation documents (default 48)")
-    p.add_argument("--positions", type=int, default=32, help="scored tokens per document (default 32)")
+    p.add_argument("--docs", type=integer(1), default=48, help="validation documents (default 48)")
+    p.add_argument("--positions", type=integer(1), default=32, help="scored tokens per document (default 32)")
     p.set_defaults(run=run)
 
 

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import zipfile
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -15,7 +22,7 @@ from hypothesis import strategies as st
 from gm_graphs import CorpusError
 from gm_graphs.corpus import ReadStats, clean_review_text, expand_corpus, iter_documents
 
-from .conftest import write_jsonl
+from .conftest import make_docs, write_jsonl
 
 _line_text = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp")), min_size=1, max_size=40) \
     .filter(lambda s: not s.isspace())
@@ -162,3 +169,433 @@ def test_real_news_articles_zip_reads_the_3788_articles_with_text():
     docs = _read(bundled.news_articles_zip(), stats=stats)
     assert len(docs) == 3788 and stats.undecodable_documents == 0  # 36 of the 3,824 rows have no text
     assert sorted(len(d.split()) for d in docs)[len(docs) // 2] > 300  # whole articles, not titles
+
+
+# ---- damaged, hostile and unusual inputs: each reads correctly or is one CorpusError naming the file and the fix
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _refused(path, match: str, **kw) -> str:
+    with pytest.raises(CorpusError, match=match) as info:
+        _read(path, **kw)
+    message = str(info.value)
+    assert "\n" not in message and Path(path).name in message
+    return message
+
+
+_READER = """
+import json, sys
+from gm_graphs import CorpusError
+from gm_graphs.corpus import expand_corpus, iter_documents
+try:
+    docs = [d for batch in iter_documents(expand_corpus(sys.argv[1]), sys.argv[2]) for d in batch]
+    print(json.dumps({"documents": len(docs)}))
+except CorpusError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def _read_in_subprocess(path, column: str = "text") -> dict:
+    """Read in a child process: a crash (segfault, abort) or an exception other than CorpusError fails the test."""
+    run = subprocess.run([sys.executable, "-c", _READER, str(path), column], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def _csv_bytes(docs: list[str]) -> bytes:
+    sink = pa.BufferOutputStream()
+    pacsv.write_csv(pa.table({"text": docs, "n": list(range(len(docs)))}), sink)
+    return sink.getvalue().to_pybytes()
+
+
+def test_truncated_gz_is_refused(tmp_path):
+    for fmt in ("csv", "txt", "jsonl", "parquet"):
+        data = gzip.compress(_write(tmp_path, fmt, make_docs(3000)).read_bytes())
+        path = tmp_path / f"cut.{fmt}.gz"
+        path.write_bytes(data[: len(data) // 2])
+        _refused(path, r"compressed data ends early \(the file is truncated\); copy or download it again")
+
+
+def test_corrupt_gz_is_refused(tmp_path):
+    data = bytearray(gzip.compress(_csv_bytes(make_docs(3000)), mtime=0))
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    (tmp_path / "c.csv.gz").write_bytes(bytes(data))
+    _refused(tmp_path / "c.csv.gz", r"corrupt compressed data|not valid gzip data")
+    (tmp_path / "plain.csv.gz").write_bytes(_csv_bytes(["a", "b"]))  # named .gz, not compressed
+    with pytest.raises(CorpusError, match=r"is not gzip-compressed .*remove the \.gz suffix"):
+        expand_corpus(tmp_path / "plain.csv.gz")
+
+
+def test_zip_that_is_not_a_zip(tmp_path):
+    (tmp_path / "c.zip").write_bytes(b"PK\x03\x04 this is not really a zip archive")
+    with pytest.raises(CorpusError, match=r"c\.zip' is not a readable zip archive .*copy it again"):
+        expand_corpus(tmp_path / "c.zip")
+    real = _write(tmp_path, "zip", make_docs(50))
+    (tmp_path / "cut.zip").write_bytes(real.read_bytes()[:-30])
+    with pytest.raises(CorpusError, match="not a readable zip archive"):
+        expand_corpus(tmp_path / "cut.zip")
+
+
+def test_zip_bomb_member_is_refused_without_inflating_it(tmp_path):
+    """A member of 512 MB on one line (2 MB compressed) stops at the line limit; memory stays bounded."""
+    path = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("a.txt", "w", force_zip64=True) as member:
+            for _ in range(512):
+                member.write(b"a" * (1 << 20))
+    code = _READER.replace("try:", "import resource\nbase = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\ntry:") \
+        + "print(json.dumps({'grew_mb': (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024}))\n"
+    run = subprocess.run([sys.executable, "-c", code, str(path), "text"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result, grew = (json.loads(line) for line in run.stdout.splitlines()[-2:])
+    assert "bomb.zip!a.txt: line 1 is longer than 32 MB" in result["error"]
+    assert grew["grew_mb"] < 300
+
+    path.unlink()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("b.csv", "w", force_zip64=True) as member:
+            member.write(b'text,n\nok,1\n"')
+            for _ in range(512):
+                member.write(b"a" * (1 << 20))
+    run = subprocess.run([sys.executable, "-c", code, str(path), "text"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result, grew = (json.loads(line) for line in run.stdout.splitlines()[-2:])
+    assert "bomb.zip!b.csv: a row is longer than 32 MB, most likely a quote that is never closed" in result["error"]
+    assert grew["grew_mb"] < 400
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "no footer"])
+def test_damaged_parquet_is_refused(tmp_path, damage):
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": make_docs(2000)}), good, row_group_size=500)
+    data = good.read_bytes()
+    path = tmp_path / "c.parquet"
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"PAR1" + bytes(range(256)) * 40 + b"PAR1")
+    else:
+        path.write_bytes(data[:-8] + b"\0\0\0\0PAR1")
+    result = _read_in_subprocess(path)
+    assert "error" in result and "c.parquet" in result["error"] and "\n" not in result["error"]
+    assert "Parquet" in result["error"]
+
+
+def test_parquet_with_damaged_pages_is_refused_in_a_child(tmp_path):
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": make_docs(2000)}), good, row_group_size=500, compression="none")
+    data = bytearray(good.read_bytes())
+    data[200:1200] = bytes(range(250)) * 4  # inside the first data page, footer intact
+    (tmp_path / "c.parquet").write_bytes(bytes(data))
+    result = _read_in_subprocess(tmp_path / "c.parquet")
+    assert "documents" in result or ("c.parquet" in result["error"] and "\n" not in result["error"])
+
+
+@pytest.mark.parametrize("body,match", [
+    (b'text,n\nok,1\n"never closed,2\nthird,3\n', r"a row has 1 field\(s\) where the header has 2 .*fix the quoting"),
+    (b'n,text\n1,ok\n2,"never closed\n3,third\n', r"a quote opened in the last row is never closed"),
+    (b'text\nok\n"never closed\nthird\n', r"a quote opened in the last row is never closed"),
+])
+def test_csv_with_unbalanced_quotes_is_refused(tmp_path, body, match):
+    (tmp_path / "c.csv").write_bytes(body)
+    _refused(tmp_path / "c.csv", match)
+    (tmp_path / "c.csv.gz").write_bytes(gzip.compress(body))  # the same through a decompressed stream
+    _refused(tmp_path / "c.csv.gz", match)
+
+
+def test_csv_closed_multiline_quote_at_the_end_is_read(tmp_path):
+    (tmp_path / "c.csv").write_bytes(b'n,text\n1,ok\n2,"two\nlines"\n')
+    assert _read(tmp_path / "c.csv") == ["ok", "two\nlines"]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv", "csv.gz", "zip"])
+def test_a_20_mb_field_reads_and_nothing_is_counted_twice(tmp_path, fmt):
+    big = "x" * (20 << 20)
+    docs = [f"before {i}" for i in range(5000)] + [big] + [f"after {i}" for i in range(10)]
+    sep = "\t" if fmt == "tsv" else ","
+    data = ("text" + sep + "n\n" + "".join(f"{d}{sep}{i}\n" for i, d in enumerate(docs))).encode()
+    if fmt == "csv.gz":
+        data = gzip.compress(data, compresslevel=1)
+    path = tmp_path / f"c.{fmt}"
+    if fmt == "zip":
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr("c.csv", data)
+    else:
+        path.write_bytes(data)
+    stats = ReadStats()
+    got = [d for batch in iter_documents(expand_corpus(path), stats=stats) for d in batch]
+    assert len(got) == len(docs) and got == docs
+    assert stats.documents == len(docs) and stats.empty_skipped == 0
+
+
+def test_gz_members_inside_a_zip_are_decompressed(tmp_path):
+    docs = make_docs(40)
+    path = tmp_path / "c.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("part1.csv.gz", gzip.compress(_csv_bytes(docs[:20])))
+        zf.writestr("part2.txt.gz", gzip.compress(("\n".join(docs[20:]) + "\n").encode()))
+    assert _read(path) == docs
+
+
+def test_zip_metadata_hidden_and_unknown_members_are_skipped_and_listed(tmp_path, bpe_tokenizer):
+    from gm_graphs.build import count_corpus
+
+    docs = make_docs(30)
+    path = tmp_path / "c.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("data/", b"")
+        zf.writestr("data/reviews.csv", _csv_bytes(docs))
+        zf.writestr("__MACOSX/data/._reviews.csv", b"\x00\x05\x16\x07 resource fork")
+        zf.writestr("data/._reviews.csv", b"\x00\x05\x16\x07")
+        zf.writestr(".DS_Store", b"\x00\x00\x00\x01Bud1")
+        zf.writestr("README", b"About this data set.\n")
+        zf.writestr("LICENSE.md", b"CC-BY\n")
+    stats = ReadStats()
+    assert _read(path, stats=stats) == docs
+    skipped = sorted(m.split("!", 1)[1] for m in stats.skipped_members)
+    assert skipped == [".DS_Store", "LICENSE.md", "README", "__MACOSX/data/._reviews.csv", "data/._reviews.csv"]
+    assert all(m.startswith(f"{path}!") for m in stats.skipped_members)
+    read = count_corpus(path, bpe_tokenizer, progress=False).read  # what the manifest's "corpus" records
+    assert sorted(m.split("!", 1)[1] for m in read["skipped_members"]) == skipped
+
+
+def test_zip_with_no_readable_member(tmp_path):
+    path = tmp_path / "c.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("README", b"nothing here\n")
+        zf.writestr("__MACOSX/._README", b"\x00")
+    with pytest.raises(CorpusError, match=r"c\.zip' holds no corpus file \(skipped: 'README', '__MACOSX/\._README'\)"):
+        expand_corpus(path)
+
+
+def test_nested_and_encrypted_zip_members_are_refused(tmp_path):
+    path = tmp_path / "c.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("inner.zip", b"PK")
+    with pytest.raises(CorpusError, match="nested archives are not supported; unpack the inner archive"):
+        expand_corpus(path)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("secret.csv", b"text\nx\n")
+    data = bytearray(path.read_bytes())  # zipfile cannot encrypt: set the flag in both headers
+    data[6] |= 0x1
+    data[data.index(b"PK\x01\x02") + 8] |= 0x1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorpusError, match=r"c\.zip!secret\.csv is encrypted"):
+        expand_corpus(path)
+
+
+@pytest.mark.parametrize("column", [
+    pa.array(["a b", "c d", "a b"]).dictionary_encode(),
+    pa.array(["a b", "c d", "a b"], pa.large_string()),
+    pa.array(["a b", "c d", "a b"], pa.string_view()),
+    pa.array([b"a b", b"c d", b"a b"], pa.binary_view()),
+    pa.array([b"a b", b"c d", b"a b"], pa.large_binary()),
+    pa.array([b"a b", b"c d", b"a b"]).dictionary_encode(),
+], ids=lambda a: str(a.type))
+def test_parquet_text_column_types_are_read_as_text(tmp_path, column):
+    pq.write_table(pa.table({"text": column}), tmp_path / "c.parquet")
+    assert pq.read_schema(tmp_path / "c.parquet").field("text").type == column.type  # the type survived the file
+    assert _read(tmp_path / "c.parquet") == ["a b", "c d", "a b"]
+
+
+def test_parquet_string_column_with_invalid_utf8_is_replaced_and_counted(tmp_path):
+    bad = pa.array([b"ok", b"caf\xe9"], pa.binary()).view(pa.string())  # pyarrow does not check string bytes
+    pq.write_table(pa.table({"text": bad}), tmp_path / "c.parquet")
+    stats = ReadStats()
+    assert _read(tmp_path / "c.parquet", stats=stats) == ["ok", "caf\ufffd"]
+    assert stats.undecodable_documents == 1 and stats.replaced_sequences == 1
+
+
+@pytest.mark.parametrize("fmt,body", [
+    ("jsonl", b'{"text": "first doc"}\n{"text": "second"}\n'),
+    ("csv", b"text,n\nfirst doc,1\nsecond,2\n"),
+    ("tsv", b"text\tn\nfirst doc\t1\nsecond\t2\n"),
+    ("txt", b"first doc\nsecond\n"),
+    ("txt.gz", b"first doc\nsecond\n"),
+])
+def test_utf8_bom_is_not_part_of_the_first_field(tmp_path, fmt, body):
+    data = b"\xef\xbb\xbf" + body
+    path = tmp_path / f"c.{fmt}"
+    path.write_bytes(gzip.compress(data) if fmt.endswith(".gz") else data)
+    assert _read(path) == ["first doc", "second"]
+
+
+def test_utf16_text_is_refused_with_the_conversion(tmp_path):
+    (tmp_path / "c.txt").write_bytes("first doc\nsecond\n".encode("utf-16"))
+    with pytest.raises(CorpusError, match=r"is UTF-16 text; convert it to UTF-8 \(e\.g\. iconv"):
+        expand_corpus(tmp_path / "c.txt")
+
+
+@pytest.mark.parametrize("fmt,body,expected", [
+    ("txt", b"a\x00b\nplain\n", ["a\ufffdb", "plain"]),
+    ("csv", b'text,n\n"a\x00b",1\nplain,2\n', ["a\ufffdb", "plain"]),
+    ("jsonl", b'{"text": "a\x00b"}\n{"text": "plain"}\n', ["a\ufffdb", "plain"]),
+    ("jsonl", b'{"text": "a\\u0000b"}\n{"text": "plain"}\n', ["a\ufffdb", "plain"]),
+])
+def test_nul_characters_are_replaced_and_counted(tmp_path, fmt, body, expected):
+    (tmp_path / f"c.{fmt}").write_bytes(body)
+    stats = ReadStats()
+    assert _read(tmp_path / f"c.{fmt}", stats=stats) == expected
+    assert stats.nul_replaced == 1 and stats.documents == 2
+
+
+def test_undecodable_bytes_in_jsonl_and_lone_surrogates_are_replaced_and_counted(tmp_path):
+    (tmp_path / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n{"text": "a\\ud800b"}\n{"text": "\\ud83d\\ude00"}\n')
+    stats = ReadStats()
+    assert _read(tmp_path / "c.jsonl", stats=stats) == ["caf\ufffd", "a\ufffdb", "\U0001F600"]
+    assert stats.undecodable_documents == 2 and stats.replaced_sequences == 2
+
+
+def test_files_of_a_graph_folder_are_refused(tmp_path, home):
+    import json as _json
+
+    graph = home / "graphs" / "g"
+    graph.mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["x"]}), graph / "counts.parquet")
+    with pytest.raises(CorpusError, match=r"counts\.parquet' is inside the graph folder .*narrow the glob"):
+        expand_corpus(str(home / "**" / "*.parquet"))
+    elsewhere = tmp_path / "mygraph"  # a graph folder given by path, outside $GRAPHMAX_HOME
+    (elsewhere / "counts").mkdir(parents=True)
+    (elsewhere / "manifest.json").write_text(_json.dumps({"format": "graphmax-graph"}))
+    (elsewhere / "counts" / "edges.csv").write_text("text\nx\n")
+    with pytest.raises(CorpusError, match=r"is inside the graph folder '.*mygraph'"):
+        expand_corpus(elsewhere / "counts" / "edges.csv")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text('{"name": "a data set, not a graph"}')
+    (tmp_path / "data" / "c.txt").write_text("a document\n")
+    assert expand_corpus(tmp_path / "data" / "c.txt") == [tmp_path / "data" / "c.txt"]
+
+
+def test_fifo_folder_named_like_a_file_and_broken_link_are_refused(tmp_path):
+    # in a child process: opening a FIFO would block forever
+    code = f"""
+import os, sys
+from gm_graphs import CorpusError
+from gm_graphs.corpus import expand_corpus
+t = {str(tmp_path)!r}
+os.mkfifo(os.path.join(t, "pipe.csv"))
+os.mkdir(os.path.join(t, "folder.csv"))
+os.symlink(os.path.join(t, "gone.csv"), os.path.join(t, "link.csv"))
+open(os.path.join(t, "ok.csv"), "w").write("text\\nx\\n")
+for spec in ("pipe.csv", "folder.csv", "link.csv", "*.csv"):
+    try:
+        expand_corpus(os.path.join(t, spec))
+        print("accepted", spec)
+    except CorpusError as e:
+        print(str(e))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 4
+    assert "pipe.csv' is a FIFO, not a regular file" in lines[0]
+    assert "folder.csv' is a folder; pass the files in it" in lines[1]
+    assert "link.csv' is a broken symbolic link" in lines[2]
+    assert "folder.csv' is a folder" in lines[3]  # the glob matched the folder and the FIFO: refused, not skipped
+
+
+def test_unreadable_file_is_refused():
+    """chmod 000: as root (who reads anything) the check runs in a forked child that became `nobody`."""
+    folder = Path(tempfile.mkdtemp(prefix="graphmax-perm-"))  # not under pytest's tmp, which only root may enter
+    try:
+        folder.chmod(0o755)
+        path = folder / "c.csv"
+        path.write_text("text\nx\n")
+        path.chmod(0)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: drop root, check, report through the pipe, never return into pytest
+            try:
+                if os.geteuid() == 0:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                expand_corpus(path)
+                os.write(write, b"accepted")
+            except CorpusError as e:
+                os.write(write, str(e).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as fh:
+            message = fh.read().decode()
+        assert "c.csv' cannot be read (permission denied); make it readable (chmod u+r)" in message
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("c.csv.bz2", "is a bzip2 file, which graphmax does not read; unpack it"),
+    ("c.tar.gz", "is a tar file"),
+    ("c.zip.gz", "is a gzip'd zip archive; gunzip it"),
+])
+def test_unsupported_compressions_name_the_fix(tmp_path, name, match):
+    (tmp_path / name).write_bytes(gzip.compress(b"x"))
+    with pytest.raises(CorpusError, match=match):
+        expand_corpus(tmp_path / name)
+
+
+_FUZZ = """
+import gzip, io, json, random, sys, zipfile
+from pathlib import Path
+from gm_graphs import CorpusError
+from gm_graphs.corpus import expand_corpus, iter_documents
+folder = Path(sys.argv[1])
+rng = random.Random(int(sys.argv[2]))
+outcomes, unexpected = {}, []
+for good in sorted(folder.iterdir()):
+    data = good.read_bytes()
+    for trial in range(int(sys.argv[3])):
+        bad = bytearray(data)
+        kind = rng.choice(["truncate", "flip", "span", "insert"])
+        at = rng.randrange(len(bad))
+        if kind == "truncate":
+            del bad[at:]
+        elif kind == "flip":
+            for _ in range(rng.randint(1, 8)):
+                bad[rng.randrange(len(bad))] ^= 1 << rng.randrange(8)
+        elif kind == "span":
+            bad[at:at + 64] = bytes(rng.randrange(256) for _ in range(64))
+        else:
+            bad[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+        path = folder.parent / "mutant" / good.name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(bytes(bad))
+        try:
+            sum(len(b) for b in iter_documents(expand_corpus(path)))
+            outcome = "read"
+        except CorpusError as e:
+            outcome = "refused"
+            if "\\n" in str(e):
+                unexpected.append(f"{good.name} {kind}: multi-line message {str(e)[:200]!r}")
+        except Exception as e:
+            outcome = type(e).__name__
+            unexpected.append(f"{good.name} {kind}@{at}: {type(e).__name__}: {str(e)[:200]}")
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+print(json.dumps({"outcomes": outcomes, "unexpected": unexpected}))
+"""
+
+
+def test_damaged_files_of_every_format_never_crash_or_raise_another_type(tmp_path):
+    """Seeded random damage (truncation, flipped bits, overwritten or inserted bytes) to a file of each format."""
+    good = tmp_path / "good"
+    good.mkdir()
+    docs = make_docs(60)
+    for fmt in ("csv", "tsv", "parquet", "jsonl", "txt", "csv.gz", "zip"):
+        _write(good, fmt, docs).rename(good / f"c.{fmt}")
+    for leftover in ("raw.csv", "a.jsonl", "b.jsonl"):
+        (good / leftover).unlink(missing_ok=True)
+    with zipfile.ZipFile(good / "members.zip", "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("a.csv.gz", gzip.compress(_csv_bytes(docs)))
+        zf.writestr("b.parquet", (good / "c.parquet").read_bytes())
+    run = subprocess.run([sys.executable, "-c", _FUZZ, str(good), "0", "40"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["unexpected"] == []
+    assert result["outcomes"].get("refused", 0) > 0 and sum(result["outcomes"].values()) == 8 * 40

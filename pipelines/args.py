@@ -1,0 +1,121 @@
+"""Argument types that refuse a bad value while the command line is parsed, before any corpus or model is loaded.
+
+Each is a ``type=`` or ``action=`` for ``add_argument``; argparse reports what it raises as
+``graphmax <command>: error: argument --x: <message>`` (see ``pipelines.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+from gm_graphs.errors import CorpusError
+
+__all__ = ["integer", "number", "integers", "numbers", "nonblank", "CorpusFiles", "corpus_error"]
+
+
+def integer(minimum: int) -> Callable[[str], int]:
+    """An integer ≥ ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def number(*, at_least: float | None = None, above: float | None = None,
+           below: float | None = None) -> Callable[[str], float]:
+    """A finite number within the given bounds (``nan`` and ``inf`` are refused)."""
+    want = _describe(at_least, above, below)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not _within(value, at_least, above, below):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+def integers(minimum: int, example: str) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each ≥ ``minimum``, at least one (``example`` shows the form)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"must be integers >= {minimum} separated by commas, like {example}, "
+                                             f"got {text!r}")
+        return values
+
+    return parse
+
+
+def numbers(*, at_least: float, example: str) -> Callable[[str], list[float]]:
+    """Comma-separated finite numbers, each ≥ ``at_least``, at least one."""
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            values = []
+        if not values or not all(_within(v, at_least, None, None) for v in values):
+            raise argparse.ArgumentTypeError(f"must be finite numbers >= {at_least:g} separated by commas, "
+                                             f"like {example}, got {text!r}")
+        return values
+
+    return parse
+
+
+def nonblank(text: str) -> str:
+    """Any text that is not empty or only spaces."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty or only spaces")
+    return text
+
+
+class CorpusFiles(argparse.Action):
+    """An ``action`` for corpus paths and globs. The value stays as given; ``corpus_error`` checks every file
+    once all the arguments have parsed, so that a bad option is named before any file is opened."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.corpus_files = (self, values)
+
+
+def corpus_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the corpus files a ``CorpusFiles`` argument named (as argparse words it), or None."""
+    if not hasattr(args, "corpus_files"):
+        return None
+    action, values = vars(args).pop("corpus_files")
+    from gm_graphs.corpus import expand_corpus  # pyarrow: only for the commands that read a corpus
+
+    try:
+        expand_corpus(values)
+    except CorpusError as e:
+        return str(argparse.ArgumentError(action, str(e)))
+    return None
+
+
+def _within(value: float, at_least: float | None, above: float | None, below: float | None) -> bool:
+    return (math.isfinite(value) and (at_least is None or value >= at_least)
+            and (above is None or value > above) and (below is None or value < below))
+
+
+def _describe(at_least: float | None, above: float | None, below: float | None) -> str:
+    if above is not None and below is not None:
+        return f"a number strictly between {above:g} and {below:g}"
+    bound = f" >= {at_least:g}" if at_least is not None else f" > {above:g}" if above is not None else ""
+    return f"a finite number{bound}" + (f" below {below:g}" if below is not None else "")
