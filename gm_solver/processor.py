@@ -125,6 +125,13 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
 
         Returns:
             ``self``, so that ``proc = PaperGraphmaxLogitsProcessor(graph).warmup()`` reads as one step.
+
+        Example::
+
+            >>> import scipy.sparse as sp
+            >>> proc = PaperGraphmaxLogitsProcessor(sp.csr_matrix([[0, 1.0], [1.0, 0]])).warmup()
+            >>> proc.last_info is None      # the warm-up steps leave nothing behind
+            True
         """
         width, device = self._shape()
         for rows in (1, 2):  # the batch-of-one CSR kernel and the batched one are compiled separately
