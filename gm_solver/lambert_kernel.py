@@ -1,19 +1,27 @@
-"""The CPU kernel of ``solve_toward`` for the Lambert-W divergences (``rkl`` and ``l2``), one fused numba pass per ν step.
+"""The CPU kernel of ``solve_toward`` (``rkl``, ``l2`` and ``kl``): a whole batch in one numba call.
 
-Both divergences give xᵢ(ν) through ωᵢ = log W(e^sᵢ), the root of ω + e^ω = s,
-with sᵢ affine in ν. The torch path in ``divergences.py`` finds each ω by
-Newton, with a dozen 49k-long temporaries per step. Here ω and e^ω come from a
-table: quintic Hermite interpolation between nodes 1/32 apart, whose values
-and first two derivatives are exact (ω' = 1/(1+e^ω), ω'' = −e^ω/(1+e^ω)³).
+Both Lambert-W divergences give xᵢ(ν) through ωᵢ = log W(e^sᵢ), the root of
+ω + e^ω = s, with sᵢ affine in ν. The torch path in ``divergences.py`` finds
+each ω by Newton, with a dozen V-long temporaries per step. Here ω and e^ω come
+from a table: quintic Hermite interpolation between nodes 1/32 apart, whose
+values and first two derivatives are exact (ω' = 1/(1+e^ω), ω'' = −e^ω/(1+e^ω)³).
 That is accurate to ~1e-14 with no exp, log or iteration per token, so each ν
-step is one parallel loop that sums x and its first two derivatives in ν.
+step is one loop that sums x and its first two derivatives in ν.
 Arguments beyond the table use the series (below) or Newton (above).
 
-:func:`solve_row` does one row of ``solve_toward`` whole (log-softmax, the
+:func:`solve_batch` does ``solve_toward`` whole for every row (log-softmax, the
 reference restricted to the allowed tokens, a share of λ on KL(x‖q) merged into
 the logits, the solve, and the certificate, computed from scratch as
-``divergences.certificate_toward`` does), so a decoding step makes no torch
-temporaries.
+``divergences.certificate_toward`` does). Each row is cut into chunks of
+:data:`CHUNK` tokens and every pass runs over all (row, chunk) pairs of the rows
+still working at once, so one row or many spread over every core in one
+parallel region per pass; rows take their ν steps in lockstep and leave as they
+converge. Each chunk's sums are kept apart and added in a fixed order, so a row
+comes out bit for bit the same whatever the batch, the core count or the
+scheduling. Per token and row: one log (of q) and one exp (the log-softmax)
+before the ν steps, one table lookup per ν step, and two exps in the last pass,
+which writes log x and sums the certificate at once (its logsumexp shifted by
+ν, where y ≈ log x + ν: no pass for the maximum).
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ import numba
 import numpy as np
 
 RKL, L2 = 0, 1
+
+
+def jit(**options):
+    """numba.njit for the kernels: cached on disk, and with numpy's float semantics (x/0 = inf, as the torch path
+    gives), so the loops carry no division checks."""
+    return numba.njit(cache=True, error_model="numpy", **options)
+
 # The ν search stops at |log Σx| ≤ NU_TOL / max(1, λ); x is then divided by Σx, which leaves
 # the stationarity off by a factor Σx in λ∇D only: a duality gap of order NU_TOL², far below
 # any tolerance, while a tighter stop costs one more pass over the vocabulary.
@@ -33,16 +48,16 @@ NU_TOL = 1e-7
 # the series W(y) = y − y² + O(y³) is exact to rounding; above S_HI (a reference ~e^64 times
 # likelier than the model's token), Newton.
 S_LO, S_HI, PER_UNIT = -24.0, 64.0, 32
-_COLUMNS = 6  # per node: ω, ω', ω'', e^ω, (e^ω)', (e^ω)''
+_COLUMNS = 12  # per interval: the quintic's 6 coefficients for ω, then 6 for e^ω
 _TINY = 1e-300  # divergences._TINY: the floor of x in ∇D
 
 
-@numba.njit(cache=True)
+@jit()
 def nu_tolerance(lam):
     return NU_TOL / max(1.0, lam)
 
 
-@numba.njit(cache=True)
+@jit()
 def _lambert_newton(s):
     # (ω, e^ω) to rounding by Newton from the asymptotic start (s ≥ 1); the error after a
     # step of size d is below d²/2 (f''/2f' < 1/2), so a step under 1e-8 leaves rounding only
@@ -57,108 +72,84 @@ def _lambert_newton(s):
 
 
 def _build_table() -> np.ndarray:
-    s = S_LO + np.arange(int((S_HI - S_LO) * PER_UNIT) + 1) / PER_UNIT
+    """Per interval [node k, node k+1], the monomial coefficients in f (the fraction of the way) of the quintic
+    Hermite interpolants of ω and e^ω, whose values and first two derivatives at both nodes are exact."""
+    s = (S_LO + np.arange(int((S_HI - S_LO) * PER_UNIT) + 1) / PER_UNIT).astype(np.longdouble)
     omega = np.where(s >= 1.0, np.log(np.maximum(s, 1.0) - np.log(np.maximum(s, 1.0))), s - 1.0 / (1.0 + np.exp(-s)))
     for _ in range(8):  # Newton from a start within 0.3: rounding level well before 8 steps
         e = np.exp(omega)
         omega = omega - (omega + e - s) / (1.0 + e)
     e = np.exp(omega)
-    d1 = 1.0 / (1.0 + e)
+    d1 = 1.0 / (1.0 + e)  # ω' and ω''; (e^ω)' = e^ω·ω', (e^ω)'' = e^ω·(ω'' + ω'²)
     d2 = -e * d1 ** 3
-    return np.ascontiguousarray(np.stack([omega, d1, d2, e, e * d1, e * (d2 + d1 * d1)], axis=1).ravel())
+    h = np.longdouble(1.0) / PER_UNIT
+    columns = []
+    for y, dy, ddy in ((omega, d1, d2), (e, e * d1, e * (d2 + d1 * d1))):
+        # p(f) = Σ c_j f^j with p, p', p'' matching (y, h·y', h²·y'') at f = 0 and f = 1 (in long double, so that
+        # the differences below lose nothing a float64 coefficient keeps)
+        c0, c1, c2 = y[:-1], h * dy[:-1], h * h * ddy[:-1] / 2
+        a = y[1:] - c0 - c1 - c2
+        b = h * dy[1:] - c1 - 2 * c2
+        c = h * h * ddy[1:] - 2 * c2
+        columns += [c0, c1, c2, 10 * a - 4 * b + c / 2, -15 * a + 7 * b - c, 6 * a - 3 * b + c / 2]
+    return np.ascontiguousarray(np.stack(columns, axis=1).astype(np.float64).ravel())
 
 
 TABLE = _build_table()
 
 
-@numba.njit(cache=True, inline="always")
+@jit(inline="always")
 def lambert(s, table):
-    """(ω, e^ω) with ω + e^ω = s, i.e. ω = log W(e^s); ``table`` is :data:`TABLE`."""
+    """(ω, e^ω) with ω + e^ω = s, i.e. ω = log W(e^s); ``table`` is :data:`TABLE`. NaN gives NaN."""
     u = (s - S_LO) * PER_UNIT
-    if u < 0.0:
+    if not u >= 0.0:
         y = math.exp(s)
         return s - y, y - y * y
-    k = int(u)
-    if k >= table.size // _COLUMNS - 1:
+    if u >= table.size // _COLUMNS:
         return _lambert_newton(s)
-    # quintic Hermite on [node k, node k+1], f the fraction of the way, h the node spacing
+    k = int(u)
     f = u - k
-    g = 1.0 - f
-    h = 1.0 / PER_UNIT
-    f3, g3 = f * f * f, g * g * g
-    v0 = g3 * (1.0 + 3.0 * f + 6.0 * f * f)
-    v1 = f * g3 * (1.0 + 3.0 * f) * h
-    v2 = 0.5 * f * f * g3 * h * h
-    w0 = f3 * (1.0 + 3.0 * g + 6.0 * g * g)
-    w1 = -g * f3 * (1.0 + 3.0 * g) * h
-    w2 = 0.5 * g * g * f3 * h * h
     j = _COLUMNS * k
-    n = j + _COLUMNS
-    omega = (v0 * table[j] + v1 * table[j + 1] + v2 * table[j + 2]
-             + w0 * table[n] + w1 * table[n + 1] + w2 * table[n + 2])
-    e = (v0 * table[j + 3] + v1 * table[j + 4] + v2 * table[j + 5]
-         + w0 * table[n + 3] + w1 * table[n + 4] + w2 * table[n + 5])
+    omega = table[j] + f * (table[j + 1] + f * (table[j + 2] + f * (table[j + 3] + f * (table[j + 4]
+                                                                                     + f * table[j + 5]))))
+    e = table[j + 6] + f * (table[j + 7] + f * (table[j + 8] + f * (table[j + 9] + f * (table[j + 10]
+                                                                                       + f * table[j + 11]))))
     return omega, e
 
 
-@numba.njit(parallel=True, cache=True)
-def _pass(kind, t, a, base, inv_c, nu, table):
-    """Σx(ν), Σdx/dν and Σd²x/dν²; the Lambert argument is s = base + ν (rkl) or base − ν (l2), see :func:`_bases`."""
+@jit(inline="always")
+def _dual_logit(kind, ti, ai, lam, x):
+    # y = t − λ∇D(x) up to a per-row constant, for the certificate: t + a/x (rkl, a = λq̂), t − 2λx + a (l2,
+    # a = 2λq̂); t itself at λ = 0. An x that underflows to 0 is read at 1e-300 by ∇D, as
+    # ``divergences.certificate_toward`` does (and adds nothing to Σ x(log x − y)).
+    return ti + ai / max(x, _TINY) if kind == RKL else ti - 2.0 * lam * x + ai
+
+
+@jit()
+def certificate(kind, t, a, lam, logx):
+    """The duality gap KL(x ‖ softmax(y)), y = t − λ∇D(x), of the point exp(``logx``), computed from scratch.
+
+    ``t`` are log-softmaxed logits and ``a`` the scaled reference (λq̂ for rkl,
+    2λq̂ for l2): ``divergences.certificate_toward`` for one row. :func:`solve_batch`
+    sums the same terms in its last pass.
+    """
+    y = np.full(t.size, -np.inf)
+    inner = 0.0
+    top = -np.inf
+    for i in range(t.size):
+        if logx[i] > -np.inf:
+            x = math.exp(logx[i])
+            y[i] = _dual_logit(kind, t[i], a[i], lam, x)
+            if x > 0.0:
+                inner += x * (logx[i] - y[i])
+            top = max(top, y[i])
     total = 0.0
-    slope = 0.0
-    curve = 0.0
-    sign = 1.0 if kind == RKL else -1.0
-    for i in numba.prange(t.size):
-        ti = t[i]
-        if ti == -np.inf:
-            continue
-        ai = a[i]
-        if kind == RKL and ai <= 0.0:  # no reference mass: softmax's own form
-            x = math.exp(ti - nu)
-            total += x
-            slope -= x
-            curve += x
-            continue
-        _, e = lambert(base[i] + sign * nu, table)
-        x = ai / e if kind == RKL else e * inv_c
-        # both kinds: dx/dν = −x/(1+e^ω), d²x/dν² = x(1+2e^ω)/(1+e^ω)³
-        r = 1.0 / (1.0 + e)
-        total += x
-        slope -= x * r
-        curve += x * (1.0 + 2.0 * e) * r * r * r
-    return total, slope, curve
+    for i in range(t.size):
+        total += math.exp(y[i] - top)
+    return max(inner + top + math.log(total), 0.0)
 
 
-@numba.njit(parallel=True, cache=True)
-def _bases(kind, t, a, log_c):
-    # rkl: s = log aᵢ − tᵢ + ν; l2: s = tᵢ + aᵢ + log c − ν
-    out = np.empty(t.size)
-    for i in numba.prange(t.size):
-        if t[i] == -np.inf or (kind == RKL and a[i] <= 0.0):
-            out[i] = 0.0
-        elif kind == RKL:
-            out[i] = math.log(a[i]) - t[i]
-        else:
-            out[i] = t[i] + a[i] + log_c
-    return out
-
-
-@numba.njit(parallel=True, cache=True)
-def _log_x(kind, t, a, base, log_c, nu, log_total, table, out):
-    sign = 1.0 if kind == RKL else -1.0
-    for i in numba.prange(t.size):
-        ti = t[i]
-        if ti == -np.inf:
-            out[i] = -np.inf
-        elif kind == RKL and a[i] <= 0.0:
-            out[i] = ti - nu - log_total
-        else:
-            omega, _ = lambert(base[i] + sign * nu, table)
-            # rkl: log x = log a − ω, and base = log a − t; l2: x = e^ω/c
-            out[i] = (base[i] + ti - omega if kind == RKL else omega - log_c) - log_total
-
-
-@numba.njit(cache=True)
+@jit()
 def nu_step(kind, total, slope, curve):
     """The ν step toward Σx = 1: Newton on h = (Σx^(−γ) − 1)/γ (log Σx at γ = 0), γ making h locally linear.
 
@@ -176,131 +167,306 @@ def nu_step(kind, total, slope, curve):
     return -total * math.expm1(g * log_total) / (g * slope)
 
 
-@numba.njit(cache=True)
-def _solve(kind, t, a, lam, max_iter, table, out):
-    """Fill ``out`` with log x for one row (log-softmaxed logits ``t``, scaled reference ``a``); return iterations.
-
-    The steps of :func:`nu_step`, kept inside a bracket by bisection (also taken
-    when a step does not halve |log Σx|), stopped when |log Σx| ≤
-    ``nu_tolerance(λ)``, as the torch path.
-    """
-    log_c = math.log(2.0 * lam)
-    base = _bases(kind, t, a, log_c)
-    if kind == RKL:
-        nu = 0.0  # every x_i ≥ softmax_i here, so Σx ≥ 1
-    else:
-        nu = _logsumexp(t + a)  # every x_i ≤ its softmax here, so Σx ≤ 1
-    lo, hi = -np.inf, np.inf
-    reach = 1.0  # a one-sided fallback step, doubled each time: the root may lie hundreds away
-    last = np.inf  # |log Σx| at the previous ν
-    iters = 0
-    for _ in range(max_iter):
-        at = nu  # where Σx was last evaluated: the answer if the budget runs out
-        total, slope, curve = _pass(kind, t, a, base, 0.5 / lam, nu, table)
-        if total >= 1.0:
-            lo = max(lo, nu)
-        else:
-            hi = min(hi, nu)
-        miss = abs(math.log(total))
-        if miss <= nu_tolerance(lam):
-            break
-        iters += 1
-        step = nu + nu_step(kind, total, slope, curve)
-        both = np.isfinite(lo) and np.isfinite(hi)
-        # the steps can bounce between the two sides without closing in (large λ): bisect
-        # when a step did not halve |log Σx|
-        slow = both and miss > 0.5 * last
-        last = miss
-        if slow or not (lo < step < hi):
-            if both:
-                step = 0.5 * (lo + hi)
-            elif np.isfinite(lo):
-                step = lo + reach
-                reach *= 2.0
-            else:
-                step = hi - reach
-                reach *= 2.0
-        nu = step
-    _log_x(kind, t, a, base, log_c, at, math.log(total), table, out)
-    return iters
+CHUNK = 4096  # tokens per task: V = 49,152 gives 12 per row, enough to spread one row over the cores
+# what solve_batch returns when a row of z cannot be solved (it then stops before any ν step)
+FINE, HAS_NAN, HAS_POSINF, ALL_MASKED = 0, 1, 2, 3
 
 
-@numba.njit(parallel=True, cache=True)
-def _logsumexp(v):
-    m = np.max(v)
-    acc = 0.0
-    for i in numba.prange(v.size):
-        acc += math.exp(v[i] - m)
-    return m + math.log(acc)
-
-
-@numba.njit(parallel=True, cache=True)
-def _log_softmax(z, out):
-    shift = _logsumexp(z)
-    for i in numba.prange(z.size):
-        out[i] = z[i] - shift
-
-
-@numba.njit(parallel=True, cache=True)
-def _restricted(t, q, scale, out):
-    # q on the allowed tokens (finite t), renormalised and times ``scale``; returns q's mass there
+@jit()
+def _prepare(kind, z, q, logq, have_logq, w, need_base, v, base, lo, hi, sums):
+    # tokens lo:hi of one row: v = z, or with KL(x‖q)'s share w = λm > 0 the logits leaned toward q,
+    # (z + w·log q)/(1 + w) (−inf where q = 0: KL(x‖q) keeps x there at 0); base = log q − v (rkl's
+    # s = log a − t + ν, less a per-row constant); log q read from ``logq`` when the caller has it.
+    # sums ← (q's mass on the finite logits, max v, Σ e^(v − max), #NaN, #+inf, #finite z).
     mass = 0.0
-    for i in numba.prange(t.size):
-        if t[i] > -np.inf:
-            mass += q[i]
-    for i in numba.prange(t.size):
-        out[i] = q[i] * (scale / mass) if t[i] > -np.inf and mass > 0.0 else 0.0
-    return mass
-
-
-@numba.njit(parallel=True, cache=True)
-def certificate(kind, t, a, lam, logx):
-    """The duality gap KL(x ‖ softmax(y)), y = t − λ∇D(x), of the point exp(``logx``), computed from scratch.
-
-    ``a`` is the scaled reference (λq̂ for rkl, 2λq̂ for l2), so y = t + a/x (rkl) or
-    t − 2λx + a (l2): ``divergences.certificate_toward`` in one pass and a logsumexp.
-    """
-    y = np.empty_like(t)
-    inner = 0.0  # Σ x (log x − y)
-    for i in numba.prange(t.size):
-        if logx[i] == -np.inf:
-            y[i] = -np.inf
+    top = -np.inf
+    nan = 0
+    posinf = 0
+    finite = 0
+    lean = 1.0 / (1.0 + w)
+    for i in range(lo, hi):
+        zi = z[i]
+        if zi == -np.inf:
+            v[i] = -np.inf
             continue
-        x = math.exp(logx[i])  # may underflow to 0: then it adds nothing, and ∇D takes x at _TINY, as in torch
-        y[i] = t[i] + a[i] / max(x, _TINY) if kind == RKL else t[i] - 2.0 * lam * x + a[i]
+        if not zi < np.inf:
+            nan += zi != zi
+            posinf += zi == np.inf
+            v[i] = -np.inf
+            continue
+        finite += 1
+        qi = q[i]
+        mass += qi
+        vi = zi
+        if w > 0.0 or need_base:
+            if qi > 0.0:
+                lq = logq[i] if have_logq else math.log(qi)
+                if w > 0.0:
+                    vi = (zi + w * lq) * lean
+                base[i] = lq - vi
+            elif w > 0.0:
+                vi = -np.inf
+        v[i] = vi
+        top = max(top, vi)
+    total = 0.0
+    if top > -np.inf:
+        for i in range(lo, hi):
+            total += math.exp(v[i] - top)
+    sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = mass, top, total, nan, posinf, finite
+
+
+@jit()
+def _start_l2(v, q, kap, lo, hi):
+    # (max, Σ e^(u − max)) of u = v + kap·q over lo:hi: l2 starts at ν = logsumexp(t + a), where every x ≤ softmax
+    top = -np.inf
+    for i in range(lo, hi):
+        if v[i] > -np.inf:
+            top = max(top, v[i] + kap * q[i])
+    total = 0.0
+    if top > -np.inf:
+        for i in range(lo, hi):
+            if v[i] > -np.inf:
+                total += math.exp(v[i] + kap * q[i] - top)
+    return top, total
+
+
+@jit()
+def _sums(kind, v, q, base, omega, shift, soft_shift, kap, inv_c, table, lo, hi):
+    # Σx(ν), Σdx/dν and Σd²x/dν² over lo:hi, keeping each ω for the last pass. The Lambert argument is
+    # s = base + shift (rkl, shift = log κ + lse + ν) or v + κq + shift (l2, shift = log c − lse − ν);
+    # rkl's tokens without reference mass keep softmax's own form x = e^(v − soft_shift), soft_shift = lse + ν.
+    total = 0.0
+    slope = 0.0
+    curve = 0.0
+    for i in range(lo, hi):
+        vi = v[i]
+        if vi == -np.inf:
+            continue
+        qi = q[i]
+        if kind == RKL and qi <= 0.0:
+            x = math.exp(vi - soft_shift)
+            total += x
+            slope -= x
+            curve += x
+            continue
+        om, e = lambert(base[i] + shift if kind == RKL else vi + kap * qi + shift, table)
+        omega[i] = om
+        # x = κq/e^ω (rkl) or e^ω/c (l2); dx/dν = −x·r and d²x/dν² = x(1+2e^ω)·r³, r = 1/(1+e^ω): one division
+        if kind == RKL:
+            inv = 1.0 / (e * (1.0 + e))
+            x = kap * qi * (1.0 + e) * inv
+            r = e * inv
+        else:
+            r = 1.0 / (1.0 + e)
+            x = e * inv_c
+        total += x
+        slope -= x * r
+        curve += x * (1.0 + 2.0 * e) * r * r * r
+    return total, slope, curve
+
+
+@jit()
+def _finish(kind, v, q, base, omega, lse, kap, lam, log_kap, log_c, nu, log_total, lo, hi, out):
+    # log x over lo:hi at the last ν evaluated, and the certificate's sums: Σ x(log x − y), Σ e^(y − ν), max y.
+    # At the optimum y = log x + ν (the stationarity condition), so ν is a safe shift for the logsumexp, and
+    # e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic gives e^δ to rounding for |δ| < 1e-4 (one exp
+    # per token instead of two). y is kept in ``omega`` for the rare row where ν is no safe shift (the caller
+    # then sums again from the max).
+    inner = 0.0
+    total = 0.0
+    top = -np.inf
+    for i in range(lo, hi):
+        vi = v[i]
+        if vi == -np.inf:
+            out[i] = -np.inf
+            omega[i] = -np.inf
+            continue
+        ti = vi - lse
+        qi = q[i]
+        ai = kap * qi
+        if lam == 0.0:  # KL(x‖q) alone: the leaned softmax is the solution
+            lx = ti
+        elif kind == RKL:
+            if qi > 0.0:  # log x = log a − ω, and log a = log κ + base + v
+                lx = base[i] + vi + log_kap - omega[i] - log_total
+            else:
+                lx = ti - nu - log_total
+        else:  # l2: x = e^ω / c
+            lx = omega[i] - log_c - log_total
+        out[i] = lx
+        x = math.exp(lx)
+        y = _dual_logit(kind, ti, ai, lam, x)
         if x > 0.0:
-            inner += x * (logx[i] - y[i])
-    return max(inner + _logsumexp(y), 0.0)
+            inner += x * (lx - y)
+        d = y - nu - lx
+        total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if abs(d) < 1e-4 else math.exp(y - nu)
+        omega[i] = y
+        top = max(top, y)
+    return inner, total, top
 
 
-@numba.njit(parallel=True, cache=True)
-def _lean_toward(t, q, mass, weight):
-    # t ← log-softmax of (t + weight·log q̂)/(1 + weight), q̂ = q/mass: KL(x‖q)'s share, merged into the logits
-    for i in numba.prange(t.size):
-        t[i] = (t[i] + weight * math.log(q[i] / mass)) / (1.0 + weight) if t[i] > -np.inf and q[i] > 0.0 else -np.inf
-    _log_softmax(t, t)  # the shift is summed before any entry changes
+@jit(parallel=True)
+def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, iters, gaps):
+    """``solve_toward`` for every row of ``z`` (B, V) toward ``q`` (B, V, finite, ≥ 0), λ = ``lam`` (B,) per row.
 
-
-@numba.njit(cache=True)
-def solve_row(kind, z, q, lam, kl_share, max_iter, table, out):
-    """One row of ``solve_toward``: fill ``out`` with log x for logits ``z`` and reference ``q``; return (iterations, gap).
-
-    q is restricted to the finite logits and renormalised; a row with no mass
-    there is left as softmax, with gap 0, as in the torch path. With
-    ``kl_share`` = m > 0, D is solved at λ′ = λ(1−m)/(1+λm) from the logits
-    leaned toward q, and the gap is scaled by 1 + λm (``divergences``).
+    Fills ``out`` with log x, ``iters`` with the ν steps and ``gaps`` with the
+    certificate, scaled by 1 + λm for the share m = ``share`` on KL(x‖q) (λ′ = 0
+    when m = 1: KL(x‖q) alone, closed form). q is restricted to the finite
+    logits and renormalised; a row with no mass there, or with λ = 0, is left
+    as softmax with gap 0. The ν steps of :func:`nu_step` are kept inside a
+    bracket by bisection (also taken when a step does not halve |log Σx|) and
+    stop at |log Σx| ≤ ``nu_tolerance(λ′)``, as the torch path does.
+    ``logq`` is log q when ``have_logq`` (the caller built q and has its logs
+    cheaply), else unread. Returns :data:`FINE`, or what is wrong with the first
+    row of z that has NaN, +inf or no finite entry, found in the first pass; it
+    then stops there, before any ν step.
     """
-    t = np.empty_like(z)
-    _log_softmax(z, t)
-    a = np.empty_like(z)
-    mass = _restricted(t, q, 1.0, a)
-    if not mass > 0.0:
-        out[:] = t
-        return 0, 0.0
-    scale = 1.0 + lam * kl_share
-    if kl_share > 0.0:
-        _lean_toward(t, q, mass, lam * kl_share)
-        lam = lam * (1.0 - kl_share) / scale
-    a *= lam if kind == RKL else 2.0 * lam
-    iters = _solve(kind, t, a, lam, max_iter, table, out)
-    return iters, scale * certificate(kind, t, a, lam, out)
+    rows, width = z.shape
+    chunks = (width + CHUNK - 1) // CHUNK
+    tasks = rows * chunks
+    base = np.empty_like(z)
+    omega = np.empty_like(z)
+    part = np.empty((tasks, 6))
+    scale = 1.0 + lam * share
+    lam_d = lam * (1.0 - share) / scale  # λ′, the divergence's own weight
+    for t in numba.prange(tasks):
+        b, c = t // chunks, t % chunks
+        _prepare(kind, z[b], q[b], logq[b], have_logq, lam[b] * share, kind == RKL and lam_d[b] > 0.0, out[b],
+                 base[b], c * CHUNK, min(width, (c + 1) * CHUNK), part[t])
+    for b in range(rows):
+        counts = part[b * chunks:(b + 1) * chunks, 3:].sum(axis=0)
+        if counts[0] > 0:
+            return HAS_NAN
+        if counts[1] > 0:
+            return HAS_POSINF
+        if counts[2] == 0:
+            return ALL_MASKED
+    lse = np.empty(rows)
+    mass = np.empty(rows)
+    soft = np.zeros(rows, dtype=np.bool_)
+    for b in range(rows):
+        mass[b] = part[b * chunks:(b + 1) * chunks, 0].sum()
+        lse[b] = _combine(part[b * chunks:(b + 1) * chunks, 1], part[b * chunks:(b + 1) * chunks, 2])
+        soft[b] = lam[b] == 0.0 or not mass[b] > 0.0
+        if soft[b] and lam[b] * share > 0.0:  # out holds the leaned logits: softmax is of z itself
+            out[b, :] = z[b]
+            lse[b] = _logsumexp(z[b])
+    # a = κq with κ = λ′/mass (rkl) or 2λ′/mass (l2): λ′ times q renormalised over the allowed tokens
+    kap = (1.0 if kind == RKL else 2.0) * lam_d / np.where(soft, 1.0, mass)
+    log_kap = np.log(np.maximum(kap, _TINY))
+    log_c = np.log(np.maximum(2.0 * lam_d, _TINY))
+    # the ν search, rows in lockstep: ν, its bracket, the fallback reach, the last |log Σx|, and Σx at ν
+    nu = np.zeros(rows)
+    at = np.zeros(rows)  # where Σx and each ω were last evaluated: the answer if the budget runs out
+    low = np.full(rows, -np.inf)
+    high = np.full(rows, np.inf)
+    reach = np.ones(rows)
+    last = np.full(rows, np.inf)
+    total = np.ones(rows)
+    iters[:] = 0
+    working = np.nonzero(~soft & (lam_d > 0.0))[0]
+    n_work = working.size
+    if kind == L2 and n_work:
+        for t in numba.prange(n_work * chunks):
+            b, c = working[t // chunks], t % chunks
+            part[t, 1], part[t, 2] = _start_l2(out[b], q[b], kap[b], c * CHUNK, min(width, (c + 1) * CHUNK))
+        for j in range(n_work):
+            nu[working[j]] = _combine(part[j * chunks:(j + 1) * chunks, 1],
+                                      part[j * chunks:(j + 1) * chunks, 2]) - lse[working[j]]
+    # rkl starts at ν = 0, where every x ≥ its softmax, so Σx ≥ 1
+    for _ in range(max_iter):
+        if n_work == 0:
+            break
+        for t in numba.prange(n_work * chunks):
+            b, c = working[t // chunks], t % chunks
+            shift = log_kap[b] + lse[b] + nu[b] if kind == RKL else log_c[b] - lse[b] - nu[b]
+            part[t, 0], part[t, 1], part[t, 2] = _sums(kind, out[b], q[b], base[b], omega[b], shift, lse[b] + nu[b],
+                                                       kap[b], 0.5 / lam_d[b], table, c * CHUNK,
+                                                       min(width, (c + 1) * CHUNK))
+        still = 0
+        for j in range(n_work):
+            b = working[j]
+            at[b] = nu[b]
+            total[b] = part[j * chunks:(j + 1) * chunks, 0].sum()
+            if _step(kind, b, total[b], part[j * chunks:(j + 1) * chunks, 1].sum(),
+                     part[j * chunks:(j + 1) * chunks, 2].sum(), lam_d[b], nu, low, high, reach, last):
+                iters[b] += 1
+                working[still] = b
+                still += 1
+        n_work = still
+    # the last pass: log x and the certificate's sums, every row at once
+    for t in numba.prange(tasks):
+        b, c = t // chunks, t % chunks
+        lo, hi = c * CHUNK, min(width, (c + 1) * CHUNK)
+        if soft[b]:
+            for i in range(lo, hi):
+                out[b, i] -= lse[b]
+        else:
+            part[t, 0], part[t, 1], part[t, 2] = _finish(kind, out[b], q[b], base[b], omega[b], lse[b], kap[b],
+                                                         lam_d[b], log_kap[b], log_c[b], at[b], math.log(total[b]),
+                                                         lo, hi, out[b])
+    for b in range(rows):
+        if soft[b]:
+            gaps[b] = 0.0
+            continue
+        inner = part[b * chunks:(b + 1) * chunks, 0].sum()
+        summed = part[b * chunks:(b + 1) * chunks, 1].sum()
+        if 1e-100 < summed < 1e100:
+            lse_y = at[b] + math.log(summed)
+        else:  # ν was no safe shift (far from the optimum, e.g. out of ν steps): from the maximum
+            lse_y = _logsumexp(omega[b])
+        gaps[b] = scale[b] * max(inner + lse_y, 0.0)
+    return FINE
+
+
+@jit()
+def _step(kind, b, total, slope, curve, lam, nu, low, high, reach, last):
+    # one row's ν update after Σx = ``total`` at nu[b]; False when it is within tolerance (ν stays)
+    if total >= 1.0:
+        low[b] = max(low[b], nu[b])
+    else:
+        high[b] = min(high[b], nu[b])
+    miss = abs(math.log(total))
+    if miss <= nu_tolerance(lam):
+        return False
+    step = nu[b] + nu_step(kind, total, slope, curve)
+    both = np.isfinite(low[b]) and np.isfinite(high[b])
+    # the steps can bounce between the two sides without closing in (large λ): bisect when a step did not
+    # halve |log Σx|
+    slow = both and miss > 0.5 * last[b]
+    last[b] = miss
+    if slow or not (low[b] < step < high[b]):
+        if both:
+            step = 0.5 * (low[b] + high[b])
+        elif np.isfinite(low[b]):
+            step = low[b] + reach[b]
+            reach[b] *= 2.0
+        else:
+            step = high[b] - reach[b]
+            reach[b] *= 2.0
+    nu[b] = step
+    return True
+
+
+@jit()
+def _combine(tops, totals):
+    # logsumexp from per-chunk (max, Σ e^(v − max)) pairs
+    top = tops.max()
+    if top == -np.inf:
+        return -np.inf
+    acc = 0.0
+    for j in range(tops.size):
+        if tops[j] > -np.inf:
+            acc += totals[j] * math.exp(tops[j] - top)
+    return top + math.log(acc)
+
+
+@jit()
+def _logsumexp(v):
+    top = v.max()
+    if top == -np.inf:
+        return -np.inf
+    acc = 0.0
+    for i in range(v.size):
+        acc += math.exp(v[i] - top)
+    return top + math.log(acc)

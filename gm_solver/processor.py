@@ -8,7 +8,6 @@ import torch
 from transformers import LogitsProcessor
 
 from .context import ContextConfig, ContextReference
-from .divergences import solve_toward
 from .graphmax import SOLVERS, get_operator, log_graphmax
 from .operator import TransitionOperator
 
@@ -108,17 +107,9 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
                    **kwargs)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.mode == "context":
-            if scores.shape[-1] < self.reference.n:
-                raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.reference.n} "
-                                 f"nodes; rebuild the graph with this model's tokenizer")
-            if self.context.lam == 0:
-                return torch.log_softmax(scores, -1)
-            z = scores.to(torch.float64)
-            q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
-            logp, self.last_info = solve_toward(z, q, self.context.lam, self.context.divergence,
-                                                kl_share=self.context.kl_share, tol=self.tol)
-            return logp.to(scores.dtype)
+        if self.mode == "context":  # reference rows, solve and certificate for the batch, on the scores' device
+            logp, self.last_info = self.reference.step(input_ids, scores, tol=self.tol)
+            return logp
         if scores.device != self.operator.device:
             self.operator = get_operator(self.graph, scores.device)
         logp, self.last_info = log_graphmax(scores, self.operator, self.lam, tol=self.tol, solver=self.solver,

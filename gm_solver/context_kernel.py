@@ -1,0 +1,150 @@
+"""The CPU kernel of a context-aware decoding step: every row's reference q, built from the graph's sparse
+structure, then ``lambert_kernel.solve_batch``, in one numba call.
+
+The reference of one row (``context.ContextReference`` gives the formulas) is
+α·u plus a few sparse pieces: the bigram row of the previous token (its counts,
+discounted under Kneser–Ney), the successors of each n-gram context the corpus
+saw (found by binary search on the table's sorted contexts), and, for orders
+k ≥ 2, the rows of Ãᵏ, which the caller computes and passes as ``extra``
+pieces. An n-gram context that is found discounts everything below it, so the
+kernel walks the tables from the highest order down, carrying the factor
+D·m/T that the lower orders get, and adds the pieces once α is known.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .lambert_kernel import jit, solve_batch
+
+
+@jit()
+def _ngram_key(ctx, width, n):
+    # the context's last ``width`` tokens in base n (oldest first), or −1 if one lies outside the vocabulary
+    key = 0
+    for j in range(ctx.size - width, ctx.size):
+        tok = ctx[j]
+        if tok < 0 or tok >= n:
+            return -1
+        key = key * n + tok
+    return key
+
+
+@jit()
+def _coefficients(ctx, beta1, row_counts, successors, tables, kneser_ney, discount, kappa, extra_alpha, extra_ptr,
+                  extra_idx, extra_val):
+    """Each row's reference as α·u + ``below``·(the bigram row of ``prev``, less ``discount`` under Kneser–Ney)
+    + sparse pieces: returns (α, below, prev, piece_ptr, piece_idx, piece_val), the pieces being each found
+    n-gram context's discounted successors and the ``extra`` orders k ≥ 2 (already weighted)."""
+    rows, length = ctx.shape
+    n = row_counts.size
+    alpha = extra_alpha.copy()
+    below = np.zeros(rows)
+    prev = np.zeros(rows, dtype=np.int64)
+    found = np.full((rows, len(tables)), -1, dtype=np.int64)  # each table's row of the context, or −1
+    scales = np.zeros((rows, len(tables)))
+    size = extra_idx.size
+    for b in range(rows):
+        if not (beta1 > 0.0 and length >= 1):
+            continue
+        factor = beta1  # what the orders below the current table get
+        for j in range(len(tables) - 1, -1, -1):
+            contexts, table_ptr, _, table_counts, order = tables[j]
+            if order == 0 or length < order - 1:
+                continue
+            key = _ngram_key(ctx[b], order - 1, n)
+            if key < 0:
+                continue
+            i = np.searchsorted(contexts, key)
+            if i == contexts.size or contexts[i] != key:
+                continue
+            total = 0.0
+            for p in range(table_ptr[i], table_ptr[i + 1]):
+                total += table_counts[p]
+            found[b, j] = i
+            scales[b, j] = factor / total
+            size += table_ptr[i + 1] - table_ptr[i]
+            factor *= discount * (table_ptr[i + 1] - table_ptr[i]) / total
+        v = ctx[b, length - 1]
+        c = row_counts[v] if 0 <= v < n else 0.0
+        if c == 0.0:  # a context the corpus never continued: the unigram
+            alpha[b] += factor
+        elif kneser_ney:
+            alpha[b] += factor * discount * successors[v] / c
+            below[b] = factor / c
+            prev[b] = v
+        else:  # Dirichlet: (c·Ã[v] + κ·u)/(c + κ), and c·Ã[v] is the row of counts
+            alpha[b] += factor * kappa / (c + kappa)
+            below[b] = factor / (c + kappa)
+            prev[b] = v
+    piece_ptr = np.zeros(rows + 1, dtype=np.int64)
+    piece_idx = np.empty(size, dtype=np.int32)
+    piece_val = np.empty(size)
+    m = 0
+    for b in range(rows):
+        for j in range(len(tables)):
+            if found[b, j] >= 0:
+                _, table_ptr, table_next, table_counts, _ = tables[j]
+                i = found[b, j]
+                for p in range(table_ptr[i], table_ptr[i + 1]):
+                    piece_idx[m] = table_next[p]
+                    piece_val[m] = scales[b, j] * max(table_counts[p] - discount, 0.0)
+                    m += 1
+        for p in range(extra_ptr[b], extra_ptr[b + 1]):
+            piece_idx[m] = extra_idx[p]
+            piece_val[m] = extra_val[p]
+            m += 1
+        piece_ptr[b + 1] = m
+    return alpha, below, prev, piece_ptr, piece_idx, piece_val
+
+
+@jit(parallel=True)
+def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
+                   kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, q, logq):
+    """Fill ``q`` (B, V ≥ N) with the reference after each row of ``ctx`` (B, L; its last tokens, oldest first),
+    zeros past the graph, and ``logq`` with its logs: log α + log u, except where a piece landed (a log each).
+
+    ``beta1`` is order 1's weight β₁/Σβ (0: order 1 left out); ``tables`` a tuple of
+    (contexts, indptr, next, counts, n) by ascending n (n = 0: an empty one, skipped);
+    ``extra_alpha`` (B,) and the CSR ``extra_ptr``/``extra_idx``/``extra_val`` the orders
+    k ≥ 2, already weighted: their unigram coefficient and sparse part. The lookups
+    run first, serially (binary searches); the rows are then filled in parallel.
+    """
+    alpha, below, prev, piece_ptr, piece_idx, piece_val = _coefficients(
+        ctx, beta1, row_counts, successors, tables, kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx,
+        extra_val)
+    n = unigram.size
+    shift = discount if kneser_ney else 0.0
+    for b in numba.prange(ctx.shape[0]):
+        row, log_row = q[b], logq[b]
+        log_alpha = math.log(alpha[b]) if alpha[b] > 0.0 else -np.inf
+        for i in range(n):
+            row[i] = alpha[b] * unigram[i]
+            log_row[i] = log_alpha + log_unigram[i]
+        for i in range(n, row.size):
+            row[i] = 0.0
+            log_row[i] = -np.inf
+        if below[b] > 0.0:
+            v = prev[b]
+            for p in range(indptr[v], indptr[v + 1]):
+                row[indices[p]] += below[b] * max(counts[p] - shift, 0.0)
+            for p in range(indptr[v], indptr[v + 1]):
+                log_row[indices[p]] = math.log(row[indices[p]])
+        for p in range(piece_ptr[b], piece_ptr[b + 1]):
+            row[piece_idx[p]] += piece_val[p]
+        for p in range(piece_ptr[b], piece_ptr[b + 1]):
+            log_row[piece_idx[p]] = math.log(row[piece_idx[p]])
+
+
+@jit()
+def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
+                kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, lam, share, max_iter, table,
+                q, logq, out, iters, gaps):
+    """One decoding step: the reference rows into ``q`` and ``logq`` (:func:`reference_rows`), then
+    ``lambert_kernel.solve_batch`` into ``out``, ``iters`` and ``gaps``; returns its status."""
+    reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
+                   kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, q, logq)
+    return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, out, iters, gaps)
