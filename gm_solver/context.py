@@ -297,19 +297,32 @@ class ContextReference:
         return torch.from_numpy(q).to(dtype)
 
     def step(self, input_ids: torch.Tensor, scores: torch.Tensor, *, lam: float | torch.Tensor | None = None,
-             tol: float = 1e-6, max_iter: int | None = None,
-             check_every: int | None = None) -> tuple[torch.Tensor, SolveInfo]:
+             tol: float = 1e-6, max_iter: int | None = None, check_every: int | None = None,
+             backend: str = "auto") -> tuple[torch.Tensor, SolveInfo]:
         """One decoding step: log x of the config's problem toward q(· | ``input_ids``) for each row of ``scores``,
         in ``scores``' dtype and on its device, with the solve's info (certificate per row).
 
         ``lam`` overrides the config's λ: a float, or a (B,) tensor of λ ≥ 0 per
-        row. On CPU one numba call does everything (``context_kernel.decode_step``;
-        ``max_iter`` ν steps at most, default 60). On other devices it stays there:
-        the reference rows by torch, and the solve by ``divergences``' torch path,
-        by default with no host synchronisation (``check_every=0``: ``max_iter``
-        ν steps, default 8, rows frozen once converged, ``info.converged`` left
-        on the device); ``check_every`` ≥ 1 checks every that many steps instead.
+        row. ``backend`` "numba" (CPU only): one numba call does everything
+        (``context_kernel.decode_step``; ``max_iter`` ν steps at most, default 60).
+        "torch": everything stays on the scores' device, the reference rows by
+        torch and the solve by ``divergences``' torch path, by default with no
+        host synchronisation off the CPU (``check_every=0``: ``max_iter`` ν steps,
+        default 8, rows frozen once converged, ``info.converged`` left on the
+        device); ``check_every`` ≥ 1 checks every that many steps instead. "auto":
+        numba on CPU, torch elsewhere.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [1, 1, 0]])
+            >>> ref = ContextReference(counts, ContextConfig(lam=2.0))
+            >>> logp, info = ref.step(torch.tensor([[2, 0]]), torch.zeros(1, 3))
+            >>> [round(v, 3) for v in logp.exp()[0].tolist()], bool(info.gap.max() <= 1e-6)
+            ([0.206, 0.583, 0.211], True)
         """
+        if backend not in ("auto", "numba", "torch"):
+            raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
         if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
             raise ValueError(f"scores must be a (B, V) tensor, got {tuple(getattr(scores, 'shape', ()))}")
         self._check_ids(input_ids, scores.shape[0])
@@ -317,18 +330,21 @@ class ContextReference:
             raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.n} nodes; "
                              f"rebuild the graph with this model's tokenizer")
         cpu = scores.device.type == "cpu"
+        if backend == "numba" and not cpu:
+            raise ValueError(f"the numba kernel runs on the CPU, the scores are on {scores.device}; use backend='torch'")
+        kernel = cpu and backend != "torch"
         if not cpu and check_every is None:
             check_every = 0
         cfg = self.config
         share = 1.0 if cfg.divergence == "kl" else cfg.kl_share
         max_iter = max_iter if max_iter is not None else (60 if cpu else 8)
-        # on CPU the kernel checks the scores' values in its first pass (one pass fewer)
+        # the kernel checks the scores' values in its first pass (one pass fewer)
         lam = check_inputs(scores, None, cfg.lam if lam is None else lam, share, tol, max_iter,
-                           sync=check_every != 0, skip_z_values=cpu)
+                           sync=check_every != 0, skip_z_values=kernel, name="scores")
         if isinstance(lam, float) and lam == 0.0:
             zeros = torch.zeros(scores.shape[0], dtype=torch.float64, device=scores.device)
             return torch.log_softmax(scores, -1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
-        if not cpu:
+        if not kernel:
             z = scores.to(torch.float64)
             q = self._rows_torch(input_ids, scores.shape[-1])
             logx, info = _solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
@@ -358,23 +374,24 @@ class ContextReference:
             return self._devices[key]
 
         def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            with warnings.catch_warnings():  # read-only memory maps: torch only reads them
-                warnings.simplefilter("ignore", UserWarning)
-                return torch.as_tensor(np.asarray(a), device="cpu").to(device=device, dtype=dtype)
+            return torch.as_tensor(np.asarray(a), device="cpu").to(device=device, dtype=dtype)
 
-        ngrams = [(order, tensor(t.contexts, torch.int64), tensor(t.indptr, torch.int64), tensor(t.next, torch.int64),
-                   tensor(t.counts, torch.float64), int(np.diff(np.asarray(t.indptr)).max()))
-                  for order, t in self.ngrams.items()]
-        transition_t = None
-        if any(b > 0 for b in self.config.order_weights[1:]):
-            a_t = self.transition.T.tocsr()
-            transition_t = torch.sparse_csr_tensor(tensor(a_t.indptr, torch.int64), tensor(a_t.indices, torch.int64),
-                                                   tensor(a_t.data, torch.float64), size=a_t.shape,
-                                                   check_invariants=False)
-        tables = _DeviceTables(tensor(self.indptr, torch.int64), tensor(self.indices, torch.int64),
-                               tensor(self.counts, torch.float64), tensor(self.row_counts, torch.float64),
-                               tensor(self.successors, torch.float64), tensor(self.unigram, torch.float64),
-                               int(self.successors.max()) if self.n else 0, ngrams, transition_t)
+        with warnings.catch_warnings():  # read-only memory maps (torch only reads them); sparse CSR "in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            ngrams = [(order, tensor(t.contexts, torch.int64), tensor(t.indptr, torch.int64),
+                       tensor(t.next, torch.int64), tensor(t.counts, torch.float64),
+                       int(np.diff(np.asarray(t.indptr)).max())) for order, t in self.ngrams.items()]
+            transition_t = None
+            if any(b > 0 for b in self.config.order_weights[1:]):
+                a_t = self.transition.T.tocsr()
+                transition_t = torch.sparse_csr_tensor(tensor(a_t.indptr, torch.int64),
+                                                       tensor(a_t.indices, torch.int64),
+                                                       tensor(a_t.data, torch.float64), size=a_t.shape,
+                                                       check_invariants=False)
+            tables = _DeviceTables(tensor(self.indptr, torch.int64), tensor(self.indices, torch.int64),
+                                   tensor(self.counts, torch.float64), tensor(self.row_counts, torch.float64),
+                                   tensor(self.successors, torch.float64), tensor(self.unigram, torch.float64),
+                                   int(self.successors.max()) if self.n else 0, ngrams, transition_t)
         self._devices[key] = tables
         return tables
 

@@ -155,7 +155,8 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, di
 
 
 def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Tensor, kl_share: float, tol: float,
-                 max_iter: int, *, sync: bool = True, skip_z_values: bool = False) -> float | torch.Tensor:
+                 max_iter: int, *, sync: bool = True, skip_z_values: bool = False,
+                 name: str = "z") -> float | torch.Tensor:
     """Refuse what the solvers cannot take, each with a one-line ValueError; returns λ as a float or a (B,) tensor.
 
     Shapes and settings are checked on the host; the values of ``z``, ``q``
@@ -163,19 +164,20 @@ def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Ten
     when ``sync`` is False (a failure then surfaces as a device-side assert).
     ``q`` None: the caller builds the reference itself (``ContextReference.step``);
     ``skip_z_values``: the caller's kernel checks z's values in its first pass, before it reads them otherwise.
+    ``name``: what the messages call z.
     """
     if not isinstance(z, torch.Tensor) or not z.is_floating_point():
-        raise TypeError(f"z must be a floating-point torch tensor, got {type(z).__name__}")
+        raise TypeError(f"{name} must be a floating-point torch tensor, got {type(z).__name__}")
     if z.dim() != 2 or z.shape[-1] == 0:
-        raise ValueError(f"z must have shape (B, V) with V >= 1, got {tuple(z.shape)}")
+        raise ValueError(f"{name} must have shape (B, V) with V >= 1, got {tuple(z.shape)}")
     if q is not None:
         if not isinstance(q, torch.Tensor) or not q.is_floating_point():
             raise TypeError(f"q must be a floating-point torch tensor, got {type(q).__name__}")
         if q.shape != z.shape:
-            raise ValueError(f"q has shape {tuple(q.shape)} but z has {tuple(z.shape)}: give one reference row per "
-                             f"row of z, as wide as z (zeros for tokens the reference does not cover)")
+            raise ValueError(f"q has shape {tuple(q.shape)} but {name} has {tuple(z.shape)}: give one reference row "
+                             f"per row of {name}, as wide as {name} (zeros for tokens the reference does not cover)")
         if q.device != z.device:
-            raise ValueError(f"q is on {q.device} but z on {z.device}; move them to one device")
+            raise ValueError(f"q is on {q.device} but {name} on {z.device}; move them to one device")
     if not 0.0 <= kl_share <= 1.0:
         raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {kl_share}")
     if not (isinstance(tol, (int, float)) and tol > 0):
@@ -183,9 +185,10 @@ def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Ten
     if not (isinstance(max_iter, int) and max_iter >= 1):
         raise ValueError(f"max_iter must be an int >= 1, got {max_iter!r}")
     checks = {} if skip_z_values else {
-        "z contains NaN; check the model's output (fp16 overflow?) before graphmax": torch.isnan(z),
-        "z contains +inf; graphmax needs finite logits or -inf for masked tokens": torch.isposinf(z),
-        "a row of z is entirely -inf: no token is allowed, so there is no distribution": torch.isneginf(z).all(dim=-1)}
+        f"{name} contains NaN; check the model's output (fp16 overflow?) before graphmax": torch.isnan(z),
+        f"{name} contains +inf; graphmax needs finite logits or -inf for masked tokens": torch.isposinf(z),
+        f"a row of {name} is entirely -inf: no token is allowed, so there is no distribution":
+            torch.isneginf(z).all(dim=-1)}
     if q is not None:
         checks["q contains NaN or ±inf; the reference must be finite"] = ~torch.isfinite(q)
         checks["q has negative entries; the reference must be ≥ 0 (it is renormalised over the allowed tokens)"] = q < 0

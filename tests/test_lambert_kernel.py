@@ -1,4 +1,5 @@
-"""The Lambert-W kernel of the context solve: the tabulated log W(eˢ) against scipy, and the ν step."""
+"""The CPU kernel of the context solve: the tabulated log W(eˢ) against scipy, the ν step, the batched solve and its
+certificate."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from scipy.special import lambertw
 
 from gm_solver import lambert_kernel as K
-from gm_solver.divergences import certificate_toward, log_lambertw_exp
+from gm_solver.divergences import certificate_toward, log_lambertw_exp, solve_toward
 
 
 def _exact(s: float) -> float:
@@ -70,3 +71,81 @@ def test_kernel_certificate_equals_the_torch_certificate(seed, kind, lam):
     divergence = "rkl" if kind == K.RKL else "l2"
     expected = float(certificate_toward(logx[None], t[None], q_hat[None], lam, divergence))
     assert K.certificate(kind, t.numpy(), a.numpy(), lam, logx.numpy()) == pytest.approx(expected, rel=1e-10)
+
+
+BATCHES = st.tuples(st.integers(0, 10_000), st.integers(1, 6), st.sampled_from([5, 300, 9000]),
+                    st.sampled_from(["rkl", "l2", "kl"]), st.sampled_from([0.0, 0.15, 0.7]))
+
+
+def _batch(seed: int, rows: int, width: int):
+    g = torch.Generator().manual_seed(seed)
+    z = 4 * torch.randn(rows, width, generator=g, dtype=torch.float64)
+    z[0, : width // 3] = -torch.inf  # masked tokens
+    q = torch.rand(rows, width, generator=g, dtype=torch.float64) ** 4
+    q[-1, width // 2:] = 0  # a reference with zeros
+    if rows > 2:
+        q[1] = 0  # and one with no mass at all: softmax
+    lam = torch.tensor([0.05, 1.0, 3.0, 30.0, 0.0, 300.0][:rows], dtype=torch.float64)
+    return z, q, lam
+
+
+def _solve(z, q, lam, divergence, share, max_iter=60):
+    kind = K.L2 if divergence == "l2" else K.RKL
+    out, iters, gaps = np.empty(z.shape), np.empty(len(z), dtype=np.int64), np.empty(len(z))
+    assert K.solve_batch(kind, z.numpy(), q.numpy(), q.numpy(), False, lam.numpy(), 1.0 if divergence == "kl" else share,
+                         max_iter, K.TABLE, out, iters, gaps) == K.FINE
+    return out, iters, gaps
+
+
+@given(BATCHES)
+def test_a_row_comes_out_of_the_batched_kernel_as_it_does_alone(case):
+    # rows share every pass (lockstep ν steps, chunks spread over the threads) but each row's chunk sums are
+    # added in a fixed order: a row alone and in a batch are solved bit for bit alike
+    seed, rows, width, divergence, share = case
+    z, q, lam = _batch(seed, rows, width)
+    out, iters, gaps = _solve(z, q, lam, divergence, share)
+    assert (gaps <= 1e-6).all()
+    for b in range(rows):
+        alone = _solve(z[b:b + 1], q[b:b + 1], lam[b:b + 1], divergence, share)
+        np.testing.assert_array_equal(alone[0][0], out[b])
+        assert alone[1][0] == iters[b] and alone[2][0] == gaps[b]
+    # and it is the torch path's solution (Newton for W instead of the table, every row in torch)
+    expected, info = solve_toward(z, q, lam, divergence, kl_share=share, backend="torch")
+    torch.testing.assert_close(torch.from_numpy(out).exp(), expected.exp(), atol=1e-10, rtol=0)
+    assert torch.equal(torch.from_numpy(iters), info.iterations)
+
+
+@given(BATCHES, st.sampled_from([1, 2, 60]))
+def test_the_fused_certificate_is_the_certificate_computed_from_scratch(case, max_iter):
+    # the last pass sums the certificate while it writes log x, shifted by ν; out of ν steps (max_iter 1 or 2)
+    # ν may be no safe shift and the kernel sums again from the max: either way, the certificate of what it returns
+    seed, rows, width, divergence, share = case
+    z, q, lam = _batch(seed, rows, width)
+    out, _, gaps = _solve(z, q, lam, divergence, share, max_iter)
+    share = 1.0 if divergence == "kl" else share
+    for b in range(rows):
+        allowed = torch.isfinite(z[b])
+        mass = float(q[b][allowed].sum())
+        if lam[b] == 0 or mass == 0:
+            assert gaps[b] == 0
+            continue
+        scale = 1.0 + lam[b] * share
+        lam_d = float(lam[b] * (1.0 - share) / scale)
+        q_hat = torch.where(allowed, q[b], 0.0) / mass
+        t = torch.log_softmax(z[b], -1)
+        if share > 0:  # the logits leaned toward q by KL(x‖q)'s share
+            t = torch.log_softmax(torch.where(q_hat > 0, (t + lam[b] * share * q_hat.log()) / scale, -torch.inf), -1)
+        a = (lam_d if divergence != "l2" else 2 * lam_d) * q_hat
+        expected = float(scale) * K.certificate(K.L2 if divergence == "l2" else K.RKL, t.numpy(), a.numpy(), lam_d,
+                                                out[b])
+        assert gaps[b] == pytest.approx(expected, rel=1e-9, abs=1e-11)  # at the optimum: rounding of ±ν-sized sums
+
+
+def test_the_kernel_reports_bad_logits_before_any_nu_step():
+    z, q, lam = _batch(0, 3, 300)
+    for edit, status in ((lambda v: v.index_fill(1, torch.tensor([7]), float("nan")), K.HAS_NAN),
+                         (lambda v: v.index_fill(1, torch.tensor([7]), float("inf")), K.HAS_POSINF),
+                         (lambda v: v.index_fill(0, torch.tensor([2]), -float("inf")), K.ALL_MASKED)):
+        out, iters, gaps = np.empty(z.shape), np.empty(3, dtype=np.int64), np.empty(3)
+        assert K.solve_batch(K.RKL, edit(z).numpy(), q.numpy(), q.numpy(), False, lam.numpy(), 0.15, 60, K.TABLE,
+                             out, iters, gaps) == status
