@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numba
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -115,24 +116,19 @@ class ContextConfig:
         return cls(**known)
 
 
-def graph_stats(graph: Any, counts: sp.csr_matrix) -> dict[str, np.ndarray]:
+def graph_stats(graph: Any, indptr: np.ndarray, indices: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
     """Per-token statistics of the bigram counts A: ``row_counts`` Σ_j A_ij, ``successors`` #{j: A_ij > 0},
     ``predecessors`` #{i: A_ij > 0} (Kneser–Ney's continuation counts) and ``column_counts`` Σ_i A_ij, int64.
 
     The one place that reads them: from ``graph.stats`` when the graph stores them (computed at build time,
-    so start-up reads N-long arrays instead of passing over the non-zeros), else from ``counts``.
+    so start-up reads N-long arrays instead of passing over the non-zeros), else from the CSR arrays of the
+    counts in one pass.
     """
     stored = getattr(graph, "stats", None)
     if stored:
         return stored
-    n = counts.shape[0]
-    indptr = np.asarray(counts.indptr, dtype=np.int64)
-    data = np.asarray(counts.data)
-    cumulative = np.concatenate([[0], np.cumsum(data, dtype=np.int64 if data.dtype.kind in "iu" else np.float64)])
-    return {"row_counts": (cumulative[indptr[1:]] - cumulative[indptr[:-1]]).astype(np.int64),
-            "successors": np.diff(indptr),
-            "predecessors": np.bincount(counts.indices, minlength=n).astype(np.int64),
-            "column_counts": np.bincount(counts.indices, weights=data, minlength=n).astype(np.int64)}
+    keys = ("row_counts", "successors", "predecessors", "column_counts")
+    return dict(zip(keys, context_kernel.count_stats(indptr, indices, counts, len(indptr) - 1)))
 
 
 def _frozen(a: np.ndarray, dtype) -> np.ndarray:
@@ -195,7 +191,7 @@ class ContextReference:
         self.indptr = _frozen(counts.indptr, np.int64)
         self.indices = _frozen(counts.indices, np.int32)
         self.counts = _frozen(data, np.int64)
-        stats = graph_stats(source, counts)
+        stats = graph_stats(source, self.indptr, self.indices, self.counts)
         self.row_counts = np.asarray(stats["row_counts"], dtype=np.float64)
         self.successors = np.asarray(stats["successors"], dtype=np.float64)
         self.kneser_ney = config.smoothing == "kneser-ney"
@@ -361,7 +357,7 @@ class ContextReference:
         kind = lambert_kernel.L2 if cfg.divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
         status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids), lam_np, share, max_iter,
                                             lambert_kernel.TABLE, self._workspace[0], self._workspace[1], out, iters,
-                                            gaps)
+                                            gaps, rows >= numba.get_num_threads())
         raise_for_status(status, "scores")
         g = torch.from_numpy(gaps)
         return torch.from_numpy(out).to(scores.dtype), SolveInfo(torch.from_numpy(iters), g, g <= tol, 0)

@@ -18,7 +18,26 @@ import math
 import numba
 import numpy as np
 
-from .lambert_kernel import jit, solve_batch
+from .lambert_kernel import CHUNK, FINE, TOTAL, jit, solve_batch, solve_row
+
+
+@jit()
+def count_stats(indptr, indices, data, n):
+    """(row_counts, successors, predecessors, column_counts) of a CSR count matrix, int64, in one pass over it."""
+    rows = np.zeros(n, dtype=np.int64)
+    successors = np.zeros(n, dtype=np.int64)
+    predecessors = np.zeros(n, dtype=np.int64)
+    columns = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        for p in range(indptr[i], indptr[i + 1]):
+            c = np.int64(data[p])
+            j = indices[p]
+            rows[i] += c
+            columns[j] += c
+            if c > 0:
+                successors[i] += 1
+                predecessors[j] += 1
+    return rows, successors, predecessors, columns
 
 
 @jit()
@@ -101,11 +120,43 @@ def _coefficients(ctx, beta1, row_counts, successors, tables, kneser_ney, discou
     return alpha, below, prev, piece_ptr, piece_idx, piece_val
 
 
+@jit()
+def _fill_row(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_idx, piece_val, q, logq):
+    # q = α·u + below·max(A[prev] − shift, 0) + the pieces, zeros past the graph; log q = log α + log u except
+    # where something landed (a log each)
+    n = unigram.size
+    log_alpha = math.log(alpha) if alpha > 0.0 else -np.inf
+    for i in range(n):
+        q[i] = alpha * unigram[i]
+        logq[i] = log_alpha + log_unigram[i]
+    for i in range(n, q.size):
+        q[i] = 0.0
+        logq[i] = -np.inf
+    if below > 0.0:
+        for p in range(indptr[prev], indptr[prev + 1]):
+            q[indices[p]] += below * max(counts[p] - shift, 0.0)
+        for p in range(indptr[prev], indptr[prev + 1]):
+            logq[indices[p]] = math.log(q[indices[p]])
+    for p in range(piece_idx.size):
+        q[piece_idx[p]] += piece_val[p]
+    for p in range(piece_idx.size):
+        logq[piece_idx[p]] = math.log(q[piece_idx[p]])
+
+
 @jit(parallel=True)
+def _fill_rows(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr, piece_idx,
+               piece_val, q, logq):
+    for b in numba.prange(q.shape[0]):
+        lo, hi = piece_ptr[b], piece_ptr[b + 1]
+        _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
+                  piece_val[lo:hi], q[b], logq[b])
+
+
+@jit()
 def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
                    kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, q, logq):
     """Fill ``q`` (B, V ≥ N) with the reference after each row of ``ctx`` (B, L; its last tokens, oldest first),
-    zeros past the graph, and ``logq`` with its logs: log α + log u, except where a piece landed (a log each).
+    zeros past the graph, and ``logq`` with its logs.
 
     ``beta1`` is order 1's weight β₁/Σβ (0: order 1 left out); ``tables`` a tuple of
     (contexts, indptr, next, counts, n) by ascending n (n = 0: an empty one, skipped);
@@ -116,35 +167,50 @@ def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, 
     alpha, below, prev, piece_ptr, piece_idx, piece_val = _coefficients(
         ctx, beta1, row_counts, successors, tables, kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx,
         extra_val)
-    n = unigram.size
-    shift = discount if kneser_ney else 0.0
-    for b in numba.prange(ctx.shape[0]):
-        row, log_row = q[b], logq[b]
-        log_alpha = math.log(alpha[b]) if alpha[b] > 0.0 else -np.inf
-        for i in range(n):
-            row[i] = alpha[b] * unigram[i]
-            log_row[i] = log_alpha + log_unigram[i]
-        for i in range(n, row.size):
-            row[i] = 0.0
-            log_row[i] = -np.inf
-        if below[b] > 0.0:
-            v = prev[b]
-            for p in range(indptr[v], indptr[v + 1]):
-                row[indices[p]] += below[b] * max(counts[p] - shift, 0.0)
-            for p in range(indptr[v], indptr[v + 1]):
-                log_row[indices[p]] = math.log(row[indices[p]])
-        for p in range(piece_ptr[b], piece_ptr[b + 1]):
-            row[piece_idx[p]] += piece_val[p]
-        for p in range(piece_ptr[b], piece_ptr[b + 1]):
-            log_row[piece_idx[p]] = math.log(row[piece_idx[p]])
+    _fill_rows(alpha, below, prev, discount if kneser_ney else 0.0, indptr, indices, counts, unigram, log_unigram,
+               piece_ptr, piece_idx, piece_val, q, logq)
+
+
+@jit(parallel=True)
+def _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
+                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, out, iters, gaps):
+    # each row's reference and solve by one thread, rows in parallel: one parallel region for the step
+    rows, width = z.shape
+    chunks = (width + CHUNK - 1) // CHUNK
+    status = np.zeros(rows, dtype=np.int64)
+    base = np.empty_like(z)
+    omega = np.empty_like(z)
+    state = np.empty((rows, TOTAL + 1))
+    part = np.empty((rows, chunks, 6))
+    default = numba.set_parallel_chunksize(1)  # a thread takes the next row when done: rows differ in ν steps
+    for b in numba.prange(rows):
+        lo, hi = piece_ptr[b], piece_ptr[b + 1]
+        _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
+                  piece_val[lo:hi], q[b], logq[b])
+        status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], True, lam[b], share, max_iter, table,
+                                                 out[b], base[b], omega[b], state[b], part[b])
+    numba.set_parallel_chunksize(default)
+    for b in range(rows):
+        if status[b] != FINE:
+            return status[b]
+    return FINE
 
 
 @jit()
 def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
                 kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, lam, share, max_iter, table,
-                q, logq, out, iters, gaps):
-    """One decoding step: the reference rows into ``q`` and ``logq`` (:func:`reference_rows`), then
-    ``lambert_kernel.solve_batch`` into ``out``, ``iters`` and ``gaps``; returns its status."""
-    reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
-                   kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, q, logq)
-    return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, out, iters, gaps)
+                q, logq, out, iters, gaps, per_row):
+    """One decoding step: the reference rows into ``q`` and ``logq`` (:func:`reference_rows`), then the solve
+    (``lambert_kernel.solve_batch``) into ``out``, ``iters`` and ``gaps``; returns its status. ``per_row``:
+    each row built and solved by one thread, rows in parallel, in one parallel region; else the rows are
+    filled, then every pass of the solve spread over all rows' chunks."""
+    alpha, below, prev, piece_ptr, piece_idx, piece_val = _coefficients(
+        ctx, beta1, row_counts, successors, tables, kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx,
+        extra_val)
+    shift = discount if kneser_ney else 0.0
+    if per_row:
+        return _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram,
+                            piece_ptr, piece_idx, piece_val, lam, share, max_iter, table, q, logq, out, iters, gaps)
+    _fill_rows(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr, piece_idx,
+               piece_val, q, logq)
+    return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, out, iters, gaps, False)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import torch
 
@@ -272,7 +273,7 @@ def solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: flo
     iters = np.empty(rows, dtype=np.int64)
     gaps = np.empty(rows)
     status = lambert_kernel.solve_batch(kind, z_np, q_np, q_np, False, lam_np, float(kl_share), max_iter,
-                                        lambert_kernel.TABLE, out, iters, gaps)
+                                        lambert_kernel.TABLE, out, iters, gaps, rows >= numba.get_num_threads())
     raise_for_status(status, "z")
     return torch.from_numpy(out), torch.from_numpy(iters), torch.from_numpy(gaps)
 

@@ -170,6 +170,13 @@ def nu_step(kind, total, slope, curve):
 CHUNK = 4096  # tokens per task: V = 49,152 gives 12 per row, enough to spread one row over the cores
 # what solve_batch returns when a row of z cannot be solved (it then stops before any ν step)
 FINE, HAS_NAN, HAS_POSINF, ALL_MASKED = 0, 1, 2, 3
+# a row's state between passes: one float64 row of ``state`` per logits row
+LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, TOTAL = range(15)
+
+
+@jit()
+def _span(c, width):
+    return c * CHUNK, min(width, (c + 1) * CHUNK)
 
 
 @jit()
@@ -305,147 +312,254 @@ def _finish(kind, v, q, base, omega, lse, kap, lam, log_kap, log_c, nu, log_tota
     return inner, total, top
 
 
+@jit()
+def _ordered(values):
+    # a plain left-to-right sum: both drivers add a row's chunk sums in this one order
+    acc = 0.0
+    for j in range(values.size):
+        acc += values[j]
+    return acc
+
+
+@jit()
+def _begin(kind, z, out, sums, lam, share, st):
+    """A row's state from its chunks' :func:`_prepare` sums (``sums``, chunks × 6), or what is wrong with its z.
+
+    λ′ = λ(1−m)/(1+λm) is the divergence's own weight, and a = κq with κ = λ′/mass
+    (rkl) or 2λ′/mass (l2), λ′ times q renormalised over the allowed tokens. A row
+    with λ = 0 or no reference mass there is left as softmax (``st[SOFT]``).
+    """
+    if _ordered(sums[:, 3]) > 0:
+        return HAS_NAN
+    if _ordered(sums[:, 4]) > 0:
+        return HAS_POSINF
+    if _ordered(sums[:, 5]) == 0:
+        return ALL_MASKED
+    st[SCALE] = 1.0 + lam * share
+    st[LAM] = lam * (1.0 - share) / st[SCALE]
+    st[MASS] = _ordered(sums[:, 0])
+    st[LSE] = _combine(sums[:, 1], sums[:, 2])
+    soft = lam == 0.0 or not st[MASS] > 0.0
+    st[SOFT] = soft
+    if soft and lam * share > 0.0:  # out holds the leaned logits: softmax is of z itself
+        out[:] = z
+        st[LSE] = _logsumexp(z)
+    st[KAP] = (1.0 if kind == RKL else 2.0) * st[LAM] / (1.0 if soft else st[MASS])
+    st[LOG_KAP] = math.log(max(st[KAP], _TINY))
+    st[LOG_C] = math.log(max(2.0 * st[LAM], _TINY))
+    # the ν search: ν (rkl starts at 0, where every x ≥ its softmax, so Σx ≥ 1), where Σx was last evaluated
+    # (the answer if the budget runs out), the bracket, the reach of one-sided fallback steps (doubled each time:
+    # the root may lie hundreds away), the last |log Σx|, and Σx at AT
+    st[NU], st[AT], st[LOW], st[HIGH], st[REACH], st[LAST], st[TOTAL] = 0.0, 0.0, -np.inf, np.inf, 1.0, np.inf, 1.0
+    return FINE
+
+
+@jit()
+def _solving(st):
+    # a row that takes ν steps: not softmax, and λ′ > 0 (λ′ = 0 is KL(x‖q) alone, the leaned softmax)
+    return st[SOFT] == 0.0 and st[LAM] > 0.0
+
+
+@jit()
+def _sums_at(kind, v, q, base, omega, st, table, lo, hi, sums):
+    shift = st[LOG_KAP] + st[LSE] + st[NU] if kind == RKL else st[LOG_C] - st[LSE] - st[NU]
+    sums[0], sums[1], sums[2] = _sums(kind, v, q, base, omega, shift, st[LSE] + st[NU], st[KAP], 0.5 / st[LAM], table,
+                                      lo, hi)
+
+
+@jit()
+def _advance(kind, st, sums):
+    """A row's ν step from its chunks' Σx, Σx′, Σx″ at st[NU]; False once |log Σx| is within tolerance (ν stays).
+
+    The steps of :func:`nu_step`, kept inside a bracket by bisection (also taken
+    when a step does not halve |log Σx|: they can bounce between the two sides
+    without closing in at large λ), stopped at |log Σx| ≤ ``nu_tolerance(λ′)``.
+    """
+    total = _ordered(sums[:, 0])
+    st[AT], st[TOTAL] = st[NU], total
+    if total >= 1.0:
+        st[LOW] = max(st[LOW], st[NU])
+    else:
+        st[HIGH] = min(st[HIGH], st[NU])
+    miss = abs(math.log(total))
+    if miss <= nu_tolerance(st[LAM]):
+        return False
+    step = st[NU] + nu_step(kind, total, _ordered(sums[:, 1]), _ordered(sums[:, 2]))
+    both = np.isfinite(st[LOW]) and np.isfinite(st[HIGH])
+    slow = both and miss > 0.5 * st[LAST]
+    st[LAST] = miss
+    if slow or not (st[LOW] < step < st[HIGH]):
+        if both:
+            step = 0.5 * (st[LOW] + st[HIGH])
+        elif np.isfinite(st[LOW]):
+            step = st[LOW] + st[REACH]
+            st[REACH] *= 2.0
+        else:
+            step = st[HIGH] - st[REACH]
+            st[REACH] *= 2.0
+    st[NU] = step
+    return True
+
+
+@jit()
+def _finish_at(kind, v, q, base, omega, st, lo, hi, out, sums):
+    if st[SOFT] != 0.0:
+        for i in range(lo, hi):
+            out[i] -= st[LSE]
+        return
+    sums[0], sums[1], sums[2] = _finish(kind, v, q, base, omega, st[LSE], st[KAP], st[LAM], st[LOG_KAP], st[LOG_C],
+                                        st[AT], math.log(st[TOTAL]), lo, hi, out)
+
+
+@jit()
+def _gap(st, sums, y):
+    # the certificate from the chunks' Σ x(log x − y) and Σ e^(y − ν), scaled by 1 + λm; y = the row's y
+    if st[SOFT] != 0.0:
+        return 0.0
+    summed = _ordered(sums[:, 1])
+    if 1e-100 < summed < 1e100:
+        lse_y = st[AT] + math.log(summed)
+    else:  # ν was no safe shift (far from the optimum, e.g. out of ν steps): from the maximum
+        lse_y = _logsumexp(y)
+    return st[SCALE] * max(_ordered(sums[:, 0]) + lse_y, 0.0)
+
+
+@jit()
+def _start_l2_row(st, sums):
+    # l2 starts at ν = logsumexp(t + a), from its chunks' (max, Σ e^(u − max)): every x ≤ its softmax, so Σx ≤ 1
+    st[NU] = _combine(sums[:, 1], sums[:, 2]) - st[LSE]
+
+
+@jit()
+def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, omega, st, sums):
+    """One row of :func:`solve_batch`, serially, chunk by chunk: (status, ν steps, gap). Its chunks' sums are
+    added in the order the lockstep driver adds them, so the row comes out bit for bit the same."""
+    width = z.size
+    chunks = (width + CHUNK - 1) // CHUNK
+    for c in range(chunks):
+        lo, hi = _span(c, width)
+        _prepare(kind, z, q, logq, have_logq, lam * share, kind == RKL and lam * (1.0 - share) > 0.0, out, base, lo,
+                 hi, sums[c])
+    status = _begin(kind, z, out, sums[:chunks], lam, share, st)
+    if status != FINE:
+        return status, 0, 0.0
+    iters = 0
+    if _solving(st):
+        if kind == L2:
+            for c in range(chunks):
+                lo, hi = _span(c, width)
+                sums[c, 1], sums[c, 2] = _start_l2(out, q, st[KAP], lo, hi)
+            _start_l2_row(st, sums[:chunks])
+        for _ in range(max_iter):
+            for c in range(chunks):
+                lo, hi = _span(c, width)
+                _sums_at(kind, out, q, base, omega, st, table, lo, hi, sums[c])
+            if not _advance(kind, st, sums[:chunks]):
+                break
+            iters += 1
+    for c in range(chunks):
+        lo, hi = _span(c, width)
+        _finish_at(kind, out, q, base, omega, st, lo, hi, out, sums[c])
+    return FINE, iters, _gap(st, sums[:chunks], omega)
+
+
 @jit(parallel=True)
-def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, iters, gaps):
+def _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, omega, state, iters, gaps):
+    # rows in parallel, each solved whole by one thread: one parallel region for the batch
+    rows, width = z.shape
+    chunks = (width + CHUNK - 1) // CHUNK
+    status = np.zeros(rows, dtype=np.int64)
+    part = np.empty((rows, chunks, 6))
+    default = numba.set_parallel_chunksize(1)  # a thread takes the next row when done: rows differ in ν steps
+    for b in numba.prange(rows):
+        status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], have_logq, lam[b], share, max_iter, table,
+                                                 out[b], base[b], omega[b], state[b], part[b])
+    numba.set_parallel_chunksize(default)
+    for b in range(rows):
+        if status[b] != FINE:
+            return status[b]
+    return FINE
+
+
+@jit(parallel=True)
+def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, omega, state, iters, gaps):
+    # every pass over all (row, chunk) pairs of the rows still working at once: one row or a few spread over
+    # every core, at one parallel region per pass; rows take their ν steps in lockstep and leave as they converge
+    rows, width = z.shape
+    chunks = (width + CHUNK - 1) // CHUNK
+    part = np.empty((rows * chunks, 6))
+    for t in numba.prange(rows * chunks):
+        b, c = t // chunks, t % chunks
+        lo, hi = _span(c, width)
+        _prepare(kind, z[b], q[b], logq[b], have_logq, lam[b] * share, kind == RKL and lam[b] * (1.0 - share) > 0.0,
+                 out[b], base[b], lo, hi, part[t])
+    for b in range(rows):
+        status = _begin(kind, z[b], out[b], part[b * chunks:(b + 1) * chunks], lam[b], share, state[b])
+        if status != FINE:
+            return status
+    iters[:] = 0
+    working = np.empty(rows, dtype=np.int64)
+    n_work = 0
+    for b in range(rows):
+        if _solving(state[b]):
+            working[n_work] = b
+            n_work += 1
+    if kind == L2:
+        for t in numba.prange(n_work * chunks):
+            b, c = working[t // chunks], t % chunks
+            lo, hi = _span(c, width)
+            part[t, 1], part[t, 2] = _start_l2(out[b], q[b], state[b, KAP], lo, hi)
+        for j in range(n_work):
+            _start_l2_row(state[working[j]], part[j * chunks:(j + 1) * chunks])
+    for _ in range(max_iter):
+        if n_work == 0:
+            break
+        for t in numba.prange(n_work * chunks):
+            b, c = working[t // chunks], t % chunks
+            lo, hi = _span(c, width)
+            _sums_at(kind, out[b], q[b], base[b], omega[b], state[b], table, lo, hi, part[t])
+        still = 0
+        for j in range(n_work):
+            b = working[j]
+            if _advance(kind, state[b], part[j * chunks:(j + 1) * chunks]):
+                iters[b] += 1
+                working[still] = b
+                still += 1
+        n_work = still
+    for t in numba.prange(rows * chunks):
+        b, c = t // chunks, t % chunks
+        lo, hi = _span(c, width)
+        _finish_at(kind, out[b], q[b], base[b], omega[b], state[b], lo, hi, out[b], part[t])
+    for b in range(rows):
+        gaps[b] = _gap(state[b], part[b * chunks:(b + 1) * chunks], omega[b])
+    return FINE
+
+
+@jit()
+def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, iters, gaps, per_row):
     """``solve_toward`` for every row of ``z`` (B, V) toward ``q`` (B, V, finite, ≥ 0), λ = ``lam`` (B,) per row.
 
     Fills ``out`` with log x, ``iters`` with the ν steps and ``gaps`` with the
     certificate, scaled by 1 + λm for the share m = ``share`` on KL(x‖q) (λ′ = 0
     when m = 1: KL(x‖q) alone, closed form). q is restricted to the finite
     logits and renormalised; a row with no mass there, or with λ = 0, is left
-    as softmax with gap 0. The ν steps of :func:`nu_step` are kept inside a
-    bracket by bisection (also taken when a step does not halve |log Σx|) and
-    stop at |log Σx| ≤ ``nu_tolerance(λ′)``, as the torch path does.
-    ``logq`` is log q when ``have_logq`` (the caller built q and has its logs
-    cheaply), else unread. Returns :data:`FINE`, or what is wrong with the first
-    row of z that has NaN, +inf or no finite entry, found in the first pass; it
-    then stops there, before any ν step.
+    as softmax with gap 0. ``logq`` is log q when ``have_logq`` (the caller built
+    q and has its logs cheaply), else unread. ``per_row``: each row solved whole
+    by one thread, rows in parallel (one parallel region: for batches at least
+    as large as the thread count); else every pass spread over all rows' chunks
+    (for one row, or a few). Both add each row's chunk sums in one order, so a
+    row comes out bit for bit the same either way, in any batch. Returns
+    :data:`FINE`, or what is wrong with the first row of z that has NaN, +inf or
+    no finite entry, found in the first pass, before any ν step.
     """
-    rows, width = z.shape
-    chunks = (width + CHUNK - 1) // CHUNK
-    tasks = rows * chunks
     base = np.empty_like(z)
     omega = np.empty_like(z)
-    part = np.empty((tasks, 6))
-    scale = 1.0 + lam * share
-    lam_d = lam * (1.0 - share) / scale  # λ′, the divergence's own weight
-    for t in numba.prange(tasks):
-        b, c = t // chunks, t % chunks
-        _prepare(kind, z[b], q[b], logq[b], have_logq, lam[b] * share, kind == RKL and lam_d[b] > 0.0, out[b],
-                 base[b], c * CHUNK, min(width, (c + 1) * CHUNK), part[t])
-    for b in range(rows):
-        counts = part[b * chunks:(b + 1) * chunks, 3:].sum(axis=0)
-        if counts[0] > 0:
-            return HAS_NAN
-        if counts[1] > 0:
-            return HAS_POSINF
-        if counts[2] == 0:
-            return ALL_MASKED
-    lse = np.empty(rows)
-    mass = np.empty(rows)
-    soft = np.zeros(rows, dtype=np.bool_)
-    for b in range(rows):
-        mass[b] = part[b * chunks:(b + 1) * chunks, 0].sum()
-        lse[b] = _combine(part[b * chunks:(b + 1) * chunks, 1], part[b * chunks:(b + 1) * chunks, 2])
-        soft[b] = lam[b] == 0.0 or not mass[b] > 0.0
-        if soft[b] and lam[b] * share > 0.0:  # out holds the leaned logits: softmax is of z itself
-            out[b, :] = z[b]
-            lse[b] = _logsumexp(z[b])
-    # a = κq with κ = λ′/mass (rkl) or 2λ′/mass (l2): λ′ times q renormalised over the allowed tokens
-    kap = (1.0 if kind == RKL else 2.0) * lam_d / np.where(soft, 1.0, mass)
-    log_kap = np.log(np.maximum(kap, _TINY))
-    log_c = np.log(np.maximum(2.0 * lam_d, _TINY))
-    # the ν search, rows in lockstep: ν, its bracket, the fallback reach, the last |log Σx|, and Σx at ν
-    nu = np.zeros(rows)
-    at = np.zeros(rows)  # where Σx and each ω were last evaluated: the answer if the budget runs out
-    low = np.full(rows, -np.inf)
-    high = np.full(rows, np.inf)
-    reach = np.ones(rows)
-    last = np.full(rows, np.inf)
-    total = np.ones(rows)
-    iters[:] = 0
-    working = np.nonzero(~soft & (lam_d > 0.0))[0]
-    n_work = working.size
-    if kind == L2 and n_work:
-        for t in numba.prange(n_work * chunks):
-            b, c = working[t // chunks], t % chunks
-            part[t, 1], part[t, 2] = _start_l2(out[b], q[b], kap[b], c * CHUNK, min(width, (c + 1) * CHUNK))
-        for j in range(n_work):
-            nu[working[j]] = _combine(part[j * chunks:(j + 1) * chunks, 1],
-                                      part[j * chunks:(j + 1) * chunks, 2]) - lse[working[j]]
-    # rkl starts at ν = 0, where every x ≥ its softmax, so Σx ≥ 1
-    for _ in range(max_iter):
-        if n_work == 0:
-            break
-        for t in numba.prange(n_work * chunks):
-            b, c = working[t // chunks], t % chunks
-            shift = log_kap[b] + lse[b] + nu[b] if kind == RKL else log_c[b] - lse[b] - nu[b]
-            part[t, 0], part[t, 1], part[t, 2] = _sums(kind, out[b], q[b], base[b], omega[b], shift, lse[b] + nu[b],
-                                                       kap[b], 0.5 / lam_d[b], table, c * CHUNK,
-                                                       min(width, (c + 1) * CHUNK))
-        still = 0
-        for j in range(n_work):
-            b = working[j]
-            at[b] = nu[b]
-            total[b] = part[j * chunks:(j + 1) * chunks, 0].sum()
-            if _step(kind, b, total[b], part[j * chunks:(j + 1) * chunks, 1].sum(),
-                     part[j * chunks:(j + 1) * chunks, 2].sum(), lam_d[b], nu, low, high, reach, last):
-                iters[b] += 1
-                working[still] = b
-                still += 1
-        n_work = still
-    # the last pass: log x and the certificate's sums, every row at once
-    for t in numba.prange(tasks):
-        b, c = t // chunks, t % chunks
-        lo, hi = c * CHUNK, min(width, (c + 1) * CHUNK)
-        if soft[b]:
-            for i in range(lo, hi):
-                out[b, i] -= lse[b]
-        else:
-            part[t, 0], part[t, 1], part[t, 2] = _finish(kind, out[b], q[b], base[b], omega[b], lse[b], kap[b],
-                                                         lam_d[b], log_kap[b], log_c[b], at[b], math.log(total[b]),
-                                                         lo, hi, out[b])
-    for b in range(rows):
-        if soft[b]:
-            gaps[b] = 0.0
-            continue
-        inner = part[b * chunks:(b + 1) * chunks, 0].sum()
-        summed = part[b * chunks:(b + 1) * chunks, 1].sum()
-        if 1e-100 < summed < 1e100:
-            lse_y = at[b] + math.log(summed)
-        else:  # ν was no safe shift (far from the optimum, e.g. out of ν steps): from the maximum
-            lse_y = _logsumexp(omega[b])
-        gaps[b] = scale[b] * max(inner + lse_y, 0.0)
-    return FINE
-
-
-@jit()
-def _step(kind, b, total, slope, curve, lam, nu, low, high, reach, last):
-    # one row's ν update after Σx = ``total`` at nu[b]; False when it is within tolerance (ν stays)
-    if total >= 1.0:
-        low[b] = max(low[b], nu[b])
-    else:
-        high[b] = min(high[b], nu[b])
-    miss = abs(math.log(total))
-    if miss <= nu_tolerance(lam):
-        return False
-    step = nu[b] + nu_step(kind, total, slope, curve)
-    both = np.isfinite(low[b]) and np.isfinite(high[b])
-    # the steps can bounce between the two sides without closing in (large λ): bisect when a step did not
-    # halve |log Σx|
-    slow = both and miss > 0.5 * last[b]
-    last[b] = miss
-    if slow or not (low[b] < step < high[b]):
-        if both:
-            step = 0.5 * (low[b] + high[b])
-        elif np.isfinite(low[b]):
-            step = low[b] + reach[b]
-            reach[b] *= 2.0
-        else:
-            step = high[b] - reach[b]
-            reach[b] *= 2.0
-    nu[b] = step
-    return True
+    state = np.empty((z.shape[0], TOTAL + 1))
+    if per_row:
+        return _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, omega, state, iters,
+                           gaps)
+    return _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, omega, state, iters,
+                           gaps)
 
 
 @jit()
