@@ -349,15 +349,16 @@ class ContextReference:
         z = scores.detach().to(torch.float64).contiguous().numpy()
         rows, width = z.shape
         lam_np = lam.numpy() if isinstance(lam, torch.Tensor) else np.full(rows, lam)
-        if self._workspace.shape != (2, *z.shape):  # q and log q, rewritten whole at every step
-            self._workspace = np.empty((2, *z.shape))
+        if self._workspace.shape != (4, *z.shape):  # q, log q and the solve's scratch, rewritten at every step
+            self._workspace = np.empty((4, *z.shape))
         out = np.empty_like(z)
         iters = np.empty(rows, dtype=np.int64)
         gaps = np.empty(rows)
         kind = lambert_kernel.L2 if cfg.divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
-        status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids), lam_np, share, max_iter,
-                                            lambert_kernel.TABLE, self._workspace[0], self._workspace[1], out, iters,
-                                            gaps, rows >= numba.get_num_threads())
+        with lambert_kernel.one_task_at_a_time():
+            status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids), lam_np, share, max_iter,
+                                                lambert_kernel.TABLE, self._workspace, out, iters, gaps,
+                                                rows >= numba.get_num_threads())
         raise_for_status(status, "scores")
         g = torch.from_numpy(gaps)
         return torch.from_numpy(out).to(scores.dtype), SolveInfo(torch.from_numpy(iters), g, g <= tol, 0)

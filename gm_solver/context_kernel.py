@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from .lambert_kernel import CHUNK, FINE, TOTAL, jit, solve_batch, solve_row
+from .lambert_kernel import CHUNK, FINE, LOOP, TOTAL, jit, solve_batch, solve_row
 
 
 @jit()
@@ -120,7 +120,7 @@ def _coefficients(ctx, beta1, row_counts, successors, tables, kneser_ney, discou
     return alpha, below, prev, piece_ptr, piece_idx, piece_val
 
 
-@jit()
+@jit(fastmath=LOOP)
 def _fill_row(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_idx, piece_val, q, logq):
     # q = α·u + below·max(A[prev] − shift, 0) + the pieces, zeros past the graph; log q = log α + log u except
     # where something landed (a log each)
@@ -173,23 +173,19 @@ def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, 
 
 @jit(parallel=True)
 def _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
-                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, out, iters, gaps):
+                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, ys, out, iters, gaps):
     # each row's reference and solve by one thread, rows in parallel: one parallel region for the step
     rows, width = z.shape
     chunks = (width + CHUNK - 1) // CHUNK
     status = np.zeros(rows, dtype=np.int64)
-    base = np.empty_like(z)
-    omega = np.empty_like(z)
     state = np.empty((rows, TOTAL + 1))
     part = np.empty((rows, chunks, 6))
-    default = numba.set_parallel_chunksize(1)  # a thread takes the next row when done: rows differ in ν steps
     for b in numba.prange(rows):
         lo, hi = piece_ptr[b], piece_ptr[b + 1]
         _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
                   piece_val[lo:hi], q[b], logq[b])
         status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], True, lam[b], share, max_iter, table,
-                                                 out[b], base[b], omega[b], state[b], part[b])
-    numba.set_parallel_chunksize(default)
+                                                 out[b], base[b], ys[b], state[b], part[b])
     for b in range(rows):
         if status[b] != FINE:
             return status[b]
@@ -199,18 +195,21 @@ def _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, un
 @jit()
 def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
                 kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, lam, share, max_iter, table,
-                q, logq, out, iters, gaps, per_row):
-    """One decoding step: the reference rows into ``q`` and ``logq`` (:func:`reference_rows`), then the solve
-    (``lambert_kernel.solve_batch``) into ``out``, ``iters`` and ``gaps``; returns its status. ``per_row``:
-    each row built and solved by one thread, rows in parallel, in one parallel region; else the rows are
-    filled, then every pass of the solve spread over all rows' chunks."""
+                work, out, iters, gaps, per_row):
+    """One decoding step: the reference rows into ``work[0]`` (q) and ``work[1]`` (log q) (:func:`reference_rows`),
+    then the solve (``lambert_kernel.solve_batch``, scratch ``work[2:]``) into ``out``, ``iters`` and ``gaps``;
+    returns its status. ``work`` is (4, B, V), the caller's. ``per_row``: each row built and solved by one
+    thread, rows in parallel, in one parallel region; else the rows are filled, then every pass of the solve
+    spread over all rows' chunks."""
+    q, logq = work[0], work[1]
     alpha, below, prev, piece_ptr, piece_idx, piece_val = _coefficients(
         ctx, beta1, row_counts, successors, tables, kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx,
         extra_val)
     shift = discount if kneser_ney else 0.0
     if per_row:
         return _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram,
-                            piece_ptr, piece_idx, piece_val, lam, share, max_iter, table, q, logq, out, iters, gaps)
+                            piece_ptr, piece_idx, piece_val, lam, share, max_iter, table, q, logq, work[2], work[3],
+                            out, iters, gaps)
     _fill_rows(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr, piece_idx,
                piece_val, q, logq)
-    return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, out, iters, gaps, False)
+    return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, work[2:], out, iters, gaps, False)

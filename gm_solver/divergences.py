@@ -272,8 +272,10 @@ def solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: flo
     out = np.empty_like(z_np)
     iters = np.empty(rows, dtype=np.int64)
     gaps = np.empty(rows)
-    status = lambert_kernel.solve_batch(kind, z_np, q_np, q_np, False, lam_np, float(kl_share), max_iter,
-                                        lambert_kernel.TABLE, out, iters, gaps, rows >= numba.get_num_threads())
+    with lambert_kernel.one_task_at_a_time():
+        status = lambert_kernel.solve_batch(kind, z_np, q_np, q_np, False, lam_np, float(kl_share), max_iter,
+                                            lambert_kernel.TABLE, np.empty((2, *z_np.shape)), out, iters, gaps,
+                                            rows >= numba.get_num_threads())
     raise_for_status(status, "z")
     return torch.from_numpy(out), torch.from_numpy(iters), torch.from_numpy(gaps)
 
