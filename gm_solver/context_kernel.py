@@ -173,7 +173,7 @@ def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, 
 
 @jit(parallel=True)
 def _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
-                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, ys, out, iters, gaps):
+                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, iters, gaps):
     # each row's reference and solve by one thread, rows in parallel: one parallel region for the step
     rows, width = z.shape
     chunks = (width + CHUNK - 1) // CHUNK
@@ -185,7 +185,7 @@ def _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, un
         _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
                   piece_val[lo:hi], q[b], logq[b])
         status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], True, lam[b], share, max_iter, table,
-                                                 out[b], base[b], ys[b], state[b], part[b])
+                                                 out[b], base[b], kept[b], state[b], part[b])
     for b in range(rows):
         if status[b] != FINE:
             return status[b]
