@@ -131,6 +131,29 @@ def graph_stats(graph: Any, indptr: np.ndarray, indices: np.ndarray, counts: np.
     return dict(zip(keys, context_kernel.count_stats(indptr, indices, counts, len(indptr) - 1)))
 
 
+def _is_graph(source: Any) -> bool:
+    from gm_graphs import Graph
+
+    return isinstance(source, Graph)
+
+
+def _check_structure(counts: sp.csr_matrix, tables: dict) -> None:
+    """Refuse CSR counts or n-gram tables that would send the kernels out of bounds (one line each)."""
+    n = counts.shape[0]
+    indptr, indices = np.asarray(counts.indptr), np.asarray(counts.indices)
+    if indptr[0] != 0 or indptr[-1] != indices.size or (np.diff(indptr) < 0).any():
+        raise ValueError("the count matrix's indptr is not monotone from 0 to nnz; pass a valid scipy CSR matrix")
+    if indices.size and (indices.min() < 0 or indices.max() >= n):
+        raise ValueError(f"the count matrix has column indices outside [0, {n}); pass a valid scipy CSR matrix")
+    for order, t in tables.items():
+        contexts, ptr, nxt, cnt = (np.asarray(a) for a in (t.contexts, t.indptr, t.next, t.counts))
+        if (ptr.shape != (contexts.size + 1,) or ptr[0] != 0 or ptr[-1] != nxt.size or cnt.shape != nxt.shape
+                or (np.diff(ptr) < 0).any() or (np.diff(contexts) <= 0).any()
+                or (nxt.size and (nxt.min() < 0 or nxt.max() >= n or cnt.min() < 1))):
+            raise ValueError(f"the order-{order} n-gram table is malformed (contexts ascending, indptr monotone from "
+                             f"0, next tokens in [0, {n}), counts >= 1); rebuild it with gm_graphs.add_ngrams")
+
+
 def _frozen(a: np.ndarray, dtype) -> np.ndarray:
     """``a`` as a read-only ndarray of ``dtype`` (a view when it already is one), so that the kernel sees one type
     whether the arrays come memory-mapped from a graph or from memory."""
@@ -188,6 +211,9 @@ class ContextReference:
             raise ValueError("ContextReference needs bigram counts (integers >= 0), got negative values")
         self.config = config
         self.n = counts.shape[0]
+        tables = getattr(source, "ngrams", None) or {}
+        if not _is_graph(source):  # a Graph's arrays are checked at load (gm_graphs); these reach numba unchecked
+            _check_structure(counts, tables)
         self.indptr = _frozen(counts.indptr, np.int64)
         self.indices = _frozen(counts.indices, np.int32)
         self.counts = _frozen(data, np.int64)
@@ -199,7 +225,6 @@ class ContextReference:
         col = np.asarray(stats["predecessors" if self.kneser_ney else "column_counts"], dtype=np.float64)
         self.unigram = (col + config.alpha) / (col.sum() + config.alpha * self.n)
         self.log_unigram = np.log(self.unigram)
-        tables = getattr(source, "ngrams", None) or {}
         self.ngrams = {n: t for n, t in sorted(tables.items()) if n <= config.ngram_order and t.entries > 0}
         self.tail = max([self.orders, *(n - 1 for n in self.ngrams)])  # the context tokens a row reads
         # the kernel's view of the tables, padded with empty ones to at least two (orders 3 and 4), so that the

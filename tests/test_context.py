@@ -486,6 +486,30 @@ def test_counts_that_are_not_counts_are_refused():
         ContextReference(-COUNTS)
 
 
+def _broken_index(g):
+    g.counts.indices[0] = 99
+
+
+def _broken_next(g):
+    g.ngrams[3].next[0] = 12
+
+
+def _broken_contexts(g):
+    g.ngrams[4].contexts[:2] = g.ngrams[4].contexts[1::-1]
+
+
+@pytest.mark.parametrize("damage, error", [(_broken_index, "column indices outside"),
+                                           (_broken_next, "order-3 n-gram table is malformed"),
+                                           (_broken_contexts, "order-4 n-gram table is malformed")])
+def test_arrays_that_would_send_the_kernel_out_of_bounds_are_refused(damage, error):
+    graph = _graph(5)
+    graph.ngrams = {n: dataclasses.replace(t, contexts=t.contexts.copy(), next=t.next.copy())
+                    for n, t in graph.ngrams.items()}
+    damage(graph)
+    with pytest.raises(ValueError, match=error):
+        ContextReference(graph)
+
+
 # --- what solve_toward refuses before any kernel reads the arrays (issue 13) ---
 
 def _z_and_q():
