@@ -138,9 +138,13 @@ def _is_graph(source: Any) -> bool:
 
 
 def _check_structure(counts: sp.csr_matrix, tables: dict) -> None:
-    """Refuse CSR counts or n-gram tables that would send the kernels out of bounds (one line each)."""
+    """Refuse counts that are not counts, and CSR arrays or n-gram tables that would send the kernels out of
+    bounds (one line each)."""
     n = counts.shape[0]
-    indptr, indices = np.asarray(counts.indptr), np.asarray(counts.indices)
+    indptr, indices, data = np.asarray(counts.indptr), np.asarray(counts.indices), np.asarray(counts.data)
+    if not np.all((data >= 0) & (data == np.floor(data))):
+        raise ValueError("ContextReference needs bigram counts (integers >= 0), got other values; pass the graph or "
+                         "its count matrix (graph.counts), not a normalised operator")
     if indptr[0] != 0 or indptr[-1] != indices.size or (np.diff(indptr) < 0).any():
         raise ValueError("the count matrix's indptr is not monotone from 0 to nnz; pass a valid scipy CSR matrix")
     if indices.size and (indices.min() < 0 or indices.max() >= n):
@@ -202,13 +206,6 @@ class ContextReference:
         if not sp.issparse(counts) or counts.shape[0] != counts.shape[1]:
             raise TypeError("ContextReference needs a gm_graphs.Graph or a square scipy sparse count matrix")
         counts = counts if counts.format == "csr" else counts.tocsr()
-        data = np.asarray(counts.data)
-        if data.dtype.kind not in "iu":
-            if not np.all((data >= 0) & (data == np.floor(data))):
-                raise ValueError("ContextReference needs bigram counts (integers >= 0), got other values; pass the "
-                                 "graph or its count matrix (graph.counts), not a normalised operator")
-        elif data.size and data.min() < 0:
-            raise ValueError("ContextReference needs bigram counts (integers >= 0), got negative values")
         self.config = config
         self.n = counts.shape[0]
         tables = getattr(source, "ngrams", None) or {}
@@ -216,7 +213,7 @@ class ContextReference:
             _check_structure(counts, tables)
         self.indptr = _frozen(counts.indptr, np.int64)
         self.indices = _frozen(counts.indices, np.int32)
-        self.counts = _frozen(data, np.int64)
+        self.counts = _frozen(counts.data, np.int64)
         stats = graph_stats(source, self.indptr, self.indices, self.counts)
         self.row_counts = np.asarray(stats["row_counts"], dtype=np.float64)
         self.successors = np.asarray(stats["successors"], dtype=np.float64)
@@ -289,7 +286,7 @@ class ContextReference:
         return alpha, ptr, np.concatenate(idx), np.concatenate(val)
 
     def _kernel_args(self, input_ids: torch.Tensor) -> tuple:
-        """The arguments of ``context_kernel.reference_rows`` after ``ctx``'s weights, for ``input_ids`` on CPU."""
+        """The arguments of ``context_kernel.reference_rows`` up to its output rows, for the contexts ``input_ids``."""
         ctx = np.ascontiguousarray(input_ids[:, -self.tail:].detach().cpu().numpy(), dtype=np.int64)
         weights = self._weights(ctx.shape[1])
         return (ctx, weights[0], self.indptr, self.indices, self.counts, self.row_counts, self.successors,
@@ -367,13 +364,13 @@ class ContextReference:
             return torch.log_softmax(scores, -1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
         if not kernel:
             z = scores.to(torch.float64)
-            q = self._rows_torch(input_ids, scores.shape[-1])
+            q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1])
             logx, info = _solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
                                       check_every=check_every)
             return logx.to(scores.dtype), info
         z = scores.detach().to(torch.float64).contiguous().numpy()
         rows, width = z.shape
-        lam_np = lam.numpy() if isinstance(lam, torch.Tensor) else np.full(rows, lam)
+        lam_np = lam.detach().numpy() if isinstance(lam, torch.Tensor) else np.full(rows, lam)
         if self._workspace.shape != (4, *z.shape):  # q, log q and the solve's scratch, rewritten at every step
             self._workspace = np.empty((4, *z.shape))
         out = np.empty_like(z)

@@ -150,7 +150,7 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, di
         zeros = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
         return torch.log_softmax(z, dim=-1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
     if backend == "numba" or (backend == "auto" and numba_fits):
-        logx, iters, g = solve_rows_numba(divergence, z, q, lam, kl_share, max_iter)
+        logx, iters, g = _solve_rows_numba(divergence, z, q, lam, kl_share, max_iter)
         return logx, SolveInfo(iters, g, g <= tol, 0)
     return _solve_torch(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter, check_every=check_every)
 
@@ -261,13 +261,13 @@ def _solve_torch(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, di
     return logx, SolveInfo(iters, g, g <= tol, 0)
 
 
-def solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, kl_share: float,
+def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, kl_share: float,
                      max_iter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every row by the CPU kernel (``lambert_kernel.solve_batch``) in one call: log x, ν steps and certificate."""
     kind = lambert_kernel.L2 if divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
     z_np, q_np = z.contiguous().numpy(), q.to(torch.float64).contiguous().numpy()
     rows = z_np.shape[0]
-    lam_np = (lam.to(torch.float64).contiguous().numpy() if isinstance(lam, torch.Tensor)
+    lam_np = (lam.detach().to(torch.float64).contiguous().numpy() if isinstance(lam, torch.Tensor)
               else np.full(rows, float(lam)))
     out = np.empty_like(z_np)
     iters = np.empty(rows, dtype=np.int64)
