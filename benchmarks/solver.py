@@ -34,7 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import LogitsProcessor
 
@@ -149,7 +148,8 @@ def startup_table(graph, runs: int) -> None:
           f"load_graph to the first decoded step (numba's own start falls in it unless started apart, last row)")
     print(f"  {'files checked':<24}" + "".join(f"{s:>12}" for s in _STAGES) + f"{'load→step':>11}")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    for label, verify, numba_apart in (("SHA-256", "1", "0"), ("none", "0", "0"), ("none, numba started apart", "0", "1")):
+    settings = (("SHA-256", "1", "0"), ("none", "0", "0"), ("none, numba started apart", "0", "1"))
+    for label, verify, numba_apart in settings:
         times = [json.loads(subprocess.run([sys.executable, "-c", _STARTUP, str(graph.path), verify, numba_apart],
                                            env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
                  for _ in range(runs)]
@@ -220,7 +220,8 @@ def step_tables(sections: set[int], model, tok, graph, prompts: list[str]) -> No
         it = sorted(iters)
         label = f"context {cfg.divergence_label} λ={cfg.lam:g}"
         print(f"  {label:<34} {1e3 * statistics.median(times):>8.1f} {it[len(it) // 2]:>9} "
-              f"{it[int(0.9 * (len(it) - 1))]:>4} {it[-1]:>4} {0:>13} {max(gaps):>9.1e} {statistics.median(gaps):>9.1e}")
+              f"{it[int(0.9 * (len(it) - 1))]:>4} {it[-1]:>4} {0:>13} {max(gaps):>9.1e} "
+              f"{statistics.median(gaps):>9.1e}")
 
     print(f"\n3. a batch of {len(z)} rows at once vs one by one (paper objective, ours, λ = 1; s)")
     zb = z.double()

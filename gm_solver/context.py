@@ -349,7 +349,8 @@ class ContextReference:
                              f"rebuild the graph with this model's tokenizer")
         cpu = scores.device.type == "cpu"
         if backend == "numba" and not cpu:
-            raise ValueError(f"the numba kernel runs on the CPU, the scores are on {scores.device}; use backend='torch'")
+            raise ValueError(f"the numba kernel runs on the CPU, the scores are on {scores.device}; "
+                             f"use backend='torch'")
         kernel = cpu and backend != "torch"
         if not cpu and check_every is None:
             check_every = 0

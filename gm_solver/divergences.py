@@ -58,7 +58,8 @@ def _grad(divergence: str, x: torch.Tensor, q: torch.Tensor, logx: torch.Tensor)
     return 2.0 * (x - q)
 
 
-def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str) -> torch.Tensor:
+def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor,
+                       divergence: str) -> torch.Tensor:
     """Duality gap of the point exp(``logx``) for the problem toward ``q``, computed from scratch."""
     x = torch.exp(logx)
     y = z - lam * _grad(divergence, x, q, logx)
@@ -220,8 +221,10 @@ def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Ten
 
 def raise_for_status(status: int, name: str) -> None:
     """The ValueError for what ``lambert_kernel.solve_batch`` found wrong with the logits ``name``, if anything."""
-    messages = {lambert_kernel.HAS_NAN: f"{name} contains NaN; check the model's output (fp16 overflow?) before graphmax",
-                lambert_kernel.HAS_POSINF: f"{name} contains +inf; graphmax needs finite logits or -inf for masked tokens",
+    messages = {lambert_kernel.HAS_NAN: f"{name} contains NaN; check the model's output (fp16 overflow?) before "
+                                        f"graphmax",
+                lambert_kernel.HAS_POSINF: f"{name} contains +inf; graphmax needs finite logits or -inf for masked "
+                                           f"tokens",
                 lambert_kernel.ALL_MASKED: f"a row of {name} is entirely -inf: no token is allowed, so there is no "
                                            f"distribution"}
     if status != lambert_kernel.FINE:

@@ -92,8 +92,9 @@ def _batch(seed: int, rows: int, width: int):
 def _solve(z, q, lam, divergence, share, max_iter=60, per_row=False):
     kind = K.L2 if divergence == "l2" else K.RKL
     out, iters, gaps = np.empty(z.shape), np.empty(len(z), dtype=np.int64), np.empty(len(z))
-    assert K.solve_batch(kind, z.numpy(), q.numpy(), q.numpy(), False, lam.numpy(), 1.0 if divergence == "kl" else share,
-                         max_iter, K.TABLE, np.empty((2, *z.shape)), out, iters, gaps, per_row) == K.FINE
+    share = 1.0 if divergence == "kl" else share
+    assert K.solve_batch(kind, z.numpy(), q.numpy(), q.numpy(), False, lam.numpy(), share, max_iter, K.TABLE,
+                         np.empty((2, *z.shape)), out, iters, gaps, per_row) == K.FINE
     return out, iters, gaps
 
 
