@@ -31,6 +31,7 @@ graph (padded vocabularies) get q = 0.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -233,7 +234,7 @@ class ContextReference:
         self._transition = None
         self._row = lru_cache(maxsize=cache_rows)(self._power_row)
         self._devices: dict[str, _DeviceTables] = {}
-        self._workspace = np.empty((0, 0))
+        self._local = threading.local()
 
     @property
     def orders(self) -> int:
@@ -369,18 +370,23 @@ class ContextReference:
             logx, info = _solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
                                       check_every=check_every)
             return logx.to(scores.dtype), info
-        z = scores.detach().to(torch.float64).contiguous().numpy()
-        rows, width = z.shape
+        rows, width = scores.shape
+        # float64 copies of the scores and of log x, q, log q and the solve's scratch: buffers kept from step to step
+        # (fresh ones cost page faults at every step); log x is handed out as a new tensor of the scores' dtype
+        work = getattr(self._local, "work", None)  # per thread: a reference may serve several threads at once
+        if work is None or work.shape != (6, rows, width):
+            work = self._local.work = np.empty((6, rows, width))
+        z, out = work[0], work[1]
+        torch.from_numpy(z).copy_(scores.detach())
+        if scores.dtype == torch.float64:
+            out = np.empty_like(z)
         lam_np = lam.detach().numpy() if isinstance(lam, torch.Tensor) else np.full(rows, lam)
-        if self._workspace.shape != (4, *z.shape):  # q, log q and the solve's scratch, rewritten at every step
-            self._workspace = np.empty((4, *z.shape))
-        out = np.empty_like(z)
         iters = np.empty(rows, dtype=np.int64)
         gaps = np.empty(rows)
         kind = lambert_kernel.L2 if cfg.divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
         with lambert_kernel.one_task_at_a_time():
             status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids), lam_np, share, max_iter,
-                                                lambert_kernel.TABLE, self._workspace, out, iters, gaps,
+                                                lambert_kernel.TABLE, work[2:], out, iters, gaps,
                                                 rows >= numba.get_num_threads())
         raise_for_status(status, "scores")
         g = torch.from_numpy(gaps)
