@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
-import numba
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -387,7 +386,7 @@ class ContextReference:
         with lambert_kernel.one_task_at_a_time():
             status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids), lam_np, share, max_iter,
                                                 lambert_kernel.TABLE, work[2:], out, iters, gaps,
-                                                rows >= numba.get_num_threads())
+                                                lambert_kernel.schedule(rows))
         raise_for_status(status, "scores")
         g = torch.from_numpy(gaps)
         return torch.from_numpy(out).to(scores.dtype), SolveInfo(torch.from_numpy(iters), g, g <= tol, 0)

@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from .lambert_kernel import CHUNK, FINE, LOOP, TOTAL, jit, solve_batch, solve_row
+from .lambert_kernel import CHUNK, FINE, LOCKSTEP, LOOP, ROWS, TOTAL, jit, solve_batch, solve_row
 
 
 @jit()
@@ -171,45 +171,62 @@ def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, 
                piece_ptr, piece_idx, piece_val, q, logq)
 
 
+@jit()
+def _decode_row(b, kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
+                piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, state, part):
+    # row b's reference, then its solve, by one thread: (status, ν steps, gap)
+    lo, hi = piece_ptr[b], piece_ptr[b + 1]
+    _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
+              piece_val[lo:hi], q[b], logq[b])
+    return solve_row(kind, z[b], q[b], logq[b], True, lam[b], share, max_iter, table, out[b], base[b], kept[b],
+                     state[b], part[b])
+
+
 @jit(parallel=True)
 def _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
-                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, iters, gaps):
-    # each row's reference and solve by one thread, rows in parallel: one parallel region for the step
-    rows, width = z.shape
-    chunks = (width + CHUNK - 1) // CHUNK
-    status = np.zeros(rows, dtype=np.int64)
-    state = np.empty((rows, TOTAL + 1))
-    part = np.empty((rows, chunks, 6))
-    for b in numba.prange(rows):
-        lo, hi = piece_ptr[b], piece_ptr[b + 1]
-        _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
-                  piece_val[lo:hi], q[b], logq[b])
-        status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], True, lam[b], share, max_iter, table,
-                                                 out[b], base[b], kept[b], state[b], part[b])
-    for b in range(rows):
-        if status[b] != FINE:
-            return status[b]
-    return FINE
+                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, state, part, status,
+                 iters, gaps):
+    # rows in parallel, each built and solved by one thread: one parallel region for the step
+    for b in numba.prange(z.shape[0]):
+        status[b], iters[b], gaps[b] = _decode_row(b, kind, z, alpha, below, prev, shift, indptr, indices, counts,
+                                                   unigram, log_unigram, piece_ptr, piece_idx, piece_val, lam, share,
+                                                   max_iter, table, q, logq, base, kept, out, state, part)
 
 
 @jit()
 def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, successors, unigram, log_unigram, tables,
                 kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, lam, share, max_iter, table,
-                work, out, iters, gaps, per_row):
+                work, out, iters, gaps, mode):
     """One decoding step: the reference rows into ``work[0]`` (q) and ``work[1]`` (log q) (:func:`reference_rows`),
     then the solve (``lambert_kernel.solve_batch``, scratch ``work[2:]``) into ``out``, ``iters`` and ``gaps``;
-    returns its status. ``work`` is (4, B, V), the caller's. ``per_row``: each row built and solved by one
-    thread, rows in parallel, in one parallel region; else the rows are filled, then every pass of the solve
-    spread over all rows' chunks."""
+    returns its status. ``work`` is (4, B, V), the caller's. ``mode`` is ``lambert_kernel.schedule``'s: with
+    ``ROWS`` or ``SERIAL`` each row is built and solved by one thread, rows in parallel (one parallel region) or
+    one after another; with ``LOCKSTEP`` the rows are filled, then every pass of the solve spreads over all
+    rows' chunks."""
     q, logq = work[0], work[1]
     alpha, below, prev, piece_ptr, piece_idx, piece_val = _coefficients(
         ctx, beta1, row_counts, successors, tables, kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx,
         extra_val)
     shift = discount if kneser_ney else 0.0
-    if per_row:
-        return _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram,
-                            piece_ptr, piece_idx, piece_val, lam, share, max_iter, table, q, logq, work[2], work[3],
-                            out, iters, gaps)
-    _fill_rows(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr, piece_idx,
-               piece_val, q, logq)
-    return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, work[2:], out, iters, gaps, False)
+    if mode == LOCKSTEP:
+        _fill_rows(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr, piece_idx,
+                   piece_val, q, logq)
+        return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, work[2:], out, iters, gaps, mode)
+    rows, width = z.shape
+    status = np.zeros(rows, dtype=np.int64)
+    state = np.empty((rows, TOTAL + 1))
+    part = np.empty((rows, (width + CHUNK - 1) // CHUNK, 6))
+    if mode == ROWS:
+        _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
+                     piece_idx, piece_val, lam, share, max_iter, table, q, logq, work[2], work[3], out, state, part,
+                     status, iters, gaps)
+    else:
+        for b in range(rows):
+            status[b], iters[b], gaps[b] = _decode_row(b, kind, z, alpha, below, prev, shift, indptr, indices,
+                                                       counts, unigram, log_unigram, piece_ptr, piece_idx, piece_val,
+                                                       lam, share, max_iter, table, q, logq, work[2], work[3], out,
+                                                       state, part)
+    for b in range(rows):
+        if status[b] != FINE:
+            return status[b]
+    return FINE

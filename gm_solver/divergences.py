@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 import torch
 
@@ -278,7 +277,7 @@ def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: fl
     with lambert_kernel.one_task_at_a_time():
         status = lambert_kernel.solve_batch(kind, z_np, q_np, q_np, False, lam_np, float(kl_share), max_iter,
                                             lambert_kernel.TABLE, np.empty((2, *z_np.shape)), out, iters, gaps,
-                                            rows >= numba.get_num_threads())
+                                            lambert_kernel.schedule(rows))
     raise_for_status(status, "z")
     return torch.from_numpy(out), torch.from_numpy(iters), torch.from_numpy(gaps)
 

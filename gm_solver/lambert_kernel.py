@@ -242,6 +242,8 @@ def nu_step(kind, total, slope, curve):
 CHUNK = 4096  # tokens per task: V = 49,152 gives 12 per row, enough to spread one row over the cores
 # what solve_batch returns when a row of z cannot be solved (it then stops before any ν step)
 FINE, HAS_NAN, HAS_POSINF, ALL_MASKED = 0, 1, 2, 3
+# how solve_batch spreads a batch over the threads (see schedule)
+SERIAL, ROWS, LOCKSTEP = 0, 1, 2
 # a row's state between passes: one float64 row of ``state`` per logits row
 LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, TOTAL = range(15)
 
@@ -608,8 +610,22 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
     return FINE
 
 
+def schedule(rows: int) -> int:
+    """How to spread ``rows`` rows over numba's threads: a row per thread (:data:`ROWS`, one parallel region) for a
+    batch at least as large as the thread count, every pass over all rows' chunks (:data:`LOCKSTEP`) for a smaller
+    one, and one row alone on the calling thread (:data:`SERIAL`).
+
+    One row gets no parallel region: a region waits for every thread of the team, and while other processes keep
+    the cores busy a waiting thread comes back ms later (a 49k-token row took 4 ms on one thread and 92 ms spread
+    over two at load 10 here), while on an idle machine two threads save ~0.4 ms of an LM step of ~48 ms.
+    """
+    if rows == 1:
+        return SERIAL
+    return ROWS if rows >= numba.get_num_threads() else LOCKSTEP
+
+
 @jit()
-def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, out, iters, gaps, per_row):
+def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, out, iters, gaps, mode):
     """``solve_toward`` for every row of ``z`` (B, V) toward ``q`` (B, V, finite, ≥ 0), λ = ``lam`` (B,) per row.
 
     Fills ``out`` with log x, ``iters`` with the ν steps and ``gaps`` with the
@@ -619,20 +635,29 @@ def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, 
     as softmax with gap 0. ``logq`` is log q when ``have_logq`` (the caller built
     q and has its logs cheaply), else unread. ``work`` (2, B, V) is scratch, the
     caller's: allocated here, 6 MB for a batch of 8 cost ~2.7 ms of page faults
-    at every call. ``per_row``: each row solved whole by one thread, rows in
-    parallel (one parallel region: for batches at least as large as the thread
-    count); else every pass spread over all rows' chunks (for one row, or a few).
-    Both add each row's chunk sums in one order, so a row comes out bit for bit
-    the same either way, in any batch. Returns :data:`FINE`, or what is wrong
-    with the first row of z that has NaN, +inf or no finite entry, found in the
-    first pass, before any ν step.
+    at every call. ``mode`` is :func:`schedule`'s: each row solved whole by one
+    thread, rows in parallel (:data:`ROWS`) or one after another (:data:`SERIAL`),
+    or every pass spread over all rows' chunks (:data:`LOCKSTEP`). All add each
+    row's chunk sums in one order, so a row comes out bit for bit the same any
+    way, in any batch. Returns :data:`FINE`, or what is wrong with the first row
+    of z that has NaN, +inf or no finite entry, found in the first pass, before
+    any ν step.
     """
-    state = np.empty((z.shape[0], TOTAL + 1))
-    if per_row:
+    rows, width = z.shape
+    state = np.empty((rows, TOTAL + 1))
+    if mode == ROWS:
         return _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, work[0], work[1], state,
                            iters, gaps)
-    return _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, work[0], work[1], state,
-                           iters, gaps)
+    if mode == LOCKSTEP:
+        return _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, work[0], work[1],
+                               state, iters, gaps)
+    part = np.empty(((width + CHUNK - 1) // CHUNK, 6))
+    for b in range(rows):
+        status, iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], have_logq, lam[b], share, max_iter, table,
+                                              out[b], work[0, b], work[1, b], state[b], part)
+        if status != FINE:
+            return status
+    return FINE
 
 
 @jit()

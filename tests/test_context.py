@@ -551,3 +551,17 @@ def test_q_narrower_than_z_is_refused_at_a_width_where_reading_past_it_would_cra
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: q has shape (2, 1000) but z has (2, 4000000)" in done.stdout
+
+
+@pytest.mark.parametrize("mode", ["SERIAL", "ROWS", "LOCKSTEP"])
+def test_the_step_is_the_same_however_the_batch_is_spread_over_threads(mode, monkeypatch):
+    from gm_solver import lambert_kernel
+
+    graph = _graph(9)
+    ids = _contexts(graph, 9, 5, 4)
+    ref = ContextReference(graph, ContextConfig(order_weights=(0.8, 0.2)))
+    scores = 3 * torch.randn(5, 13, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    expected, info = ref.step(ids, scores)
+    monkeypatch.setattr(lambert_kernel, "schedule", lambda rows: getattr(lambert_kernel, mode))
+    logx, spread = ref.step(ids, scores)
+    assert torch.equal(logx, expected) and torch.equal(spread.gap, info.gap)

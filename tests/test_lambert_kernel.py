@@ -89,30 +89,31 @@ def _batch(seed: int, rows: int, width: int):
     return z, q, lam
 
 
-def _solve(z, q, lam, divergence, share, max_iter=60, per_row=False):
+def _solve(z, q, lam, divergence, share, max_iter=60, mode=K.LOCKSTEP):
     kind = K.L2 if divergence == "l2" else K.RKL
     out, iters, gaps = np.empty(z.shape), np.empty(len(z), dtype=np.int64), np.empty(len(z))
     share = 1.0 if divergence == "kl" else share
     assert K.solve_batch(kind, z.numpy(), q.numpy(), q.numpy(), False, lam.numpy(), share, max_iter, K.TABLE,
-                         np.empty((2, *z.shape)), out, iters, gaps, per_row) == K.FINE
+                         np.empty((2, *z.shape)), out, iters, gaps, mode) == K.FINE
     return out, iters, gaps
 
 
 @given(BATCHES)
 def test_a_row_comes_out_of_the_batched_kernel_as_it_does_alone(case):
-    # rows are solved in lockstep over all their chunks, or each by one thread, but each row's chunk sums are
-    # added in one order: a row alone or in a batch, either way, is solved bit for bit alike
+    # rows are solved in lockstep over all their chunks, or each by one thread (in parallel or one after another),
+    # but each row's chunk sums are added in one order: a row alone or in a batch, any way, is solved bit for bit
+    # alike
     seed, rows, width, divergence, share = case
     z, q, lam = _batch(seed, rows, width)
     out, iters, gaps = _solve(z, q, lam, divergence, share)
     assert (gaps <= 1e-6).all()
-    for per_row in (False, True):
-        batch = _solve(z, q, lam, divergence, share, per_row=per_row)
+    for mode in (K.SERIAL, K.ROWS, K.LOCKSTEP):
+        batch = _solve(z, q, lam, divergence, share, mode=mode)
         np.testing.assert_array_equal(batch[0], out)
         np.testing.assert_array_equal(batch[1], iters)
         np.testing.assert_array_equal(batch[2], gaps)
         for b in range(rows):
-            alone = _solve(z[b:b + 1], q[b:b + 1], lam[b:b + 1], divergence, share, per_row=per_row)
+            alone = _solve(z[b:b + 1], q[b:b + 1], lam[b:b + 1], divergence, share, mode=mode)
             np.testing.assert_array_equal(alone[0][0], out[b])
             assert alone[1][0] == iters[b] and alone[2][0] == gaps[b]
     # and it is the torch path's solution (Newton for W instead of the table, every row in torch)
@@ -153,6 +154,6 @@ def test_the_kernel_reports_bad_logits_before_any_nu_step():
                          (lambda v: v.index_fill(1, torch.tensor([7]), float("inf")), K.HAS_POSINF),
                          (lambda v: v.index_fill(0, torch.tensor([2]), -float("inf")), K.ALL_MASKED)):
         out, iters, gaps = np.empty(z.shape), np.empty(3, dtype=np.int64), np.empty(3)
-        for per_row in (False, True):
+        for mode in (K.SERIAL, K.ROWS, K.LOCKSTEP):
             assert K.solve_batch(K.RKL, edit(z).numpy(), q.numpy(), q.numpy(), False, lam.numpy(), 0.15, 60, K.TABLE,
-                                 np.empty((2, *z.shape)), out, iters, gaps, per_row) == status
+                                 np.empty((2, *z.shape)), out, iters, gaps, mode) == status
