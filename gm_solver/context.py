@@ -31,6 +31,8 @@ graph (padded vocabularies) get q = 0.
 
 from __future__ import annotations
 
+import threading
+import warnings
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -41,7 +43,9 @@ import torch
 
 from gm_graphs.operators import normalize
 
-from .divergences import DIVERGENCES
+from . import context_kernel, lambert_kernel
+from .divergences import DIVERGENCES, _solve_torch, check_inputs, raise_for_status
+from .solvers import SolveInfo
 
 SMOOTHINGS = ("kneser-ney", "dirichlet")
 
@@ -112,8 +116,79 @@ class ContextConfig:
         return cls(**known)
 
 
+def graph_stats(graph: Any, indptr: np.ndarray, indices: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-token statistics of the bigram counts A: ``row_counts`` Σ_j A_ij, ``successors`` #{j: A_ij > 0},
+    ``predecessors`` #{i: A_ij > 0} (Kneser–Ney's continuation counts) and ``column_counts`` Σ_i A_ij, int64.
+
+    The one place that reads them: from ``graph.stats`` when the graph stores them (computed at build time,
+    so start-up reads N-long arrays instead of passing over the non-zeros), else from the CSR arrays of the
+    counts in one pass.
+    """
+    stored = getattr(graph, "stats", None)
+    if stored:
+        return stored
+    keys = ("row_counts", "successors", "predecessors", "column_counts")
+    return dict(zip(keys, context_kernel.count_stats(indptr, indices, counts, len(indptr) - 1)))
+
+
+def _is_graph(source: Any) -> bool:
+    from gm_graphs import Graph
+
+    return isinstance(source, Graph)
+
+
+def _check_structure(counts: sp.csr_matrix, tables: dict) -> None:
+    """Refuse counts that are not counts, and CSR arrays or n-gram tables that would send the kernels out of
+    bounds (one line each)."""
+    n = counts.shape[0]
+    indptr, indices, data = np.asarray(counts.indptr), np.asarray(counts.indices), np.asarray(counts.data)
+    if not np.all((data >= 0) & (data == np.floor(data))):
+        raise ValueError("ContextReference needs bigram counts (integers >= 0), got other values; pass the graph or "
+                         "its count matrix (graph.counts), not a normalised operator")
+    if indptr[0] != 0 or indptr[-1] != indices.size or (np.diff(indptr) < 0).any():
+        raise ValueError("the count matrix's indptr is not monotone from 0 to nnz; pass a valid scipy CSR matrix")
+    if indices.size and (indices.min() < 0 or indices.max() >= n):
+        raise ValueError(f"the count matrix has column indices outside [0, {n}); pass a valid scipy CSR matrix")
+    for order, t in tables.items():
+        contexts, ptr, nxt, cnt = (np.asarray(a) for a in (t.contexts, t.indptr, t.next, t.counts))
+        if (ptr.shape != (contexts.size + 1,) or ptr[0] != 0 or ptr[-1] != nxt.size or cnt.shape != nxt.shape
+                or (np.diff(ptr) < 0).any() or (np.diff(contexts) <= 0).any()
+                or (nxt.size and (nxt.min() < 0 or nxt.max() >= n or cnt.min() < 1))):
+            raise ValueError(f"the order-{order} n-gram table is malformed (contexts ascending, indptr monotone from "
+                             f"0, next tokens in [0, {n}), counts >= 1); rebuild it with gm_graphs.add_ngrams")
+
+
+def _frozen(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as a read-only ndarray of ``dtype`` (a view when it already is one), so that the kernel sees one type
+    whether the arrays come memory-mapped from a graph or from memory."""
+    a = np.ascontiguousarray(a, dtype=dtype).view(np.ndarray)
+    a.flags.writeable = False
+    return a
+
+
+@dataclass
+class _DeviceTables:
+    """What the torch path of the reference reads, as tensors on one device (``ContextReference.on``)."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    counts: torch.Tensor
+    row_counts: torch.Tensor
+    successors: torch.Tensor
+    unigram: torch.Tensor
+    row_width: int  # the most successors of any token: the fixed width of a gathered bigram row
+    ngrams: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]
+    transition_t: torch.Tensor | None  # Ãᵀ as sparse CSR, for orders k ≥ 2
+
+
 class ContextReference:
-    """q(· | context) from a graph's counts; call it with ``input_ids`` (B, T) to get (B, V) rows.
+    """q(· | context) from a graph's counts; call it with ``input_ids`` (B, T) to get (B, V) rows, or decode with
+    :meth:`step`.
+
+    On CPU the rows are built by ``context_kernel`` from the graph's arrays as
+    they are (memory-mapped, never copied); on other devices by torch on that
+    device, from tensors copied there once (:meth:`on`). Orders k ≥ 2 need Ã, which
+    is normalised on first use only.
 
     Example::
 
@@ -126,91 +201,295 @@ class ContextReference:
     """
 
     def __init__(self, counts: Any, config: ContextConfig = ContextConfig(), cache_rows: int = 4096):
-        counts_source = counts
+        source = counts
         counts = counts.counts if hasattr(counts, "counts") and not sp.issparse(counts) else counts
         if not sp.issparse(counts) or counts.shape[0] != counts.shape[1]:
             raise TypeError("ContextReference needs a gm_graphs.Graph or a square scipy sparse count matrix")
-        self.counts = sp.csr_matrix(counts, dtype=np.float64)
+        counts = counts if counts.format == "csr" else counts.tocsr()
         self.config = config
-        self.n = self.counts.shape[0]
-        self.row_counts = np.asarray(self.counts.sum(axis=1)).ravel()
+        self.n = counts.shape[0]
+        tables = getattr(source, "ngrams", None) or {}
+        if not _is_graph(source):  # a Graph's arrays are checked at load (gm_graphs); these reach numba unchecked
+            _check_structure(counts, tables)
+        self.indptr = _frozen(counts.indptr, np.int64)
+        self.indices = _frozen(counts.indices, np.int32)
+        self.counts = _frozen(counts.data, np.int64)
+        stats = graph_stats(source, self.indptr, self.indices, self.counts)
+        self.row_counts = np.asarray(stats["row_counts"], dtype=np.float64)
+        self.successors = np.asarray(stats["successors"], dtype=np.float64)
         self.kneser_ney = config.smoothing == "kneser-ney"
-        if self.kneser_ney:  # continuation counts: distinct predecessors of each token
-            col = np.bincount(self.counts.indices, minlength=self.n).astype(np.float64)
-            self.successors = np.diff(self.counts.indptr).astype(np.float64)
-        else:
-            col = np.asarray(self.counts.sum(axis=0)).ravel()
+        # the unigram backed off to: continuation counts (distinct predecessors) under Kneser–Ney, else frequencies
+        col = np.asarray(stats["predecessors" if self.kneser_ney else "column_counts"], dtype=np.float64)
         self.unigram = (col + config.alpha) / (col.sum() + config.alpha * self.n)
-        self.transition = normalize(self.counts, eps=0.0, dtype=np.float64)  # exact Ã: seen rows sum to 1
-        tables = getattr(counts_source, "ngrams", None) or {}
+        self.log_unigram = np.log(self.unigram)
         self.ngrams = {n: t for n, t in sorted(tables.items()) if n <= config.ngram_order and t.entries > 0}
         self.tail = max([self.orders, *(n - 1 for n in self.ngrams)])  # the context tokens a row reads
-        self._row = lru_cache(maxsize=cache_rows)(self._row_uncached)
+        # the kernel's view of the tables, padded with empty ones to at least two (orders 3 and 4), so that the
+        # usual graphs (no tables, or one or two) share one compiled kernel
+        empty = (_frozen([], np.int64), _frozen([0], np.int64), _frozen([], np.int32), _frozen([], np.int64), 0)
+        self._tables = tuple((_frozen(t.contexts, np.int64), _frozen(t.indptr, np.int64), _frozen(t.next, np.int32),
+                              _frozen(t.counts, np.int64), order) for order, t in self.ngrams.items())
+        self._tables += (empty,) * (2 - len(self._tables))
+        self._transition = None
+        self._row = lru_cache(maxsize=cache_rows)(self._power_row)
+        self._devices: dict[str, _DeviceTables] = {}
+        self._local = threading.local()
 
     @property
     def orders(self) -> int:
         return len(self.config.order_weights)
 
-    def _row_uncached(self, token: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Ãᵏ[token] as (indices, values), by k−1 sparse vector–matrix products; order 1 discounted under Kneser–Ney."""
-        if k == 1 and self.kneser_ney:
-            row = self.counts[token]
-            return row.indices, np.maximum(row.data - self.config.discount, 0.0) / self.row_counts[token]
+    @property
+    def transition(self) -> sp.csr_matrix:
+        """Ã = D⁻¹A, exact (float64): read by orders k ≥ 2 only, so normalised on first use."""
+        if self._transition is None:
+            counts = sp.csr_matrix((self.counts, self.indices, self.indptr), shape=(self.n, self.n))
+            self._transition = normalize(counts, eps=0.0, dtype=np.float64)
+        return self._transition
+
+    def _power_row(self, token: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ãᵏ[token] as (indices, values), by k−1 sparse vector–matrix products."""
         row = self.transition[token]
         for _ in range(k - 1):
             row = (row @ self.transition).tocsr()
         return row.indices, row.data
 
-    def _order(self, context: list[int], k: int) -> np.ndarray:
-        """q_k for the token k places back (present in ``context``)."""
-        token = int(context[-k])
-        c = self.row_counts[token] if 0 <= token < self.n else 0.0
-        if c == 0:
-            q = self.unigram.copy()
-        elif k == 1 and self.kneser_ney:
-            idx, val = self._row(token, k)
-            q = self.config.discount * self.successors[token] / c * self.unigram
-            q[idx] += val
-        else:
-            idx, val = self._row(token, k)
-            kappa = self.config.kappa
-            # Ãᵏ loses the mass of walks that reach a token never followed by anything: it backs off to u too
-            q = (kappa + c * (1.0 - val.sum())) / (c + kappa) * self.unigram
-            q[idx] += c / (c + kappa) * val
-        if k == 1:
-            for n, table in self.ngrams.items():
-                if len(context) >= n - 1:
-                    q = self._discounted(table, [int(t) for t in context[-(n - 1):]], q)
-        return q
+    def _weights(self, length: int) -> list[float]:
+        """β_k / Σβ for k = 1, 2, …, over the orders a context of ``length`` tokens reaches (0 for the others)."""
+        betas = [b if length >= k else 0.0 for k, b in enumerate(self.config.order_weights, start=1)]
+        total = sum(betas)
+        return [b / total if total > 0 else 0.0 for b in betas]
 
-    def _discounted(self, table, history: list[int], below: np.ndarray) -> np.ndarray:
-        """The counts after ``history``, discounted down to ``below``; ``below`` itself if the corpus never saw it."""
-        found = table.successors(history)
-        if found is None:
-            return below
-        nxt, cnt = found
-        total, d = float(cnt.sum()), self.config.discount
-        q = d * len(nxt) / total * below
-        q[nxt] += np.maximum(cnt - d, 0.0) / total
-        return q
+    def _extra(self, ctx: np.ndarray, weights: list[float]) -> tuple[np.ndarray, ...]:
+        """Orders k ≥ 2 for every row of ``ctx``, weighted: unigram coefficients (B,) and the rows of Ãᵏ as CSR."""
+        rows, length = ctx.shape
+        alpha = np.zeros(rows)
+        ptr, idx, val = np.zeros(rows + 1, dtype=np.int64), [np.zeros(0, np.int32)], [np.zeros(0)]
+        kappa = self.config.kappa
+        filled = 0
+        for b in range(rows):
+            for k, beta in enumerate(weights[1:], start=2):
+                if beta == 0.0:
+                    continue
+                token = int(ctx[b, length - k])
+                c = self.row_counts[token] if 0 <= token < self.n else 0.0
+                if c == 0.0:
+                    alpha[b] += beta
+                    continue
+                i, v = self._row(token, k)
+                # Ãᵏ loses the mass of walks that reach a token never followed by anything: it backs off to u too
+                alpha[b] += beta * (kappa + c * (1.0 - v.sum())) / (c + kappa)
+                idx.append(i.astype(np.int32))
+                val.append(beta * c / (c + kappa) * v)
+                filled += len(i)
+            ptr[b + 1] = filled
+        return alpha, ptr, np.concatenate(idx), np.concatenate(val)
 
-    def row(self, context: list[int]) -> np.ndarray:
-        """q for one context (its tokens, oldest first)."""
-        q = np.zeros(self.n)
-        total = 0.0
-        for k, beta in enumerate(self.config.order_weights, start=1):
-            if beta == 0 or len(context) < k:
-                continue
-            q += beta * self._order(context, k)
-            total += beta
-        return q / total if total > 0 else q
+    def _kernel_args(self, input_ids: torch.Tensor) -> tuple:
+        """The arguments of ``context_kernel.reference_rows`` up to its output rows, for the contexts ``input_ids``."""
+        ctx = np.ascontiguousarray(input_ids[:, -self.tail:].detach().cpu().numpy(), dtype=np.int64)
+        weights = self._weights(ctx.shape[1])
+        return (ctx, weights[0], self.indptr, self.indices, self.counts, self.row_counts, self.successors,
+                self.unigram, self.log_unigram, self._tables, self.kneser_ney, self.config.discount, self.config.kappa,
+                *self._extra(ctx, weights))
+
+    def _check_ids(self, input_ids: torch.Tensor, rows: int | None = None) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be an integer tensor of shape (B, T), got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        if rows is not None and input_ids.shape[0] != rows:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} rows but scores has {rows}; one context per row")
 
     def __call__(self, input_ids: torch.Tensor, width: int | None = None,
                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph."""
+        self._check_ids(input_ids)
         width = self.n if width is None else width
-        ids = input_ids.detach().to("cpu").tolist()
-        out = np.zeros((len(ids), width))
-        for b, seq in enumerate(ids):
-            out[b, :self.n] = self.row(seq[-self.tail:])
-        return torch.from_numpy(out).to(device=input_ids.device, dtype=dtype)
+        if width < self.n:
+            raise ValueError(f"width {width} is narrower than the graph's {self.n} tokens")
+        if input_ids.device.type != "cpu":
+            return self._rows_torch(input_ids, width).to(dtype)
+        q = np.empty((input_ids.shape[0], width))
+        context_kernel.reference_rows(*self._kernel_args(input_ids), q, np.empty_like(q))
+        return torch.from_numpy(q).to(dtype)
+
+    def step(self, input_ids: torch.Tensor, scores: torch.Tensor, *, lam: float | torch.Tensor | None = None,
+             tol: float = 1e-6, max_iter: int | None = None, check_every: int | None = None,
+             backend: str = "auto") -> tuple[torch.Tensor, SolveInfo]:
+        """One decoding step: log x of the config's problem toward q(· | ``input_ids``) for each row of ``scores``,
+        in ``scores``' dtype and on its device, with the solve's info (certificate per row).
+
+        ``lam`` overrides the config's λ: a float, or a (B,) tensor of λ ≥ 0 per
+        row. ``backend`` "numba" (CPU only): one numba call does everything
+        (``context_kernel.decode_step``; ``max_iter`` ν steps at most, default 60).
+        "torch": everything stays on the scores' device, the reference rows by
+        torch and the solve by ``divergences``' torch path, by default with no
+        host synchronisation off the CPU (``check_every=0``: ``max_iter`` ν steps,
+        default 8, rows frozen once converged, ``info.converged`` left on the
+        device); ``check_every`` ≥ 1 checks every that many steps instead. "auto":
+        numba on CPU, torch elsewhere.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [1, 1, 0]])
+            >>> ref = ContextReference(counts, ContextConfig(lam=2.0))
+            >>> logp, info = ref.step(torch.tensor([[2, 0]]), torch.zeros(1, 3))
+            >>> [round(v, 3) for v in logp.exp()[0].tolist()], bool(info.gap.max() <= 1e-6)
+            ([0.206, 0.583, 0.211], True)
+        """
+        if backend not in ("auto", "numba", "torch"):
+            raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+            raise ValueError(f"scores must be a (B, V) tensor, got {tuple(getattr(scores, 'shape', ()))}")
+        self._check_ids(input_ids, scores.shape[0])
+        if scores.shape[-1] < self.n:
+            raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.n} nodes; "
+                             f"rebuild the graph with this model's tokenizer")
+        cpu = scores.device.type == "cpu"
+        if backend == "numba" and not cpu:
+            raise ValueError(f"the numba kernel runs on the CPU, the scores are on {scores.device}; "
+                             f"use backend='torch'")
+        kernel = cpu and backend != "torch"
+        if not cpu and check_every is None:
+            check_every = 0
+        cfg = self.config
+        share = 1.0 if cfg.divergence == "kl" else cfg.kl_share
+        max_iter = max_iter if max_iter is not None else (60 if cpu else 8)
+        # the kernel checks the scores' values in its first pass (one pass fewer)
+        lam = check_inputs(scores, None, cfg.lam if lam is None else lam, share, tol, max_iter,
+                           sync=check_every != 0, skip_z_values=kernel, name="scores")
+        if isinstance(lam, float) and lam == 0.0:
+            zeros = torch.zeros(scores.shape[0], dtype=torch.float64, device=scores.device)
+            return torch.log_softmax(scores, -1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
+        if not kernel:
+            z = scores.to(torch.float64)
+            q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1])
+            logx, info = _solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
+                                      check_every=check_every)
+            return logx.to(scores.dtype), info
+        rows, width = scores.shape
+        # float64 copies of the scores and of log x, q, log q and the solve's scratch: buffers kept from step to step
+        # (fresh ones cost page faults at every step); log x is handed out as a new tensor of the scores' dtype
+        work = getattr(self._local, "work", None)  # per thread: a reference may serve several threads at once
+        if work is None or work.shape != (6, rows, width):
+            work = self._local.work = np.empty((6, rows, width))
+        z, out = work[0], work[1]
+        torch.from_numpy(z).copy_(scores.detach())
+        if scores.dtype == torch.float64:
+            out = np.empty_like(z)
+        lam_np = lam.detach().numpy() if isinstance(lam, torch.Tensor) else np.full(rows, lam)
+        iters = np.empty(rows, dtype=np.int64)
+        gaps = np.empty(rows)
+        kind = lambert_kernel.L2 if cfg.divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
+        with lambert_kernel.one_task_at_a_time():
+            status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids), lam_np, share, max_iter,
+                                                lambert_kernel.TABLE, work[2:], out, iters, gaps,
+                                                lambert_kernel.schedule(rows))
+        raise_for_status(status, "scores")
+        g = torch.from_numpy(gaps)
+        return torch.from_numpy(out).to(scores.dtype), SolveInfo(torch.from_numpy(iters), g, g <= tol, 0)
+
+    def on(self, device: torch.device | str) -> _DeviceTables:
+        """The arrays the torch path reads, as tensors on ``device`` (copied there once, then cached)."""
+        device = torch.device(device)
+        key = str(device)
+        if key in self._devices:
+            return self._devices[key]
+
+        def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a), device="cpu").to(device=device, dtype=dtype)
+
+        with warnings.catch_warnings():  # read-only memory maps (torch only reads them); sparse CSR "in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            ngrams = [(order, tensor(t.contexts, torch.int64), tensor(t.indptr, torch.int64),
+                       tensor(t.next, torch.int64), tensor(t.counts, torch.float64),
+                       int(np.diff(np.asarray(t.indptr)).max())) for order, t in self.ngrams.items()]
+            transition_t = None
+            if any(b > 0 for b in self.config.order_weights[1:]):
+                a_t = self.transition.T.tocsr()
+                transition_t = torch.sparse_csr_tensor(tensor(a_t.indptr, torch.int64),
+                                                       tensor(a_t.indices, torch.int64),
+                                                       tensor(a_t.data, torch.float64), size=a_t.shape,
+                                                       check_invariants=False)
+            tables = _DeviceTables(tensor(self.indptr, torch.int64), tensor(self.indices, torch.int64),
+                                   tensor(self.counts, torch.float64), tensor(self.row_counts, torch.float64),
+                                   tensor(self.successors, torch.float64), tensor(self.unigram, torch.float64),
+                                   int(self.successors.max()) if self.n else 0, ngrams, transition_t)
+        self._devices[key] = tables
+        return tables
+
+    def _rows_torch(self, input_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """The reference rows by torch on ``input_ids``' device: the kernel's q, from fixed-width gathers (no size
+        is read back to the host)."""
+        dev = self.on(input_ids.device)
+        ctx = input_ids[:, -self.tail:].long()
+        rows, length = ctx.shape
+        q = torch.zeros(rows, width, dtype=torch.float64, device=input_ids.device)
+        for k, beta in enumerate(self._weights(length), start=1):
+            if beta > 0.0:
+                q[:, :self.n] += beta * (self._order_one(ctx, dev) if k == 1 else self._order_k(ctx[:, -k], k, dev))
+        return q
+
+    def _token_counts(self, token: torch.Tensor, dev: _DeviceTables) -> tuple[torch.Tensor, torch.Tensor]:
+        inside = (token >= 0) & (token < self.n)
+        token = torch.where(inside, token, 0)
+        return token, torch.where(inside, dev.row_counts[token], 0.0)
+
+    def _order_one(self, ctx: torch.Tensor, dev: _DeviceTables) -> torch.Tensor:
+        """q₁ for each row: the (discounted) bigram row of the previous token, then each n-gram table's discount."""
+        cfg = self.config
+        prev, c = self._token_counts(ctx[:, -1], dev)
+        seen = c > 0
+        c_safe = torch.where(seen, c, 1.0)
+        cols, vals, mask = _gather(dev.indptr, dev.indices, dev.counts, prev, seen, dev.row_width)
+        if self.kneser_ney:
+            coef = torch.where(seen, cfg.discount * dev.successors[prev] / c_safe, 1.0)
+            piece = (vals - cfg.discount).clamp_min(0.0) / c_safe[:, None]
+        else:
+            coef = torch.where(seen, cfg.kappa / (c + cfg.kappa), 1.0)
+            piece = vals / (c + cfg.kappa)[:, None]
+        q = (coef[:, None] * dev.unigram).scatter_add_(1, cols, torch.where(mask, piece, 0.0))
+        for order, contexts, table_ptr, table_next, table_counts, widest in dev.ngrams:
+            if ctx.shape[1] < order - 1:
+                continue
+            history = ctx[:, ctx.shape[1] - (order - 1):]
+            inside = ((history >= 0) & (history < self.n)).all(-1)
+            key = torch.zeros_like(history[:, 0])
+            for j in range(order - 1):
+                key = key * self.n + torch.where(inside, history[:, j], 0)
+            i = torch.searchsorted(contexts, key).clamp_max(contexts.numel() - 1)
+            found = inside & (contexts[i] == key)
+            cols, cnt, mask = _gather(table_ptr, table_next, table_counts, i, found, widest)
+            total = torch.where(found, (cnt * mask).sum(-1), 1.0)
+            gamma = cfg.discount * mask.sum(-1) / total
+            piece = torch.where(mask, (cnt - cfg.discount).clamp_min(0.0) / total[:, None], 0.0)
+            q = torch.where(found[:, None], (gamma[:, None] * q).scatter_add_(1, cols, piece), q)
+        return q
+
+    def _order_k(self, token: torch.Tensor, k: int, dev: _DeviceTables) -> torch.Tensor:
+        """q_k for each row's token k places back: its row of Ãᵏ under a Dirichlet prior toward the unigram."""
+        kappa = self.config.kappa
+        token, c = self._token_counts(token, dev)
+        seen = c > 0
+        c_safe = torch.where(seen, c, 1.0)
+        cols, vals, mask = _gather(dev.indptr, dev.indices, dev.counts, token, seen, dev.row_width)
+        x = torch.zeros(token.shape[0], self.n, dtype=torch.float64, device=token.device)
+        x.scatter_add_(1, cols, torch.where(mask, vals / c_safe[:, None], 0.0))  # Ã[token]
+        for _ in range(k - 1):
+            x = (dev.transition_t @ x.T).T  # x Ã
+        coef = torch.where(seen, (kappa + c * (1.0 - x.sum(-1))) / (c + kappa), 1.0)
+        return coef[:, None] * dev.unigram + torch.where(seen, c / (c + kappa), 0.0)[:, None] * x
+
+
+def _gather(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, row: torch.Tensor, keep: torch.Tensor,
+            width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row ``row[b]`` of a CSR structure for each b, ``width`` entries wide: (columns, values, mask); rows where
+    ``keep`` is False come out empty. Fixed width, so no length is read back to the host."""
+    start = indptr[row]
+    length = torch.where(keep, indptr[row + 1] - start, 0)
+    offset = torch.arange(width, device=row.device)
+    mask = offset[None, :] < length[:, None]
+    pos = torch.where(mask, start[:, None] + offset[None, :], 0)
+    return torch.where(mask, indices[pos], 0), torch.where(mask, values[pos], 0.0), mask

@@ -57,7 +57,7 @@ def _grad(divergence: str, x: torch.Tensor, q: torch.Tensor, logx: torch.Tensor)
     return 2.0 * (x - q)
 
 
-def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam: float,
+def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor,
                        divergence: str) -> torch.Tensor:
     """Duality gap of the point exp(``logx``) for the problem toward ``q``, computed from scratch."""
     x = torch.exp(logx)
@@ -75,8 +75,8 @@ def restrict_reference(q: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tens
     return torch.where(has_q, q / torch.where(has_q, mass, 1.0), q), has_q
 
 
-def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: torch.Tensor, steps: int = 6):
-    """x(ν) and its first two derivatives in ν; ``t`` are log-softmaxed logits."""
+def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: torch.Tensor, nu: torch.Tensor, steps: int = 6):
+    """x(ν) and its first two derivatives in ν; ``t`` are log-softmaxed logits, ``c`` = 2λ per row (B, 1)."""
     if divergence == "rkl":
         on = a > 0
         s = torch.log(torch.where(on, a, 1.0)) - t + nu
@@ -84,7 +84,7 @@ def _x_of_nu(divergence: str, t: torch.Tensor, a: torch.Tensor, c: float, nu: to
         e = torch.where(on, torch.exp(omega), torch.zeros_like(omega))  # a token with no reference mass: e^ω = 0
         x = torch.where(on, a * torch.exp(-omega), torch.exp(t - nu))
     else:
-        s = torch.where(torch.isfinite(t), t + a - nu + math.log(c), torch.zeros_like(t))
+        s = torch.where(torch.isfinite(t), t + a - nu + torch.log(c), torch.zeros_like(t))
         e = torch.exp(log_lambertw_exp(s, steps=steps))
         x = torch.where(torch.isfinite(t), e / c, torch.zeros_like(t))
     # both kinds: dx/dν = −x/(1+e^ω), d²x/dν² = x(1+2e^ω)/(1+e^ω)³
@@ -101,16 +101,23 @@ def _nu_step(divergence: str, s: torch.Tensor, ds: torch.Tensor, d2s: torch.Tens
     return torch.where(small, -s * log_s / ds, -s * torch.expm1(g * log_s) / (torch.where(small, 1.0, g) * ds))
 
 
-def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str = "rkl", *, kl_share: float = 0.0,
-                 tol: float = 1e-6, max_iter: int = 60, backend: str = "auto") -> tuple[torch.Tensor, SolveInfo]:
+def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, divergence: str = "rkl", *,
+                 kl_share: float = 0.0, tol: float = 1e-6, max_iter: int = 60, backend: str = "auto",
+                 check_every: int | None = None) -> tuple[torch.Tensor, SolveInfo]:
     """log of argmin over the simplex of −⟨x,z⟩ + ⟨x,log x⟩ + λ·[(1−m)·D(x, q) + m·KL(x‖q)], m = ``kl_share``,
     per row, with its certificate.
 
     ``z`` and ``q`` are (B, V) in the working dtype; ``-inf`` logits get x = 0
     whatever q says (q is renormalised over the allowed tokens), and a row of q
-    with no mass there leaves that row as softmax. ``backend``: "numba" (the
-    fused CPU kernel, float64), "torch" (any device and dtype) or "auto" (numba
-    where it applies). ``kl_share`` = 0 is D alone, 1 is KL(x‖q) alone (``"kl"``).
+    with no mass there leaves that row as softmax. ``lam`` is one λ ≥ 0 for
+    every row or a (B,) tensor of them (λ = 0: softmax, gap 0). ``backend``:
+    "numba" (the CPU kernel, float64, every row in one call), "torch" (any
+    device and dtype) or "auto" (numba where it applies). ``kl_share`` = 0 is D
+    alone, 1 is KL(x‖q) alone (``"kl"``). ``check_every`` (torch path): ν steps
+    between the convergence checks that read a value back to the host (None:
+    every step on CPU, every 8 on other devices); 0 never reads one: ``max_iter``
+    ν steps, converged rows frozen, the input checks asserted on the device, and
+    ``info.converged`` left there.
 
     Example::
 
@@ -127,76 +134,164 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str =
     """
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    if not 0.0 <= kl_share <= 1.0:
-        raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {kl_share}")
-    if not lam >= 0.0:
-        raise ValueError(f"lam must be >= 0 (0 gives softmax), got {lam}")
-    if lam == 0.0:  # no regulariser: softmax, exactly optimal
-        zeros = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
-        return torch.log_softmax(z, dim=-1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
-    if kl_share == 1.0:
-        divergence = "kl"
-    numba_fits = z.device.type == "cpu" and z.dtype == torch.float64
     if backend not in ("auto", "numba", "torch"):
         raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+    if check_every is not None and (not isinstance(check_every, int) or check_every < 0):
+        raise ValueError(f"check_every must be None or an int >= 0 (0: no host synchronisation), got {check_every!r}")
+    sync = check_every != 0
+    lam = check_inputs(z, q, lam, kl_share, tol, max_iter, sync=sync)
+    if divergence == "kl":  # KL(x‖q) shared with itself is itself
+        kl_share = 1.0
+    numba_fits = z.device.type == "cpu" and z.dtype == torch.float64
     if backend == "numba" and not numba_fits:
         raise ValueError(f"the numba kernel takes float64 CPU tensors, got {z.dtype} on {z.device}; "
                          f"use backend='torch'")
-    if divergence != "kl" and (backend == "numba" or (backend == "auto" and numba_fits)):
+    if isinstance(lam, float) and lam == 0.0:  # no regulariser: softmax, exactly optimal
+        zeros = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+        return torch.log_softmax(z, dim=-1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
+    if backend == "numba" or (backend == "auto" and numba_fits):
         logx, iters, g = _solve_rows_numba(divergence, z, q, lam, kl_share, max_iter)
         return logx, SolveInfo(iters, g, g <= tol, 0)
-    if kl_share > 0.0 and divergence != "kl":
-        return _solve_with_kl_share(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter)
-    valid = torch.isfinite(z)
-    t = torch.log_softmax(z, dim=-1)
-    q, has_q = restrict_reference(q, valid)
-    if divergence == "kl":
-        a = (t + lam * torch.log(q)) / (1.0 + lam)
-        logx = torch.log_softmax(torch.where(valid, a, torch.full_like(a, -torch.inf)), dim=-1)
-        iters = torch.ones(z.shape[0], dtype=torch.long, device=z.device)
+    return _solve_torch(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter, check_every=check_every)
+
+
+def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Tensor, kl_share: float, tol: float,
+                 max_iter: int, *, sync: bool = True, skip_z_values: bool = False,
+                 name: str = "z") -> float | torch.Tensor:
+    """Refuse what the solvers cannot take, each with a one-line ValueError; returns λ as a float or a (B,) tensor.
+
+    Shapes and settings are checked on the host; the values of ``z``, ``q``
+    and a λ tensor with one host synchronisation, or asserted on the device
+    when ``sync`` is False (a failure then surfaces as a device-side assert).
+    ``q`` None: the caller builds the reference itself (``ContextReference.step``);
+    ``skip_z_values``: the caller's kernel checks z's values in its first pass, before it reads them otherwise.
+    ``name``: what the messages call z.
+    """
+    if not isinstance(z, torch.Tensor) or not z.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch tensor, got {type(z).__name__}")
+    if z.dim() != 2 or z.shape[-1] == 0:
+        raise ValueError(f"{name} must have shape (B, V) with V >= 1, got {tuple(z.shape)}")
+    if q is not None:
+        if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+            raise TypeError(f"q must be a floating-point torch tensor, got {type(q).__name__}")
+        if q.shape != z.shape:
+            raise ValueError(f"q has shape {tuple(q.shape)} but {name} has {tuple(z.shape)}: give one reference row "
+                             f"per row of {name}, as wide as {name} (zeros for tokens the reference does not cover)")
+        if q.device != z.device:
+            raise ValueError(f"q is on {q.device} but {name} on {z.device}; move them to one device")
+    if not 0.0 <= kl_share <= 1.0:
+        raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {kl_share}")
+    if not (isinstance(tol, (int, float)) and tol > 0):
+        raise ValueError(f"tol must be > 0, got {tol!r}")
+    if not (isinstance(max_iter, int) and max_iter >= 1):
+        raise ValueError(f"max_iter must be an int >= 1, got {max_iter!r}")
+    checks = {} if skip_z_values else {
+        f"{name} contains NaN; check the model's output (fp16 overflow?) before graphmax": torch.isnan(z),
+        f"{name} contains +inf; graphmax needs finite logits or -inf for masked tokens": torch.isposinf(z),
+        f"a row of {name} is entirely -inf: no token is allowed, so there is no distribution":
+            torch.isneginf(z).all(dim=-1)}
+    if q is not None:
+        checks["q contains NaN or ±inf; the reference must be finite"] = ~torch.isfinite(q)
+        checks["q has negative entries; the reference must be ≥ 0 (it is renormalised over the allowed tokens)"] = q < 0
+    if isinstance(lam, torch.Tensor):
+        if lam.shape != (z.shape[0],) or not lam.is_floating_point():
+            raise ValueError(f"lam must be a float or a floating-point tensor of shape ({z.shape[0]},), one λ per row, "
+                             f"got {lam.dtype} of shape {tuple(lam.shape)}")
+        lam = lam.to(device=z.device, dtype=torch.float64)
+        checks["lam must be finite and >= 0 in every row (0 gives softmax)"] = ~(torch.isfinite(lam) & (lam >= 0))
+    elif isinstance(lam, (int, float)) and not isinstance(lam, bool):
+        if not (math.isfinite(lam) and lam >= 0):
+            raise ValueError(f"lam must be finite and >= 0 (0 gives softmax), got {lam}")
+        lam = float(lam)
     else:
-        logx, iters = _solve_rows_torch(divergence, t, lam * q if divergence == "rkl" else 2.0 * lam * q, lam, max_iter)
-    # a row whose reference has no mass on the allowed tokens carries no information: softmax
-    logx = torch.where(has_q, logx, t)
-    g = torch.where(has_q.squeeze(-1), certificate_toward(logx, t, torch.where(has_q, q, 1.0), lam, divergence), 0.0)
+        raise ValueError(f"lam must be a float or a (B,) tensor, got {type(lam).__name__}")
+    if not sync:  # asserted on the device, as graphmax's check_every=0 does
+        for message, bad in checks.items():
+            torch._assert_async(~bad.any(), message)
+        return lam
+    if not checks:
+        return lam
+    failed = torch.stack([bad.any() for bad in checks.values()]).tolist()  # one host synchronisation for all
+    for message, bad in zip(checks, failed):
+        if bad:
+            raise ValueError(message)
+    return lam
+
+
+def raise_for_status(status: int, name: str) -> None:
+    """The ValueError for what ``lambert_kernel.solve_batch`` found wrong with the logits ``name``, if anything."""
+    messages = {lambert_kernel.HAS_NAN: f"{name} contains NaN; check the model's output (fp16 overflow?) before "
+                                        f"graphmax",
+                lambert_kernel.HAS_POSINF: f"{name} contains +inf; graphmax needs finite logits or -inf for masked "
+                                           f"tokens",
+                lambert_kernel.ALL_MASKED: f"a row of {name} is entirely -inf: no token is allowed, so there is no "
+                                           f"distribution"}
+    if status != lambert_kernel.FINE:
+        raise ValueError(messages[status])
+
+
+def _solve_torch(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, divergence: str, kl_share: float, *,
+                 tol: float, max_iter: int, check_every: int | None) -> tuple[torch.Tensor, SolveInfo]:
+    """``solve_toward`` in torch, every row at once, on any device and dtype: the same steps as the kernel.
+
+    A share m of λ on KL(x‖q) is solved as D alone at z′ = (z + λm·log q)/(1+λm) and λ′ = λ(1−m)/(1+λm),
+    whose certificate scales by 1+λm (``lambert_kernel.solve_batch`` does the same).
+    """
+    rows = z.shape[0]
+    lam = torch.as_tensor(lam, dtype=z.dtype, device=z.device).expand(rows).unsqueeze(-1)
+    valid = torch.isfinite(z)
+    t = softmax_t = torch.log_softmax(z, dim=-1)
+    q, has_q = restrict_reference(q.to(z.dtype), valid)
+    soft = (lam == 0) | ~has_q  # softmax rows: λ = 0, or no reference mass on the allowed tokens
+    scale = 1.0 + lam * kl_share
+    lam_d = lam * (1.0 - kl_share) / scale
+    if kl_share > 0.0:  # KL(x‖q) gives x = 0 where q = 0
+        w = lam * kl_share
+        leaned = torch.where(q > 0, (t + w * torch.log(q)) / (1.0 + w), torch.full_like(t, -torch.inf))
+        t = torch.where(soft, t, torch.log_softmax(torch.where(soft, t, leaned), dim=-1))
+    if kl_share == 1.0:  # KL(x‖q) alone: the leaned softmax is the solution
+        divergence, logx = "kl", t
+        iters = torch.zeros(rows, dtype=torch.long, device=z.device)
+    else:
+        lam_s = torch.where(lam_d > 0, lam_d, 1.0)  # softmax rows are replaced below
+        logx, iters = _solve_rows_torch(divergence, t, (lam_s if divergence == "rkl" else 2.0 * lam_s) * q, lam_s,
+                                        max_iter, check_every)
+    logx = torch.where(soft, softmax_t, logx)
+    g = scale.squeeze(-1) * certificate_toward(logx, t, torch.where(has_q, q, 1.0), lam_d, divergence)
+    g = torch.where(soft.squeeze(-1), 0.0, g)
+    iters = torch.where(soft.squeeze(-1), 0, iters)
     return logx, SolveInfo(iters, g, g <= tol, 0)
 
 
-def _solve_with_kl_share(z: torch.Tensor, q: torch.Tensor, lam: float, divergence: str, kl_share: float, *,
-                         tol: float, max_iter: int) -> tuple[torch.Tensor, SolveInfo]:
-    """``solve_toward``'s torch path with 0 < m < 1: D alone at z′ = (z + λm·log q)/(1+λm) and
-    λ′ = λ(1−m)/(1+λm) (the kernel does the same in ``lambert_kernel.solve_row``)."""
-    scale = 1.0 + lam * kl_share
-    q, has_q = restrict_reference(q, torch.isfinite(z))
-    t = torch.log_softmax(z, dim=-1)
-    # KL(x‖q) gives x = 0 where q = 0; a row with no reference mass stays softmax, as for D alone
-    z_kl = torch.where(has_q, (t + lam * kl_share * torch.log(q)) / scale, t)
-    logx, info = solve_toward(z_kl, q, lam * (1.0 - kl_share) / scale, divergence, tol=tol / scale,
-                              max_iter=max_iter, backend="torch")
-    g = info.gap * scale  # the problem is (1+λm) times the solved one
-    return logx, SolveInfo(info.iterations, g, g <= tol, 0)
-
-
-def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float, kl_share: float,
-                      max_iter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row by the fused CPU kernel (``lambert_kernel.solve_row``): log x, iterations and certificate."""
-    kind = lambert_kernel.RKL if divergence == "rkl" else lambert_kernel.L2
+def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, kl_share: float,
+                     max_iter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row by the CPU kernel (``lambert_kernel.solve_batch``) in one call: log x, ν steps and certificate."""
+    kind = lambert_kernel.L2 if divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
     z_np, q_np = z.contiguous().numpy(), q.to(torch.float64).contiguous().numpy()
+    rows = z_np.shape[0]
+    lam_np = (lam.detach().to(torch.float64).contiguous().numpy() if isinstance(lam, torch.Tensor)
+              else np.full(rows, float(lam)))
     out = np.empty_like(z_np)
-    rows = [lambert_kernel.solve_row(kind, z_np[b], q_np[b], float(lam), float(kl_share), max_iter,
-                                     lambert_kernel.TABLE, out[b])
-            for b in range(len(z_np))]
-    iters, gaps = zip(*rows) if rows else ((), ())
-    return (torch.from_numpy(out), torch.tensor(iters, dtype=torch.long),
-            torch.tensor(gaps, dtype=torch.float64))
+    iters = np.empty(rows, dtype=np.int64)
+    gaps = np.empty(rows)
+    with lambert_kernel.one_task_at_a_time():
+        status = lambert_kernel.solve_batch(kind, z_np, q_np, q_np, False, lam_np, float(kl_share), max_iter,
+                                            lambert_kernel.TABLE, np.empty((2, *z_np.shape)), out, iters, gaps,
+                                            lambert_kernel.schedule(rows))
+    raise_for_status(status, "z")
+    return torch.from_numpy(out), torch.from_numpy(iters), torch.from_numpy(gaps)
 
 
-def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: float,
-                      max_iter: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: torch.Tensor, max_iter: int,
+                      check_every: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """All rows at once in torch (any device): the kernel's ν steps, kept inside a bracket by bisection
-    (also taken when a step does not halve |log Σx|)."""
+    (also taken when a step does not halve |log Σx|). ``lam`` is (B, 1), > 0. ``check_every`` as in
+    :func:`solve_toward`: 0 takes ``max_iter`` steps with no host synchronisation, rows frozen once converged."""
+    if check_every is None:
+        check_every = 1 if t.device.type == "cpu" else 8
     valid = torch.isfinite(t)
     c = 2.0 * lam
+    tolerance = lambert_kernel.NU_TOL / lam.clamp_min(1.0)
     # starts: for rkl ν = 0 gives every xᵢ ≥ softmax(z)ᵢ; for l2 ν = logsumexp(z + 2λq) gives xᵢ ≤ its softmax
     nu = torch.zeros_like(t[:, :1]) if divergence == "rkl" else torch.logsumexp(t + a, -1, keepdim=True)
     lo = torch.full_like(nu, -torch.inf)
@@ -204,7 +299,7 @@ def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
     reach = torch.ones_like(nu)  # one-sided fallback steps double, as in the kernel
     last = torch.full_like(nu, torch.inf)
     iters = torch.zeros(t.shape[0], dtype=torch.long, device=t.device)
-    for _ in range(max_iter):
+    for step_count in range(1, max_iter + 1):
         x, dx, d2x = _x_of_nu(divergence, t, a, c, nu)
         s = x.sum(-1, keepdim=True)
         ds = dx.sum(-1, keepdim=True)
@@ -212,17 +307,17 @@ def _solve_rows_torch(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: fl
         hi = torch.where(s < 1.0, torch.minimum(hi, nu), hi)
         log_s = torch.log(s)
         miss = log_s.abs()
-        done = (miss <= lambert_kernel.nu_tolerance(lam)).squeeze(-1)
+        done = (miss <= tolerance).squeeze(-1)
         iters += (~done).long()
-        if bool(done.all()):
+        if check_every and step_count % check_every == 0 and bool(done.all()):
             break
         step = nu + _nu_step(divergence, s, ds, d2x.sum(-1, keepdim=True))
         both = torch.isfinite(lo) & torch.isfinite(hi)
         mid = torch.where(both, 0.5 * (lo + hi), torch.where(torch.isfinite(lo), lo + reach, hi - reach))
         # bisect when a step did not halve |log Σx| (it can bounce between the sides)
         inside = (step > lo) & (step < hi) & ~(both & (miss > 0.5 * last))
-        last = miss
-        reach = torch.where(inside | both, reach, 2.0 * reach)
+        last = torch.where(done.unsqueeze(-1), last, miss)
+        reach = torch.where(inside | both | done.unsqueeze(-1), reach, 2.0 * reach)
         step = torch.where(inside, step, mid)
         nu = torch.where(done.unsqueeze(-1), nu, step)
     logx = torch.log(x) - torch.log(s)

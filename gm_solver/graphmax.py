@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -33,8 +34,8 @@ def _check(logits: torch.Tensor, lam: float, tol: float, solver: str, sync: bool
         raise TypeError(f"logits must be a floating-point torch tensor, got {type(logits).__name__}")
     if logits.dim() not in (1, 2):
         raise ValueError(f"logits must have shape (N,) or (B, N), got {tuple(logits.shape)}")
-    if not lam >= 0:
-        raise ValueError(f"lam must be >= 0 (0 gives softmax), got {lam}")
+    if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
+        raise ValueError(f"lam must be a finite float >= 0 (0 gives softmax), got {lam!r}")
     if not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol}")
     if solver not in SOLVERS:
@@ -115,8 +116,8 @@ class Graphmax(torch.nn.Module):
 
     def __init__(self, graph: Any, lam: float = 1.0, **kwargs):
         super().__init__()
-        if not lam >= 0:
-            raise ValueError(f"lam must be >= 0, got {lam}")
+        if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
+            raise ValueError(f"lam must be a finite float >= 0 (0 gives softmax), got {lam!r}")
         self.graph, self.lam, self.kwargs = graph, lam, kwargs
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:

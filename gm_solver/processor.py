@@ -19,7 +19,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .context import SMOOTHINGS, ContextConfig, ContextReference
-from .divergences import DIVERGENCES, solve_toward
+from .divergences import DIVERGENCES
 from .graphmax import SOLVERS, get_operator, log_graphmax
 from .graphmax import _check as check_logits  # the paper decoder's input checks, so both refuse bad scores alike
 from .operator import TransitionOperator
@@ -395,17 +395,12 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         self.config = self.reference.config = ContextConfig(**{**self.config.to_dict(), "source": source})
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        cfg = self.config
-        check_logits(scores, cfg.lam, 1e-6, "auto", sync=True)  # the scores' checks (λ was checked in __init__)
-        if scores.shape[-1] < self.reference.n:
-            raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.reference.n} nodes; "
-                             f"rebuild the graph with this model's tokenizer")
-        if cfg.lam == 0:  # softmax, bit for bit in the scores' dtype (as log_graphmax at λ = 0)
+        if self.config.lam == 0:  # softmax, bit for bit in the scores' dtype (as log_graphmax at λ = 0)
+            check_logits(scores, 0.0, 1e-6, "auto", sync=True)
             return torch.log_softmax(scores, -1)
-        z = scores.to(torch.float64)
-        q = self.reference(input_ids, width=scores.shape[-1]).to(z.device)
-        logp, self.last_info = solve_toward(z, q, cfg.lam, cfg.divergence, kl_share=cfg.kl_share)
-        return logp.to(scores.dtype)
+        # reference rows, solve and certificate for the whole batch in one call, on the scores' device
+        logp, self.last_info = self.reference.step(input_ids, scores)
+        return logp
 
     def _shape(self) -> tuple[int, torch.device]:
         return self.reference.n, torch.device("cpu")

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import scipy.optimize
@@ -10,6 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gm_graphs.ngrams import NgramCounts
 from gm_solver import (
     DIVERGENCES,
     ContextConfig,
@@ -45,23 +53,30 @@ def test_certificate_and_fixed_point_for_each_divergence(case, divergence):
     assert torch.allclose(certificate_toward(logx, z, q, lam, divergence), info.gap, atol=1e-12)
 
 
-@pytest.mark.parametrize("kl_share", [0.0, 0.3])
-@pytest.mark.parametrize("divergence", ["rkl", "l2"])
-def test_agrees_with_an_independent_solve(divergence, kl_share):
-    rng = np.random.default_rng(0)
-    n, lam = 7, 2.0
-    z, q = rng.normal(size=n) * 2, rng.dirichlet(np.ones(n))
-
-    def f(v):  # the primal on the simplex through a softmax parametrisation
+def _bfgs(z: np.ndarray, q: np.ndarray, lam: float, divergence: str, kl_share: float) -> np.ndarray:
+    """The primal minimised over the simplex through a softmax parametrisation, by scipy's BFGS."""
+    def f(v):
         x = np.exp(v - v.max())
         x /= x.sum()
-        d = np.sum(q * np.log(q / x)) if divergence == "rkl" else np.sum((x - q) ** 2)
+        d = {"rkl": np.sum(q * np.log(q / x)), "l2": np.sum((x - q) ** 2), "kl": np.sum(x * np.log(x / q))}[divergence]
         return -x @ z + x @ np.log(x) + lam * ((1 - kl_share) * d + kl_share * np.sum(x * np.log(x / q)))
 
-    v = scipy.optimize.minimize(f, np.zeros(n), method="BFGS", options={"gtol": 1e-11}).x
-    ref = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
-    logx, _ = solve_toward(torch.tensor([z]), torch.tensor([q]), lam, divergence, kl_share=kl_share)
-    np.testing.assert_allclose(logx.exp()[0].numpy(), ref, atol=1e-6)
+    v = scipy.optimize.minimize(f, np.zeros(len(z)), method="BFGS", options={"gtol": 1e-11}).x
+    return np.exp(v - v.max()) / np.exp(v - v.max()).sum()
+
+
+@given(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from(DIVERGENCES), st.sampled_from([0.0, 0.15, 0.6]),
+       st.sampled_from(["numba", "torch"]))
+def test_agrees_with_an_independent_solve(seed, rows, divergence, kl_share, backend):
+    rng = np.random.default_rng(seed)
+    n = 7
+    z, q = rng.normal(size=(rows, n)) * 2, rng.dirichlet(np.ones(n), size=rows)
+    lam = rng.choice([0.3, 1.0, 2.0, 5.0], size=rows)  # one λ per row
+    logx, info = solve_toward(torch.tensor(z), torch.tensor(q), torch.tensor(lam), divergence, kl_share=kl_share,
+                              backend=backend)
+    assert (info.gap <= 1e-6).all()
+    for b in range(rows):
+        np.testing.assert_allclose(logx[b].exp().numpy(), _bfgs(z[b], q[b], lam[b], divergence, kl_share), atol=1e-6)
 
 
 @given(CASES, st.sampled_from(["rkl", "l2"]), st.floats(0.01, 0.99))
@@ -256,3 +271,267 @@ def test_interpolation_is_the_mixture_of_softmax_and_the_reference():
     assert torch.allclose(proc(torch.tensor([[2]]), scores).exp(), expected)
     with pytest.raises(ValueError, match="weight"):
         InterpolationLogitsProcessor(COUNTS, weight=1.5)
+
+
+
+
+# --- the reference rows and the decoding step, against formulas written out densely here ---
+
+def _graph(seed: int, n: int = 12) -> SimpleNamespace:
+    """A graph-like object: random bigram counts (a row with no successors) and 3- and 4-gram tables."""
+    rng = np.random.default_rng(seed)
+    dense = rng.integers(0, 6, size=(n, n)) * (rng.random((n, n)) < 0.35)
+    dense[n - 2] = 0  # a token the corpus never continues
+    tables = {}
+    for order in (3, 4):
+        keys = np.unique(rng.integers(0, n ** order, size=60))
+        tables[order] = NgramCounts.from_keys(order, keys, rng.integers(1, 5, size=keys.size), n)
+    return SimpleNamespace(counts=sp.csr_matrix(dense), ngrams=tables)
+
+
+def _expected_rows(graph: SimpleNamespace, cfg: ContextConfig, ids: torch.Tensor, width: int) -> torch.Tensor:
+    """q(· | context) from the module docstring's formulas, with dense matrices (Ãᵏ by matrix powers)."""
+    counts = graph.counts.toarray().astype(float)
+    n = len(counts)
+    c_row = counts.sum(1)
+    col = (counts > 0).sum(0) if cfg.smoothing == "kneser-ney" else counts.sum(0)
+    u = (col + cfg.alpha) / (col.sum() + cfg.alpha * n)
+    a = np.divide(counts, c_row[:, None], out=np.zeros_like(counts), where=c_row[:, None] > 0)
+    out = np.zeros((len(ids), width))
+    for b, context in enumerate(ids.tolist()):
+        q, total = np.zeros(n), 0.0
+        for k, beta in enumerate(cfg.order_weights, start=1):
+            if beta == 0 or len(context) < k:
+                continue
+            tok = context[-k]
+            c = c_row[tok] if 0 <= tok < n else 0.0
+            if c == 0:
+                qk = u.copy()
+            elif k == 1 and cfg.smoothing == "kneser-ney":
+                qk = cfg.discount * (counts[tok] > 0).sum() / c * u + np.maximum(counts[tok] - cfg.discount, 0) / c
+            else:
+                row = np.linalg.matrix_power(a, k)[tok]
+                qk = (cfg.kappa + c * (1 - row.sum())) / (c + cfg.kappa) * u + c / (c + cfg.kappa) * row
+            for order, table in sorted(graph.ngrams.items()):
+                if k == 1 and order <= cfg.ngram_order and len(context) >= order - 1:
+                    found = table.successors(context[-(order - 1):])
+                    if found is not None:
+                        nxt, cnt = found
+                        qk = cfg.discount * len(nxt) / cnt.sum() * qk
+                        qk[nxt] += np.maximum(cnt - cfg.discount, 0) / cnt.sum()
+            q += beta * qk
+            total += beta
+        out[b, :n] = q / total if total else q
+    return torch.from_numpy(out)
+
+
+CONFIGS = [ContextConfig(), ContextConfig(ngram_order=3, kl_share=0.0), ContextConfig(smoothing="dirichlet", lam=2.0),
+           ContextConfig(order_weights=(0.6, 0.3, 0.1), divergence="l2", lam=0.7),
+           ContextConfig(order_weights=(0.0, 1.0), divergence="kl", ngram_order=2),
+           ContextConfig(divergence="l2", kl_share=0.3, smoothing="dirichlet", ngram_order=4)]
+
+
+def _contexts(graph: SimpleNamespace, seed: int, rows: int, length: int) -> torch.Tensor:
+    """Random contexts over the graph's tokens (and beyond it, as padded vocabularies have), half of them ending
+    in a context of the 4-gram table, so that the tables' discounts are exercised."""
+    rng = np.random.default_rng(seed)
+    n = graph.counts.shape[0]
+    ids = rng.integers(0, n + 2, size=(rows, length))
+    table = graph.ngrams[4]
+    for b in range(0, rows, 2):
+        if length >= 3:
+            ids[b, -3:] = np.unravel_index(rng.choice(table.contexts), (n, n, n))
+    return torch.from_numpy(ids)
+
+
+@given(st.integers(0, 10_000), st.sampled_from(CONFIGS), st.integers(1, 6), st.integers(0, 5))
+def test_reference_rows_equal_the_formulas_on_cpu_and_in_torch(seed, cfg, rows, length):
+    graph = _graph(seed)
+    ids = _contexts(graph, seed, rows, length)
+    ref = ContextReference(graph, cfg)
+    expected = _expected_rows(graph, cfg, ids, 15)
+    torch.testing.assert_close(ref(ids, width=15), expected, atol=1e-13, rtol=0)
+    torch.testing.assert_close(ref._rows_torch(ids, 15), expected, atol=1e-13, rtol=0)
+
+
+@given(st.integers(0, 10_000), st.sampled_from(CONFIGS), st.integers(1, 6), st.sampled_from([0, 1, 3]))
+def test_step_solves_toward_the_reference_rows(seed, cfg, rows, masked):
+    graph = _graph(seed)
+    ids = _contexts(graph, seed, rows, 4)
+    ref = ContextReference(graph, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    scores = 3 * torch.randn(rows, 14, generator=gen, dtype=torch.float64)
+    scores[:, :masked] = -torch.inf  # masked tokens (earlier processors)
+    logx, info = ref.step(ids, scores)
+    assert (info.gap <= 1e-6).all() and (logx[:, :masked] == -torch.inf).all()
+    expected, _ = solve_toward(scores, _expected_rows(graph, cfg, ids, 14), cfg.lam, cfg.divergence,
+                               kl_share=cfg.kl_share, backend="torch")
+    torch.testing.assert_close(logx.exp(), expected.exp(), atol=1e-10, rtol=0)
+    for b in range(rows):  # a row does not depend on the batch it is in: bit for bit
+        alone, _ = ref.step(ids[b:b + 1], scores[b:b + 1])
+        assert torch.equal(alone[0], logx[b])
+    on_torch, info_torch = ref.step(ids, scores, backend="torch")
+    torch.testing.assert_close(on_torch.exp(), logx.exp(), atol=1e-10, rtol=0)
+    assert (info_torch.gap <= 1e-6).all()
+
+
+@given(st.integers(0, 10_000), st.sampled_from(CONFIGS), st.sampled_from(["numba", "torch"]))
+def test_step_takes_one_lambda_per_row(seed, cfg, backend):
+    graph = _graph(seed)
+    ids = _contexts(graph, seed, 4, 4)
+    ref = ContextReference(graph, cfg)
+    scores = 3 * torch.randn(4, 12, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    lam = torch.tensor([0.0, 0.4, 1.7, 12.0], dtype=torch.float64)
+    logx, info = ref.step(ids, scores, lam=lam, backend=backend)
+    assert info.gap[0] == 0 and (info.gap <= 1e-6).all()
+    torch.testing.assert_close(logx[0], torch.log_softmax(scores[0], -1))
+    for b in range(1, 4):
+        alone, _ = ref.step(ids[b:b + 1], scores[b:b + 1], lam=float(lam[b]), backend=backend)
+        torch.testing.assert_close(logx[b].exp(), alone[0].exp(), atol=1e-12, rtol=0)
+
+
+def test_step_on_the_torch_path_reads_no_value_back_to_the_host(monkeypatch):
+    graph = _graph(7)
+    ids = _contexts(graph, 7, 5, 4)
+    ref = ContextReference(graph, ContextConfig(order_weights=(0.7, 0.3)))
+    scores = 3 * torch.randn(5, 13, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    scores[1, 2] = -torch.inf
+    expected, _ = ref.step(ids, scores)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host synchronisation on a GPU")
+
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(torch, "nonzero", refuse)
+    logx, info = ref.step(ids, scores, backend="torch", check_every=0, max_iter=12)
+    monkeypatch.undo()
+    assert info.converged.all()
+    torch.testing.assert_close(logx.exp(), expected.exp(), atol=1e-10, rtol=0)
+    with pytest.raises(RuntimeError, match="NaN"):  # the input checks still run, asserted on the device
+        ref.step(ids, torch.full_like(scores, float("nan")), backend="torch", check_every=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the device tool lends one to some sessions)")
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_step_on_cuda_equals_the_cpu_kernel(cfg):
+    graph = _graph(11)
+    ids = _contexts(graph, 11, 6, 4)
+    ref = ContextReference(graph, cfg)
+    scores = 3 * torch.randn(6, 16, generator=torch.Generator().manual_seed(11))
+    scores[0, 3] = -torch.inf
+    cpu, _ = ref.step(ids, scores.double())
+    gpu, info = ref.step(ids.cuda(), scores.double().cuda())
+    assert gpu.device.type == "cuda" and bool(info.converged.all())
+    torch.testing.assert_close(gpu.exp().cpu(), cpu.exp(), atol=1e-10, rtol=0)
+    torch.testing.assert_close(ref(ids.cuda(), width=16).cpu(), ref(ids, width=16), atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda ref, ids, s: ref.step(ids[:2], s), "input_ids has 2 rows but scores has 3"),
+    (lambda ref, ids, s: ref.step(ids, s[:, :10]), "graph has 12 nodes"),
+    (lambda ref, ids, s: ref.step(ids.double(), s), "input_ids must be an integer tensor"),
+    (lambda ref, ids, s: ref.step(ids, s.index_fill(1, torch.tensor([4]), float("nan"))), "scores contains NaN"),
+    (lambda ref, ids, s: ref.step(ids, s.index_fill(1, torch.tensor([4]), float("inf"))), r"scores contains \+inf"),
+    (lambda ref, ids, s: ref.step(ids, s.index_fill(0, torch.tensor([1]), -float("inf"))), "entirely -inf"),
+    (lambda ref, ids, s: ref.step(ids, s, lam=float("inf")), "lam must be finite"),
+    (lambda ref, ids, s: ref.step(ids, s, lam=torch.tensor([1.0, float("nan"), 1.0])), "lam must be finite"),
+    (lambda ref, ids, s: ref.step(ids, s, lam=torch.ones(2)), r"shape \(3,\)"),
+    (lambda ref, ids, s: ref(ids, width=5), "narrower than the graph"),
+])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_step_refuses_bad_inputs(call, error, backend):
+    graph = _graph(3)
+    ref = ContextReference(graph, ContextConfig())
+    step = ref.step
+    ref.step = lambda *a, **kw: step(*a, **kw, backend=backend)
+    with pytest.raises(ValueError, match=error):
+        call(ref, _contexts(graph, 3, 3, 4), torch.randn(3, 14, dtype=torch.float64))
+
+
+def test_counts_that_are_not_counts_are_refused():
+    with pytest.raises(ValueError, match="integers >= 0"):
+        ContextReference(COUNTS * 0.5)
+    with pytest.raises(ValueError, match="integers >= 0"):
+        ContextReference(-COUNTS)
+
+
+def _broken_index(g):
+    g.counts.indices[0] = 99
+
+
+def _broken_next(g):
+    g.ngrams[3].next[0] = 12
+
+
+def _broken_contexts(g):
+    g.ngrams[4].contexts[:2] = g.ngrams[4].contexts[1::-1]
+
+
+@pytest.mark.parametrize("damage, error", [(_broken_index, "column indices outside"),
+                                           (_broken_next, "order-3 n-gram table is malformed"),
+                                           (_broken_contexts, "order-4 n-gram table is malformed")])
+def test_arrays_that_would_send_the_kernel_out_of_bounds_are_refused(damage, error):
+    graph = _graph(5)
+    graph.ngrams = {n: dataclasses.replace(t, contexts=t.contexts.copy(), next=t.next.copy())
+                    for n, t in graph.ngrams.items()}
+    damage(graph)
+    with pytest.raises(ValueError, match=error):
+        ContextReference(graph)
+
+
+# --- what solve_toward refuses before any kernel reads the arrays (issue 13) ---
+
+def _z_and_q():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(3, 50, generator=g, dtype=torch.float64), torch.rand(3, 50, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("edit, error", [
+    (lambda z, q, lam: (z, q[:, :40], lam), "q has shape"),  # narrower: the kernel would read past q
+    (lambda z, q, lam: (z, torch.cat([q, q], 1), lam), "q has shape"),
+    (lambda z, q, lam: (z, q[:2], lam), "q has shape"),
+    (lambda z, q, lam: (z, q.index_fill(1, torch.tensor([3]), float("nan")), lam), "q contains NaN or ±inf"),
+    (lambda z, q, lam: (z, q.index_fill(1, torch.tensor([3]), float("inf")), lam), "q contains NaN or ±inf"),
+    (lambda z, q, lam: (z, q.index_fill(1, torch.tensor([3]), -float("inf")), lam), "q contains NaN or ±inf"),
+    (lambda z, q, lam: (z, q - 0.5, lam), "negative entries"),
+    (lambda z, q, lam: (z.index_fill(1, torch.tensor([3]), float("nan")), q, lam), "z contains NaN"),
+    (lambda z, q, lam: (z.index_fill(1, torch.tensor([3]), float("inf")), q, lam), r"z contains \+inf"),
+    (lambda z, q, lam: (z.index_fill(0, torch.tensor([2]), -float("inf")), q, lam), "entirely -inf"),
+    (lambda z, q, lam: (z, q, float("inf")), "lam must be finite"),
+    (lambda z, q, lam: (z, q, float("nan")), "lam must be finite"),
+    (lambda z, q, lam: (z, q, torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)), "lam must be finite and >= 0"),
+    (lambda z, q, lam: (z, q, torch.tensor([1.0, float("inf"), 1.0])), "lam must be finite and >= 0"),
+    (lambda z, q, lam: (z, q, torch.ones(4)), r"shape \(3,\)"),
+    (lambda z, q, lam: (z[0], q[0], lam), r"shape \(B, V\)"),
+])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_solve_toward_refuses_bad_inputs(edit, error, backend):
+    z, q, lam = edit(*_z_and_q(), 1.0)
+    with pytest.raises(ValueError, match=error):
+        solve_toward(z, q, lam, "rkl", backend=backend)
+
+
+def test_q_narrower_than_z_is_refused_at_a_width_where_reading_past_it_would_crash():
+    # run apart: had the kernel read past q (as it once did), a segfault would end the process, not raise
+    code = ("import torch\nfrom gm_solver import solve_toward\n"
+            "z = torch.randn(2, 4_000_000, dtype=torch.float64)\nq = torch.rand(2, 1000, dtype=torch.float64)\n"
+            "try:\n    solve_toward(z, q, 1.0)\nexcept ValueError as e:\n    print('refused:', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: q has shape (2, 1000) but z has (2, 4000000)" in done.stdout
+
+
+@pytest.mark.parametrize("mode", ["SERIAL", "ROWS", "LOCKSTEP"])
+def test_the_step_is_the_same_however_the_batch_is_spread_over_threads(mode, monkeypatch):
+    from gm_solver import lambert_kernel
+
+    graph = _graph(9)
+    ids = _contexts(graph, 9, 5, 4)
+    ref = ContextReference(graph, ContextConfig(order_weights=(0.8, 0.2)))
+    scores = 3 * torch.randn(5, 13, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    expected, info = ref.step(ids, scores)
+    monkeypatch.setattr(lambert_kernel, "schedule", lambda rows: getattr(lambert_kernel, mode))
+    logx, spread = ref.step(ids, scores)
+    assert torch.equal(logx, expected) and torch.equal(spread.gap, info.gap)

@@ -1,9 +1,11 @@
-"""The Lambert-W kernel of the context solve: the tabulated log W(eˢ) against scipy, and the ν step."""
+"""The CPU kernel of the context solve: the tabulated log W(eˢ) against scipy, the ν step, the batched solve and its
+certificate."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 from scipy.special import lambertw
 
 from gm_solver import lambert_kernel as K
-from gm_solver.divergences import certificate_toward, log_lambertw_exp
+from gm_solver.divergences import certificate_toward, log_lambertw_exp, solve_toward
 
 
 def _exact(s: float) -> float:
@@ -25,7 +27,7 @@ def _exact(s: float) -> float:
 
 @given(st.floats(-80.0, 300.0))
 def test_tabulated_lambert_matches_scipy_inside_and_beyond_the_table(s):
-    omega, e = K.lambert(s, K.TABLE)
+    omega, e = K.lambert_omega(s, K.TABLE), K.lambert_e(s, K.TABLE)
     exact = _exact(s)
     assert abs(omega - exact) <= 1e-13 * max(1.0, abs(exact))
     assert abs(e / math.exp(exact) - 1.0) <= 1e-13
@@ -33,13 +35,13 @@ def test_tabulated_lambert_matches_scipy_inside_and_beyond_the_table(s):
 
 @pytest.mark.parametrize("s", [K.S_LO, K.S_LO + 1 / K.PER_UNIT, 0.0, 1.0, K.S_HI - 1e-9, K.S_HI])
 def test_tabulated_lambert_is_exact_at_nodes_and_edges(s):
-    omega, _ = K.lambert(s, K.TABLE)
+    omega = K.lambert_omega(s, K.TABLE)
     assert abs(omega - _exact(s)) <= 1e-13 * max(1.0, abs(omega))
 
 
 def test_torch_newton_lambert_agrees_with_the_table():
     s = torch.linspace(-30.0, 90.0, 2001, dtype=torch.float64)
-    table = torch.tensor([K.lambert(float(v), K.TABLE)[0] for v in s], dtype=torch.float64)
+    table = torch.tensor([K.lambert_omega(float(v), K.TABLE) for v in s], dtype=torch.float64)
     torch.testing.assert_close(log_lambertw_exp(s), table, atol=1e-12, rtol=1e-13)
 
 
@@ -69,3 +71,89 @@ def test_kernel_certificate_equals_the_torch_certificate(seed, kind, lam):
     divergence = "rkl" if kind == K.RKL else "l2"
     expected = float(certificate_toward(logx[None], t[None], q_hat[None], lam, divergence))
     assert K.certificate(kind, t.numpy(), a.numpy(), lam, logx.numpy()) == pytest.approx(expected, rel=1e-10)
+
+
+BATCHES = st.tuples(st.integers(0, 10_000), st.integers(1, 6), st.sampled_from([5, 300, 9000]),
+                    st.sampled_from(["rkl", "l2", "kl"]), st.sampled_from([0.0, 0.15, 0.7]))
+
+
+def _batch(seed: int, rows: int, width: int):
+    g = torch.Generator().manual_seed(seed)
+    z = 4 * torch.randn(rows, width, generator=g, dtype=torch.float64)
+    z[0, : width // 3] = -torch.inf  # masked tokens
+    q = torch.rand(rows, width, generator=g, dtype=torch.float64) ** 4
+    q[-1, width // 2:] = 0  # a reference with zeros
+    if rows > 2:
+        q[1] = 0  # and one with no mass at all: softmax
+    lam = torch.tensor([0.05, 1.0, 3.0, 30.0, 0.0, 300.0][:rows], dtype=torch.float64)
+    return z, q, lam
+
+
+def _solve(z, q, lam, divergence, share, max_iter=60, mode=K.LOCKSTEP):
+    kind = K.L2 if divergence == "l2" else K.RKL
+    out, iters, gaps = np.empty(z.shape), np.empty(len(z), dtype=np.int64), np.empty(len(z))
+    share = 1.0 if divergence == "kl" else share
+    assert K.solve_batch(kind, z.numpy(), q.numpy(), q.numpy(), False, lam.numpy(), share, max_iter, K.TABLE,
+                         np.empty((2, *z.shape)), out, iters, gaps, mode) == K.FINE
+    return out, iters, gaps
+
+
+@given(BATCHES)
+def test_a_row_comes_out_of_the_batched_kernel_as_it_does_alone(case):
+    # rows are solved in lockstep over all their chunks, or each by one thread (in parallel or one after another),
+    # but each row's chunk sums are added in one order: a row alone or in a batch, any way, is solved bit for bit
+    # alike
+    seed, rows, width, divergence, share = case
+    z, q, lam = _batch(seed, rows, width)
+    out, iters, gaps = _solve(z, q, lam, divergence, share)
+    assert (gaps <= 1e-6).all()
+    for mode in (K.SERIAL, K.ROWS, K.LOCKSTEP):
+        batch = _solve(z, q, lam, divergence, share, mode=mode)
+        np.testing.assert_array_equal(batch[0], out)
+        np.testing.assert_array_equal(batch[1], iters)
+        np.testing.assert_array_equal(batch[2], gaps)
+        for b in range(rows):
+            alone = _solve(z[b:b + 1], q[b:b + 1], lam[b:b + 1], divergence, share, mode=mode)
+            np.testing.assert_array_equal(alone[0][0], out[b])
+            assert alone[1][0] == iters[b] and alone[2][0] == gaps[b]
+    # and it is the torch path's solution (Newton for W instead of the table, every row in torch)
+    expected, info = solve_toward(z, q, lam, divergence, kl_share=share, backend="torch")
+    torch.testing.assert_close(torch.from_numpy(out).exp(), expected.exp(), atol=1e-10, rtol=0)
+    assert torch.equal(torch.from_numpy(iters), info.iterations)
+
+
+@given(BATCHES, st.sampled_from([1, 2, 60]))
+def test_the_fused_certificate_is_the_certificate_computed_from_scratch(case, max_iter):
+    # the last pass sums the certificate while it writes log x, shifted by ν; out of ν steps (max_iter 1 or 2)
+    # ν may be no safe shift and the kernel sums again from the max: either way, the certificate of what it returns
+    seed, rows, width, divergence, share = case
+    z, q, lam = _batch(seed, rows, width)
+    out, _, gaps = _solve(z, q, lam, divergence, share, max_iter)
+    share = 1.0 if divergence == "kl" else share
+    for b in range(rows):
+        allowed = torch.isfinite(z[b])
+        mass = float(q[b][allowed].sum())
+        if lam[b] == 0 or mass == 0:
+            assert gaps[b] == 0
+            continue
+        scale = 1.0 + lam[b] * share
+        lam_d = float(lam[b] * (1.0 - share) / scale)
+        q_hat = torch.where(allowed, q[b], 0.0) / mass
+        t = torch.log_softmax(z[b], -1)
+        if share > 0:  # the logits leaned toward q by KL(x‖q)'s share
+            t = torch.log_softmax(torch.where(q_hat > 0, (t + lam[b] * share * q_hat.log()) / scale, -torch.inf), -1)
+        a = (lam_d if divergence != "l2" else 2 * lam_d) * q_hat
+        expected = float(scale) * K.certificate(K.L2 if divergence == "l2" else K.RKL, t.numpy(), a.numpy(), lam_d,
+                                                out[b])
+        assert gaps[b] == pytest.approx(expected, rel=1e-9, abs=1e-11)  # at the optimum: rounding of ±ν-sized sums
+
+
+def test_the_kernel_reports_bad_logits_before_any_nu_step():
+    z, q, lam = _batch(0, 3, 300)
+    for edit, status in ((lambda v: v.index_fill(1, torch.tensor([7]), float("nan")), K.HAS_NAN),
+                         (lambda v: v.index_fill(1, torch.tensor([7]), float("inf")), K.HAS_POSINF),
+                         (lambda v: v.index_fill(0, torch.tensor([2]), -float("inf")), K.ALL_MASKED)):
+        out, iters, gaps = np.empty(z.shape), np.empty(3, dtype=np.int64), np.empty(3)
+        for mode in (K.SERIAL, K.ROWS, K.LOCKSTEP):
+            assert K.solve_batch(K.RKL, edit(z).numpy(), q.numpy(), q.numpy(), False, lam.numpy(), 0.15, 60, K.TABLE,
+                                 np.empty((2, *z.shape)), out, iters, gaps, mode) == status

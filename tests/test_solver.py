@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_solver import TransitionOperator, certificate, graphmax, log_graphmax
+from gm_solver import Graphmax, TransitionOperator, certificate, graphmax, log_graphmax
 from gm_solver.objective import dual, primal
 from gm_solver.solvers import mirror_descent, project_simplex
 
@@ -99,10 +99,16 @@ def test_bad_logits_are_refused(bad, error):
         graphmax(bad(torch.randn(10, dtype=torch.float64)), random_graph(10, 0.3, 0), 1.0)
 
 
-def test_negative_lambda_and_narrow_logits_are_refused():
+@pytest.mark.parametrize("lam", [-1.0, float("inf"), float("nan"), torch.tensor(1.0)])
+@pytest.mark.parametrize("call", [lambda z, a, lam: graphmax(z, a, lam), lambda z, a, lam: log_graphmax(z, a, lam),
+                                  lambda z, a, lam: Graphmax(a, lam)])
+def test_a_lambda_that_is_not_a_finite_float_at_least_zero_is_refused(call, lam):
+    with pytest.raises(ValueError, match="lam must be a finite float >= 0"):
+        call(torch.randn(10), random_graph(10, 0.3, 0), lam)
+
+
+def test_narrow_logits_are_refused():
     a = random_graph(10, 0.3, 0)
-    with pytest.raises(ValueError, match="lam must be >= 0"):
-        graphmax(torch.randn(10), a, -1.0)
     with pytest.raises(ValueError, match="graph has 10 nodes"):
         graphmax(torch.randn(8), a, 1.0)
 
