@@ -48,27 +48,31 @@ class FinetuneResult:
 def training_batches(tok, texts: list[str], seq_len: int, batch_docs: int, seed: int):
     """Endless (input_ids, attention_mask, labels) batches of document openings, in a seeded order per epoch.
 
-    Right padding; labels are -100 on padding so the loss counts real tokens only.
-    Documents shorter than 2 tokens are skipped.
+    Documents are tokenised as their batch comes (a budget of minutes reads a few
+    hundred of a corpus' documents); right padding; labels are -100 on padding,
+    so the loss counts real tokens only. Documents shorter than 2 tokens are skipped.
     """
-    encoded = [ids[:seq_len] for ids in (tok(t, add_special_tokens=False)["input_ids"] for t in texts)
-               if len(ids) >= 2]
-    if not encoded:
-        raise ValueError("no training document has two tokens or more; give longer texts")
     rng = random.Random(seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     while True:
-        order = list(range(len(encoded)))
+        order = list(range(len(texts)))
         rng.shuffle(order)
+        yielded = False
         for i in range(0, len(order), batch_docs):
-            chunk = [encoded[j] for j in order[i:i + batch_docs]]
+            chunk = [ids[:seq_len] for ids in tok([texts[j] for j in order[i:i + batch_docs]],
+                                                   add_special_tokens=False)["input_ids"] if len(ids) >= 2]
+            if not chunk:
+                continue
             width = max(len(e) for e in chunk)
             ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for r, e in enumerate(chunk):
                 ids[r, :len(e)] = torch.tensor(e)
                 mask[r, :len(e)] = 1
+            yielded = True
             yield ids, mask, torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        if not yielded:
+            raise ValueError("no training document has two tokens or more; give longer texts")
 
 
 def finetune_lora(model: torch.nn.Module, tok, texts: list[str], *, budget_s: float, seed: int = 0,

@@ -41,10 +41,24 @@ def test_loss_falls_and_the_base_model_is_untouched(tiny_lm):
     assert lm_loss(result.model, tok, texts) < lm_loss(model, tok, texts) - 0.1
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert result.model is not model and type(result.model) is type(model)  # the adapter is merged away
-    # tokens: every real token after the first of each opening, summed over the steps taken
-    per_epoch = sum(min(len(tok(t)["input_ids"]), 24) - 1 for t in texts if len(tok(t)["input_ids"]) >= 2)
-    steps_per_epoch = -(-sum(len(tok(t)["input_ids"]) >= 2 for t in texts) // 8)
-    assert result.tokens == pytest.approx(per_epoch * 30 / steps_per_epoch, rel=0.35)
+    # tokens: every real token after the first of each opening, over the 30 batches the run drew
+    batches = training_batches(tok, texts, 24, 8, seed=0)
+    drawn = [next(batches)[1] for _ in range(30)]
+    assert result.tokens == sum(int(m.sum()) - len(m) for m in drawn)
+
+
+def test_batches_are_document_openings_each_once_per_epoch(tiny_lm):
+    _, tok = tiny_lm
+    texts = make_docs(21, seed=5)
+    openings = sorted(tuple(tok(t, add_special_tokens=False)["input_ids"][:10]) for t in texts)
+    batches = training_batches(tok, texts, 10, 4, seed=7)
+    for _ in range(2):  # two epochs, 6 batches each (21 documents, 4 per batch)
+        seen = []
+        for _ in range(6):
+            ids, mask, labels = next(batches)
+            assert ids.shape[1] <= 10 and torch.equal(labels == -100, mask == 0)
+            seen += [tuple(ids[r, :int(mask[r].sum())].tolist()) for r in range(len(ids))]
+        assert sorted(seen) == [o for o in openings if len(o) >= 2]
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tiny_lm):
