@@ -39,6 +39,7 @@ class FinetuneResult:
     seconds: float
     budget_s: float
     losses: list[float] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # rank, alpha, lr, seq_len, batch_docs, target_modules, seed
 
     @property
     def tokens_per_second(self) -> float:
@@ -141,4 +142,6 @@ def finetune_lora(model: torch.nn.Module, tok, texts: list[str], *, budget_s: fl
                   f"{clock() - start:.0f}/{budget_s:.0f} s", flush=True)
     merged = tuned.merge_and_unload()
     merged.eval()
-    return FinetuneResult(merged, steps, tokens, clock() - start, float(budget_s), losses)
+    settings = dict(rank=rank, alpha=alpha, lr=lr, seq_len=seq_len, batch_docs=batch_docs,
+                    target_modules=list(target_modules), seed=seed)
+    return FinetuneResult(merged, steps, tokens, clock() - start, float(budget_s), losses, settings)
