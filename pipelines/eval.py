@@ -12,9 +12,11 @@ import argparse
 import csv
 import dataclasses
 import math
+import statistics
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
@@ -22,7 +24,7 @@ from gm_solver import ContextConfig, GraphmaxLogitsProcessor, InterpolationLogit
 
 from . import figures, report
 from .generate import decode_cost, generate_texts
-from .finetune import finetune_lora
+from .finetune import FinetuneResult, finetune_lora
 from .heldout import (HeldOut, interpolation_nll, optimal_interpolation, paired_nll_difference, perplexity,
                       score_documents, target_probabilities, token_nll)
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
@@ -102,14 +104,127 @@ def retune_lambda(graph: Graph, heldout: HeldOut, config: ContextConfig,
     for f in factors:
         cfg = dataclasses.replace(config, lam=config.lam * f)
         tried.append((perplexity(heldout, GraphmaxLogitsProcessor(graph, mode="context", context=cfg)), f, cfg))
-    ppl, _, best = min(tried, key=lambda t: t[0])
+    best = min(tried, key=lambda t: t[0])[2]
     return best, [{"lam": c.lam, "factor": f, "perplexity": p} for p, f, c in tried]
 
 
-def train_texts(setup: Setup) -> list[str]:
-    import pyarrow.parquet as pq
+@dataclasses.dataclass
+class FineTuned:
+    """The fine-tuned baseline: the run, its λ re-tuned for graphmax on top, and its logits on the test documents."""
 
-    return pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
+    result: FinetuneResult
+    tuned: ContextConfig
+    test: HeldOut
+    retune_table: list[dict]
+    summary: dict
+
+
+def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, valid_docs: list[str],
+                        test_docs: list[str], positions: int, tune_seconds: float) -> FineTuned | None:
+    """LoRA on the training side for as long as the graph's build and tuning took (or ``--finetune-budget-s``)."""
+    given = args.finetune_budget_s is not None
+    budget = args.finetune_budget_s if given else setup.build_seconds + tune_seconds
+    if budget <= 0:
+        return None
+    texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
+    result = finetune_lora(model, tok, texts, budget_s=budget, seed=args.seed, seq_len=positions + 1)
+    print(f"fine-tuned: {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
+          f"(budget {budget:.0f} s)", flush=True)
+    tuned_ft, table = retune_lambda(setup.graph, score_documents(result.model, tok, valid_docs, positions), tuned)
+    losses, tenth = result.losses, max(1, len(result.losses) // 10)
+    summary = {"budget_s": budget, "budget_given": given, "build_s": setup.build_seconds, "tune_s": tune_seconds,
+               "seconds": result.seconds, "steps": result.steps, "tokens": result.tokens,
+               "tokens_per_s": result.tokens_per_second, "tuned": tuned_ft, **result.settings,
+               "loss_first": statistics.fmean(losses[:tenth]) if losses else float("nan"),
+               "loss_last": statistics.fmean(losses[-tenth:]) if losses else float("nan")}
+    return FineTuned(result, tuned_ft, score_documents(result.model, tok, test_docs, positions),
+                     [{**tuned.to_dict(), **row, "lm": "fine-tuned"} for row in table], summary)
+
+
+def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], mixture_lams: list[float],
+                  positions: int, finetuned: FineTuned | None) -> list[Decoder]:
+    """Every decoder scored by a processor; the interpolation rows come from ``interpolation_rows``."""
+    paper_positions = min(PAPER_POSITIONS, positions)
+    decoders = [Decoder("softmax", "softmax", "baseline")]
+    for lam in paper_lams:
+        decoders.append(Decoder(f"paper {lam:g}", f"paper graphmax Ã λ={lam:g}", "paper",
+                                GraphmaxLogitsProcessor(setup.graph, lam=lam), positions=paper_positions))
+    for lam in paper_lams:
+        if lam in mixture_lams:
+            decoders.append(Decoder(f"paper mixture {lam:g}", f"paper graphmax Ã+Ã² λ={lam:g}", "paper",
+                                    GraphmaxLogitsProcessor(setup.mixture, lam=lam), positions=paper_positions))
+    decoders.append(Decoder("paper algorithm 1", "paper Algorithm 1 Ã λ=1", "paper",
+                            GraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper"),
+                            positions=paper_positions))
+    decoders.append(Decoder("ours default", "context graphmax, untuned defaults (ours)", "ours",
+                            GraphmaxLogitsProcessor(setup.graph, mode="context", context=ContextConfig())))
+    decoders.append(Decoder("ours", "context graphmax, tuned (ours)", "ours",
+                            GraphmaxLogitsProcessor(setup.graph, mode="context", context=tuned)))
+    if finetuned is not None:
+        decoders.append(Decoder("fine-tuned", "fine-tuned LM (LoRA), softmax", "fine-tuned", lm="fine-tuned"))
+        decoders.append(Decoder("fine-tuned ours", "context graphmax on the fine-tuned LM (ours)", "ours",
+                                GraphmaxLogitsProcessor(setup.graph, mode="context", context=finetuned.tuned),
+                                lm="fine-tuned"))
+    return decoders
+
+
+def score_decoders(decoders: list[Decoder], scored: dict[str, HeldOut], windows: list[int]):
+    """Per decoder: window → per-token NLL (the windows are prefixes of one pass), and ms per position."""
+    nll: dict[str, dict[int, torch.Tensor]] = {}
+    ms: dict[str, float] = {}
+    for dec in decoders:
+        held = scored[dec.lm]
+        t0 = time.perf_counter()
+        vec = token_nll(held, dec.processor, desc=dec.label, positions=dec.positions)
+        ms[dec.key] = 1e3 * (time.perf_counter() - t0) / len(vec)
+        nll[dec.key] = {w: vec[:held.within(w)] for w in windows if dec.positions is None or w <= dec.positions}
+        print(f"perplexity {dec.label:<50} " + "  ".join(f"{w}: {math.exp(float(v.mean())):8.2f}"
+                                                         for w, v in nll[dec.key].items())
+              + f"  ({ms[dec.key]:.1f} ms/position)", flush=True)
+    return nll, ms
+
+
+def interpolation_rows(graph: Graph, scored: dict[str, HeldOut], windows: list[int],
+                       nll: dict[str, dict[int, torch.Tensor]]) -> tuple[list[Decoder], dict[str, dict[int, float]]]:
+    """The interpolation baseline from each token's two probabilities: the weight grid on the base LM, and on each
+    LM the weight optimised on the test tokens of each window. Adds their NLL to ``nll``; returns the rows and the
+    optimal weights (key → window → w)."""
+    reference = InterpolationLogitsProcessor(graph, INTERP_WEIGHTS[0]).reference
+    rows, weights = [], {}
+    for lm, held in scored.items():
+        p_lm, p_ref = target_probabilities(held, reference)
+        cut = {c: held.within(c) for c in windows}
+        if lm == "base":
+            for w in INTERP_WEIGHTS:
+                rows.append(Decoder(f"interpolation {w:g}", f"interpolation w={w:g}", "baseline"))
+                nll[rows[-1].key] = {c: interpolation_nll(p_lm[:n], p_ref[:n], w) for c, n in cut.items()}
+        prefix = "" if lm == "base" else "fine-tuned "
+        key = prefix + "interpolation optimum"
+        fits = {c: optimal_interpolation(p_lm[:n], p_ref[:n]) for c, n in cut.items()}
+        weights[key] = {c: w for c, (w, _) in fits.items()}
+        nll[key] = {c: v for c, (_, v) in fits.items()}
+        rows.append(Decoder(key, f"{prefix}interpolation, w optimised on the test tokens ("
+                            + "; ".join(f"{c}: {w:.3f}" for c, w in weights[key].items()) + ")",
+                            "baseline" if lm == "base" else "fine-tuned", lm=lm))
+    return rows, weights
+
+
+def generation_rows(gen: dict[str, tuple[str, object, object]], model, tok, openings: list[str],
+                    references: list[str], sizes: dict, seed: int) -> tuple[list[dict], dict[str, list[str]]]:
+    """Continuations of ``openings`` by each (label, LM, processor) in ``gen`` (sampled, fixed seed), with BLEU
+    against the held-out ``references``, diversity, and perplexity under the base LM."""
+    rows, samples = [], {}
+    for key, (label, lm, proc) in gen.items():
+        texts, ms_token = generate_texts(lm, tok, openings, proc, max_new_tokens=sizes["new_tokens"],
+                                         do_sample=True, seed=seed)
+        samples[key] = texts
+        bleu = corpus_bleu_scores(texts, references)
+        rows.append({"key": key, "decoder": label, **{f"BLEU-{n}": 100 * b for n, b in bleu.items()},
+                     "self-BLEU-4": 100 * self_bleu(texts, 4), "distinct-1": distinct_n(texts, 1),
+                     "distinct-2": distinct_n(texts, 2), "LM perplexity": lm_perplexity_of(model, tok, openings, texts),
+                     "ms_per_token": ms_token})
+        print(f"generate {label:<50} BLEU-4 {rows[-1]['BLEU-4']:.2f}  ({ms_token:.0f} ms/token)", flush=True)
+    return rows, samples
 
 
 def run_eval(args) -> Path:
@@ -128,107 +243,37 @@ def run_eval(args) -> Path:
 
     # context-aware graphmax is tuned on the validation half, never on the test half
     t0 = time.perf_counter()
-    valid_docs = setup.validation[:sizes["tune_docs"]]
-    valid = score_documents(model, tok, valid_docs, positions)
-    tuned, tune_table = tune_config(setup.graph, valid)
+    valid_docs, test_docs = setup.validation[:sizes["tune_docs"]], setup.test[:sizes["ppl_docs"]]
+    tuned, tune_table = tune_config(setup.graph, score_documents(model, tok, valid_docs, positions))
     tune_seconds = time.perf_counter() - t0
-    test = score_documents(model, tok, setup.test[:sizes["ppl_docs"]], positions)
-
     # the baseline a user would pick: fine-tune the LM on the same training text, for as long as graphmax took
-    budget = args.finetune_budget_s if args.finetune_budget_s is not None else setup.build_seconds + tune_seconds
-    finetuned = None
-    if budget > 0:
-        finetuned = finetune_lora(model, tok, train_texts(setup), budget_s=budget, seed=args.seed,
-                                  seq_len=positions + 1)
-        print(f"fine-tuned: {finetuned.steps} steps, {finetuned.tokens:,} tokens in {finetuned.seconds:.0f} s "
-              f"(budget {budget:.0f} s)", flush=True)
-        valid_ft = score_documents(finetuned.model, tok, valid_docs, positions)
-        tuned_ft, retune_table = retune_lambda(setup.graph, valid_ft, tuned)
-        test_ft = score_documents(finetuned.model, tok, setup.test[:sizes["ppl_docs"]], positions)
-        tune_table += [{**tuned.to_dict(), **row, "lm": "fine-tuned"} for row in retune_table]
-
-    paper_positions = min(PAPER_POSITIONS, positions)
-    decoders = [Decoder("softmax", "softmax", "baseline")]
-    for lam in paper_lams:
-        decoders.append(Decoder(f"paper {lam:g}", f"paper graphmax Ã λ={lam:g}", "paper",
-                                GraphmaxLogitsProcessor(setup.graph, lam=lam), positions=paper_positions))
-    for lam in paper_lams:
-        if lam in args.mixture_lams:
-            decoders.append(Decoder(f"paper mixture {lam:g}", f"paper graphmax Ã+Ã² λ={lam:g}", "paper",
-                                    GraphmaxLogitsProcessor(setup.mixture, lam=lam), positions=paper_positions))
-    decoders.append(Decoder("paper algorithm 1", "paper Algorithm 1 Ã λ=1", "paper",
-                            GraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper"),
-                            positions=paper_positions))
-    decoders.append(Decoder("ours default", "context graphmax, untuned defaults (ours)", "ours",
-                            GraphmaxLogitsProcessor(setup.graph, mode="context", context=ContextConfig())))
-    decoders.append(Decoder("ours", "context graphmax, tuned (ours)", "ours",
-                            GraphmaxLogitsProcessor(setup.graph, mode="context", context=tuned)))
+    finetuned = fine_tuned_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, tune_seconds)
+    scored = {"base": score_documents(model, tok, test_docs, positions)}
     if finetuned is not None:
-        decoders.append(Decoder("fine-tuned", "fine-tuned LM (LoRA), softmax", "fine-tuned", lm="fine-tuned"))
-        decoders.append(Decoder("fine-tuned ours", "context graphmax on the fine-tuned LM (ours)", "ours",
-                                GraphmaxLogitsProcessor(setup.graph, mode="context", context=tuned_ft),
-                                lm="fine-tuned"))
-    scored = {"base": test, "fine-tuned": test_ft if finetuned is not None else None}
+        scored["fine-tuned"] = finetuned.test
+        tune_table += finetuned.retune_table
 
-    nll: dict[str, dict[int, torch.Tensor]] = {}  # decoder key → window → per-token NLL (paired across keys)
-    ms: dict[str, float] = {}
-    for dec in decoders:
-        held = scored[dec.lm]
-        t0 = time.perf_counter()
-        vec = token_nll(held, dec.processor, desc=dec.label, positions=dec.positions)
-        ms[dec.key] = 1e3 * (time.perf_counter() - t0) / len(vec)
-        nll[dec.key] = {w: vec[:held.within(w)] for w in windows if dec.positions is None or w <= dec.positions}
-        print(f"perplexity {dec.label:<50} " + "  ".join(f"{w}: {math.exp(float(v.mean())):8.2f}"
-                                                         for w, v in nll[dec.key].items())
-              + f"  ({ms[dec.key]:.1f} ms/position)", flush=True)
-
-    # the interpolation baseline, from each token's two probabilities: the grid, and its weight optimised on test
-    interp_ref = InterpolationLogitsProcessor(setup.graph, INTERP_WEIGHTS[0]).reference
-    interp_weights: dict[str, dict[int, float]] = {}
-    for lm, held in scored.items():
-        if held is None:
-            continue
-        p_lm, p_ref = target_probabilities(held, interp_ref)
-        prefix = "" if lm == "base" else "fine-tuned "
-        if lm == "base":
-            for w in INTERP_WEIGHTS:
-                decoders.append(Decoder(f"interpolation {w:g}", f"interpolation w={w:g}", "baseline"))
-                nll[decoders[-1].key] = {c: interpolation_nll(p_lm[:held.within(c)], p_ref[:held.within(c)], w)
-                                         for c in windows}
-        key = prefix + "interpolation optimum"
-        fits = {c: optimal_interpolation(p_lm[:held.within(c)], p_ref[:held.within(c)]) for c in windows}
-        interp_weights[key] = {c: w for c, (w, _) in fits.items()}
-        nll[key] = {c: v for c, (_, v) in fits.items()}
-        decoders.append(Decoder(key, f"{prefix}interpolation, w optimised on the test tokens ("
-                                + "; ".join(f"{c}: {w:.3f}" for c, w in interp_weights[key].items()) + ")",
-                                "baseline" if lm == "base" else "fine-tuned", lm=lm))
+    decoders = make_decoders(setup, tuned, paper_lams, args.mixture_lams, positions, finetuned)
+    nll, ms = score_decoders(decoders, scored, windows)
+    interpolations, weights = interpolation_rows(setup.graph, scored, windows, nll)
+    decoders += interpolations
     ppl_rows = perplexity_rows(decoders, nll, ms, windows)
     for row in ppl_rows:
         print(f"{row['decoder']:<60} " + "  ".join(f"{w}: {row[f'ratio_{w}']:.3f}×" if row[f"ratio_{w}"] else
                                                    f"{w}: —" for w in windows), flush=True)
 
-    # generation: held-out openings continued by each decoder (sampled, fixed seed), scored against held-out texts
+    # generation: held-out openings continued by each decoder, scored against held-out texts
     by_key = {d.key: d for d in decoders}
-    best_w = interp_weights["interpolation optimum"][positions]
+    best_w = weights["interpolation optimum"][positions]
     by_key["interpolation optimum"].processor = InterpolationLogitsProcessor(setup.graph, best_w)
-    gen_keys = ["softmax", *[f"paper {lam:g}" for lam in paper_lams], "interpolation optimum", "ours",
-                *(["fine-tuned", "fine-tuned ours"] if finetuned is not None else [])]
-    lms = {"base": model, "fine-tuned": finetuned.model if finetuned is not None else None}
+    lms = {"base": model, "fine-tuned": finetuned.result.model if finetuned is not None else None}
+    by_key["interpolation optimum"].label = f"interpolation w={best_w:.3f} (optimum on test)"
+    gen = {key: (by_key[key].label, lms[by_key[key].lm], by_key[key].processor)
+           for key in ["softmax", *[f"paper {lam:g}" for lam in paper_lams], "interpolation optimum", "ours",
+                       *(["fine-tuned", "fine-tuned ours"] if finetuned is not None else [])]}
     openings = [" ".join(t.split()[:8]) for t in setup.test[-sizes["prompts"]:]]
     references = setup.test[:sizes["references"]]
-    gen_rows, samples = [], {}
-    for key in gen_keys:
-        dec = by_key[key]
-        label = dec.label if key != "interpolation optimum" else f"interpolation w={best_w:.3f} (optimum on test)"
-        texts, ms_token = generate_texts(lms[dec.lm], tok, openings, dec.processor,
-                                         max_new_tokens=sizes["new_tokens"], do_sample=True, seed=args.seed)
-        samples[key] = texts
-        bleu = corpus_bleu_scores(texts, references)
-        gen_rows.append({"key": key, "decoder": label, **{f"BLEU-{n}": 100 * b for n, b in bleu.items()},
-                         "self-BLEU-4": 100 * self_bleu(texts, 4), "distinct-1": distinct_n(texts, 1),
-                         "distinct-2": distinct_n(texts, 2), "LM perplexity": lm_perplexity_of(model, tok, openings, texts),
-                         "ms_per_token": ms_token})
-        print(f"generate {label:<50} BLEU-4 {gen_rows[-1]['BLEU-4']:.2f}  ({ms_token:.0f} ms/token)", flush=True)
+    gen_rows, samples = generation_rows(gen, model, tok, openings, references, sizes, args.seed)
 
     # the per-step cost goal is for batch 1: greedy, one opening at a time, plain vs ours
     cost = decode_cost(model, tok, openings[:4], by_key["ours"].processor, max_new_tokens=sizes["new_tokens"])
@@ -236,14 +281,14 @@ def run_eval(args) -> Path:
           f"{cost['implied_ratio']:.3f}× implied)", flush=True)
 
     refs = References(references, 4)
-    bleu4_vs_softmax = {key: paired_bleu_difference(samples[key], samples["softmax"], refs, 4) for key in gen_keys[1:]}
+    bleu4 = {key: paired_bleu_difference(samples[key], samples["softmax"], refs, 4) for key in list(gen)[1:]}
     for row in gen_rows:
-        mean, se = bleu4_vs_softmax.get(row["key"], (0.0, 0.0))
+        mean, se = bleu4.get(row["key"], (0.0, 0.0))
         row["BLEU-4 − softmax"], row["± SE"] = 100 * mean, 100 * se
     if finetuned is not None:  # the comparisons fine-tuning asks for: ours vs it, and ours on it vs it alone
-        bleu4_vs_softmax["ours − fine-tuned"] = paired_bleu_difference(samples["ours"], samples["fine-tuned"], refs, 4)
-        bleu4_vs_softmax["fine-tuned ours − fine-tuned"] = paired_bleu_difference(
-            samples["fine-tuned ours"], samples["fine-tuned"], refs, 4)
+        bleu4["ours − fine-tuned"] = paired_bleu_difference(samples["ours"], samples["fine-tuned"], refs, 4)
+        bleu4["fine-tuned ours − fine-tuned"] = paired_bleu_difference(samples["fine-tuned ours"],
+                                                                       samples["fine-tuned"], refs, 4)
 
     traces = solver_traces(setup.graph, model, tok)
     probe = openings[0]  # a test document's opening: the top-10 figure shows this corpus, not a fixed review
@@ -251,16 +296,15 @@ def run_eval(args) -> Path:
     panels = {"softmax": (model, None), "paper graphmax Ã λ=1": (model, paper1),
               "context graphmax (ours)": (model, by_key["ours"].processor)}
     if finetuned is not None:
-        panels["fine-tuned LM (LoRA)"] = (finetuned.model, None)
+        panels["fine-tuned LM (LoRA)"] = (finetuned.result.model, None)
     top10 = top_tokens(tok, panels, probe)
     write_tables(out, ppl_rows, gen_rows, tune_table)
     draw(out, lams, ppl_rows, gen_rows, traces, top10, probe, windows[0])
     report.write_ab_sheet(out, openings, samples["softmax"], samples["ours"], args.seed)
     report.write_report(out, args=args, sizes=sizes, setup=setup, tuned=tuned, ppl_rows=ppl_rows,
-                        nll=nll, windows=windows, gen_rows=gen_rows, bleu4_vs_softmax=bleu4_vs_softmax,
+                        nll=nll, windows=windows, gen_rows=gen_rows, bleu4_vs_softmax=bleu4,
                         traces=traces, samples=samples, openings=openings, cost=cost,
-                        finetune=finetune_summary(finetuned, budget, setup.build_seconds, tune_seconds,
-                                                  tuned_ft if finetuned is not None else None))
+                        finetune=finetuned.summary if finetuned is not None else None)
     return out
 
 
@@ -283,19 +327,9 @@ def perplexity_rows(decoders: list[Decoder], nll: dict[str, dict[int, torch.Tens
     return rows
 
 
-def finetune_summary(result, budget: float, build_s: float, tune_s: float, tuned_ft) -> dict | None:
-    if result is None:
-        return None
-    losses = result.losses
-    head, tail = losses[:max(1, len(losses) // 10)], losses[-max(1, len(losses) // 10):]
-    return {"budget_s": budget, "build_s": build_s, "tune_s": tune_s, "seconds": result.seconds,
-            "steps": result.steps, "tokens": result.tokens, "tokens_per_s": result.tokens_per_second,
-            "loss_first": sum(head) / len(head) if losses else float("nan"),
-            "loss_last": sum(tail) / len(tail) if losses else float("nan"), "tuned": tuned_ft, **result.settings}
-
-
 def solver_traces(graph: Graph, model, tok) -> dict[str, dict[str, list[float]]]:
-    """Step norm and duality gap per iteration for the paper's Algorithm 1 and ours, at λ = 1 on the paper's context."""
+    """Step norm and duality gap per iteration for the paper's Algorithm 1 and ours, at λ = 1 on the paper's
+    context."""
     z = next_token_logits(model, tok, PAPER_CONTEXT).double()
     out = {}
     for name, solver in (("paper Algorithm 1", "paper"), ("ours (mirror descent)", "auto")):
@@ -337,7 +371,8 @@ def draw(out: Path, lams, ppl_rows, gen_rows, traces, top10, probe: str, window:
     paper = [by_key["softmax" if lam == 0 else f"paper {lam:g}"][f"perplexity_{window}"] for lam in lams]
     figures.lambda_curves(out / "lambda_perplexity.png", lams, {"paper graphmax Ã": paper},
                           f"held-out perplexity (first {window} tokens)",
-                          baseline=by_key["ours"][f"perplexity_{window}"], baseline_label="context graphmax, tuned (ours)")
+                          baseline=by_key["ours"][f"perplexity_{window}"],
+                          baseline_label="context graphmax, tuned (ours)")
     gen = {r["key"]: r for r in gen_rows}
     series = {f"BLEU-{n}": [gen["softmax" if lam == 0 else f"paper {lam:g}"][f"BLEU-{n}"] for lam in lams]
               for n in (2, 3, 4, 5)}

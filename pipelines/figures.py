@@ -16,7 +16,7 @@ def lambda_curves(path: Path, lams: list[float], series: dict[str, list[float]],
     on the left edge and no negative λ is drawn."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for name, ys in series.items():
-        ax.plot(lams, ys, marker="o", label=name, clip_on=False)  # the λ = 0 marker sits on the edge, whole
+        ax.plot(lams, ys, marker="o", label=name, clip_on=False)  # the λ = 0 marker on the edge is drawn whole
     if baseline is not None:
         ax.axhline(baseline, color="grey", ls="--", lw=1, label=baseline_label)
     ax.set_xscale("symlog", linthresh=0.1)

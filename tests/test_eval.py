@@ -100,7 +100,8 @@ def test_heldout_perplexity_at_lambda_zero_is_the_plain_lms(smollm2, drug_graph)
         nll += float(loss) * (ids.shape[1] - 1)
         count += ids.shape[1] - 1
     assert plain == pytest.approx(math.exp(nll / count), rel=1e-4)
-    assert perplexity(held, GraphmaxLogitsProcessor(drug_graph, lam=0.0)) == pytest.approx(plain, rel=1e-5)  # float32 scores
+    paper0 = GraphmaxLogitsProcessor(drug_graph, lam=0.0)
+    assert perplexity(held, paper0) == pytest.approx(plain, rel=1e-5)  # float32 scores
     ctx0 = GraphmaxLogitsProcessor(drug_graph, mode="context", context=ContextConfig(lam=0.0))
     assert perplexity(held, ctx0) == pytest.approx(plain, rel=1e-5)  # float32 scores
 
