@@ -12,14 +12,17 @@ import argparse
 import csv
 import dataclasses
 import math
+import statistics
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
 from gm_graphs.folders import claim_folder
 from gm_solver import (
+    ContextConfig,
     ContextGraphmaxLogitsProcessor,
     InterpolationLogitsProcessor,
     PaperGraphmaxLogitsProcessor,
@@ -28,18 +31,33 @@ from gm_solver import (
 
 from . import figures, report
 from .args import integer, number, numbers
+from .finetune import FinetuneResult, finetune_lora
 from .generate import decode_cost, generate_texts
-from .heldout import paired_nll_difference, score_documents, token_nll
+from .heldout import (
+    HeldOut,
+    interpolation_nll,
+    optimal_interpolation,
+    paired_nll_difference,
+    perplexity,
+    score_documents,
+    target_probabilities,
+    token_nll,
+)
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
 from .tune import tune_config
 
 PAPER_CONTEXT = "I was so disappointed by this, and at this stage I was going to"
 SIZES = {  # documents and tokens per step; --full uses the second set
-    "default": dict(ppl_docs=48, positions=32, tune_docs=24, prompts=8, new_tokens=24, references=2000),
-    "full": dict(ppl_docs=200, positions=32, tune_docs=100, prompts=48, new_tokens=48, references=20000),
+    "default": dict(ppl_docs=48, positions=64, tune_docs=24, prompts=8, new_tokens=24, references=2000),
+    "full": dict(ppl_docs=200, positions=64, tune_docs=100, prompts=48, new_tokens=48, references=20000),
 }
 INTERP_WEIGHTS = (0.1, 0.2, 0.3, 0.5)
+SHORT_WINDOW = 32  # reported beside --positions: the window of earlier rounds
+# the paper's context-free decoders cost 20–60 ms per position (ours ~2): scored over the first 32 tokens only,
+# which is enough to show them far above softmax, and keeps the default eval within 15 minutes
+PAPER_POSITIONS = 32
+RETUNE_FACTORS = (0.5, 0.7, 0.85, 1.0)  # λ scales tried for the fine-tuned LM, which needs less of the corpus
 
 
 @dataclasses.dataclass
@@ -49,18 +67,35 @@ class Setup:
     test: list[str]
     validation: list[str]
     split_docs: dict
+    train_path: Path | None = None  # the training side (Parquet, column "text"): the graph's and fine-tuning's text
+    build_seconds: float = 0.0  # the graph and its n-gram tables, from counting to the last table written
+
+
+@dataclasses.dataclass
+class Decoder:
+    """One row of the perplexity table: a processor (None: softmax) applied to one LM's logits."""
+
+    key: str  # what the report looks the row up by; labels are for people and may change
+    label: str
+    family: str  # baseline / paper / ours / fine-tuned
+    processor: object | None = None
+    lm: str = "base"  # whose logits it decodes: "base" or "fine-tuned"
+    positions: int | None = None  # scored over the first this many tokens of each document (None: all)
 
 
 def prepare(args, tok, work: Path) -> Setup:
     """Split, then build the graph (and its n-gram tables) from the training side only."""
     split = split_corpus(args.corpus, work / "split", heldout_fraction=args.heldout_fraction, seed=args.seed,
                          text_column=args.text_column, clean=args.clean, overwrite=True)
+    t0 = time.perf_counter()
     counts = count_corpus(split.path("train"), tok, clean=False)
     graph = write_graph(counts, work / "graph", overwrite=True)
     add_ngrams(graph, split.path("train"), tok)
+    build_seconds = time.perf_counter() - t0
     heldout = split.texts("heldout")
     # held-out documents alternate between validation (tuning) and test (reporting)
-    return Setup(graph, Graph(graph.path, order=1, mixture=2), heldout[1::2], heldout[0::2], split.documents)
+    return Setup(graph, Graph(graph.path, order=1, mixture=2), heldout[1::2], heldout[0::2], split.documents,
+                 split.path("train"), build_seconds)
 
 
 def lm_perplexity_of(model, tok, prompts: list[str], texts: list[str]) -> float:
@@ -78,6 +113,137 @@ def lm_perplexity_of(model, tok, prompts: list[str], texts: list[str]) -> float:
     return math.exp(nll / max(count, 1))
 
 
+def retune_lambda(graph: Graph, heldout: HeldOut, config: ContextConfig,
+                  factors=RETUNE_FACTORS) -> tuple[ContextConfig, list[dict]]:
+    """``config`` with its λ scaled by the best of ``factors`` on ``heldout`` (another LM's validation logits)."""
+    tried = []
+    for f in factors:
+        cfg = dataclasses.replace(config, lam=config.lam * f)
+        tried.append((perplexity(heldout, ContextGraphmaxLogitsProcessor.from_config(graph, cfg)), f, cfg))
+    best = min(tried, key=lambda t: t[0])[2]
+    return best, [{"lam": c.lam, "factor": f, "perplexity": p} for p, f, c in tried]
+
+
+@dataclasses.dataclass
+class FineTuned:
+    """The fine-tuned baseline: the run, its λ re-tuned for graphmax on top, and its logits on the test documents."""
+
+    result: FinetuneResult
+    tuned: ContextConfig
+    test: HeldOut
+    retune_table: list[dict]
+    summary: dict
+
+
+def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, valid_docs: list[str],
+                        test_docs: list[str], positions: int, tune_seconds: float) -> FineTuned | None:
+    """LoRA on the training side for as long as the graph's build and tuning took (or ``--finetune-budget-s``)."""
+    given = args.finetune_budget_s is not None
+    budget = args.finetune_budget_s if given else setup.build_seconds + tune_seconds
+    if budget <= 0:
+        return None
+    texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
+    result = finetune_lora(model, tok, texts, budget_s=budget, seed=args.seed, seq_len=positions + 1)
+    print(f"fine-tuned: {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
+          f"(budget {budget:.0f} s)", flush=True)
+    tuned_ft, table = retune_lambda(setup.graph, score_documents(result.model, tok, valid_docs, positions), tuned)
+    losses, tenth = result.losses, max(1, len(result.losses) // 10)
+    summary = {"budget_s": budget, "budget_given": given, "build_s": setup.build_seconds, "tune_s": tune_seconds,
+               "seconds": result.seconds, "steps": result.steps, "tokens": result.tokens,
+               "tokens_per_s": result.tokens_per_second, "tuned": tuned_ft, **result.settings,
+               "loss_first": statistics.fmean(losses[:tenth]) if losses else float("nan"),
+               "loss_last": statistics.fmean(losses[-tenth:]) if losses else float("nan")}
+    return FineTuned(result, tuned_ft, score_documents(result.model, tok, test_docs, positions),
+                     [{**tuned.to_dict(), **row, "lm": "fine-tuned"} for row in table], summary)
+
+
+def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], mixture_lams: list[float],
+                  positions: int, finetuned: FineTuned | None) -> list[Decoder]:
+    """Every decoder scored by a processor; the interpolation rows come from ``interpolation_rows``."""
+    paper_positions = min(PAPER_POSITIONS, positions)
+    decoders = [Decoder("softmax", "softmax", "baseline")]
+    for lam in paper_lams:
+        decoders.append(Decoder(f"paper {lam:g}", f"paper graphmax Ã λ={lam:g}", "paper",
+                                PaperGraphmaxLogitsProcessor(setup.graph, lam=lam).warmup(), positions=paper_positions))
+    for lam in paper_lams:
+        if lam in mixture_lams:
+            decoders.append(Decoder(f"paper mixture {lam:g}", f"paper graphmax Ã+Ã² λ={lam:g}", "paper",
+                                    PaperGraphmaxLogitsProcessor(setup.mixture, lam=lam).warmup(),
+                                    positions=paper_positions))
+    decoders.append(Decoder("paper algorithm 1", "paper Algorithm 1 Ã λ=1", "paper",
+                            PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper").warmup(),
+                            positions=paper_positions))
+    decoders.append(Decoder("ours default", "context graphmax, untuned defaults (ours)", "ours",
+                            ContextGraphmaxLogitsProcessor(setup.graph).warmup()))
+    decoders.append(Decoder("ours", "context graphmax, tuned (ours)", "ours",
+                            ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup()))
+    if finetuned is not None:
+        decoders.append(Decoder("fine-tuned", "fine-tuned LM (LoRA), softmax", "fine-tuned", lm="fine-tuned"))
+        decoders.append(Decoder("fine-tuned ours", "context graphmax on the fine-tuned LM (ours)", "ours",
+                                ContextGraphmaxLogitsProcessor.from_config(setup.graph, finetuned.tuned).warmup(),
+                                lm="fine-tuned"))
+    return decoders
+
+
+def score_decoders(decoders: list[Decoder], scored: dict[str, HeldOut], windows: list[int]):
+    """Per decoder: window → per-token NLL (the windows are prefixes of one pass), and ms per position."""
+    nll: dict[str, dict[int, torch.Tensor]] = {}
+    ms: dict[str, float] = {}
+    for dec in decoders:
+        held = scored[dec.lm]
+        t0 = time.perf_counter()
+        vec = token_nll(held, dec.processor, desc=dec.label, positions=dec.positions)
+        ms[dec.key] = 1e3 * (time.perf_counter() - t0) / len(vec)
+        nll[dec.key] = {w: vec[:held.within(w)] for w in windows if dec.positions is None or w <= dec.positions}
+        print(f"perplexity {dec.label:<50} " + "  ".join(f"{w}: {math.exp(float(v.mean())):8.2f}"
+                                                         for w, v in nll[dec.key].items())
+              + f"  ({ms[dec.key]:.1f} ms/position)", flush=True)
+    return nll, ms
+
+
+def interpolation_rows(graph: Graph, scored: dict[str, HeldOut], windows: list[int],
+                       nll: dict[str, dict[int, torch.Tensor]]) -> tuple[list[Decoder], dict[str, dict[int, float]]]:
+    """The interpolation baseline from each token's two probabilities: the weight grid on the base LM, and on each
+    LM the weight optimised on the test tokens of each window. Adds their NLL to ``nll``; returns the rows and the
+    optimal weights (key → window → w)."""
+    reference = InterpolationLogitsProcessor(graph, INTERP_WEIGHTS[0]).reference
+    rows, weights = [], {}
+    for lm, held in scored.items():
+        p_lm, p_ref = target_probabilities(held, reference)
+        cut = {c: held.within(c) for c in windows}
+        if lm == "base":
+            for w in INTERP_WEIGHTS:
+                rows.append(Decoder(f"interpolation {w:g}", f"interpolation w={w:g}", "baseline"))
+                nll[rows[-1].key] = {c: interpolation_nll(p_lm[:n], p_ref[:n], w) for c, n in cut.items()}
+        prefix = "" if lm == "base" else "fine-tuned "
+        key = prefix + "interpolation optimum"
+        fits = {c: optimal_interpolation(p_lm[:n], p_ref[:n]) for c, n in cut.items()}
+        weights[key] = {c: w for c, (w, _) in fits.items()}
+        nll[key] = {c: v for c, (_, v) in fits.items()}
+        rows.append(Decoder(key, f"{prefix}interpolation, w optimised on the test tokens ("
+                            + "; ".join(f"{c}: {w:.3f}" for c, w in weights[key].items()) + ")",
+                            "baseline" if lm == "base" else "fine-tuned", lm=lm))
+    return rows, weights
+
+
+def generation_rows(gen: dict[str, tuple[str, object, object]], model, tok, openings: list[str],
+                    references: list[str], sizes: dict, seed: int) -> tuple[list[dict], dict[str, list[str]]]:
+    """Continuations of ``openings`` by each (label, LM, processor) in ``gen`` (sampled, fixed seed), with BLEU
+    against the held-out ``references``, diversity, and perplexity under the base LM."""
+    rows, samples = [], {}
+    for key, (label, lm, proc) in gen.items():
+        texts, ms_token = generate_texts(lm, tok, openings, proc, max_new_tokens=sizes["new_tokens"],
+                                         do_sample=True, seed=seed)
+        samples[key] = texts
+        bleu = corpus_bleu_scores(texts, references)
+        rows.append({"key": key, "decoder": label, **{f"BLEU-{n}": 100 * b for n, b in bleu.items()},
+                     "self-BLEU-4": 100 * self_bleu(texts, 4), "distinct-1": distinct_n(texts, 1),
+                     "distinct-2": distinct_n(texts, 2), "LM perplexity": lm_perplexity_of(model, tok, openings, texts),
+                     "ms_per_token": ms_token})
+        print(f"generate {label:<50} BLEU-4 {rows[-1]['BLEU-4']:.2f}  ({ms_token:.0f} ms/token)", flush=True)
+    return rows, samples
+
+
 def run_eval(args) -> Path:
     sizes = dict(SIZES["full" if args.full else "default"])
     for key in sizes:
@@ -88,89 +254,98 @@ def run_eval(args) -> Path:
     setup = prepare(args, tok, out / "work")
     lams = args.lams
     paper_lams = [lam for lam in lams if lam > 0]
+    positions = sizes["positions"]
+    windows = sorted({min(SHORT_WINDOW, positions), positions})
 
     # context-aware graphmax is tuned on the validation half, never on the test half
-    valid = score_documents(model, tok, setup.validation[:sizes["tune_docs"]], sizes["positions"])
-    tuned, tune_table = tune_config(setup.graph, valid)
-    test = score_documents(model, tok, setup.test[:sizes["ppl_docs"]], sizes["positions"])
+    t0 = time.perf_counter()
+    valid_docs, test_docs = setup.validation[:sizes["tune_docs"]], setup.test[:sizes["ppl_docs"]]
+    tuned, tune_table = tune_config(setup.graph, score_documents(model, tok, valid_docs, positions))
+    tune_seconds = time.perf_counter() - t0
+    # the baseline a user would pick: fine-tune the LM on the same training text, for as long as graphmax took
+    finetuned = fine_tuned_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, tune_seconds)
+    scored = {"base": score_documents(model, tok, test_docs, positions)}
+    if finetuned is not None:
+        scored["fine-tuned"] = finetuned.test
+        tune_table += finetuned.retune_table
 
-    decoders: dict[str, tuple[str, object]] = {"softmax": ("baseline", None)}
-    for lam in paper_lams:
-        decoders[f"paper graphmax Ã λ={lam:g}"] = ("paper", PaperGraphmaxLogitsProcessor(setup.graph, lam=lam).warmup())
-    for lam in paper_lams:
-        if lam in args.mixture_lams:
-            decoders[f"paper graphmax Ã+Ã² λ={lam:g}"] = (
-                "paper", PaperGraphmaxLogitsProcessor(setup.mixture, lam=lam).warmup())
-    decoders["paper Algorithm 1 Ã λ=1"] = (
-        "paper", PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper").warmup())
-    for w in INTERP_WEIGHTS:
-        decoders[f"interpolation w={w:g}"] = ("baseline", InterpolationLogitsProcessor(setup.graph, w))
-    decoders["context graphmax, untuned defaults (ours)"] = (
-        "ours", ContextGraphmaxLogitsProcessor(setup.graph).warmup())
-    decoders["context graphmax, tuned (ours)"] = (
-        "ours", ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup())
-
-    ppl_rows, nll = [], {}
-    for name, (family, proc) in decoders.items():
-        t0 = time.perf_counter()
-        nll[name] = token_nll(test, proc, desc=name)
-        ms = 1e3 * (time.perf_counter() - t0) / test.positions
-        ppl = math.exp(float(nll[name].mean()))
-        ppl_rows.append({"decoder": name, "family": family, "perplexity": ppl, "ms_per_position": ms})
-        print(f"perplexity {name:<45} {ppl:9.2f}  ({ms:.1f} ms/position)", flush=True)
-    softmax_ppl = ppl_rows[0]["perplexity"]
+    decoders = make_decoders(setup, tuned, paper_lams, args.mixture_lams, positions, finetuned)
+    nll, ms = score_decoders(decoders, scored, windows)
+    interpolations, weights = interpolation_rows(setup.graph, scored, windows, nll)
+    decoders += interpolations
+    ppl_rows = perplexity_rows(decoders, nll, ms, windows)
     for row in ppl_rows:
-        row["ratio_to_softmax"] = row["perplexity"] / softmax_ppl
-        # the log of that ratio is the mean per-token NLL difference; its standard error tells noise apart
-        row["log_ratio"], row["± SE"] = paired_nll_difference(nll[row["decoder"]], nll["softmax"])
+        print(f"{row['decoder']:<60} " + "  ".join(f"{w}: {row[f'ratio_{w}']:.3f}×" if row[f"ratio_{w}"] else
+                                                   f"{w}: —" for w in windows), flush=True)
 
-    # generation: held-out openings continued by each decoder (sampled, fixed seed), scored against held-out texts
-    best_w = min((r for r in ppl_rows if r["decoder"].startswith("interpolation")), key=lambda r: r["perplexity"])
-    gen_names = ["softmax", *[f"paper graphmax Ã λ={lam:g}" for lam in paper_lams], best_w["decoder"],
-                 "context graphmax, tuned (ours)"]
+    # generation: held-out openings continued by each decoder, scored against held-out texts
+    by_key = {d.key: d for d in decoders}
+    best_w = weights["interpolation optimum"][positions]
+    by_key["interpolation optimum"].processor = InterpolationLogitsProcessor(setup.graph, best_w)
+    lms = {"base": model, "fine-tuned": finetuned.result.model if finetuned is not None else None}
+    by_key["interpolation optimum"].label = f"interpolation w={best_w:.3f} (optimum on test)"
+    gen = {key: (by_key[key].label, lms[by_key[key].lm], by_key[key].processor)
+           for key in ["softmax", *[f"paper {lam:g}" for lam in paper_lams], "interpolation optimum", "ours",
+                       *(["fine-tuned", "fine-tuned ours"] if finetuned is not None else [])]}
     openings = [" ".join(t.split()[:8]) for t in setup.test[-sizes["prompts"]:]]
     references = setup.test[:sizes["references"]]
-    gen_rows, samples = [], {}
-    for name in gen_names:
-        texts, ms = generate_texts(model, tok, openings, decoders[name][1], max_new_tokens=sizes["new_tokens"],
-                                   do_sample=True, seed=args.seed)
-        samples[name] = texts
-        bleu = corpus_bleu_scores(texts, references)
-        gen_rows.append({"decoder": name, **{f"BLEU-{n}": 100 * b for n, b in bleu.items()},
-                         "self-BLEU-4": 100 * self_bleu(texts, 4), "distinct-1": distinct_n(texts, 1),
-                         "distinct-2": distinct_n(texts, 2),
-                         "LM perplexity": lm_perplexity_of(model, tok, openings, texts),
-                         "ms_per_token": ms})
-        print(f"generate {name:<45} BLEU-4 {gen_rows[-1]['BLEU-4']:.2f}  ({ms:.0f} ms/token)", flush=True)
+    gen_rows, samples = generation_rows(gen, model, tok, openings, references, sizes, args.seed)
 
     # the per-step cost goal is for batch 1: greedy, one opening at a time, plain vs ours
-    cost = decode_cost(model, tok, openings[:4], decoders["context graphmax, tuned (ours)"][1],
-                       max_new_tokens=sizes["new_tokens"])
+    cost = decode_cost(model, tok, openings[:4], by_key["ours"].processor, max_new_tokens=sizes["new_tokens"])
     print(f"batch 1 greedy: ours {cost['ratio']:.2f}× plain ({cost['processor_ms']:.1f} ms per processor call, "
           f"{cost['implied_ratio']:.3f}× implied)", flush=True)
 
     refs = References(references, 4)
-    bleu4_vs_softmax = {name: paired_bleu_difference(samples[name], samples["softmax"], refs, 4)
-                        for name in gen_names[1:]}
+    bleu4 = {key: paired_bleu_difference(samples[key], samples["softmax"], refs, 4) for key in list(gen)[1:]}
     for row in gen_rows:
-        mean, se = bleu4_vs_softmax.get(row["decoder"], (0.0, 0.0))
+        mean, se = bleu4.get(row["key"], (0.0, 0.0))
         row["BLEU-4 − softmax"], row["± SE"] = 100 * mean, 100 * se
+    if finetuned is not None:  # the comparisons fine-tuning asks for: ours vs it, and ours on it vs it alone
+        bleu4["ours − fine-tuned"] = paired_bleu_difference(samples["ours"], samples["fine-tuned"], refs, 4)
+        bleu4["fine-tuned ours − fine-tuned"] = paired_bleu_difference(samples["fine-tuned ours"],
+                                                                       samples["fine-tuned"], refs, 4)
 
     traces = solver_traces(setup.graph, model, tok)
-    top10 = top_tokens(model, tok, {"softmax": None, "paper graphmax Ã λ=1": decoders["paper graphmax Ã λ=1"][1]
-                                    if 1.0 in paper_lams else PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0),
-                                    "context graphmax (ours)": decoders["context graphmax, tuned (ours)"][1]})
+    probe = openings[0]  # a test document's opening: the top-10 figure shows this corpus, not a fixed review
+    paper1 = by_key["paper 1"].processor if 1.0 in paper_lams else PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0)
+    panels = {"softmax": (model, None), "paper graphmax Ã λ=1": (model, paper1),
+              "context graphmax (ours)": (model, by_key["ours"].processor)}
+    if finetuned is not None:
+        panels["fine-tuned LM (LoRA)"] = (finetuned.result.model, None)
+    top10 = top_tokens(tok, panels, probe)
     write_tables(out, ppl_rows, gen_rows, tune_table)
-    draw(out, lams, ppl_rows, gen_rows, softmax_ppl, traces, top10)
-    report.write_ab_sheet(out, openings, samples["softmax"], samples["context graphmax, tuned (ours)"], args.seed)
+    draw(out, lams, ppl_rows, gen_rows, traces, top10, probe, windows[0])
+    report.write_ab_sheet(out, openings, samples["softmax"], samples["ours"], args.seed)
     report.write_report(out, args=args, sizes=sizes, setup=setup, tuned=tuned, ppl_rows=ppl_rows,
-                        nll=nll, gen_rows=gen_rows, bleu4_vs_softmax=bleu4_vs_softmax, traces=traces,
-                        top10=top10, samples=samples, openings=openings, cost=cost)
+                        nll=nll, windows=windows, gen_rows=gen_rows, bleu4_vs_softmax=bleu4,
+                        traces=traces, samples=samples, openings=openings, cost=cost,
+                        finetune=finetuned.summary if finetuned is not None else None)
     return out
 
 
+def perplexity_rows(decoders: list[Decoder], nll: dict[str, dict[int, torch.Tensor]], ms: dict[str, float],
+                    windows: list[int]) -> list[dict]:
+    """One row per decoder: per window, perplexity, its ratio to softmax and that log ratio ± SE, paired by token."""
+    rows = []
+    for dec in decoders:
+        row = {"key": dec.key, "decoder": dec.label, "family": dec.family, "lm": dec.lm}
+        for w in windows:
+            vec = nll[dec.key].get(w)
+            if vec is None:
+                row.update({f"perplexity_{w}": None, f"ratio_{w}": None, f"log_ratio_{w}": None, f"se_{w}": None})
+                continue
+            log_ratio, se = paired_nll_difference(vec, nll["softmax"][w])
+            row.update({f"perplexity_{w}": math.exp(float(vec.mean())), f"ratio_{w}": math.exp(log_ratio),
+                        f"log_ratio_{w}": log_ratio, f"se_{w}": se})
+        row["ms_per_position"] = ms.get(dec.key)
+        rows.append(row)
+    return rows
+
+
 def solver_traces(graph: Graph, model, tok) -> dict[str, dict[str, list[float]]]:
-    """Step norm and duality gap per iteration for the paper's Algorithm 1 and ours, at λ = 1 on the paper's context."""
+    """Step norm and duality gap per iteration for the paper's Algorithm 1 and ours, at λ = 1 on the paper's
+    context."""
     z = next_token_logits(model, tok, PAPER_CONTEXT).double()
     out = {}
     for name, solver in (("paper Algorithm 1", "paper"), ("ours (mirror descent)", "auto")):
@@ -186,37 +361,40 @@ def next_token_logits(model, tok, text: str) -> torch.Tensor:
         return model(input_ids=torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])).logits[0, -1:]
 
 
-def top_tokens(model, tok, procs: dict) -> dict[str, list[tuple[str, float]]]:
-    ids = torch.tensor([tok(PAPER_CONTEXT, add_special_tokens=False)["input_ids"]])
-    z = next_token_logits(model, tok, PAPER_CONTEXT)
-    panels = {}
-    for name, proc in procs.items():
+def top_tokens(tok, panels: dict[str, tuple[object, object]], context: str) -> dict[str, list[tuple[str, float]]]:
+    """The 10 most likely next tokens after ``context`` for each panel's (model, processor; None: softmax)."""
+    ids = torch.tensor([tok(context, add_special_tokens=False)["input_ids"]])
+    out = {}
+    for name, (model, proc) in panels.items():
+        z = next_token_logits(model, tok, context)
         logp = torch.log_softmax(z.double(), -1) if proc is None else proc(ids, z).double()
         top = torch.topk(logp[0].exp(), 10)
-        panels[name] = [(tok.decode([i]), float(p)) for p, i in zip(top.values, top.indices)]
-    return panels
+        out[name] = [(tok.decode([i]), float(p)) for p, i in zip(top.values, top.indices)]
+    return out
 
 
 def write_tables(out: Path, ppl_rows, gen_rows, tune_table) -> None:
     for name, rows in (("perplexity.csv", ppl_rows), ("generation.csv", gen_rows), ("tuning.csv", tune_table)):
+        fields = list(dict.fromkeys(k for r in rows for k in r))  # retuning rows add columns
         with open(out / name, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(fh, fieldnames=fields)
             writer.writeheader()
             writer.writerows(rows)
 
 
-def draw(out: Path, lams, ppl_rows, gen_rows, softmax_ppl, traces, top10) -> None:
-    by_name = {r["decoder"]: r for r in ppl_rows}
-    paper = [softmax_ppl if lam == 0 else by_name[f"paper graphmax Ã λ={lam:g}"]["perplexity"] for lam in lams]
+def draw(out: Path, lams, ppl_rows, gen_rows, traces, top10, probe: str, window: int) -> None:
+    by_key = {r["key"]: r for r in ppl_rows}
+    paper = [by_key["softmax" if lam == 0 else f"paper {lam:g}"][f"perplexity_{window}"] for lam in lams]
     figures.lambda_curves(out / "lambda_perplexity.png", lams, {"paper graphmax Ã": paper},
-                          "held-out perplexity", baseline=by_name["context graphmax, tuned (ours)"]["perplexity"],
+                          f"held-out perplexity (first {window} tokens)",
+                          baseline=by_key["ours"][f"perplexity_{window}"],
                           baseline_label="context graphmax, tuned (ours)")
-    gen = {r["decoder"]: r for r in gen_rows}
-    series = {f"BLEU-{n}": [gen["softmax" if lam == 0 else f"paper graphmax Ã λ={lam:g}"][f"BLEU-{n}"] for lam in lams]
+    gen = {r["key"]: r for r in gen_rows}
+    series = {f"BLEU-{n}": [gen["softmax" if lam == 0 else f"paper {lam:g}"][f"BLEU-{n}"] for lam in lams]
               for n in (2, 3, 4, 5)}
     figures.lambda_curves(out / "lambda_bleu.png", lams, series, "BLEU vs held-out references")
     figures.solver_traces(out / "solver_convergence.png", traces)
-    figures.top_tokens(out / "top10_tokens.png", PAPER_CONTEXT, top10)
+    figures.top_tokens(out / "top10_tokens.png", probe, top10)
 
 
 def register(sub) -> None:
@@ -239,6 +417,9 @@ def register(sub) -> None:
         p.add_argument(f"--{key.replace('_', '-')}", type=integer(1), default=None,
                        help=f"default {SIZES['default'][key]} (--full: {SIZES['full'][key]})")
     p.add_argument("--full", action="store_true", help="larger sizes (hours on 2 CPU cores)")
+    p.add_argument("--finetune-budget-s", type=float, default=None,
+                   help="seconds of LoRA fine-tuning for the fine-tuned baseline (default: as long as the graph's "
+                        "build and tuning took in the same run; 0: no fine-tuned rows)")
     p.set_defaults(run=run)
 
 

@@ -12,13 +12,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def lambda_curves(path: Path, lams: list[float], series: dict[str, list[float]], ylabel: str,
                   baseline: float | None = None, baseline_label: str = "softmax") -> None:
-    """One line per series over the λ grid (λ = 0 is drawn at the left edge of a symlog axis)."""
+    """One line per series over the λ grid: a symlog axis (linear below 0.1) that starts at λ = 0, so λ = 0 sits
+    on the left edge and no negative λ is drawn."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for name, ys in series.items():
-        ax.plot(lams, ys, marker="o", label=name)
+        ax.plot(lams, ys, marker="o", label=name, clip_on=False)  # the λ = 0 marker on the edge is drawn whole
     if baseline is not None:
         ax.axhline(baseline, color="grey", ls="--", lw=1, label=baseline_label)
     ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlim(0, max(max(lams), 0.1) * 1.5)
     ax.set_xlabel("λ")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)

@@ -7,13 +7,20 @@ scores — so perplexity measures the distribution it would decode with.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
+from gm_solver.divergences import restrict_reference
+
 from .metrics import mean_and_standard_error
+
+if TYPE_CHECKING:
+    from gm_solver import ContextReference
 
 
 @dataclass
@@ -26,6 +33,11 @@ class HeldOut:
     @property
     def positions(self) -> int:
         return sum(len(x) for x in self.logits)
+
+    def within(self, position: int) -> int:
+        """How many scored tokens lie among the first ``position`` targets of their document: in ``steps()``
+        order (position by position), those are the first entries of a ``token_nll`` vector."""
+        return sum(min(len(x), position) for x in self.logits)
 
     def steps(self):
         """(input_ids (B, t), scores (B, V), targets (B,)) for t = 1, 2, …: every document with a t-th target."""
@@ -61,16 +73,20 @@ def score_documents(model, tok, texts: list[str], positions: int = 32, batch_doc
     return HeldOut(ids, logits)
 
 
-def token_nll(heldout: HeldOut, processor=None, desc: str | None = None) -> torch.Tensor:
+def token_nll(heldout: HeldOut, processor=None, desc: str | None = None,
+              positions: int | None = None) -> torch.Tensor:
     """Negative log-likelihood of each held-out token under ``processor`` (None: softmax), in ``steps()`` order.
 
-    ``desc`` shows a progress bar over token positions under that label. The
-    order is the same for every decoder, so two results pair token by token.
+    ``desc`` shows a progress bar over token positions under that label;
+    ``positions`` stops after that many targets per document (the first
+    ``heldout.within(positions)`` entries of the full vector). The order is the
+    same for every decoder, so two results pair token by token.
     """
     nll = []
     steps = max(len(x) for x in heldout.logits)
-    for input_ids, scores, targets in tqdm(heldout.steps(), total=steps, desc=desc, disable=desc is None,
-                                           leave=False):
+    steps = steps if positions is None else min(steps, positions)
+    for input_ids, scores, targets in tqdm(itertools.islice(heldout.steps(), steps), total=steps, desc=desc,
+                                           disable=desc is None, leave=False):
         logp = torch.log_softmax(scores.double(), -1) if processor is None else processor(input_ids, scores).double()
         nll.append(-logp.gather(1, targets[:, None])[:, 0])
     return torch.cat(nll)
@@ -93,3 +109,44 @@ def paired_nll_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, floa
     if not torch.isfinite(d).all():
         return float("inf"), float("inf")
     return mean_and_standard_error(d.tolist())
+
+
+def target_probabilities(heldout: HeldOut, reference: ContextReference) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(z)[y] and q(y | context) of each held-out token y, in ``steps()`` order (float64).
+
+    q is the reference an interpolation mixes in (``InterpolationLogitsProcessor``):
+    with both, its NLL at any weight is one vector operation (``interpolation_nll``).
+    """
+    p_lm, p_ref = [], []
+    for input_ids, scores, targets in heldout.steps():
+        z = scores.double()
+        p_lm.append(torch.softmax(z, -1).gather(1, targets[:, None])[:, 0])
+        q, _ = restrict_reference(reference(input_ids, width=z.shape[-1]), torch.isfinite(z))  # as the processor
+        p_ref.append(q.gather(1, targets[:, None])[:, 0])
+    return torch.cat(p_lm), torch.cat(p_ref)
+
+
+def interpolation_nll(p_lm: torch.Tensor, p_ref: torch.Tensor, weight: float) -> torch.Tensor:
+    """−log((1 − w)·p_lm + w·p_ref) per token: the interpolation's NLL from ``target_probabilities``."""
+    return -torch.log((1.0 - weight) * p_lm + weight * p_ref)
+
+
+def optimal_interpolation(p_lm: torch.Tensor, p_ref: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """The weight w in (0, 1) with the lowest mean NLL of the interpolation on these tokens, and its NLL vector.
+
+    The mean NLL is convex in w (−log of an affine function), so a bounded scalar
+    search (Brent's method on the interval) finds its minimum; the search stops
+    1e-5 inside the ends, so an optimum at an end (the LM alone, or q alone) is
+    taken from the end itself.
+    """
+    from scipy.optimize import minimize_scalar
+
+    if p_lm.shape != p_ref.shape or p_lm.numel() == 0:
+        raise ValueError(f"need two equally long, non-empty probability vectors, got {tuple(p_lm.shape)} and "
+                         f"{tuple(p_ref.shape)}")
+    def mean_nll(w: float) -> float:
+        return float(interpolation_nll(p_lm, p_ref, w).mean())
+
+    found = minimize_scalar(mean_nll, bounds=(0.0, 1.0), method="bounded", options={"xatol": 1e-5})
+    weight = min((float(found.x), 0.0, 1.0), key=mean_nll)
+    return weight, interpolation_nll(p_lm, p_ref, weight)

@@ -5,15 +5,30 @@ from __future__ import annotations
 import csv
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs import bundled, load_graph
-from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
+from gm_solver import (
+    ContextGraphmaxLogitsProcessor,
+    GraphmaxLogitsProcessor,
+    InterpolationLogitsProcessor,
+    PaperGraphmaxLogitsProcessor,
+)
 from pipelines.cli import main
-from pipelines.heldout import paired_nll_difference, perplexity, score_documents
+from pipelines.heldout import (
+    HeldOut,
+    interpolation_nll,
+    optimal_interpolation,
+    paired_nll_difference,
+    perplexity,
+    score_documents,
+    target_probabilities,
+    token_nll,
+)
 
 TEXTS = ["This medication worked well for my migraines, with few side effects.",
          "I had terrible nausea for two weeks and stopped taking it."]
@@ -30,6 +45,60 @@ def test_paired_nll_difference_is_the_log_perplexity_ratio(pairs):
     inf = a.clone()
     inf[0] = math.inf  # a decoder that gives a held-out token probability 0
     assert paired_nll_difference(inf, b) == (math.inf, math.inf)
+
+
+def random_heldout(lengths: list[int], vocab: int = 12, seed: int = 0) -> HeldOut:
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (n + 1,), generator=g) for n in lengths]
+    return HeldOut(ids, [torch.randn(n, vocab, generator=g) for n in lengths])
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(1, 10))
+def test_a_shorter_window_is_a_prefix_of_the_nll_vector(lengths, window):
+    held = random_heldout(lengths)
+    full = token_nll(held)
+    assert len(full) == held.positions == held.within(max(lengths))
+    assert torch.equal(token_nll(held, positions=window), full[:held.within(window)])
+    # the prefix holds exactly the first `window` targets of every document
+    assert held.within(window) == sum(min(n, window) for n in lengths)
+
+
+@given(st.lists(st.tuples(st.floats(1e-6, 1), st.floats(1e-6, 1)), min_size=1, max_size=40))
+def test_the_optimal_interpolation_weight_beats_every_other(pairs):
+    p_lm = torch.tensor([p for p, _ in pairs], dtype=torch.float64)
+    p_ref = torch.tensor([q for _, q in pairs], dtype=torch.float64)
+    w, nll = optimal_interpolation(p_lm, p_ref)
+    assert 0 <= w <= 1 and torch.equal(nll, interpolation_nll(p_lm, p_ref, w))
+    grid = torch.linspace(0, 1, 201, dtype=torch.float64)
+    best_on_grid = min(float(interpolation_nll(p_lm, p_ref, float(g)).mean()) for g in grid)
+    assert float(nll.mean()) <= best_on_grid + 1e-7
+
+
+def test_interpolation_from_target_probabilities_is_the_processors():
+    import scipy.sparse as sp
+
+    counts = sp.random(12, 12, density=0.4, format="csr", random_state=1) * 10
+    counts.data = np.ceil(counts.data)  # counts are integers
+    held = random_heldout([5, 3, 7], vocab=12)
+    for w in (0.0, 0.3, 0.9):
+        proc = InterpolationLogitsProcessor(counts, w)
+        p_lm, p_ref = target_probabilities(held, proc.reference)
+        torch.testing.assert_close(interpolation_nll(p_lm, p_ref, w), token_nll(held, proc), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="equally long"):
+        optimal_interpolation(p_lm, p_ref[:-1])
+
+
+def test_lambda_plots_start_at_zero(tmp_path, monkeypatch):
+    from pipelines import figures
+
+    drawn = []
+    monkeypatch.setattr(figures.plt, "close", drawn.append)
+    figures.lambda_curves(tmp_path / "l.png", [0, 0.1, 1, 10], {"a": [3, 2, 1, 0]}, "perplexity", baseline=1.5)
+    figures.lambda_curves(tmp_path / "m.png", [0, 1], {"a": [3, 2]}, "BLEU")
+    for fig in drawn:
+        ax = fig.axes[0]
+        assert ax.get_xlim()[0] == 0 and all(t >= 0 for t in ax.get_xticks() if ax.get_xlim()[0] <= t)
+    assert (tmp_path / "l.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -88,12 +157,17 @@ def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path
 
 
 @pytest.mark.slow
-def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys):
+def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
+    import pipelines.eval as ev
+
+    # two windows and the paper's decoders over the shorter one, at a size a test can afford
+    monkeypatch.setattr(ev, "SHORT_WINDOW", 2)
+    monkeypatch.setattr(ev, "PAPER_POSITIONS", 2)
     out = tmp_path / "report"
     assert main(["eval", "--corpus", "drug-reviews",  # a bundled corpus by name: its file, column and cleaning
                  "--out", str(out), "--heldout-fraction", "0.2", "--lams", "0,1", "--mixture-lams", "1",
                  "--ppl-docs", "2", "--positions", "4", "--tune-docs", "2", "--prompts", "2",
-                 "--new-tokens", "3", "--references", "40"]) == 0
+                 "--new-tokens", "3", "--references", "40", "--finetune-budget-s", "3"]) == 0
     for name in ("report.md", "perplexity.csv", "generation.csv", "tuning.csv", "ab_sheet.csv", "ab_sheet.html",
                  "ab_key.csv", "lambda_bleu.png", "lambda_perplexity.png", "solver_convergence.png",
                  "top10_tokens.png"):
@@ -101,11 +175,17 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert report.count("| **") >= 6 and "Algorithm 1" in report
     assert "greedy, one opening at a time" in report and "batch 1 greedy" in capsys.readouterr().out
+    assert "perplexity (2)" in report and "perplexity (4)" in report and "## The fine-tuned baseline" in report
     with open(out / "perplexity.csv") as fh:
-        rows = {r["decoder"]: r for r in csv.DictReader(fh)}
-    assert float(rows["softmax"]["ratio_to_softmax"]) == 1.0
-    assert {"paper graphmax Ã λ=1", "paper graphmax Ã+Ã² λ=1", "interpolation w=0.3",
-            "context graphmax, tuned (ours)"} <= set(rows)
+        rows = {r["key"]: r for r in csv.DictReader(fh)}
+    assert float(rows["softmax"]["ratio_2"]) == 1.0 and float(rows["softmax"]["ratio_4"]) == 1.0
+    assert {"paper 1", "paper mixture 1", "interpolation 0.3", "interpolation optimum", "ours", "fine-tuned",
+            "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
+    assert rows["paper 1"]["ratio_4"] == "" and rows["paper 1"]["ratio_2"] != ""  # scored over 2 tokens only
+    # the optimum is at least as good as every grid weight, over each window
+    for w in ("2", "4"):
+        grid = [float(r[f"perplexity_{w}"]) for k, r in rows.items() if k.startswith("interpolation 0")]
+        assert float(rows["interpolation optimum"][f"perplexity_{w}"]) <= min(grid) + 1e-9
     with open(out / "ab_sheet.csv") as fh, open(out / "ab_key.csv") as kh:
         sheet, key = list(csv.DictReader(fh)), list(csv.DictReader(kh))
     assert "softmax" not in str(sheet[0].keys()) and {key[0]["A"], key[0]["B"]} == {"softmax", "graphmax"}
