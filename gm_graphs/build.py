@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,6 +37,11 @@ from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
 from .writer import BigramWriter, Hasher, resolve, write_ngrams, write_operator
 
 ENGINES = ("local", "ray")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (what each stage's timing records beside its seconds)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 WORKERS = max(1, min(2, os.cpu_count() or 1))  # threads that merge runs and compute Ã² after the pass
 
 
@@ -182,6 +188,7 @@ def write_graph_into(tmp: Path, src: GraphSource, *, name: str, orders: Sequence
                               f"would have no edges; check --text-column (it names the column that holds the text)")
         entries = bigrams.close()
         timings["bigrams_s"] = time.perf_counter() - t
+        timings["peak_rss_mb_bigrams"] = peak_rss_mb()
         fault_point("build.counts_written")
         operators = {"order1": entries["order1"]}
         base = _written_base(tmp, entries["order1"]["shards"], n)
@@ -191,6 +198,7 @@ def write_graph_into(tmp: Path, src: GraphSource, *, name: str, orders: Sequence
             tables = {str(order): write_ngrams(tmp, NGRAMS, order, n, ranges(), hasher)
                       for order, ranges in sorted(src.ngrams.items())}
             timings["ngrams_s"] = time.perf_counter() - t0
+            timings["peak_rss_mb_ngrams"] = peak_rss_mb()
             return tables
 
         with ThreadPoolExecutor(1, thread_name_prefix="ngrams") as pool:
@@ -202,6 +210,7 @@ def write_graph_into(tmp: Path, src: GraphSource, *, name: str, orders: Sequence
                         tmp, spec.name, n, _higher_blocks(base, spec, prune, workers, progress), shard_nnz, hasher,
                         prune.to_dict(), prune.is_exact)
             timings["operators_s"] = time.perf_counter() - t
+            timings["peak_rss_mb_operators"] = peak_rss_mb()
             del base
             fault_point("build.operators_written")
             tables = tables.result() if tables is not None else None
@@ -311,7 +320,7 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
         return build_on_ray(corpus, tokenizer, target, text_column=text_column, orders=orders, mixture=mixture,
                             eps=eps, clean=clean, bos_eos=bos_eos, prune=prune, shard_nnz=shard_nnz,
                             overwrite=overwrite, batch_docs=batch_docs, ngrams=ngrams, progress=progress,
-                            ray_address=ray_address)
+                            ray_address=ray_address, run_entries=ngram_run_entries)
     tok = load_tokenizer(tokenizer)
     ident = TokenizerIdentity.of(tok)
     ngrams = check_orders(ngrams, ident.vocab_size) if ngrams else ()

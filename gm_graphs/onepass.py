@@ -9,6 +9,7 @@ following it; what is left after the pass is merging the sorted runs.
 from __future__ import annotations
 
 import queue
+import resource
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -172,4 +173,5 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
         stop.set()
     timings["count_pass_s"] = time.perf_counter() - t0
     timings["count_busy_s"] = busy[0]
+    timings["peak_rss_mb_count"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return PassResult(counters, int(documents), int(tokens), stats, timings)
