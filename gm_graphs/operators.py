@@ -113,8 +113,9 @@ def _square_rows(indptr, indices, data, r0, r1, top_k, min_value, acc, flag, col
 
     A row is summed in a dense accumulator in the order scipy's product sums it (successors k in stored order, then
     row k in stored order) in float64, so its values are the same to the bit; it is then read in column order
-    (sorted, or scanned when dense), its total summed in that order, and the ``top_k`` largest values ≥
-    ``min_value`` kept, ties toward the smaller column (a min-heap: a later column replaces only a larger value).
+    (a row of many products is summed into the cleared accumulator and scanned; a row of few has its touched
+    columns flagged and sorted), its total summed in that order, and the ``top_k`` largest values ≥ ``min_value``
+    kept, ties toward the smaller column (a min-heap: a later column replaces only a larger value).
     """
     n = acc.size
     n_rows = r1 - r0
@@ -129,26 +130,37 @@ def _square_rows(indptr, indices, data, r0, r1, top_k, min_value, acc, flag, col
     m = 0
     for r in range(n_rows):
         i = r0 + r
-        touched = 0
+        work = 0  # the row's products: a row with many of them is summed densely (no per-product bookkeeping)
         for p in range(indptr[i], indptr[i + 1]):
-            k = indices[p]
-            w = np.float64(data[p])
-            for q in range(indptr[k], indptr[k + 1]):
-                j = indices[q]
-                if flag[j] == 0:
-                    flag[j] = 1
-                    acc[j] = 0.0
-                    cols[touched] = j
-                    touched += 1
-                acc[j] += w * np.float64(data[q])
-        if touched * 16 < n:  # sparse row: sort what it touched; dense: scan every column (without branches)
-            order = np.sort(cols[:touched])
+            work += indptr[indices[p] + 1] - indptr[indices[p]]
+        if work * 8 > n:
+            acc[:] = 0.0
+            for p in range(indptr[i], indptr[i + 1]):
+                k = indices[p]
+                w = np.float64(data[p])
+                for q in range(indptr[k], indptr[k + 1]):
+                    acc[indices[q]] += w * np.float64(data[q])
+            order = cols
+            touched = 0
+            for j in range(n):  # without branches: the columns whose sum is not 0, ascending
+                order[touched] = j
+                touched += acc[j] != 0.0
         else:
-            order = np.empty(n + 1, dtype=np.int32)
-            c = 0
-            for j in range(n):
-                order[c] = j
-                c += flag[j]
+            touched = 0
+            for p in range(indptr[i], indptr[i + 1]):
+                k = indices[p]
+                w = np.float64(data[p])
+                for q in range(indptr[k], indptr[k + 1]):
+                    j = indices[q]
+                    if flag[j] == 0:
+                        flag[j] = 1
+                        acc[j] = 0.0
+                        cols[touched] = j
+                        touched += 1
+                    acc[j] += w * np.float64(data[q])
+            order = np.sort(cols[:touched])
+            for t in range(touched):
+                flag[order[t]] = 0
         if m + (touched if top_k == 0 else top_k) > out_idx.size:
             grow = max(out_idx.size * 2, m + touched)
             out_idx = np.concatenate((out_idx[:m], np.empty(grow - m, dtype=np.int32)))
@@ -157,7 +169,6 @@ def _square_rows(indptr, indices, data, r0, r1, top_k, min_value, acc, flag, col
         size = 0
         for t in range(touched):
             j = order[t]
-            flag[j] = 0
             v = acc[j]
             if v == 0.0:  # csr_matmat leaves out sums that are exactly 0
                 continue
@@ -205,7 +216,7 @@ def square_blocks(base: sp.csr_matrix, rule: PruneRule, *, block_rows: int = 102
     data = np.asarray(base.data, dtype=np.float32)
     scratch = Queue()  # a dense accumulator per thread; its flags are all 0 between rows
     for _ in range(max(1, workers)):
-        scratch.put((np.zeros(n, np.float64), np.zeros(n, np.uint8), np.empty(n, np.int32)))
+        scratch.put((np.zeros(n, np.float64), np.zeros(n, np.uint8), np.empty(n + 1, np.int32)))
 
     def block(r0: int):
         r1 = min(n, r0 + block_rows)
