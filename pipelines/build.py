@@ -174,6 +174,12 @@ def _summary(g, seconds: float | None = None) -> None:
             extra = f", pruned by {op['prune_rule']}: rows keep {kept['mean']:.1%} of their mass on average " \
                     f"(min {kept['min']:.1%})"
         print(f"  {name:<10} {op['nnz']:,} non-zeros{extra}")
+    stages = {"tokenize+count": "count_pass_s", "counts and Ã": "bigrams_s", "higher orders": "operators_s",
+              "n-grams (beside them)": "ngrams_s", "commit": "commit_s"}
+    timings = getattr(g, "timings", {})  # what build_graph measured (a graph loaded from disk has none)
+    done = [f"{label} {timings[key]:.1f} s" for label, key in stages.items() if key in timings]
+    if done:
+        print(f"  stages     {', '.join(done)}")
     if seconds is not None:
         print(f"  built in   {seconds:.1f} s")
 
