@@ -33,6 +33,7 @@ import threading
 import time
 import warnings
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -193,16 +194,23 @@ class _Pieces:
         for key, value in (("order", order), ("range", rng), ("unit", self.unit), ("data", data), ("meta", meta)):
             self.rows[key].append(value)
 
-    def table(self, stats: ReadStats, documents: int, tokens: int) -> pa.Table:
+    def ready(self) -> Iterator[pa.Table]:
+        """The pieces made so far, as one table (so that they leave the task before it ends)."""
+        if self.rows["order"]:
+            table = pa.table({"order": pa.array(self.rows["order"], pa.int32()),
+                              "range": pa.array(self.rows["range"], pa.int32()),
+                              "unit": pa.array(self.rows["unit"], pa.int32()),
+                              "data": pa.array(self.rows["data"], pa.large_binary()),
+                              "meta": pa.array(self.rows["meta"], pa.large_string())})
+            self.rows = {key: [] for key in self.rows}
+            yield table
+
+    def finish(self, stats: ReadStats, documents: int, tokens: int) -> Iterator[pa.Table]:
         for order in self.spec.orders:
             self.flush(order)
         meta = {"read": asdict(stats), "documents": documents, "tokens": tokens}
         self._row(_STATS, self.unit, b"", json.dumps(meta))
-        return pa.table({"order": pa.array(self.rows["order"], pa.int32()),
-                         "range": pa.array(self.rows["range"], pa.int32()),
-                         "unit": pa.array(self.rows["unit"], pa.int32()),
-                         "data": pa.array(self.rows["data"], pa.large_binary()),
-                         "meta": pa.array(self.rows["meta"], pa.large_string())})
+        yield from self.ready()
 
 
 def _count_docs(spec: CountSpec, pieces: _Pieces, docs: list[str], where: str) -> int:
@@ -218,7 +226,7 @@ def _count_docs(spec: CountSpec, pieces: _Pieces, docs: list[str], where: str) -
     return int(ids.size)
 
 
-def count_unit(batch: pa.Table, spec: CountSpec) -> pa.Table:
+def count_unit(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:
     """A task: read one corpus file with graphmax's reader, tokenize and count it into pieces."""
     unit, path = int(batch["unit"][0].as_py()), batch["path"][0].as_py()
     pieces = _Pieces(spec, unit)
@@ -229,13 +237,14 @@ def count_unit(batch: pa.Table, spec: CountSpec) -> pa.Table:
                                    stats=stats):
             tokens += _count_docs(spec, pieces, docs, f"{path}, documents {documents:,}–{documents + len(docs):,}")
             documents += len(docs)
+            yield from pieces.ready()
     except CorpusError:
         if documents or path not in stats.per_file:  # only "no documents at all" is for the driver to judge
             raise
-    return pieces.table(stats, documents, tokens)
+    yield from pieces.finish(stats, documents, tokens)
 
 
-def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> pa.Table:
+def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> Iterator[pa.Table]:
     """A task: count one block of Ray Data's Parquet reader (column ``text`` and the file's ``path``)."""
     stats = ReadStats()
     pieces = _Pieces(spec, unit)
@@ -255,7 +264,8 @@ def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> pa.Table:
         if docs:
             tokens += _count_docs(spec, pieces, docs, f"{paths[start]}, a block of {len(column):,} rows")
             documents += len(docs)
-    return pieces.table(stats, documents, tokens)
+            yield from pieces.ready()
+    yield from pieces.finish(stats, documents, tokens)
 
 
 def merge_range(group: pa.Table, vocab_size: int) -> pa.Table:
@@ -409,7 +419,7 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
             encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
             read = {"text_column": text_column, "clean": clean}
             cpus = int(ray.cluster_resources().get("CPU", 1))
-            n_ranges = ranges or max(8, min(512, 4 * cpus))
+            n_ranges = ranges or min(1024, max(64, 16 * cpus))  # small merges: a range is ~1/64 of the counts
             spec = CountSpec(ray.put(tok), ident.vocab_size, (2, *ngrams),
                              _bounds(_sample(files, uris, read, ray, 4 * batch_docs), encoder, n_ranges),
                              text_column, clean, bos_eos, batch_docs, run_entries)
@@ -480,8 +490,8 @@ def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):
     return _Stream(merged.iter_rows()), entries
 
 
-def _count_arrow_block(batch: pa.Table, spec: CountSpec) -> pa.Table:
+def _count_arrow_block(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:
     # a block's id (for its statistics row and the shuffle accounting): a checksum of where it starts
     first = f"{batch['path'][0].as_py()}|{batch.num_rows}|{batch[spec.text_column][0].as_py()}" if batch.num_rows \
         else ""
-    return count_arrow(batch, spec, zlib.crc32(first.encode("utf-8", "replace")) >> 1)
+    yield from count_arrow(batch, spec, zlib.crc32(first.encode("utf-8", "replace")) >> 1)
