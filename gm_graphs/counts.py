@@ -153,7 +153,8 @@ class BigramCounts:
     @classmethod
     def from_keys(cls, vocab_size: int, keys: np.ndarray, documents: int = 0, tokens: int = 0) -> "BigramCounts":
         uniq, counts = np.unique(keys, return_counts=True)
-        return cls(vocab_size, uniq.astype(key_dtype(vocab_size), copy=False), counts.astype(np.int64), documents, tokens)
+        return cls(vocab_size, uniq.astype(key_dtype(vocab_size), copy=False), counts.astype(np.int64), documents,
+                   tokens)
 
     @classmethod
     def from_csr(cls, matrix: sp.csr_matrix, documents: int = 0, tokens: int = 0) -> "BigramCounts":
@@ -165,7 +166,8 @@ class BigramCounts:
 
     def merge(self, other: "BigramCounts") -> "BigramCounts":
         if other.vocab_size != self.vocab_size:
-            raise ValueError(f"cannot merge counts over vocabularies of {self.vocab_size} and {other.vocab_size} tokens")
+            raise ValueError(f"cannot merge counts over vocabularies of {self.vocab_size} and {other.vocab_size} "
+                             f"tokens")
         keys, counts = _merge_sorted(self.keys, self.counts, other.keys, other.counts)
         return BigramCounts(self.vocab_size, keys, counts,
                             self.documents + other.documents, self.tokens + other.tokens)

@@ -1,4 +1,5 @@
-"""n-gram counts: exact within-document counts, stored and verified like the operators, merged, read by the context reference."""
+"""n-gram counts: exact within-document counts, stored and verified like the operators, merged, read by the context
+reference."""
 
 from __future__ import annotations
 

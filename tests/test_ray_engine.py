@@ -19,7 +19,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from gm_graphs import CorpusError, OptionError, build_graph, bundled, load_graph
+from gm_graphs import CorpusError, OptionError, build_graph, bundled
 from gm_graphs.ray_engine import EngineError
 
 from .conftest import make_docs, write_jsonl
