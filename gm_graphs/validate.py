@@ -4,12 +4,15 @@ Everything a solver kernel indexes with is checked before it is handed out, so t
 ends in a one-line :class:`GraphFormatError`, never in an out-of-bounds read: CSR ``indptr`` starts at 0, never
 decreases and ends at nnz, every column index is in [0, N), shards cover [0, N) contiguously; n-gram contexts
 ascend strictly below N^(n−1), successors are in [0, N), counts ≥ 1; the stats are N long and ≥ 0. The array
-scans are numba loops (one pass, no temporaries), run once per file identity (``gm_graphs.verified``).
+scans are numba loops (one pass, no temporaries) over windows of a file, whose pages are dropped as the scan moves
+on (so checking a graph of any size holds a window of it), run once per file identity (``gm_graphs.verified``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import re
 
 import numba
@@ -215,20 +218,78 @@ def check_decoder(root, d) -> None:
 
 # ---- the arrays ---------------------------------------------------------------------------------------------------
 
+_WINDOW = 1 << 23  # values a check reads at a time: a memory-mapped window's pages are dropped after it
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def _libc_madvise():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()  # None where libc lacks it: the pages then stay until the array is dropped
+
+
+def _drop_pages(values: np.ndarray, start: int, stop: int) -> None:
+    """Drop the pages of ``values[start:stop]`` from this process when the array maps a file (they stay in the page
+    cache), so that checking a file of any size holds at most a window of it in memory."""
+    if _madvise is None or not isinstance(values, np.memmap) or stop <= start:
+        return
+    lo = values.ctypes.data + start * values.itemsize
+    hi = values.ctypes.data + stop * values.itemsize
+    lo -= lo % _PAGE
+    _madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+def _scan(kernel, values: np.ndarray, *args, overlap: int = 0) -> int:
+    """``kernel(window, *args)`` (the first bad position in the window, or −1) over ``values`` a window at a time;
+    windows overlap by ``overlap`` values, so that a check against the predecessor sees it."""
+    for start in range(0, values.shape[0], _WINDOW):
+        a = max(0, start - overlap)
+        b = min(values.shape[0], start + _WINDOW)
+        pos = kernel(values[a:b], *args)
+        _drop_pages(values, a, b)
+        if pos >= 0:
+            return a + pos
+    return -1
+
+
 @numba.njit(cache=True)
-def _csr_problem(indptr, indices, n_cols):
+def _first_decrease(values):
+    """Position of the first value below its predecessor, else -1."""
+    for p in range(1, values.size):
+        if values[p] < values[p - 1]:
+            return p
+    return -1
+
+
+@numba.njit(cache=True)
+def _first_outside(values, n_cols):
+    """Position of the first value outside [0, n_cols), else -1."""
+    for p in range(values.size):
+        if values[p] < 0 or values[p] >= n_cols:
+            return p
+    return -1
+
+
+def _csr_problem(indptr, indices, n_cols) -> tuple[int, int]:
     """(code, position): 0 fine; 1 indptr[0] ≠ 0; 2 indptr decreases; 3 indptr[-1] ≠ nnz; 4 index out of range."""
     if indptr[0] != 0:
         return 1, 0
-    for i in range(indptr.size - 1):
-        if indptr[i + 1] < indptr[i]:
-            return 2, i + 1
+    pos = _scan(_first_decrease, indptr, overlap=1)
+    if pos >= 0:
+        return 2, pos
     if indptr[indptr.size - 1] != indices.size:
         return 3, indptr.size - 1
-    for p in range(indices.size):
-        j = indices[p]
-        if j < 0 or j >= n_cols:
-            return 4, p
+    pos = _scan(_first_outside, indices, n_cols)
+    if pos >= 0:
+        return 4, pos
     return 0, 0
 
 
@@ -277,7 +338,7 @@ def check_csr(root, what: str, indptr: np.ndarray, indices: np.ndarray, data: np
     code, pos = _csr_problem(indptr, indices, n)
     if code:
         raise _fail(root, f"{what}: {_CSR_PROBLEMS[code]} (at position {pos})")
-    pos = _first_below(data, 1) if counts else _first_not_finite_or_negative(data)
+    pos = _scan(_first_below, data, 1) if counts else _scan(_first_not_finite_or_negative, data)
     if pos >= 0:
         raise _fail(root, f"{what}: entry {pos} is {data[pos].item()!r}, "
                           f"{'counts must be >= 1' if counts else 'weights must be finite and >= 0'}")
@@ -291,14 +352,14 @@ def check_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n
     if nxt.shape != (entries,) or counts.shape != (entries,):
         raise _fail(root, f"{what}: next/counts have {nxt.shape[0]}/{counts.shape[0]} entries, the manifest says "
                           f"{entries}")
-    pos = _first_not_ascending(contexts, n ** (order - 1))
+    pos = _scan(_first_not_ascending, contexts, n ** (order - 1), overlap=1)
     if pos >= 0:
         raise _fail(root, f"{what}: context {pos} is not above the previous one or not below N^{order - 1}")
     code, pos = _csr_problem(indptr, nxt, n)
     if code:
         problem = _CSR_PROBLEMS[code].replace("a column index", "a next token")
         raise _fail(root, f"{what}: {problem} (at position {pos})")
-    pos = _first_below(counts, 1)
+    pos = _scan(_first_below, counts, 1)
     if pos >= 0:
         raise _fail(root, f"{what}: count {pos} is {counts[pos]}; counts must be >= 1")
 

@@ -7,7 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from gm_graphs import GraphFormatError, PruneRule, build_graph, list_graphs, load_graph, merge_graphs
+from gm_graphs import GraphFormatError, OptionError, PruneRule, build_graph, list_graphs, load_graph, merge_graphs
+from gm_graphs.build import ENGINES
 from gm_graphs.ngrams import RUN_ENTRIES
 
 from .args import CorpusFiles, integer, integers, number
@@ -65,9 +66,15 @@ def register(sub) -> None:
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
                         "conditions on up to n−1 tokens; part of the same atomic build")
     p.add_argument("--ngram-run-entries", type=integer(1), default=RUN_ENTRIES, metavar="N",
-                   help=f"distinct n-grams of an order held in memory before a sorted run is written to the "
-                        f"build's temporary folder and merged later; bounds memory (default {RUN_ENTRIES:,}, "
-                        f"about 1 GB)")
+                   help=f"bigrams and n-grams of each order buffered in memory (8 bytes each) before they are "
+                        f"sorted into a run in the build's temporary folder, merged at the end; bounds memory "
+                        f"(default {RUN_ENTRIES:,}: 128 MB per order)")
+    p.add_argument("--engine", choices=ENGINES, default="local",
+                   help="local: this machine (default); ray: a Ray cluster's workers count, this machine writes "
+                        "(needs pip install 'graphmax[ray]')")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="with --engine ray: the cluster, 'auto' on one of its nodes, HOST:6379 or ray://HOST:10001 "
+                        "(default: a local Ray)")
     _add_operator_options(p)
     p.set_defaults(run=run_build)
 
@@ -89,11 +96,13 @@ def register(sub) -> None:
 
 
 def run_build(args) -> int:
+    if args.ray_address is not None and args.engine != "ray":
+        raise OptionError("--ray-address names the Ray cluster of --engine ray; add --engine ray, or drop it")
     t0 = time.perf_counter()
     g = build_graph(args.corpus, args.tokenizer, name=args.name, path=args.path, text_column=args.text_column,
                     orders=args.orders, mixture=args.mixture, eps=args.eps, clean=args.clean,
                     bos_eos=args.bos_eos, prune=_prune(args), overwrite=args.overwrite, ngrams=args.ngrams or (),
-                    ngram_run_entries=args.ngram_run_entries)
+                    ngram_run_entries=args.ngram_run_entries, engine=args.engine, ray_address=args.ray_address)
     _summary(g, time.perf_counter() - t0)
     return 0
 
@@ -125,6 +134,12 @@ def _summary(g, seconds: float | None = None) -> None:
             extra = f", pruned by {op['prune_rule']}: rows keep {kept['mean']:.1%} of their mass on average " \
                     f"(min {kept['min']:.1%})"
         print(f"  {name:<10} {op['nnz']:,} non-zeros{extra}")
+    stages = {"tokenize+count": "count_pass_s", "counts and Ã": "bigrams_s", "higher orders": "operators_s",
+              "n-grams (beside them)": "ngrams_s", "commit": "commit_s"}
+    timings = getattr(g, "timings", {})  # what build_graph measured (a graph loaded from disk has none)
+    done = [f"{label} {timings[key]:.1f} s" for label, key in stages.items() if key in timings]
+    if done:
+        print(f"  stages     {', '.join(done)}")
     if seconds is not None:
         print(f"  built in   {seconds:.1f} s")
 

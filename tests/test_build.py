@@ -189,11 +189,10 @@ def test_cli_build_list_info(home, csv_corpus, bpe_tokenizer_file, capsys):
     assert "--overwrite" in capsys.readouterr().err
 
 
-def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_file, bpe_tokenizer, monkeypatch, capsys):
+def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_file, bpe_tokenizer, capsys):
     from gm_graphs import ngrams as ngrams_module
 
     path, _ = csv_corpus
-    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)
     assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "ng", "--ngrams", "3",
                  "--ngram-run-entries", "60"]) == 0
     in_memory = ngrams_module.count_ngrams(path, bpe_tokenizer, (3,), progress=False)[3]

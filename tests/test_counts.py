@@ -63,3 +63,57 @@ def test_csr_round_trip_and_wide_vocabulary_keys():
     assert _as_dict(c) == {(69_999, 5): 2, (5, 69_999): 1}
     back = BigramCounts.from_csr(c.to_csr(), c.documents, c.tokens)
     assert _as_dict(back) == _as_dict(c)
+
+
+# ---- packed entries and sorted runs -------------------------------------------------------------------------------
+
+@given(keys=st.lists(st.integers(0, 40), max_size=80), bits=st.integers(1, 6))
+def test_packed_entries_split_large_counts_and_sum_back(keys, bits):
+    from gm_graphs.counts import pack_keys, unpack
+
+    packed = pack_keys(np.array(keys, dtype=np.uint64), bits)
+    assert np.all(np.diff(packed.astype(np.float64)) >= 0)
+    assert np.all(packed & np.uint64((1 << bits) - 1) >= 1)  # every entry carries a count of 1 … 2^bits − 1
+    k, c = unpack(packed, bits)
+    assert dict(zip(k.tolist(), c.tolist())) == dict(Counter(keys))
+
+
+def _windows(docs, order, inset=0):
+    out = Counter()
+    for d in docs:
+        d = d[inset:len(d) - inset] if inset else d
+        out.update(tuple(d[i:i + order]) for i in range(len(d) - order + 1))
+    return out
+
+
+@given(docs=docs_strategy, order=st.integers(2, 4), run_entries=st.integers(1, 40), on_disk=st.booleans(),
+       max_entries=st.integers(1, 30), inset=st.integers(0, 1))
+def test_sorted_runs_merge_to_an_independent_count_in_ranges_of_whole_contexts(tmp_path_factory, docs, order,
+                                                                              run_entries, on_disk, max_entries,
+                                                                              inset):
+    from gm_graphs.runs import SortedRuns
+
+    folder = tmp_path_factory.mktemp("runs") if on_disk else None
+    runs = SortedRuns(order, 12, run_entries, folder, inset=inset)
+    ids, offsets = _encode(docs)
+    half = len(docs) // 2  # two batches: documents never span batches, windows never span documents
+    runs.add(ids[:offsets[half]], offsets[:half + 1])
+    runs.add(ids[offsets[half]:], offsets[half:] - offsets[half])
+    ranges = list(runs.ranges(max_entries, workers=2))
+    got = Counter()
+    last_context = -1
+    for keys, counts in ranges:
+        contexts = keys // 12
+        assert np.all(np.diff(keys) > 0) and contexts[0] > last_context  # ascending, a context in one range only
+        last_context = contexts[-1]
+        for key, c in zip(keys.tolist(), counts.tolist()):
+            window = []
+            for _ in range(order):
+                key, t = divmod(key, 12)
+                window.insert(0, t)
+            got[tuple(window)] += c
+    assert got == _windows(docs, order, inset)
+    assert runs.windows == sum(_windows(docs, order, inset).values())
+    runs.remove()
+    if folder is not None:
+        assert list(folder.iterdir()) == []

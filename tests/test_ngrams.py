@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from gm_graphs import GraphFormatError, TokenizerError, add_ngrams, build_graph, count_ngrams, load_graph, merge_graphs
-from gm_graphs import ngrams as ngrams_module
 from gm_solver import ContextConfig, ContextReference
 
 
@@ -35,10 +34,10 @@ def _as_counter(table) -> Counter:
     return got
 
 
-def test_counts_equal_a_direct_count_within_documents(csv_corpus, bpe_tokenizer, monkeypatch):
+def test_counts_equal_a_direct_count_within_documents(csv_corpus, bpe_tokenizer):
     path, docs = csv_corpus
-    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)  # fold pending batches many times
-    tables = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False)
+    # buffers of 50 n-grams: many runs in memory, each merged into the one before
+    tables = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False, run_entries=50)
     for n in (3, 4):
         expected = _expected(docs, bpe_tokenizer, n)
         assert _as_counter(tables[n]) == expected
@@ -50,10 +49,9 @@ def test_counts_equal_a_direct_count_within_documents(csv_corpus, bpe_tokenizer,
         tables[4].successors(gram[:2])
 
 
-def test_counts_spilled_to_sorted_runs_equal_the_counts_in_memory(csv_corpus, bpe_tokenizer, monkeypatch, tmp_path):
+def test_counts_spilled_to_sorted_runs_equal_the_counts_in_memory(csv_corpus, bpe_tokenizer, tmp_path):
     path, _ = csv_corpus
     in_memory = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False)
-    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)
     # runs of ~60 entries, merged in ranges of ~60 entries: many runs, many ranges, contexts across batches
     spilled = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False, work=tmp_path / "w",
                            run_entries=60)
@@ -65,11 +63,10 @@ def test_counts_spilled_to_sorted_runs_equal_the_counts_in_memory(csv_corpus, bp
             "contexts.npy", "counts.npy", "indptr.npy", "next.npy"]  # the runs are gone
 
 
-def test_add_ngrams_leaves_no_runs_behind(csv_corpus, bpe_tokenizer, monkeypatch, tmp_path):
+def test_add_ngrams_leaves_no_runs_behind(csv_corpus, bpe_tokenizer, tmp_path):
     path, docs = csv_corpus
     graph = build_graph(path, bpe_tokenizer, path=tmp_path / "graphs" / "g", progress=False)
     before = sorted(p.name for p in graph.path.iterdir())
-    monkeypatch.setattr(ngrams_module, "_FOLD_AT", 50)
     add_ngrams(graph, path, bpe_tokenizer, (3,), progress=False, run_entries=60)
     assert sorted(p.name for p in (tmp_path / "graphs").iterdir()) == ["g"]
     added = sorted(set(p.name for p in graph.path.iterdir()) - set(before))

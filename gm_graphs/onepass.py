@@ -1,0 +1,177 @@
+"""One pass over a corpus: read it, tokenize it once, and feed every counter (bigrams and each n-gram order).
+
+Three stages run at once, joined by small bounded queues: a thread reads batches of documents, the calling thread
+encodes them (the fast tokenizer's batch encode runs in Rust on every core, without the GIL), and a thread counts
+them (numba kernels and NumPy's sort, also without the GIL). Counting thus overlaps the tokenizer instead of
+following it; what is left after the pass is merging the sorted runs.
+"""
+
+from __future__ import annotations
+
+import queue
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .corpus import ReadStats, iter_documents
+from .counts import check_ids
+from .faults import fault_point
+from .runs import SortedRuns
+from .tokenize import BatchEncoder
+
+_END = object()
+_DEPTH = 4  # batches waiting between two stages
+
+
+class _Thread:
+    """Runs ``target`` in a daemon thread; an error stops it (``stop`` is set) and is raised by ``check``."""
+
+    def __init__(self, target: Callable[[], None], name: str, stop: threading.Event):
+        self.error: BaseException | None = None
+        self.stop = stop
+        self._thread = threading.Thread(target=self._run, args=(target,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, target) -> None:
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            self.error = e
+            self.stop.set()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put ``item`` unless ``stop`` is set meanwhile (the other side has gone); whether it was put."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def read_batches(files: list[Path], text_column: str, *, clean: bool, batch_docs: int,
+                 stats: ReadStats) -> Iterator[list[str]]:
+    """``iter_documents`` run by a thread ahead of the caller."""
+    q: queue.Queue = queue.Queue(_DEPTH)
+    stop = threading.Event()
+
+    def produce() -> None:
+        for docs in iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats):
+            if not _put(q, docs, stop):
+                return
+        _put(q, _END, stop)
+
+    reader = _Thread(produce, "graphmax-read", stop)
+    try:
+        while True:
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                reader.check()
+                continue
+            if item is _END:
+                break
+            yield item
+        reader.join()
+        reader.check()
+    finally:
+        reader.stop.set()
+
+
+def encoded_batches(files: list[Path], encoder: BatchEncoder, text_column: str, *, clean: bool, batch_docs: int,
+                    stats: ReadStats, timings: dict | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, offsets)`` of each batch of documents: read by a thread, encoded here. What a build counts, and
+    what the tokenizer-only benchmark times."""
+    encode_s = 0.0
+    for docs in read_batches(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats):
+        t = time.perf_counter()
+        ids, offsets = encoder.encode(docs)
+        encode_s += time.perf_counter() - t
+        yield ids, offsets
+    if timings is not None:
+        timings["encode_s"] = encode_s
+
+
+@dataclass
+class PassResult:
+    """What one pass counted: a :class:`SortedRuns` per order (2 = the bigrams), and what reading saw."""
+
+    counters: dict[int, SortedRuns]
+    documents: int
+    tokens: int
+    read: ReadStats
+    timings: dict = field(default_factory=dict)
+
+
+def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, SortedRuns], *, text_column: str,
+               clean: bool, batch_docs: int = 2048, progress: bool = True, desc: str = "tokenize+count") -> PassResult:
+    """Read and tokenize ``files`` once, counting every batch into each of ``counters`` in another thread."""
+    stats = ReadStats()
+    timings: dict = {}
+    q: queue.Queue = queue.Queue(_DEPTH)
+    busy = [0.0]
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set():
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is _END:
+                return
+            t = time.perf_counter()
+            ids, offsets = item
+            fault_point("count.batch")
+            for counter in counters.values():
+                counter.add(ids, offsets)
+            busy[0] += time.perf_counter() - t
+
+    counter = _Thread(consume, "graphmax-count", stop)
+    sizes = {str(f): f.stat().st_size for f in files}
+    documents = tokens = 0
+    t0 = time.perf_counter()
+    try:
+        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
+            done = 0
+            for ids, offsets in encoded_batches(files, encoder, text_column, clean=clean, batch_docs=batch_docs,
+                                                stats=stats, timings=timings):
+                check_ids(ids, encoder.vocab_size)
+                documents += offsets.size - 1
+                tokens += ids.size
+                if not _put(q, (ids, offsets), stop):
+                    counter.check()
+                finished = sum(sizes[f] for f in list(stats.per_file))
+                if progress and finished > done:
+                    bar.update(finished - done)
+                    done = finished
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix(docs_s=f"{documents / elapsed:,.0f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+            bar.update(bar.total - done)
+            timings["tokenize_s"] = time.perf_counter() - t0
+            _put(q, _END, stop)
+            counter.join()
+            counter.check()
+            for c in counters.values():
+                c.release()
+    finally:
+        stop.set()
+    timings["count_pass_s"] = time.perf_counter() - t0
+    timings["count_busy_s"] = busy[0]
+    timings["peak_rss_mb_count"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return PassResult(counters, int(documents), int(tokens), stats, timings)

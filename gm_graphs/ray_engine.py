@@ -1,0 +1,497 @@
+"""The graph build on Ray Data (``build_graph(…, engine="ray")``, ``graphmax build … --engine ray``).
+
+The same graph as the local engine, byte for byte (the manifest's ``build`` section aside), counted by a Ray
+cluster's workers:
+
+1. *units*: each corpus file is a unit, read in a worker by graphmax's own reader (every format it reads; the
+   files must be where every node can read them, e.g. a shared file system). Object-store URIs of Parquet files
+   (``s3://…``, ``gs://…``, any URI pyarrow's file systems open) go through Ray Data's ``read_parquet`` instead,
+   a block at a time.
+2. *count* (``map_batches``, a task per unit or block): tokenize, then count the windows of every order in
+   buffers of ``run_entries``; each full buffer is sorted, packed (``gm_graphs.counts``) and cut at the range
+   boundaries into rows (order, range, packed entries). Ranges split the leading token's ids so that each holds
+   about as many windows (estimated from a sample of the corpus): a bigram range is a range of rows of A, an
+   n-gram range a range of contexts.
+3. *merge* (``groupby(order, range).map_groups``, sort-based so that ranges come out in order): each range's
+   pieces are concatenated, sorted and summed into unique keys and counts.
+4. *write*, here on the driver: the merged ranges stream, in order, into the local engine's writers
+   (``gm_graphs.writer``): counts, stats, Ã, Ã² (by the fused kernel on this machine) and the n-gram tables, in
+   a staging folder committed atomically (``gm_graphs.folders``).
+
+A task that fails is retried by Ray (``TASK_RETRIES`` times); one that keeps failing ends the build with one line
+naming the input block (file, and documents or rows), and the staging folder is removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .corpus import ReadStats, _arrow_text, clean_review_text, expand_corpus, fingerprint, iter_documents
+from .counts import check_ids, count_bits, pack_sorted, unpack, window_keys
+from .errors import CorpusError, GraphmaxError, OptionError
+from .faults import fault_point
+from .folders import staged_folder
+from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
+
+EXTRA = "pip install 'graphmax[ray]'  (Ray Data: ray[data]==2.60.*)"
+TASK_RETRIES = 3  # attempts after the first, for a failing or dying task
+CONNECT_TIMEOUT_S = 10.0  # to reach a cluster's address before Ray is asked to join it
+INIT_TIMEOUT_S = 25.0  # for ray.init to return once the address answers
+RUN_ENTRIES = 1 << 22  # windows a worker buffers per order before a buffer becomes pieces (32 MB)
+_MARK = "graphmax-block"  # tags a worker's error so the driver can find it in Ray's wrapping
+_STATS = 0  # the order of the rows that carry a unit's read statistics
+
+
+class EngineError(GraphmaxError, RuntimeError):
+    """The Ray engine cannot run (no cluster at the address) or an input block keeps failing."""
+
+
+def import_ray():
+    """``ray`` with Ray Data, or an :class:`OptionError` that names the extra to install."""
+    try:
+        import ray
+        import ray.data  # noqa: F401 - Ray without its data extra lacks it
+    except ImportError:
+        raise OptionError(f"--engine ray needs Ray Data, which is not installed; install it with {EXTRA}, "
+                          f"or build with --engine local") from None
+    return ray
+
+
+# ---- connecting ---------------------------------------------------------------------------------------------------
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """The (host, port) an address names, for a quick reachability check; None for "auto" and the like."""
+    m = re.fullmatch(r"(?:ray://)?\[?([^\]\s/]+?)\]?:(\d+)", address.strip())
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def connect(ray, address: str | None) -> bool:
+    """Join the cluster at ``address`` (or the Ray already running in this process, or start a local one);
+    whether this call started Ray (and so should stop it). Fails in one line, within ~35 s, when nothing answers."""
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        hp = _host_port(address)
+        if hp is not None:
+            try:
+                socket.create_connection(hp, timeout=CONNECT_TIMEOUT_S).close()
+            except OSError as e:
+                raise EngineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
+                                  f"`ray start --head` there, or check --ray-address (the head's host:port, "
+                                  f"e.g. 10.0.0.1:6379, or 'auto' on a cluster node)") from None
+    done: dict[str, Any] = {}
+
+    def init() -> None:
+        try:
+            ray.init(address=address, log_to_driver=False, include_dashboard=False, configure_logging=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done["error"] = e
+        done["ok"] = True
+
+    thread = threading.Thread(target=init, daemon=True, name="graphmax-ray-init")
+    thread.start()
+    thread.join(INIT_TIMEOUT_S)
+    if "ok" not in done:
+        raise EngineError(f"the Ray cluster at {address!r} did not accept this driver within {INIT_TIMEOUT_S:.0f} s; "
+                          f"check that it runs the same Ray version (2.60) and that the address is its head")
+    if "error" in done:
+        e = done["error"]
+        where = f"at {address!r}" if address else "locally"
+        raise EngineError(f"cannot start or join Ray {where} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                          f"check --ray-address") from None
+    return True
+
+
+# ---- what the workers run -----------------------------------------------------------------------------------------
+
+_TOKENIZERS: dict[str, Any] = {}  # per worker process: the tokenizer of a build, by its object id
+
+
+@dataclasses.dataclass
+class CountSpec:
+    """What every counting task needs (shipped with the task)."""
+
+    tokenizer: Any  # an ObjectRef of the loaded tokenizer
+    vocab_size: int
+    orders: tuple[int, ...]  # 2 (the bigrams) and the n-gram orders
+    bounds: list[int]  # leading-token ids where ranges start, after range 0
+    text_column: str
+    clean: bool
+    bos_eos: bool
+    batch_docs: int
+    run_entries: int
+
+
+def _encoder(spec: CountSpec) -> BatchEncoder:
+    import ray
+
+    key = spec.tokenizer.hex()
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = BatchEncoder(ray.get(spec.tokenizer), add_bos_eos=spec.bos_eos)
+    return _TOKENIZERS[key]
+
+
+class _Pieces:
+    """Buffers the windows of every order of one unit and turns each full buffer into (order, range) pieces."""
+
+    def __init__(self, spec: CountSpec, unit: int):
+        self.spec, self.unit = spec, unit
+        self.buffers = {o: np.empty(spec.run_entries, dtype=np.uint64) for o in spec.orders}
+        self.fill = dict.fromkeys(spec.orders, 0)
+        self.rows: dict[str, list] = {"order": [], "range": [], "unit": [], "data": [], "meta": []}
+        self.part = 0
+
+    def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        n, spec = self.spec.vocab_size, self.spec
+        for order in spec.orders:
+            inset = 1 if spec.bos_eos and order > 2 else 0
+            if self.fill[order] + ids.size > spec.run_entries:
+                self.flush(order)
+            if ids.size > spec.run_entries:
+                keys = np.empty(ids.size, dtype=np.uint64)
+                m = window_keys(ids, offsets, n, order, inset, keys, 0)
+                for start in range(0, m, spec.run_entries):
+                    piece = keys[start:min(m, start + spec.run_entries)]
+                    self.buffers[order][:piece.size] = piece
+                    self.fill[order] = piece.size
+                    self.flush(order)
+            else:
+                self.fill[order] = window_keys(ids, offsets, n, order, inset, self.buffers[order], self.fill[order])
+
+    def flush(self, order: int) -> None:
+        fill = self.fill[order]
+        if not fill:
+            return
+        keys = self.buffers[order][:fill]
+        keys.sort()
+        bits = count_bits(order, self.spec.vocab_size)
+        packed = keys[:pack_sorted(keys, fill, bits)]
+        lead = np.uint64(self.spec.vocab_size ** (order - 1))
+        edges = [(np.uint64(b) * lead) << np.uint64(bits) for b in self.spec.bounds]
+        cuts = [0, *np.searchsorted(packed, np.array(edges, dtype=np.uint64)).tolist(), packed.size]
+        for r, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            if b > a:
+                self._row(order, r, packed[a:b].tobytes(), "")
+        self.fill[order] = 0
+
+    def _row(self, order: int, rng: int, data: bytes, meta: str) -> None:
+        for key, value in (("order", order), ("range", rng), ("unit", self.unit), ("data", data), ("meta", meta)):
+            self.rows[key].append(value)
+
+    def ready(self) -> Iterator[pa.Table]:
+        """The pieces made so far, as one table (so that they leave the task before it ends)."""
+        if self.rows["order"]:
+            table = pa.table({"order": pa.array(self.rows["order"], pa.int32()),
+                              "range": pa.array(self.rows["range"], pa.int32()),
+                              "unit": pa.array(self.rows["unit"], pa.int32()),
+                              "data": pa.array(self.rows["data"], pa.large_binary()),
+                              "meta": pa.array(self.rows["meta"], pa.large_string())})
+            self.rows = {key: [] for key in self.rows}
+            yield table
+
+    def finish(self, stats: ReadStats, documents: int, tokens: int) -> Iterator[pa.Table]:
+        for order in self.spec.orders:
+            self.flush(order)
+        meta = {"read": asdict(stats), "documents": documents, "tokens": tokens}
+        self._row(_STATS, self.unit, b"", json.dumps(meta))
+        yield from self.ready()
+
+
+def _count_docs(spec: CountSpec, pieces: _Pieces, docs: list[str], where: str) -> int:
+    """Encode and count one batch; an error names the block (``where``) for the driver."""
+    try:
+        fault_point("count.batch")
+        ids, offsets = _encoder(spec).encode(docs)
+        check_ids(ids, spec.vocab_size)
+        pieces.add(ids, offsets)
+    except Exception as e:
+        raise RuntimeError(f"{_MARK}[{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}]") \
+            from e
+    return int(ids.size)
+
+
+def count_unit(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:
+    """A task: read one corpus file with graphmax's reader, tokenize and count it into pieces."""
+    unit, path = int(batch["unit"][0].as_py()), batch["path"][0].as_py()
+    pieces = _Pieces(spec, unit)
+    stats = ReadStats()
+    documents = tokens = 0
+    try:
+        for docs in iter_documents([Path(path)], spec.text_column, clean=spec.clean, batch_docs=spec.batch_docs,
+                                   stats=stats):
+            tokens += _count_docs(spec, pieces, docs, f"{path}, documents {documents:,}–{documents + len(docs):,}")
+            documents += len(docs)
+            yield from pieces.ready()
+    except CorpusError:
+        if documents or path not in stats.per_file:  # only "no documents at all" is for the driver to judge
+            raise
+    yield from pieces.finish(stats, documents, tokens)
+
+
+def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> Iterator[pa.Table]:
+    """A task: count one block of Ray Data's Parquet reader (column ``text`` and the file's ``path``)."""
+    stats = ReadStats()
+    pieces = _Pieces(spec, unit)
+    paths = batch["path"].to_pylist()
+    documents = tokens = 0
+    column = batch[spec.text_column].combine_chunks()
+    for start in range(0, len(column), spec.batch_docs):
+        rows = _arrow_text(column.slice(start, spec.batch_docs), stats)
+        docs = [d for d in rows if d and not d.isspace()]
+        stats.empty_skipped += len(rows) - len(docs)
+        if spec.clean:
+            docs = [clean_review_text(d) for d in docs]
+        for p, d in zip(paths[start:start + spec.batch_docs], rows):
+            if d and not d.isspace():
+                stats.per_file[p] = stats.per_file.get(p, 0) + 1
+        stats.documents += len(docs)
+        if docs:
+            tokens += _count_docs(spec, pieces, docs, f"{paths[start]}, a block of {len(column):,} rows")
+            documents += len(docs)
+            yield from pieces.ready()
+    yield from pieces.finish(stats, documents, tokens)
+
+
+def merge_range(group: pa.Table, vocab_size: int) -> pa.Table:
+    """A task: the pieces of one (order, range) merged into unique keys and counts (int64); the rows carrying
+    read statistics pass through. ``meta`` says how many bytes of pieces each unit sent here."""
+    order, rng = int(group["order"][0].as_py()), int(group["range"][0].as_py())
+    if order == _STATS:
+        empty = pa.array([b""] * group.num_rows, pa.large_binary())
+        return group.select(["order", "range", "unit", "meta"]).append_column("keys", empty).append_column(
+            "counts", empty)
+    datas = group["data"].to_pylist()
+    packed = np.concatenate([np.frombuffer(d, dtype=np.uint64) for d in datas])
+    packed.sort()
+    keys, counts = unpack(packed, count_bits(order, vocab_size))
+    sent: dict[int, int] = {}
+    for u, d in zip(group["unit"].to_pylist(), datas):
+        sent[u] = sent.get(u, 0) + len(d)
+    return pa.table({"order": pa.array([order], pa.int32()), "range": pa.array([rng], pa.int32()),
+                     "unit": pa.array([-1], pa.int32()), "meta": pa.array([json.dumps(sent)], pa.large_string()),
+                     "keys": pa.array([keys.tobytes()], pa.large_binary()),
+                     "counts": pa.array([counts.tobytes()], pa.large_binary())})
+
+
+# ---- the driver ---------------------------------------------------------------------------------------------------
+
+def _is_uri(spec) -> bool:
+    return isinstance(spec, str) and "://" in spec
+
+
+def _read_stats(parts: list[dict]) -> dict:
+    """The units' read statistics added up in unit order, as one ReadStats would have counted them."""
+    out = asdict(ReadStats())
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict):
+                out[key].update(value)
+            elif isinstance(value, list):
+                out[key].extend(value)
+            else:
+                out[key] += value
+    return out
+
+
+def _bounds(sample: list[str], encoder: BatchEncoder, ranges: int) -> list[int]:
+    """Leading-token ids where ranges 1… start: quantiles of the token frequencies of a sample of the corpus
+    (every id keeps a little mass, so that ids the sample lacks still spread over the ranges)."""
+    n = encoder.vocab_size
+    ids, _ = encoder.encode(sample) if sample else (np.zeros(0, np.int32), None)
+    freq = np.bincount(ids, minlength=n).astype(np.float64) + max(1.0, ids.size / n) * 1e-2
+    cum = np.cumsum(freq) / freq.sum()
+    cuts = np.searchsorted(cum, np.arange(1, ranges) / ranges, side="right")
+    return sorted({int(c) for c in cuts if 0 < c < n})
+
+
+def _sample(files: list[Path], uris: list[str], spec_read: dict, ray, limit: int) -> list[str]:
+    if files:
+        docs: list[str] = []
+        for batch in iter_documents(files[:1], spec_read["text_column"], clean=spec_read["clean"],
+                                    batch_docs=min(limit, 4096), stats=ReadStats()):
+            docs.extend(batch)
+            if len(docs) >= limit:
+                break
+        return docs[:limit]
+    table = ray.data.read_parquet(uris[:1], columns=[spec_read["text_column"]]).limit(limit).to_arrow_refs()
+    rows = pa.concat_tables(ray.get(table)).column(0).to_pylist() if table else []
+    return [clean_review_text(d) if spec_read["clean"] else d for d in rows if d and not d.isspace()]
+
+
+def _uri_fingerprint(uri: str) -> dict:
+    """Path, size and SHA-256 of an object-store file, streamed through the hash where the task runs."""
+    import hashlib
+
+    import pyarrow.fs as pafs
+
+    fs, path = pafs.FileSystem.from_uri(uri)
+    h = hashlib.sha256()
+    size = 0
+    with fs.open_input_stream(path) as fh:
+        while True:
+            block = fh.read(1 << 22)
+            if not block:
+                break
+            h.update(block)
+            size += len(block)
+    return {"path": uri, "bytes": size, "sha256": h.hexdigest()}
+
+
+def _block_error(e: BaseException) -> GraphmaxError:
+    """One line for a failure that Ray reports wrapped in its own exceptions."""
+    text = str(e)
+    m = re.search(re.escape(_MARK) + r"\[(.*?)\]", text)
+    if m is None:
+        first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
+        return EngineError(f"the Ray build failed ({type(e).__name__}: {first.strip()[:200]}); nothing was written")
+    where, _, cause = m.group(1).partition(": ")
+    kind = CorpusError if cause.startswith("CorpusError") else EngineError
+    return kind(f"the input block {where} failed {TASK_RETRIES + 1} times ({cause}); nothing was written: fix or "
+                f"remove that input and build again")
+
+
+class _Stream:
+    """The merged rows, in (order, range) order, handed out order by order."""
+
+    def __init__(self, rows):
+        self._rows = iter(rows)
+        self._next = next(self._rows, None)
+        self.sent: dict[int, int] = {}  # bytes of pieces each unit sent to the merges
+
+    def take(self, order: int):
+        while self._next is not None and self._next["order"] == order:
+            yield self._next
+            self._next = next(self._rows, None)
+
+    def ranges(self, order: int):
+        for row in self.take(order):
+            for unit, size in json.loads(row["meta"]).items():
+                self.sent[int(unit)] = self.sent.get(int(unit), 0) + size
+            yield np.frombuffer(row["keys"], dtype=np.int64), np.frombuffer(row["counts"], dtype=np.int64)
+
+
+def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, mixture, eps, clean: bool,
+                 bos_eos: bool, prune, shard_nnz: int, overwrite: bool, batch_docs: int, ngrams,
+                 progress: bool, ray_address: str | None, ranges: int | None = None, run_entries: int = RUN_ENTRIES):
+    """``build_graph(engine="ray")``; see the module's docstring."""
+    from .build import GraphSource, _opened, corpus_entry, write_graph_into
+    from .folders import check_replaceable
+    from .ngrams import check_orders
+
+    ray = import_ray()
+    tok = load_tokenizer(tokenizer)
+    ident = TokenizerIdentity.of(tok)
+    ngrams = check_orders(ngrams, ident.vocab_size) if ngrams else ()
+    specs = [corpus] if isinstance(corpus, (str, os.PathLike)) else list(corpus)
+    uris = [s for s in specs if _is_uri(s)]
+    local = [s for s in specs if not _is_uri(s)]
+    if uris and local:
+        raise OptionError("give either local corpus files or object-store URIs, not both in one build")
+    if uris and any(not u.lower().endswith((".parquet", ".pq")) for u in uris):
+        raise OptionError(f"object-store inputs are read by Ray Data's Parquet reader: give .parquet URIs, got "
+                          f"{next(u for u in uris if not u.lower().endswith(('.parquet', '.pq')))!r}")
+    files = expand_corpus(local) if local else []
+    check_replaceable(target, overwrite)
+    started = connect(ray, ray_address)
+    timings: dict = {}
+    ctx = ray.data.DataContext.get_current()
+    saved = (ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars)
+    try:
+        with staged_folder(target, overwrite=overwrite) as tmp:
+            fault_point("build.started")
+            t0 = time.perf_counter()
+            encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
+            read = {"text_column": text_column, "clean": clean}
+            cpus = int(ray.cluster_resources().get("CPU", 1))
+            n_ranges = ranges or min(1024, max(64, 16 * cpus))  # small merges: a range is ~1/64 of the counts
+            spec = CountSpec(ray.put(tok), ident.vocab_size, (2, *ngrams),
+                             _bounds(_sample(files, uris, read, ray, 4 * batch_docs), encoder, n_ranges),
+                             text_column, clean, bos_eos, batch_docs, run_entries)
+            try:
+                stream, file_entries = _run(ray, spec, files, uris)
+                meta = [json.loads(r["meta"]) for r in stream.take(_STATS)]
+                timings["count_s"] = time.perf_counter() - t0  # the first merged rows: every count has finished
+                documents = sum(m["documents"] for m in meta)
+                if documents == 0:
+                    raise CorpusError(f"the corpus has no documents: every row of {[str(s) for s in specs]} was "
+                                      f"empty (text column {text_column!r}); check the files and --text-column")
+                fault_point("build.counted")
+                if ngrams:
+                    fault_point("build.ngrams_counted")
+                options = {"text_column": text_column, "clean": clean, "bos_eos": bos_eos}
+                entry = corpus_entry(file_entries, _read_stats([m["read"] for m in meta]), options, documents,
+                                     sum(m["tokens"] for m in meta))
+                source = {"corpus": [str(f) for f in (files or uris)], "clean": clean,
+                          "text_column": text_column} if ngrams else None
+                src = GraphSource(ident, entry, lambda: stream.ranges(2),
+                                  {o: (lambda o=o: stream.ranges(o)) for o in ngrams}, source,
+                                  {"engine": "ray"}, timings)
+                write_graph_into(tmp, src, name=target.name, orders=orders, mixture=mixture, eps=eps, prune=prune,
+                                 shard_nnz=shard_nnz, progress=progress)
+            except GraphmaxError:
+                raise
+            except Exception as e:
+                if type(e).__module__.startswith("ray") or _MARK in str(e):
+                    raise _block_error(e) from None
+                raise
+            timings.update(ranges=n_ranges, units=len(meta), sent_bytes=stream.sent,
+                           wall_s=time.perf_counter() - t0)
+    finally:
+        ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
+        if started:
+            ray.shutdown()
+    return _opened(target, timings)
+
+
+def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):
+    """Plan and start the count and merge; the merged rows as a stream, and the inputs' manifest entries."""
+    from ray.data.context import DataContext, ShuffleStrategy
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("GRAPHMAX_FAULT")}  # fault tests reach the workers
+    task: dict[str, Any] = {"max_retries": TASK_RETRIES, "retry_exceptions": True}
+    if env:
+        task["runtime_env"] = {"env_vars": env}
+    ctx = DataContext.get_current()
+    ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED  # ranges come out of the merge in order
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # max_retries and retry_exceptions as ray_remote_args: deprecated in 2.60
+        if files:
+            units = ray.data.from_items([{"unit": i, "path": str(f.resolve())} for i, f in enumerate(files)],
+                                        override_num_blocks=len(files))
+            counted = units.map_batches(count_unit, batch_size=1, batch_format="pyarrow", fn_kwargs={"spec": spec},
+                                        **task)
+            entries = fingerprint(files)
+        else:
+            blocks = ray.data.read_parquet(uris, columns=[spec.text_column], include_paths=True)
+            counted = blocks.map_batches(_count_arrow_block, batch_size=None, batch_format="pyarrow",
+                                         fn_kwargs={"spec": spec}, **task)
+            remote = ray.remote(max_retries=TASK_RETRIES, retry_exceptions=True)(_uri_fingerprint)
+            entries = ray.get([remote.remote(u) for u in uris])
+        merged = counted.groupby(["order", "range"]).map_groups(
+            merge_range, batch_format="pyarrow", fn_kwargs={"vocab_size": spec.vocab_size}, **task)
+    return _Stream(merged.iter_rows()), entries
+
+
+def _count_arrow_block(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:
+    # a block's id (for its statistics row and the shuffle accounting): a checksum of where it starts
+    first = f"{batch['path'][0].as_py()}|{batch.num_rows}|{batch[spec.text_column][0].as_py()}" if batch.num_rows \
+        else ""
+    yield from count_arrow(batch, spec, zlib.crc32(first.encode("utf-8", "replace")) >> 1)

@@ -1,0 +1,219 @@
+"""Sorted runs: the windows of one order of a corpus counted exactly in bounded memory (an external merge sort).
+
+Keys of windows (``gm_graphs.counts``) are buffered, ``run_entries`` at a time (8 bytes each); a full buffer is
+sorted and packed into a run, written to a folder (or, without one, kept in memory and merged with the runs
+before it, so that memory holds about the distinct windows). The runs are then merged a range of contexts at a
+time (``SortedRuns.ranges``): each range is read from every run with ``pread`` (not memory-mapped, so what was read
+leaves the process), sorted and summed, and handed on in ascending order. Memory is the buffer, plus the ranges
+being merged; neither grows with the corpus.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from .counts import count_bits, pack_sorted, unpack, window_keys
+
+SAMPLE = 4096  # every SAMPLE-th entry of a run stays in memory, to find a key's place in the run by one small read
+RANGE_ENTRIES = 1 << 22  # entries merged at a time by default (32 MB of packed entries, ~100 MB while merged)
+
+
+@numba.njit(nogil=True, cache=True)
+def _repack(keys, counts, bits, out):
+    """Packed entries of unique sorted keys with their counts (a count above the cap split over entries)."""
+    cap = (np.uint64(1) << np.uint64(bits)) - np.uint64(1)
+    m = 0
+    for i in range(keys.size):
+        left = np.uint64(counts[i])
+        while left > 0:
+            c = left if left < cap else cap
+            out[m] = (np.uint64(keys[i]) << np.uint64(bits)) | c
+            m += 1
+            left -= c
+    return m
+
+
+def repack(keys: np.ndarray, counts: np.ndarray, bits: int) -> np.ndarray:
+    cap = (1 << bits) - 1
+    out = np.empty(int(np.sum(-(-counts // cap))) if counts.size else 0, dtype=np.uint64)
+    return out[:_repack(keys, counts, bits, out)]
+
+
+@dataclass
+class Run:
+    """One sorted run of packed entries: a raw uint64 file (``path``) or an array in memory (``data``)."""
+
+    length: int
+    sample: np.ndarray  # entries 0, SAMPLE, 2·SAMPLE, …
+    path: Path | None = None
+    data: np.ndarray | None = None
+
+    def offset(self, entry: int) -> int:
+        """The index of the first entry >= ``entry``."""
+        if self.data is not None:
+            return int(np.searchsorted(self.data, np.uint64(entry)))
+        i = int(np.searchsorted(self.sample, np.uint64(entry)))  # the place is in ((i-1)·SAMPLE, i·SAMPLE]
+        if i == 0:
+            return 0
+        lo = (i - 1) * SAMPLE
+        window = self.read(lo, min(self.length, i * SAMPLE))
+        return lo + int(np.searchsorted(window, np.uint64(entry)))
+
+    def read(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(b - a, dtype=np.uint64) if out is None else out
+        if self.data is not None:
+            out[:] = self.data[a:b]
+            return out
+        view = memoryview(out).cast("B")
+        with open(self.path, "rb", buffering=0) as fh:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fh.fileno(), [view[done:]], a * 8 + done)
+                if n == 0:
+                    raise OSError(f"{self.path} ends before entry {b}")
+                done += n
+        return out
+
+
+class SortedRuns:
+    """Counts the windows of ``order`` tokens of encoded documents; see the module's docstring."""
+
+    def __init__(self, order: int, vocab_size: int, run_entries: int = 1 << 24, folder: Path | None = None,
+                 inset: int = 0):
+        if not isinstance(run_entries, int) or run_entries < 1:
+            raise ValueError(f"run_entries must be an integer >= 1, got {run_entries!r}")
+        self.order, self.vocab_size, self.run_entries, self.inset = order, int(vocab_size), run_entries, inset
+        self.bits = count_bits(order, vocab_size)
+        if self.bits < 1:
+            raise ValueError(f"order {order} over a vocabulary of {vocab_size:,} tokens overflows 64-bit keys")
+        self.folder = None if folder is None else Path(folder)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        self.runs: list[Run] = []
+        self.windows = 0  # windows counted
+        self.bytes_written = 0  # run bytes written to the folder
+        self._buffer = np.empty(0, dtype=np.uint64)
+        self._fill = 0
+
+    # ---- counting -------------------------------------------------------------------------------------------
+
+    def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        """Count the windows of documents ``ids[offsets[i]:offsets[i+1]]`` (none crosses a document boundary)."""
+        if ids.size < self.order:
+            return
+        if self._buffer.size == 0:
+            self._buffer = np.empty(self.run_entries, dtype=np.uint64)
+        if self._fill + ids.size > self.run_entries:
+            self.flush()
+        if ids.size <= self.run_entries:
+            self._fill = window_keys(ids, offsets, self.vocab_size, self.order, self.inset, self._buffer,
+                                     self._fill)
+            return
+        keys = np.empty(ids.size, dtype=np.uint64)  # a batch larger than the buffer: in buffer-sized pieces
+        n = window_keys(ids, offsets, self.vocab_size, self.order, self.inset, keys, 0)
+        for start in range(0, n, self.run_entries):
+            piece = keys[start:min(n, start + self.run_entries)]
+            self._buffer[:piece.size] = piece
+            self._fill = piece.size
+            self.flush()
+
+    def flush(self) -> None:
+        """Sort and pack the buffered keys into a run."""
+        if self._fill == 0:
+            return
+        keys = self._buffer[:self._fill]
+        keys.sort()
+        m = pack_sorted(keys, self._fill, self.bits)
+        self.windows += self._fill
+        self._fill = 0
+        packed = keys[:m]
+        if self.folder is None:
+            self._keep(packed.copy())
+            return
+        path = self.folder / f"run-{self.order}-{len(self.runs):05d}.u64"
+        with open(path, "wb") as fh:
+            fh.write(memoryview(packed).cast("B"))
+        self.bytes_written += packed.nbytes
+        self.runs.append(Run(m, packed[::SAMPLE].copy(), path=path))
+
+    def _keep(self, packed: np.ndarray) -> None:
+        if self.runs:  # in memory, one run: merged with the new one
+            merged = np.concatenate([self.runs[0].data, packed])
+            merged.sort()
+            packed = repack(*unpack(merged, self.bits), self.bits)
+        self.runs = [Run(packed.size, packed[::SAMPLE].copy(), data=packed)]
+
+    def release(self) -> None:
+        """Free the buffer (after the last ``add``) and write what it holds."""
+        self.flush()
+        self._buffer = np.empty(0, dtype=np.uint64)
+
+    # ---- merging ----------------------------------------------------------------------------------------------
+
+    def bounds(self, max_entries: int) -> list[int]:
+        """Packed-entry boundaries of ranges of whole contexts holding about ``max_entries`` entries or fewer
+        (a context with more successors than that is one range of its own)."""
+        if not self.runs:
+            return [0, 1 << 64]
+        stride = max(1, max_entries // (len(self.runs) * SAMPLE))
+        contexts = np.unique(np.concatenate([(r.sample[stride::stride] >> np.uint64(self.bits))
+                                             // np.uint64(self.vocab_size) for r in self.runs]))
+        inner = [(int(c) * self.vocab_size) << self.bits for c in contexts if c > 0]
+        return [0, *inner, 1 << 64]
+
+    def _merge(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        spans = [(run, run.offset(lo), run.length if hi >= 1 << 64 else run.offset(hi)) for run in self.runs]
+        buf = np.empty(sum(b - a for _, a, b in spans), dtype=np.uint64)
+        at = 0
+        for run, a, b in spans:
+            run.read(a, b, buf[at:at + b - a])
+            at += b - a
+        buf.sort()
+        return unpack(buf, self.bits)
+
+    def ranges(self, max_entries: int = RANGE_ENTRIES, workers: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The merged counts as (unique int64 keys, int64 counts), ascending, a range of contexts at a time;
+        ``workers`` threads merge ranges ahead (sorting and reading release the GIL)."""
+        self.release()
+        edges = self.bounds(max_entries)
+        pairs = list(zip(edges[:-1], edges[1:]))
+        if workers <= 1:
+            for lo, hi in pairs:
+                keys, counts = self._merge(lo, hi)
+                if keys.size:
+                    yield keys, counts
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix="merge") as pool:
+            pending: deque = deque()
+            for lo, hi in pairs:
+                pending.append(pool.submit(self._merge, lo, hi))
+                if len(pending) > workers:
+                    keys, counts = pending.popleft().result()
+                    if keys.size:
+                        yield keys, counts
+            while pending:
+                keys, counts = pending.popleft().result()
+                if keys.size:
+                    yield keys, counts
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every count at once (unique int64 keys, int64 counts)."""
+        parts = list(self.ranges(1 << 62))
+        if not parts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate([k for k, _ in parts]), np.concatenate([c for _, c in parts])
+
+    def remove(self) -> None:
+        """Delete the run files."""
+        for run in self.runs:
+            if run.path is not None:
+                run.path.unlink(missing_ok=True)
+        self.runs = []

@@ -1,0 +1,312 @@
+"""Writing a graph's arrays as they stream in, so that no array of the graph is ever held whole in memory.
+
+Counts arrive as sorted (key, count) ranges (``gm_graphs.runs``, or the Ray engine's merged partitions): the bigram
+counts a range of whole rows at a time, the n-gram tables a range of whole contexts at a time. Each array is one
+``.npy`` file written in pieces; its header (whose shape is only known at the end) is written first with the same
+length and filled in at close, then the file is read back and hashed (by a thread pool, beside the next work).
+What is written does not depend on where the ranges were cut: shards split at row boundaries by ``shard_nnz``
+alone and Parquet row groups hold ``ROW_GROUP`` rows, so every engine writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numba
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .faults import fault_point
+from .storage import NGRAM_DTYPES, sha256_file
+
+ROW_GROUP = 1 << 20  # rows per Parquet row group
+_HEADER_SHAPE = (2**62,)  # the widest shape a header is written for before its length is known
+
+
+def _header(dtype: np.dtype, length: int) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                               "shape": (length,)})
+    return buf.getvalue()
+
+
+class Hasher:
+    """SHA-256 of finished files, computed by worker threads while the build goes on (hashlib releases the GIL)."""
+
+    def __init__(self, workers: int = 1):
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hash")
+
+    def entry(self, root: Path, path: Path) -> Future:
+        def run() -> dict:
+            return {"file": path.relative_to(root).as_posix(), "bytes": path.stat().st_size,
+                    "sha256": sha256_file(path)}
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def resolve(value):
+    """``value`` with every Future in it (nested dicts and lists) replaced by its result."""
+    if isinstance(value, Future):
+        return value.result()
+    if isinstance(value, dict):
+        return {k: resolve(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve(v) for v in value]
+    return value
+
+
+class NpyWriter:
+    """A 1-D ``.npy`` file written in appended pieces; ``close`` fills in its length and hashes it (with a hasher:
+    a work file needs no hash)."""
+
+    def __init__(self, root: Path, rel: str, dtype, hasher: Hasher | None):
+        self.root, self.path, self.dtype, self.hasher = root, root / rel, np.dtype(dtype), hasher
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.length = 0
+        self._fh = open(self.path, "wb")
+        self._fh.write(_header(self.dtype, _HEADER_SHAPE[0]))
+        fault_point("write.array")
+
+    def append(self, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values, dtype=self.dtype)
+        self._fh.write(memoryview(values).cast("B"))
+        self.length += values.size
+
+    def close(self) -> Future | None:
+        """The manifest entry (a Future: the file is hashed by the hasher's threads)."""
+        header = _header(self.dtype, self.length)
+        if len(header) != len(_header(self.dtype, _HEADER_SHAPE[0])):
+            raise AssertionError(f"{self.path}: the .npy header changed length")  # numpy pads headers to 64 bytes
+        self._fh.seek(0)
+        self._fh.write(header)
+        self._fh.close()
+        return None if self.hasher is None else self.hasher.entry(self.root, self.path)
+
+
+class ParquetWriter:
+    """A Parquet table of (src, dst, value) rows appended in pieces, in row groups of ``ROW_GROUP`` rows."""
+
+    def __init__(self, root: Path, rel: str, value_name: str, value_type: pa.DataType, hasher: Hasher):
+        self.root, self.path, self.hasher = root, root / rel, hasher
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.schema = pa.schema([("src", pa.int32()), ("dst", pa.int32()), (value_name, value_type)])
+        self._writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+        self._pending: list[tuple[np.ndarray, ...]] = []
+        self._rows = 0
+
+    def append(self, src: np.ndarray, dst: np.ndarray, values: np.ndarray) -> None:
+        self._pending.append((src, dst, values))
+        self._rows += src.size
+        if self._rows >= ROW_GROUP:
+            self._write(final=False)
+
+    def _write(self, final: bool) -> None:
+        cols = [np.concatenate([p[i] for p in self._pending]) if self._pending else np.zeros(0) for i in range(3)]
+        whole = cols[0].size if final else cols[0].size // ROW_GROUP * ROW_GROUP
+        if whole:
+            table = pa.Table.from_arrays([pa.array(c[:whole], type=f.type) for c, f in zip(cols, self.schema)],
+                                         schema=self.schema)
+            self._writer.write_table(table, row_group_size=ROW_GROUP)
+        self._pending = [tuple(c[whole:] for c in cols)] if whole < cols[0].size else []
+        self._rows = cols[0].size - whole
+
+    def close(self) -> Future:
+        self._write(final=True)
+        self._writer.close()
+        return self.hasher.entry(self.root, self.path)
+
+
+class ShardWriter:
+    """Rows of an N×N CSR operator appended in order, split into shards of at most ``shard_nnz`` non-zeros at row
+    boundaries (a row longer than that is a shard of its own); each shard's indptr starts at 0."""
+
+    def __init__(self, root: Path, name: str, n: int, dtype, shard_nnz: int, hasher: Hasher):
+        self.root, self.name, self.n, self.dtype, self.shard_nnz, self.hasher = root, name, n, dtype, shard_nnz, hasher
+        # shards never exceed max(shard_nnz, N) entries: int32 indices unless shard_nnz itself is that large
+        self.index = np.int32 if shard_nnz < 2**31 else np.int64
+        self.shards: list[dict] = []
+        self.row = 0
+        self.nnz = 0
+        self._open: dict | None = None
+
+    def _start(self) -> None:
+        folder = f"{self.name}/shard-{len(self.shards):05d}"
+        self._open = {"start": self.row, "nnz": 0,
+                      "files": {part: NpyWriter(self.root, f"{folder}/{part}.npy", dt, self.hasher)
+                                for part, dt in (("indptr", self.index), ("indices", self.index),
+                                                 ("data", self.dtype))}}
+        self._open["files"]["indptr"].append(np.zeros(1, dtype=self.index))
+
+    def _finish(self) -> None:
+        o = self._open
+        self.shards.append({"rows": [o["start"], self.row], "nnz": o["nnz"],
+                            "files": {part: w.close() for part, w in o["files"].items()}})
+        self._open = None
+
+    def add_rows(self, lengths: np.ndarray, indices: np.ndarray, data: np.ndarray) -> None:
+        """Append rows ``self.row …`` with ``lengths[i]`` entries each (their column indices and values in order)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        r = 0
+        while r < lengths.size:
+            if self._open is None:
+                self._start()
+            o = self._open
+            base = ends[r - 1] if r else 0
+            # the rows from r that still fit this shard (at least one row when the shard is empty)
+            fit = int(np.searchsorted(ends, base + self.shard_nnz - o["nnz"], side="right"))
+            if fit <= r:
+                if o["nnz"] > 0:
+                    self._finish()
+                    continue
+                fit = r + 1
+            a, b = int(base), int(ends[fit - 1])
+            o["files"]["indptr"].append(o["nnz"] + (ends[r:fit] - base))
+            o["files"]["indices"].append(indices[a:b])
+            o["files"]["data"].append(data[a:b])
+            o["nnz"] += b - a
+            self.nnz += b - a
+            self.row += fit - r
+            r = fit
+            if o["nnz"] >= self.shard_nnz:
+                self._finish()
+
+    def close(self) -> list[dict]:
+        if self.row != self.n:
+            raise AssertionError(f"{self.name}: wrote {self.row} rows of {self.n}")
+        if self._open is not None:
+            self._finish()
+        return self.shards
+
+
+@numba.njit(nogil=True, cache=True)
+def _column_sums(cols, counts, predecessors, column_counts):
+    for i in range(cols.size):
+        predecessors[cols[i]] += 1
+        column_counts[cols[i]] += counts[i]
+
+
+class BigramWriter:
+    """The bigram counts streamed in ascending ranges of whole rows → ``counts.parquet``, the count matrix A,
+    ``stats/`` and Ã = D⁻¹A (``order1``, with its edge list), written as they come."""
+
+    def __init__(self, root: Path, vocab_size: int, eps: float, shard_nnz: int, hasher: Hasher):
+        n = self.n = vocab_size
+        self.root, self.eps, self.hasher = root, eps, hasher
+        self.parquet = ParquetWriter(root, "counts.parquet", "count", pa.int64(), hasher)
+        self.counts = ShardWriter(root, "counts", n, np.int64, shard_nnz, hasher)
+        self.base = ShardWriter(root, "order1", n, np.float32, shard_nnz, hasher)
+        self.edges = ParquetWriter(root, "order1/edges.parquet", "weight", pa.float32(), hasher)
+        self.stats = {name: np.zeros(n, dtype=np.int64) for name in ("row_counts", "successors", "predecessors",
+                                                                     "column_counts")}
+        self.distinct = 0
+        self.total = 0
+
+    def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Sorted unique keys s·N + d (int64) of rows ``self.counts.row`` … and their counts; whole rows only."""
+        if not keys.size:
+            return
+        n = self.n
+        src = (keys // n).astype(np.int32)
+        dst = (keys % n).astype(np.int32)
+        first, last = self.counts.row, int(src[-1]) + 1
+        if src[0] < first:
+            raise AssertionError(f"bigram ranges out of order: row {src[0]} after row {first}")
+        lengths = np.bincount(src - first, minlength=last - first).astype(np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        self.parquet.append(src, dst, counts)
+        self.counts.add_rows(lengths, dst, counts)
+        cum = np.concatenate(([0], np.cumsum(counts)))
+        ends = np.concatenate(([0], np.cumsum(lengths)))
+        row_sums = cum[ends[1:]] - cum[ends[:-1]]
+        self.stats["row_counts"][first:last] = row_sums
+        self.stats["successors"][first:last] = lengths
+        _column_sums(dst, counts, self.stats["predecessors"], self.stats["column_counts"])
+        # Ã = D⁻¹A, D_ii = Σ_j A_ij + ε, as gm_graphs.operators.normalize computes it (float64, then float32)
+        degree = row_sums.astype(np.float64)
+        with np.errstate(divide="ignore"):
+            inv = np.where(degree > 0, 1.0 / (degree + self.eps), 0.0)
+        weights = (counts * np.repeat(inv, lengths)).astype(np.float32)
+        self.base.add_rows(lengths, dst, weights)
+        self.edges.append(src, dst, weights)
+        self.distinct += keys.size
+        self.total += int(counts.sum())
+
+    def close(self) -> dict:
+        """Pad the rows no bigram starts from; the manifest entries of the counts, stats and Ã (with Futures)."""
+        for w in (self.counts, self.base):
+            if w.row < self.n:
+                w.add_rows(np.zeros(self.n - w.row, dtype=np.int64), np.zeros(0, np.int32), np.zeros(0, w.dtype))
+        stats = {}
+        for name, a in self.stats.items():
+            w = NpyWriter(self.root, f"stats/{name}.npy", np.int64, self.hasher)
+            w.append(a)
+            stats[name] = w.close()
+        counts = {"parquet": self.parquet.close(), "shards": self.counts.close()}
+        base_shards = self.base.close()
+        base = {"shards": base_shards, "nnz": self.base.nnz, "edges": self.edges.close(), "pruned": False,
+                "prune_rule": None}
+        return {"counts": counts, "stats": stats, "order1": base}
+
+
+def write_operator(root: Path, name: str, n: int, blocks: Iterable[tuple], shard_nnz: int, hasher: Hasher,
+                   prune_rule: dict, exact: bool) -> dict:
+    """A materialised operator from its row blocks ``(row_start, csr_block, mass kept)``, in order."""
+    shards = ShardWriter(root, name, n, np.float32, shard_nnz, hasher)
+    edges = ParquetWriter(root, f"{name}/edges.parquet", "weight", pa.float32(), hasher)
+    kept = np.empty(n, dtype=np.float32)
+    for r0, block, frac in blocks:
+        lengths = np.diff(block.indptr).astype(np.int64)
+        shards.add_rows(lengths, block.indices, block.data)
+        edges.append(np.repeat(np.arange(r0, r0 + block.shape[0], dtype=np.int32), lengths),
+                     block.indices.astype(np.int32), block.data.astype(np.float32))
+        kept[r0:r0 + block.shape[0]] = frac
+    mass = NpyWriter(root, f"{name}/row_mass.npy", np.float32, hasher)
+    mass.append(kept)
+    return {"shards": shards.close(), "nnz": shards.nnz, "edges": edges.close(), "row_mass": mass.close(),
+            "pruned": bool((kept < 1.0 - 1e-6).any()) if not exact else False, "prune_rule": prune_rule,
+            "row_mass_kept": {"min": float(kept.min()), "mean": float(kept.mean()),
+                              "p10": float(np.quantile(kept, 0.1))}}
+
+
+class NgramWriter:
+    """One order's n-gram table streamed in ascending ranges of whole contexts → ``<folder>/<n>/*.npy``."""
+
+    def __init__(self, root: Path, folder: str, order: int, vocab_size: int, hasher: Hasher | None):
+        self.order, self.n = order, vocab_size
+        self.files = {part: NpyWriter(root, f"{folder}/{order}/{part}.npy", dt, hasher)
+                      for part, dt in NGRAM_DTYPES.items()}
+        self.entries = 0
+        self.contexts = 0
+
+    def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        if not keys.size:
+            return
+        ctx = keys // self.n
+        starts = np.flatnonzero(np.concatenate(([True], ctx[1:] != ctx[:-1])))
+        self.files["contexts"].append(ctx[starts])
+        self.files["indptr"].append(starts + self.entries)
+        self.files["next"].append(keys % self.n)
+        self.files["counts"].append(counts)
+        self.entries += keys.size
+        self.contexts += starts.size
+
+    def close(self) -> dict:
+        self.files["indptr"].append(np.array([self.entries], dtype=np.int64))
+        return {"contexts": self.contexts, "entries": self.entries,
+                "files": {part: w.close() for part, w in self.files.items()}}
+
+
+def write_ngrams(root: Path, folder: str, order: int, vocab_size: int, ranges: Iterable,
+                 hasher: Hasher | None) -> dict:
+    """Write one order's table from its merged ranges; its manifest entry (with Futures)."""
+    w = NgramWriter(root, folder, order, vocab_size, hasher)
+    for keys, counts in ranges:
+        w.add(keys, counts)
+    return w.close()

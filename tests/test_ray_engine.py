@@ -1,0 +1,169 @@
+"""The Ray engine: the same graph as the local engine byte for byte, retried faults, clear failures.
+
+Ray runs locally (``ray.init(num_cpus=2)``), started once for the test session. Tests that need Ray are skipped
+where the ``ray`` extra is not installed (``pip install 'graphmax[ray]'``, which setup.sh does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from gm_graphs import CorpusError, OptionError, build_graph, bundled
+from gm_graphs.ray_engine import EngineError
+
+from .conftest import make_docs, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_same_graph(local, distributed) -> None:
+    """Every array and table byte for byte; the manifests equal but for the name and the build section."""
+    a, b = _files(local.path), _files(distributed.path)
+    a.pop("manifest.json"), b.pop("manifest.json")
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+    ma, mb = (json.loads((g.path / "manifest.json").read_text()) for g in (local, distributed))
+    assert (ma.pop("build"), mb.pop("build")) == ({"engine": "local"}, {"engine": "ray"})
+    ma.pop("name"), mb.pop("name")
+    assert ma == mb
+
+
+def test_drug_reviews_build_the_same_graph_on_ray(ray_local, tmp_path):
+    kw = dict(text_column="review", clean=True, orders=(1, 2), ngrams=(3, 4), progress=False)
+    local = build_graph(bundled.drug_reviews_zip(), "smollm2", path=tmp_path / "local", **kw)
+    distributed = build_graph(bundled.drug_reviews_zip(), "smollm2", path=tmp_path / "ray", engine="ray", **kw)
+    assert_same_graph(local, distributed)
+    assert distributed.manifest["corpus"]["documents"] == local.manifest["corpus"]["documents"] > 900
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> list[Path]:
+    """One corpus in every format graphmax reads, with empty rows and documents of one token."""
+    root = tmp_path_factory.mktemp("generated")
+    docs = make_docs(400, seed=31)
+    docs[7] = docs[90] = ""  # skipped and counted
+    docs[8] = "film"
+    pacsv.write_csv(pa.table({"text": docs[:100]}), root / "a.csv")
+    write_jsonl(root / "b.jsonl", docs[100:200])
+    (root / "c.txt").write_text("\n".join(docs[200:300]) + "\n")
+    pq.write_table(pa.table({"text": docs[300:]}), root / "d.parquet", row_group_size=30)
+    return [root / n for n in ("a.csv", "b.jsonl", "c.txt", "d.parquet")]
+
+
+@pytest.mark.parametrize("bos_eos", [False, True])
+def test_generated_corpora_build_the_same_graph_on_ray(ray_local, generated, bpe_tokenizer, tmp_path, bos_eos):
+    # tiny buffers: every unit sends many pieces to every range, and the local build merges many runs
+    kw = dict(orders=(1, 2), ngrams=(3, 4), bos_eos=bos_eos, ngram_run_entries=97, batch_docs=13, progress=False)
+    local = build_graph(generated, bpe_tokenizer, path=tmp_path / "local", **kw)
+    distributed = build_graph(generated, bpe_tokenizer, path=tmp_path / "ray", engine="ray", **kw)
+    assert_same_graph(local, distributed)
+    assert distributed.timings["units"] == 4 and distributed.timings["ranges"] >= 8
+    assert sum(distributed.timings["sent_bytes"].values()) > 0
+
+
+def test_parquet_uris_are_read_by_ray_data(ray_local, generated, bpe_tokenizer, tmp_path):
+    parquet = generated[3]
+    kw = dict(orders=(1,), ngrams=(3,), progress=False)
+    local = build_graph(parquet, bpe_tokenizer, path=tmp_path / "local", **kw)
+    distributed = build_graph(parquet.resolve().as_uri(), bpe_tokenizer, path=tmp_path / "ray", engine="ray", **kw)
+    a, b = _files(local.path), _files(distributed.path)
+    assert [k for k in a if k != "manifest.json" and a[k] != b.get(k)] == []
+    assert distributed.manifest["corpus"]["files"][0]["sha256"] == local.manifest["corpus"]["files"][0]["sha256"]
+
+
+def test_a_task_that_fails_once_is_retried_and_the_graph_is_exact(ray_local, generated, bpe_tokenizer, tmp_path,
+                                                                   monkeypatch):
+    kw = dict(orders=(1,), ngrams=(3,), progress=False)
+    local = build_graph(generated, bpe_tokenizer, path=tmp_path / "local", **kw)
+    monkeypatch.setenv("GRAPHMAX_FAULT", "count.batch:raise")
+    monkeypatch.setenv("GRAPHMAX_FAULT_ONCE", str(tmp_path / "fired"))
+    distributed = build_graph(generated, bpe_tokenizer, path=tmp_path / "ray", engine="ray", **kw)
+    assert (tmp_path / "fired").exists()  # the fault did fire, in a worker
+    assert_same_graph(local, distributed)
+
+
+def test_a_task_that_keeps_failing_names_its_block_and_writes_nothing(ray_local, generated, bpe_tokenizer, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.setenv("GRAPHMAX_FAULT", "count.batch:raise")
+    with pytest.raises(EngineError) as failed:
+        build_graph(generated[:1], bpe_tokenizer, path=tmp_path / "g", engine="ray", progress=False)
+    message = str(failed.value)
+    assert "\n" not in message and str(generated[0].resolve()) in message and "documents 0–" in message
+    assert "failed 4 times" in message and "InjectedFault" in message
+    assert sorted(os.listdir(tmp_path)) == []  # no graph, no staging folder, no lock
+
+
+def test_a_corpus_error_in_a_worker_stays_a_corpus_error(ray_local, generated, bpe_tokenizer, tmp_path):
+    with pytest.raises(CorpusError, match="no column 'body'"):
+        build_graph(generated[3:], bpe_tokenizer, path=tmp_path / "g", engine="ray", text_column="body",
+                    progress=False)
+    assert not (tmp_path / "g").exists()
+
+
+def test_without_ray_the_error_names_the_extra(monkeypatch, csv_corpus, bpe_tokenizer, bpe_tokenizer_file, tmp_path,
+                                              home, capsys):
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    path, _ = csv_corpus
+    with pytest.raises(OptionError, match=r"graphmax\[ray\]"):
+        build_graph(path, bpe_tokenizer, path=tmp_path / "g", engine="ray", progress=False)
+    from pipelines.cli import main
+
+    assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--engine", "ray"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "graphmax[ray]" in err
+
+
+def test_an_unreachable_address_fails_in_one_line_within_30_s(csv_corpus, bpe_tokenizer_file, tmp_path):
+    pytest.importorskip("ray")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path, _ = csv_corpus
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(tmp_path / "home")}
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "build", str(path), "--tokenizer",
+                           str(bpe_tokenizer_file), "--name", "g", "--engine", "ray", "--ray-address",
+                           f"127.0.0.1:{port}"], env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "cannot reach the Ray cluster" in lines[0] and f"127.0.0.1:{port}" in lines[0]
+    assert seconds < 30
+    assert not (tmp_path / "home" / "graphs" / "g").exists()
+
+
+def test_ray_address_without_the_ray_engine_is_refused(csv_corpus, bpe_tokenizer_file, home, capsys):
+    from pipelines.cli import main
+
+    path, _ = csv_corpus
+    assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--ray-address",
+                 "auto"]) == 2
+    assert "--engine ray" in capsys.readouterr().err

@@ -1,0 +1,90 @@
+"""Streamed graph writing: the same bytes whatever the range cuts, shards and the fused Ã² kernel."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gm_graphs import PruneRule, load_graph
+from gm_graphs.build import GraphSource, write_graph_into
+from gm_graphs.counts import BigramCounts
+from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
+from gm_graphs.tokenize import TokenizerIdentity
+
+
+def _source(counts: BigramCounts, cut: int) -> GraphSource:
+    corpus = {"files": [], "documents": 1, "empty_skipped": 0, "undecodable_documents": 0, "replaced_sequences": 0,
+              "per_file": {}, "options": {"text_column": "text"}, "tokens": 2}
+    return GraphSource(TokenizerIdentity("t", counts.vocab_size, "0" * 64), corpus, lambda: counts.ranges(cut))
+
+
+def _counts(seed: int, n: int = 40, nnz: int = 300) -> BigramCounts:
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, n * n, nnz)).astype(np.uint32)
+    return BigramCounts(n, keys, rng.integers(1, 9, keys.size).astype(np.int64))
+
+
+@pytest.mark.parametrize("shard_nnz", [7, 1 << 20])
+def test_written_bytes_do_not_depend_on_where_ranges_are_cut(tmp_path, shard_nnz):
+    counts = _counts(0)
+    outputs = []
+    for cut in (1, 13, 10_000):
+        folder = tmp_path / f"cut{cut}"
+        folder.mkdir()
+        write_graph_into(folder, _source(counts, cut), name="g", orders=(1, 2), mixture=None, eps=1e-8,
+                         prune=PruneRule(top_k=3), shard_nnz=shard_nnz, progress=False)
+        outputs.append({p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+                        if p.is_file()})
+    assert outputs[0] == outputs[1] == outputs[2]
+    g = load_graph(tmp_path / "cut13")
+    assert (len(g.manifest["counts"]["shards"]) > 1) == (shard_nnz == 7)
+    coo = g.counts.tocoo()
+    src, dst = counts.src_dst()
+    assert Counter(dict(zip(zip(coo.row.tolist(), coo.col.tolist()), coo.data.tolist()))) == \
+        Counter(dict(zip(zip(src.tolist(), dst.tolist()), counts.counts.tolist())))
+    expected = normalize(counts.to_csr(), 1e-8)
+    assert g.matrix.data.tobytes() == expected.data.tobytes()
+    # a shard holds at most shard_nnz entries, or one row that alone has more
+    assert all(sh["nnz"] <= shard_nnz or sh["rows"][1] - sh["rows"][0] == 1 for sh in g.manifest["counts"]["shards"])
+
+
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 60), density=st.floats(0.01, 0.5),
+       top_k=st.sampled_from([None, 1, 3, 8]), min_value=st.sampled_from([0.0, 0.02]),
+       block_rows=st.integers(1, 17), workers=st.integers(1, 2))
+def test_fused_square_kernel_equals_the_product_pruned_to_the_bit(seed, n, density, top_k, min_value, block_rows,
+                                                                 workers):
+    rng = np.random.default_rng(seed)
+    counts = sp.random(n, n, density=density, random_state=rng, format="csr",
+                       data_rvs=lambda k: rng.integers(1, 5, k).astype(np.float64)).astype(np.int64)
+    counts.data[rng.random(counts.nnz) < 0.1] = 3  # ties
+    base = normalize(counts, 1e-8)
+    rule = PruneRule(top_k=top_k, min_value=min_value)
+    fast = list(square_blocks(base, rule, block_rows=block_rows, workers=workers, progress=False))
+    slow = list(build_operators(base, [OperatorSpec("power", 2)], rule, block_rows=block_rows, progress=False))
+    assert len(fast) == len(slow)
+    for (r0, block, kept), (s0, blocks) in zip(fast, slow):
+        expected, expected_kept = blocks["order2"]
+        assert r0 == s0
+        assert np.array_equal(block.indptr, expected.indptr) and np.array_equal(block.indices, expected.indices)
+        assert block.data.tobytes() == expected.data.tobytes() and kept.tobytes() == expected_kept.tobytes()
+
+
+def test_square_needs_a_square_matrix():
+    with pytest.raises(ValueError, match="square"):
+        list(square_blocks(sp.csr_matrix((2, 3), dtype=np.float32), PruneRule(), progress=False))
+
+
+def test_a_mixture_and_powers_are_written_beside_order1(tmp_path: Path):
+    folder = tmp_path / "g"
+    folder.mkdir()
+    write_graph_into(folder, _source(_counts(1), 50), name="g", orders=(1, 2), mixture=2, eps=0.0,
+                     prune=PruneRule(), shard_nnz=1 << 20, progress=False)
+    g = load_graph(folder, order=2)
+    assert sorted(g.manifest["operators"]) == ["mixture2", "order1", "order2"]
+    assert g.manifest["build"] == {}  # what write_graph_into was given
