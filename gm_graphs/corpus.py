@@ -1,11 +1,14 @@
 """Streaming corpus reading: files or globs of Parquet, CSV/TSV, JSONL or plain text.
 
 Every reader yields batches of document strings and never holds a whole file:
-Parquet and CSV go through pyarrow's batch readers, JSONL and text line by line,
-a line at most ``MAX_DOCUMENT_BYTES`` long. Files may be gzip'd (``.gz``) or
-members of a ``.zip`` archive (members gzip'd too); an archive's folders, macOS
-metadata (``__MACOSX/``, ``._x``), hidden files and members of no corpus format
-(README, LICENSE) are skipped and listed in ``ReadStats.skipped_members``.
+Parquet and CSV go through pyarrow's batch readers; a plain JSONL file goes
+through Polars in blocks of lines (``gm_graphs.corpus_polars``), which hands
+Python's ``json`` every block it cannot vouch for; compressed or archived JSONL
+and text are read line by line, a line at most ``MAX_DOCUMENT_BYTES`` long.
+Files may be gzip'd (``.gz``) or members of a ``.zip`` archive (members gzip'd
+too); an archive's folders, macOS metadata (``__MACOSX/``, ``._x``), hidden
+files and members of no corpus format (README, LICENSE) are skipped and listed
+in ``ReadStats.skipped_members``.
 Undecodable bytes and NUL characters are replaced by U+FFFD and counted; a
 leading byte-order mark is dropped; empty documents are skipped and counted.
 Anything unreadable (a truncated or corrupt file, a FIFO, a file without read
@@ -64,6 +67,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _UTF8_BOM = b"\xef\xbb\xbf"
 _COLUMN_COUNT = re.compile(r"Expected (\d+) columns, got (\d+): (.*)", re.DOTALL)
 _MB = 1 << 20
+JSONL_READERS = ("polars", "json")
 
 
 @dataclass
@@ -315,8 +319,16 @@ def iter_documents(
     clean: bool = False,
     batch_docs: int = 4096,
     stats: ReadStats | None = None,
+    jsonl_reader: str = "polars",
 ) -> Iterator[list[str]]:
-    """Yield batches of non-empty documents from ``files``, in order."""
+    """Yield batches of non-empty documents from ``files``, in order.
+
+    ``jsonl_reader="polars"`` (the default) reads plain JSONL files with Polars, ``"json"`` line by line with
+    Python's ``json`` (as compressed and archived ones always are); both yield the same documents, ``stats``
+    and errors.
+    """
+    if jsonl_reader not in JSONL_READERS:
+        raise ValueError(f"jsonl_reader must be one of {JSONL_READERS}, not {jsonl_reader!r}")
     stats = stats if stats is not None else ReadStats()
     for f in files:
         before = stats.documents
@@ -326,11 +338,11 @@ def iter_documents(
                 stats.skipped_members.extend(f"{f}!{m}" for m in skipped)
                 for info in members:
                     source = _Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info))
-                    yield from _read(source, text_column, clean, batch_docs, stats)
+                    yield from _read(source, text_column, clean, batch_docs, stats, "json")
         else:
             plain = f if not f.name.lower().endswith(".gz") else None
             source = _Source(f.name, str(f), lambda f=f: open(f, "rb"), path=plain)
-            yield from _read(source, text_column, clean, batch_docs, stats)
+            yield from _read(source, text_column, clean, batch_docs, stats, jsonl_reader)
         stats.per_file[str(f)] = stats.documents - before
     if stats.documents == 0:
         raise CorpusError(
@@ -366,7 +378,8 @@ def _brief(e: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _read(source: _Source, column: str, clean: bool, batch_docs: int, stats: ReadStats) -> Iterator[list[str]]:
+def _read(source: _Source, column: str, clean: bool, batch_docs: int, stats: ReadStats,
+          jsonl_reader: str) -> Iterator[list[str]]:
     fmt = detect_format(source.name)
     where = source.where
     raw: Iterator[list[str | None]]
@@ -375,6 +388,10 @@ def _read(source: _Source, column: str, clean: bool, batch_docs: int, stats: Rea
             raw = _parquet_rows(source, column, batch_docs, stats)
         elif fmt in ("csv", "tsv"):
             raw = _csv_rows(source, column, "\t" if fmt == "tsv" else ",", stats)
+        elif fmt == "jsonl" and jsonl_reader == "polars" and source.path is not None:
+            from .corpus_polars import polars_jsonl_rows  # imports polars, which only these files need
+
+            raw = polars_jsonl_rows(source, column, batch_docs, stats)
         elif fmt == "jsonl":
             raw = _jsonl_rows(source, column, batch_docs, stats)
         else:
@@ -614,11 +631,19 @@ def _lines(source: _Source) -> Iterator[tuple[int, bytes]]:
             yield lineno, body
 
 
-def _jsonl_rows(source: _Source, column: str, batch_docs: int,
-                stats: ReadStats) -> Iterator[list[str | None]]:
-    where = source.where
-    rows: list[str | None] = []
-    for lineno, line in _lines(source):
+def _jsonl_rows(source: _Source, column: str, batch_docs: int, stats: ReadStats,
+                first_line: int = 1) -> Iterator[list[str | None]]:
+    """The text field of each JSON line from line ``first_line`` on."""
+    lines = itertools.dropwhile(lambda numbered: numbered[0] < first_line, _lines(source))
+    values = _jsonl_values(lines, source.where, column, stats)
+    while rows := list(itertools.islice(values, batch_docs)):
+        yield rows
+
+
+def _jsonl_values(lines: Iterable[tuple[int, bytes]], where: str, column: str,
+                  stats: ReadStats) -> Iterator[str | None]:
+    """The text field of each numbered line that is not blank; anything else is a CorpusError naming the line."""
+    for lineno, line in lines:
         if not line.strip():
             continue
         text = _decode([line], stats)[0]
@@ -638,12 +663,7 @@ def _jsonl_rows(source: _Source, column: str, batch_docs: int,
         if value is not None and not isinstance(value, str):
             raise CorpusError(f"{where}: line {lineno}: field {column!r} holds "
                               f"{type(value).__name__}, not text; pass the text field with --text-column")
-        rows.append(_no_surrogates(value, stats) if value else value)
-        if len(rows) >= batch_docs:
-            yield rows
-            rows = []
-    if rows:
-        yield rows
+        yield _no_surrogates(value, stats) if value else value
 
 
 def _no_surrogates(text: str, stats: ReadStats) -> str:

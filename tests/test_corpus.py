@@ -16,11 +16,11 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs import CorpusError
-from gm_graphs.corpus import ReadStats, clean_review_text, expand_corpus, iter_documents
+from gm_graphs import CorpusError, corpus_polars
+from gm_graphs.corpus import JSONL_READERS, ReadStats, clean_review_text, expand_corpus, iter_documents
 
 from .conftest import make_docs, write_jsonl
 
@@ -64,11 +64,13 @@ def _read(path, **kw) -> list[str]:
     return [d for batch in iter_documents(expand_corpus(path), batch_docs=5, **kw) for d in batch]
 
 
-@pytest.mark.parametrize("fmt", ["csv", "tsv", "parquet", "jsonl", "txt", "csv.gz", "zip"])
+@pytest.mark.parametrize("fmt,jsonl_reader", [("csv", "polars"), ("tsv", "polars"), ("parquet", "polars"),
+                                               ("jsonl", "polars"), ("jsonl", "json"), ("txt", "polars"),
+                                               ("csv.gz", "polars"), ("zip", "polars")])
 @given(docs=st.lists(_line_text, min_size=1, max_size=15))
-def test_every_format_reads_back_the_documents(tmp_path_factory, fmt, docs):
+def test_every_format_reads_back_the_documents(tmp_path_factory, fmt, jsonl_reader, docs):
     path = _write(tmp_path_factory.mktemp(fmt.replace(".", "")), fmt, docs)
-    assert _read(path) == docs
+    assert _read(path, jsonl_reader=jsonl_reader) == docs
 
 
 def test_globs_and_lists_expand_sorted_and_deduplicated(tmp_path):
@@ -138,13 +140,19 @@ def test_non_text_column(tmp_path):
         _read(tmp_path / "c.parquet")
 
 
-def test_jsonl_field_missing_or_not_text(tmp_path):
+@pytest.mark.parametrize("jsonl_reader", JSONL_READERS)
+def test_jsonl_field_missing_or_not_text(tmp_path, jsonl_reader):
     (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
     with pytest.raises(CorpusError, match="line 2 has no field 'text'"):
-        _read(tmp_path / "a.jsonl")
-    (tmp_path / "b.jsonl").write_text('{"text": 3}\n')
-    with pytest.raises(CorpusError, match="holds int, not text"):
-        _read(tmp_path / "b.jsonl")
+        _read(tmp_path / "a.jsonl", jsonl_reader=jsonl_reader)
+    for value, kind in (("3", "int"), ("-1.5e3", "float"), ("true", "bool"), ('["x"]', "list"), ('{"a": 1}', "dict")):
+        (tmp_path / "b.jsonl").write_text(f'{{"text": "ok"}}\n\n{{"text": {value}}}\n')
+        with pytest.raises(CorpusError, match=f"line 3: field 'text' holds {kind}, not text"):
+            _read(tmp_path / "b.jsonl", jsonl_reader=jsonl_reader)
+    (tmp_path / "c.jsonl").write_text('{"text": "3"}\n{"text": "[x]"}\n{"text": "true"}\n{"text": null}\n')
+    stats = ReadStats()
+    assert _read(tmp_path / "c.jsonl", jsonl_reader=jsonl_reader, stats=stats) == ["3", "[x]", "true"]
+    assert stats.empty_skipped == 1
 
 
 def test_corpus_with_no_documents(tmp_path):
@@ -412,16 +420,18 @@ def test_parquet_string_column_with_invalid_utf8_is_replaced_and_counted(tmp_pat
 
 @pytest.mark.parametrize("fmt,body", [
     ("jsonl", b'{"text": "first doc"}\n{"text": "second"}\n'),
+    ("jsonl.gz", b'{"text": "first doc"}\n{"text": "second"}\n'),
     ("csv", b"text,n\nfirst doc,1\nsecond,2\n"),
     ("tsv", b"text\tn\nfirst doc\t1\nsecond\t2\n"),
     ("txt", b"first doc\nsecond\n"),
     ("txt.gz", b"first doc\nsecond\n"),
 ])
-def test_utf8_bom_is_not_part_of_the_first_field(tmp_path, fmt, body):
+@pytest.mark.parametrize("jsonl_reader", JSONL_READERS)
+def test_utf8_bom_is_not_part_of_the_first_field(tmp_path, fmt, body, jsonl_reader):
     data = b"\xef\xbb\xbf" + body
     path = tmp_path / f"c.{fmt}"
     path.write_bytes(gzip.compress(data) if fmt.endswith(".gz") else data)
-    assert _read(path) == ["first doc", "second"]
+    assert _read(path, jsonl_reader=jsonl_reader) == ["first doc", "second"]
 
 
 def test_utf16_text_is_refused_with_the_conversion(tmp_path):
@@ -436,18 +446,95 @@ def test_utf16_text_is_refused_with_the_conversion(tmp_path):
     ("jsonl", b'{"text": "a\x00b"}\n{"text": "plain"}\n', ["a\ufffdb", "plain"]),
     ("jsonl", b'{"text": "a\\u0000b"}\n{"text": "plain"}\n', ["a\ufffdb", "plain"]),
 ])
-def test_nul_characters_are_replaced_and_counted(tmp_path, fmt, body, expected):
+@pytest.mark.parametrize("jsonl_reader", JSONL_READERS)
+def test_nul_characters_are_replaced_and_counted(tmp_path, fmt, body, expected, jsonl_reader):
     (tmp_path / f"c.{fmt}").write_bytes(body)
     stats = ReadStats()
-    assert _read(tmp_path / f"c.{fmt}", stats=stats) == expected
+    assert _read(tmp_path / f"c.{fmt}", stats=stats, jsonl_reader=jsonl_reader) == expected
     assert stats.nul_replaced == 1 and stats.documents == 2
 
 
-def test_undecodable_bytes_in_jsonl_and_lone_surrogates_are_replaced_and_counted(tmp_path):
+@pytest.mark.parametrize("jsonl_reader", JSONL_READERS)
+def test_undecodable_bytes_in_jsonl_and_lone_surrogates_are_replaced_and_counted(tmp_path, jsonl_reader):
     (tmp_path / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n{"text": "a\\ud800b"}\n{"text": "\\ud83d\\ude00"}\n')
     stats = ReadStats()
-    assert _read(tmp_path / "c.jsonl", stats=stats) == ["caf\ufffd", "a\ufffdb", "\U0001F600"]
+    got = _read(tmp_path / "c.jsonl", stats=stats, jsonl_reader=jsonl_reader)
+    assert got == ["caf\ufffd", "a\ufffdb", "\U0001F600"]
     assert stats.undecodable_documents == 2 and stats.replaced_sequences == 2
+
+
+def _outcome(path, jsonl_reader: str) -> tuple:
+    """What reading gives: the documents and the stats, or the error."""
+    stats = ReadStats()
+    try:
+        docs = _read(path, stats=stats, jsonl_reader=jsonl_reader)
+    except CorpusError as e:
+        return "refused", str(e)
+    return "read", docs, stats
+
+
+_text_value = st.text(st.characters(blacklist_categories=()), max_size=30) \
+    | st.sampled_from(["a\ud800b", "\udfff", "x\x00y", "\ud83d\ude00", "", " ", "3", "[x]", "true", None])
+_json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                      max_size=3), max_leaves=4)
+
+
+@st.composite
+def _jsonl_line(draw, readable: bool) -> bytes:
+    """A line of a JSONL corpus. Readable: a record whose text may hold lone surrogates, NUL, text that looks like
+    another JSON type, or null; or a blank line. Else a line that holds another type, misses the field, or is
+    any bytes at all."""
+    kind = draw(st.sampled_from(["text"] * 5 + ["blank"] if readable else ["value", "missing", "bytes"]))
+    if kind == "blank":
+        return draw(st.sampled_from([b"", b"  ", b"\t", b"\r", b"\x0c"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=24))
+    if kind == "missing":
+        record = draw(st.dictionaries(st.text(max_size=4).filter(lambda k: k != "text"), _json_value, max_size=3))
+    else:
+        record = draw(st.dictionaries(st.sampled_from(["id", "n"]), _json_value, max_size=2))
+        record["text"] = draw(_text_value if kind == "text" else _json_value)
+    return json.dumps(record, ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
+
+
+@settings(max_examples=200)  # derandomized (conftest): the same 200 every run, enough to meet each case
+@given(lines=st.lists(_jsonl_line(readable=True), min_size=1, max_size=25), bad=st.none() | _jsonl_line(readable=False),
+       at=st.integers(0, 25), newline=st.sampled_from([b"\n", b"\r\n"]), bom=st.booleans(), last_break=st.booleans(),
+       block=st.sampled_from([1, 24, 80, 8 << 20]))
+def test_polars_jsonl_reader_reads_what_json_reads(tmp_path_factory, lines, bad, at, newline, bom, last_break, block):
+    """Same documents and stats, or the same error (same line number), whatever the blocks Polars is given."""
+    if bad is not None:
+        lines.insert(at, bad)
+    path = tmp_path_factory.mktemp("jsonl") / "c.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" * bom + newline.join(lines) + newline * last_break)
+    saved, corpus_polars.BLOCK_BYTES = corpus_polars.BLOCK_BYTES, block
+    try:
+        assert _outcome(path, "polars") == _outcome(path, "json")
+    finally:
+        corpus_polars.BLOCK_BYTES = saved
+
+
+def test_polars_jsonl_blocks_keep_line_numbers_and_hand_long_lines_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_polars, "BLOCK_BYTES", 64)
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(60)]
+    lines[10] = json.dumps({"text": "long " * 100})  # longer than a block: from there on, read line by line
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert _read(path) == [json.loads(line)["text"] for line in lines]
+    lines[10] = json.dumps({"text": "short"})
+    lines[41] = '{"text": ["a list"]}'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CorpusError, match=r"c\.jsonl: line 42: field 'text' holds list, not text"):
+        _read(path)
+
+
+def test_reading_csv_or_parquet_does_not_import_polars(csv_corpus):
+    code = ("import sys; from gm_graphs.corpus import expand_corpus, iter_documents; "
+            f"sum(map(len, iter_documents(expand_corpus({str(csv_corpus[0])!r})))); print('polars' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["False"]
 
 
 def test_files_of_a_graph_folder_are_refused(tmp_path, home):
@@ -543,7 +630,7 @@ _FUZZ = """
 import gzip, io, json, random, sys, zipfile
 from pathlib import Path
 from gm_graphs import CorpusError
-from gm_graphs.corpus import expand_corpus, iter_documents
+from gm_graphs.corpus import JSONL_READERS, ReadStats, expand_corpus, iter_documents
 folder = Path(sys.argv[1])
 rng = random.Random(int(sys.argv[2]))
 outcomes, unexpected = {}, []
@@ -565,23 +652,29 @@ for good in sorted(folder.iterdir()):
         path = folder.parent / "mutant" / good.name
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(bytes(bad))
-        try:
-            sum(len(b) for b in iter_documents(expand_corpus(path)))
-            outcome = "read"
-        except CorpusError as e:
-            outcome = "refused"
-            if "\\n" in str(e):
-                unexpected.append(f"{good.name} {kind}: multi-line message {str(e)[:200]!r}")
-        except Exception as e:
-            outcome = type(e).__name__
-            unexpected.append(f"{good.name} {kind}@{at}: {type(e).__name__}: {str(e)[:200]}")
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        seen = {}
+        for reader in (JSONL_READERS if good.suffix == ".jsonl" else JSONL_READERS[:1]):
+            stats = ReadStats()
+            try:
+                docs = [d for b in iter_documents(expand_corpus(path), stats=stats, jsonl_reader=reader) for d in b]
+                outcome, seen[reader] = "read", (docs, stats)
+            except CorpusError as e:
+                outcome, seen[reader] = "refused", str(e)
+                if "\\n" in str(e):
+                    unexpected.append(f"{good.name} {kind}: multi-line message {str(e)[:200]!r}")
+            except Exception as e:
+                outcome = seen[reader] = type(e).__name__
+                unexpected.append(f"{good.name} {kind}@{at} ({reader}): {type(e).__name__}: {str(e)[:200]}")
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        if len(set(map(repr, seen.values()))) > 1:
+            unexpected.append(f"{good.name} {kind}@{at}: the JSONL readers disagree: {str(seen)[:300]}")
 print(json.dumps({"outcomes": outcomes, "unexpected": unexpected}))
 """
 
 
 def test_damaged_files_of_every_format_never_crash_or_raise_another_type(tmp_path):
-    """Seeded random damage (truncation, flipped bits, overwritten or inserted bytes) to a file of each format."""
+    """Seeded random damage (truncation, flipped bits, overwritten or inserted bytes) to a file of each format;
+    a damaged JSONL file is read by both JSONL readers, which must agree."""
     good = tmp_path / "good"
     good.mkdir()
     docs = make_docs(60)
@@ -598,4 +691,4 @@ def test_damaged_files_of_every_format_never_crash_or_raise_another_type(tmp_pat
     assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["unexpected"] == []
-    assert result["outcomes"].get("refused", 0) > 0 and sum(result["outcomes"].values()) == 8 * 40
+    assert result["outcomes"].get("refused", 0) > 0 and sum(result["outcomes"].values()) == 9 * 40
