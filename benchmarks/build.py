@@ -142,7 +142,12 @@ def main() -> None:
     ap.add_argument("--ray", type=int, nargs="*", choices=SIZES, default=[],
                     help="sizes to build with --engine ray as well (needs pip install 'graphmax[ray]')")
     ap.add_argument("--work", type=Path, default=None, help="where graphs are built (default: a temporary folder)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="move the largest size's local graph here instead of deleting it (a new folder, on the "
+                         "file system of --work), e.g. to time load_graph on it")
     args = ap.parse_args()
+    if args.keep and args.keep.exists():
+        ap.error(f"--keep {args.keep} exists; name a new folder")
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         rows = []
         for docs in sorted(set(args.docs) | set(args.ray)):
@@ -153,6 +158,8 @@ def main() -> None:
                 b = run(job, files, str(Path(tmp) / f"g{docs}-{job}"))
                 rows.append((docs, job, tok, b))
                 _print_row(docs, job, tok, b)
+                if args.keep and job == "local" and docs == max(args.docs):
+                    os.rename(Path(tmp) / f"g{docs}-{job}", args.keep)
                 shutil.rmtree(Path(tmp) / f"g{docs}-{job}", ignore_errors=True)
         _print_tables(rows)
 
