@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds of prompts per batch size in table 5")
     ap.add_argument("--batch-new-tokens", type=int, default=32, help="new tokens per round in table 5")
     ap.add_argument("--startup-runs", type=int, default=5, help="fresh processes per setting in table 6")
+    ap.add_argument("--startup-graph", type=Path, action="append", default=[],
+                    help="also time table 6 on this graph folder (repeatable), e.g. the 4M-document graph of "
+                         "benchmarks/build.py --keep")
     args = ap.parse_args()
     sections = {int(x) for x in args.sections.split(",")}
 
@@ -104,7 +107,8 @@ def main() -> None:
         batch_table(model, tok, graph, prompts, [int(b) for b in args.batches.split(",")], args.rounds,
                     args.batch_new_tokens)
     if 6 in sections:
-        startup_table(graph, args.startup_runs)
+        for path in [graph.path, *args.startup_graph]:
+            startup_table(path, args.startup_runs)
     if 7 in sections:
         work_table(graph)
 
@@ -115,7 +119,7 @@ def batch_table(model, tok, graph, prompts: list[str], batches: list[int], round
     print(f"  {'batch':>5} {'plain ms/step':>14} {'ours ms/step':>13} {'ratio':>6} {'processor ms/call':>18} "
           f"{'per row':>8} {'plain + processor':>18}")
     for size in batches:
-        timed = TimedLogitsProcessor(GraphmaxLogitsProcessor.from_graph(graph))
+        timed = TimedLogitsProcessor(GraphmaxLogitsProcessor.from_graph(graph).warmup())
         plain, ours = [], []
         for r in range(rounds):
             batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
@@ -131,6 +135,7 @@ def batch_table(model, tok, graph, prompts: list[str], batches: list[int], round
 
 _STARTUP = r"""
 import json, sys, time
+from pathlib import Path
 t = [time.perf_counter()]
 import torch
 from gm_graphs import load_graph
@@ -140,7 +145,7 @@ if sys.argv[3] == "1":  # numba's own start (its compiler's registries, loaded a
     from numba.core.registry import cpu_target
     cpu_target.target_context.refresh()
 t.append(time.perf_counter())
-graph = load_graph(sys.argv[1], verify=sys.argv[2] == "1")
+graph = load_graph(Path(sys.argv[1]), verify=sys.argv[2] == "1")
 t.append(time.perf_counter())
 graph.counts, graph.ngrams  # opened lazily: memory-mapped, and hashed when verified
 t.append(time.perf_counter())
@@ -156,14 +161,15 @@ print(json.dumps([b - a for a, b in zip(t, t[1:])]))
 _STAGES = ("imports", "numba start", "load_graph", "open arrays", "processor", "first step", "next step")
 
 
-def startup_table(graph, runs: int) -> None:
-    print(f"\n6. start-up, each stage in a fresh process (median of {runs}; s), warm compile cache; load→step is "
-          f"load_graph to the first decoded step (numba's own start falls in it unless started apart, last row)")
+def startup_table(path: Path, runs: int) -> None:
+    print(f"\n6. start-up on {path}, each stage in a fresh process (median of {runs}; s), warm compile cache; "
+          f"load→step is load_graph to the first decoded step (numba's own start falls in it unless started apart, "
+          f"last row)")
     print(f"  {'files checked':<24}" + "".join(f"{s:>12}" for s in _STAGES) + f"{'load→step':>11}")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     settings = (("SHA-256", "1", "0"), ("none", "0", "0"), ("none, numba started apart", "0", "1"))
     for label, verify, numba_apart in settings:
-        times = [json.loads(subprocess.run([sys.executable, "-c", _STARTUP, str(graph.path), verify, numba_apart],
+        times = [json.loads(subprocess.run([sys.executable, "-c", _STARTUP, str(path), verify, numba_apart],
                                            env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
                  for _ in range(runs)]
         med = [statistics.median(col) for col in zip(*times)]
@@ -174,11 +180,12 @@ def startup_table(graph, runs: int) -> None:
 
 _WORK = r"""
 import json, sys, time
+from pathlib import Path
 import torch
 torch.set_num_threads(1)
 from gm_graphs import load_graph
 from gm_solver import GraphmaxLogitsProcessor
-graph = load_graph(sys.argv[1], verify=False)
+graph = load_graph(Path(sys.argv[1]), verify=False)
 proc = GraphmaxLogitsProcessor.from_graph(graph)
 gen = torch.Generator().manual_seed(0)
 ids = torch.randint(0, 2000, (16, 8), generator=gen)
