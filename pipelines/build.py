@@ -134,6 +134,8 @@ def _summary(g, seconds: float | None = None) -> None:
             extra = f", pruned by {op['prune_rule']}: rows keep {kept['mean']:.1%} of their mass on average " \
                     f"(min {kept['min']:.1%})"
         print(f"  {name:<10} {op['nnz']:,} non-zeros{extra}")
+    if g.decoder:  # what `graphmax tune` stored: generate and from_graph decode with it
+        print(f"  decoder    {', '.join(f'{k}={v}' for k, v in g.decoder.items() if k != 'source')}")
     stages = {"tokenize+count": "count_pass_s", "counts and Ã": "bigrams_s", "higher orders": "operators_s",
               "n-grams (beside them)": "ngrams_s", "commit": "commit_s"}
     timings = getattr(g, "timings", {})  # what build_graph measured (a graph loaded from disk has none)
