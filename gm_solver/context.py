@@ -44,7 +44,7 @@ import torch
 from gm_graphs.operators import normalize
 
 from . import context_kernel, lambert_kernel
-from .divergences import DIVERGENCES, _solve_torch, check_inputs, raise_for_status
+from .divergences import DIVERGENCES, _solve_torch, check_inputs, raise_for_status, restrict_reference
 from .solvers import SolveInfo
 
 SMOOTHINGS = ("kneser-ney", "dirichlet")
@@ -313,6 +313,31 @@ class ContextReference:
         q = np.empty((input_ids.shape[0], width))
         context_kernel.reference_rows(*self._kernel_args(input_ids), q, np.empty_like(q))
         return torch.from_numpy(q).to(dtype)
+
+    def restricted(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """q(· | ``input_ids``) over the tokens ``scores`` allows: zero where a score is ``-inf``, renormalised over
+        the rest; a row with no mass left stays all zeros. The q that graphmax's context decoder leans toward and
+        that ``InterpolationLogitsProcessor`` mixes in.
+
+        Args:
+            input_ids (``torch.LongTensor`` (B, T)): the contexts, one per row.
+            scores (``torch.FloatTensor`` (B, V)): the step's scores, V at least the graph's size; only which are
+                finite is read.
+
+        Returns:
+            ``torch.DoubleTensor`` (B, V): the rows of q, float64, on the scores' device.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 0, 0]], dtype=float)
+            >>> ref = ContextReference(counts, ContextConfig(smoothing="dirichlet", kappa=1.0))
+            >>> q = ref.restricted(torch.tensor([[2, 0]]), torch.tensor([[0.0, 0.0, -torch.inf]]))
+            >>> [round(v, 3) for v in q[0].tolist()]            # token 2 is masked: q moves to 0 and 1
+            [0.088, 0.912, 0.0]
+        """
+        q = self(input_ids, width=scores.shape[-1]).to(scores.device)
+        return restrict_reference(q, torch.isfinite(scores))[0]
 
     def step(self, input_ids: torch.Tensor, scores: torch.Tensor, *, lam: float | torch.Tensor | None = None,
              tol: float = 1e-6, max_iter: int | None = None, check_every: int | None = None,

