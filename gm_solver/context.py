@@ -53,7 +53,37 @@ SMOOTHINGS = ("kneser-ney", "dirichlet")
 @dataclass(frozen=True)
 class ContextConfig:
     """The choices of context-aware graphmax: divergence, λ, its share on KL(x‖q), order weights β_k, smoothing
-    (D or κ), unigram α. The regulariser is λ·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)]."""
+    (D or κ), unigram α. The regulariser is λ·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)].
+
+    ``graphmax tune`` stores one in a graph (``to_dict``); ``from_dict`` reads it back. The arguments are those of
+    ``ContextGraphmaxLogitsProcessor``, where each is described at length.
+
+    Args:
+        divergence (``str``, defaults to ``"rkl"``): D, one of ``DIVERGENCES``: ``"rkl"`` KL(q‖x), ``"kl"``
+            KL(x‖q) or ``"l2"`` ‖x − q‖².
+        lam (``float``, defaults to 1.2): λ ≥ 0; 0 gives softmax.
+        kl_share (``float``, defaults to 0.15): the share of λ on KL(x‖q), in [0, 1].
+        order_weights (``tuple[float, ...]``, defaults to ``(1.0,)``): β_k ≥ 0 with a positive sum, the weight of
+            q_k for the token k back.
+        smoothing (``str``, defaults to ``"kneser-ney"``): ``"kneser-ney"`` or ``"dirichlet"``.
+        discount (``float``, defaults to 0.75): Kneser–Ney's D in (0, 1), also the n-gram tables' discount.
+        ngram_order (``int``, defaults to 4): the longest n-gram that conditions q (2: the bigram row only).
+        kappa (``float``, defaults to 3.0): κ > 0, the Dirichlet prior (``"dirichlet"``, and orders k ≥ 2).
+        alpha (``float``, defaults to 0.5): α > 0, the add-α smoothing of the unigram every row backs off to.
+        source (``dict``, defaults to ``{"tuned": False}``): where the settings came from (``graphmax tune``
+            records its validation data); ignored by ``==``.
+
+    Raises:
+        ValueError: a setting out of its range, naming it and its value.
+
+    Example::
+
+        >>> cfg = ContextConfig(lam=2.0, kl_share=0.3)
+        >>> cfg.divergence_label, cfg.smoothing_label
+        ('0.7·rkl + 0.3·kl', 'kneser-ney D=0.75')
+        >>> ContextConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
 
     divergence: str = "rkl"
     lam: float = 1.2
@@ -189,6 +219,13 @@ class ContextReference:
     they are (memory-mapped, never copied); on other devices by torch on that
     device, from tensors copied there once (:meth:`on`). Orders k ≥ 2 need Ã, which
     is normalised on first use only.
+
+    Args:
+        counts (``gm_graphs.Graph`` or scipy sparse matrix): the bigram counts A (a ``Graph`` loaded at order 1
+            also gives its n-gram tables), or a square count matrix.
+        config (``ContextConfig``, defaults to ``ContextConfig()``): the smoothing, orders and (for :meth:`step`)
+            the solve.
+        cache_rows (``int``, defaults to 4096): rows of Ãᵏ (orders k ≥ 2) kept once computed.
 
     Example::
 
