@@ -89,7 +89,7 @@ class ReadStats:
         >>> import tempfile; from pathlib import Path
         >>> tmp = tempfile.TemporaryDirectory()
         >>> corpus = Path(tmp.name) / "reviews.txt"
-        >>> _ = corpus.write_text("great film\n\ndull\n")
+        >>> _ = corpus.write_text("great film\\n\\ndull\\n")
         >>> stats = ReadStats()
         >>> batches = list(iter_documents([corpus], stats=stats))
         >>> stats.documents, stats.empty_skipped
@@ -134,7 +134,7 @@ def expand_corpus(corpus: CorpusSpec) -> list[Path]:
         >>> import tempfile; from pathlib import Path
         >>> tmp = tempfile.TemporaryDirectory()
         >>> for name in ("b.txt", "a.txt"):
-        ...     _ = (Path(tmp.name) / name).write_text("the cat sat\n")
+        ...     _ = (Path(tmp.name) / name).write_text("the cat sat\\n")
         >>> [f.name for f in expand_corpus(Path(tmp.name) / "*.txt")]
         ['a.txt', 'b.txt']
     """
@@ -387,7 +387,7 @@ def iter_documents(
         >>> import tempfile; from pathlib import Path
         >>> tmp = tempfile.TemporaryDirectory()
         >>> corpus = Path(tmp.name) / "reviews.csv"
-        >>> _ = corpus.write_text("text,label\ngreat film,1\ndull &amp; long<br />,0\n")
+        >>> _ = corpus.write_text("text,label\\ngreat film,1\\ndull &amp; long<br />,0\\n")
         >>> list(iter_documents(expand_corpus(corpus), "text", clean=True))
         [['great film', 'dull & long ']]
     """
