@@ -73,22 +73,68 @@ def test_every_public_callable_is_found():
     assert "gm_graphs.GraphmaxError" not in CALLABLES
 
 
-@pytest.mark.parametrize("name", sorted(CALLABLES))
-def test_docstring_has_args_returns_and_example(name):
-    obj = CALLABLES[name]
+def doc_problems(name: str, obj) -> list[str]:
+    """What ``obj``'s docstring lacks: an Args: section describing each named parameter, a Returns: section (a
+    function that returns something), an Example:: section with >>> lines."""
     doc = inspect.getdoc(obj) or ""
-    assert doc, f"{name} has no docstring"
+    if not doc:
+        return [f"{name} has no docstring"]
+    problems = []
     params = named_parameters(obj)
     if params:
         args = section(doc, "Args")
-        assert args is not None, f"{name}'s docstring has no Args: section (it takes {', '.join(params)})"
-        missing = [p for p in params if not re.search(rf"^\s+{p} ?[(:]", args, re.MULTILINE)]
-        assert not missing, f"{name}'s Args: section does not describe {', '.join(missing)}"
-    if inspect.isfunction(obj) and inspect.signature(obj).return_annotation not in (None, "None"):
-        assert section(doc, "Returns") is not None, f"{name}'s docstring has no Returns: section"
+        if args is None:
+            problems.append(f"{name}'s docstring has no Args: section (it takes {', '.join(params)})")
+        else:
+            missing = [p for p in params if not re.search(rf"^\s+{p} ?[(:]", args, re.MULTILINE)]
+            if missing:
+                problems.append(f"{name}'s Args: section does not describe {', '.join(missing)}")
+    if (inspect.isfunction(obj) and inspect.signature(obj).return_annotation not in (None, "None")
+            and section(doc, "Returns") is None):
+        problems.append(f"{name}'s docstring has no Returns: section")
     example = section(doc, "Examples?")
-    assert example is not None, f"{name}'s docstring has no Example:: section"
-    assert doctest.DocTestParser().get_examples(example), f"{name}'s Example:: section has no >>> lines to run"
+    if example is None:
+        problems.append(f"{name}'s docstring has no Example:: section")
+    elif not doctest.DocTestParser().get_examples(example):
+        problems.append(f"{name}'s Example:: section has no >>> lines to run")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLES))
+def test_docstring_has_args_returns_and_example(name):
+    problems = doc_problems(name, CALLABLES[name])
+    assert not problems, "; ".join(problems)
+
+
+def test_docstring_check_names_what_is_missing():
+    def half_documented(corpus: str, *, clean: bool = False, **options) -> int:
+        """Count.
+
+        Args:
+            corpus (``str``): files.
+
+        Example::
+
+            half_documented("a.txt")
+        """
+        return 0
+
+    def returns_nothing(x: int) -> None:
+        """Nothing.
+
+        Args:
+            x (``int``): anything.
+
+        Example::
+
+            >>> returns_nothing(1)
+        """
+
+    assert doc_problems("f", half_documented) == [
+        "f's Args: section does not describe clean", "f's docstring has no Returns: section",
+        "f's Example:: section has no >>> lines to run"]
+    assert doc_problems("g", returns_nothing) == []
+    assert doc_problems("h", lambda: None) == ["h has no docstring"]
 
 
 @pytest.fixture()
@@ -101,17 +147,36 @@ def sandbox(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("name", sorted(CALLABLES))
-def test_examples_run(name, sandbox):
-    obj = CALLABLES[name]
+def failed_examples(name: str, obj) -> str:
+    """The report of the examples of ``obj`` (and of its methods) that fail; empty when every one passes."""
     tests = [t for t in doctest.DocTestFinder().find(obj, name) if t.examples]
-    assert tests, f"{name} has no doctest examples"
-    # the flags pytest's --doctest-modules runs the same examples with
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    if not tests:
+        return f"{name} has no doctest examples"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)  # the flags pytest's --doctest-modules uses
     report: list[str] = []
     for test in tests:
         runner.run(test, out=report.append)
-    assert runner.failures == 0, f"{name}'s examples fail:\n" + "".join(report)
+    return "".join(report) if runner.failures else ""
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLES))
+def test_examples_run(name, sandbox):
+    report = failed_examples(name, CALLABLES[name])
+    assert not report, f"{name}'s examples fail:\n{report}"
+
+
+def test_a_wrong_example_is_reported():
+    def double(x: int) -> int:
+        """Example::
+
+            >>> 2 * 2
+            5
+        """
+        return 2 * x
+
+    assert "Expected:\n    5\nGot:\n    4" in failed_examples("double", double)
+    double.__doc__ = double.__doc__.replace("5", "4")
+    assert failed_examples("double", double) == ""
 
 
 def test_exported_names_exist_and_processors_load_lazily():
