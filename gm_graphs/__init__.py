@@ -6,7 +6,8 @@ A graph is named by a ``str`` (``$GRAPHMAX_HOME/graphs/<name>``) or given as a f
 """
 
 from . import bundled
-from .build import CorpusCounts, add_ngrams, build_graph, count_corpus, load_counts, merge_graphs, write_graph
+from .build import ENGINES, CorpusCounts, add_ngrams, build_graph, count_corpus, load_counts, merge_graphs, write_graph
+from .corpus import ReadStats, expand_corpus, iter_documents
 from .counts import BigramCounts
 from .errors import (
     CorpusError,
@@ -21,17 +22,28 @@ from .errors import (
     StorageError,
     TokenizerError,
 )
-from .folders import graph_path, graphmax_home
+from .folders import claim_folder, graph_path, graphmax_home
 from .graph import Graph, list_graphs, load_graph
+from .ngrams import ORDERS as NGRAM_ORDERS
+from .ngrams import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from .ngrams import NgramCounts, count_ngrams, merge_ngrams
 from .operators import OperatorSpec, PruneRule
 from .split import CorpusSplit, split_corpus
 from .tokenize import TokenizerIdentity, load_tokenizer
 
 __all__ = [
-    "BigramCounts", "CorpusCounts", "CorpusError", "CorpusSplit", "Graph", "GraphBusyError", "GraphExistsError",
-    "GraphFormatError", "GraphNameError", "GraphmaxError", "MergeError", "NgramCounts", "NotOwnedError",
-    "OperatorSpec", "OptionError", "PruneRule", "StorageError", "TokenizerError", "TokenizerIdentity", "add_ngrams",
-    "build_graph", "bundled", "count_corpus", "count_ngrams", "graph_path", "graphmax_home", "list_graphs",
-    "load_counts", "load_graph", "load_tokenizer", "merge_graphs", "merge_ngrams", "split_corpus", "write_graph",
+    # graphs: build, open, merge, list
+    "CorpusCounts", "Graph", "OperatorSpec", "PruneRule", "add_ngrams", "build_graph", "count_corpus", "graph_path",
+    "graphmax_home", "list_graphs", "load_counts", "load_graph", "merge_graphs", "write_graph",
+    # counts and n-gram tables
+    "BigramCounts", "NgramCounts", "count_ngrams", "merge_ngrams",
+    # corpora: reading, splitting, the bundled ones, and an output folder graphmax may write into
+    "CorpusSplit", "ReadStats", "bundled", "claim_folder", "expand_corpus", "iter_documents", "split_corpus",
+    # tokenizers
+    "TokenizerIdentity", "load_tokenizer",
+    # defaults and choices: the n-gram orders add_ngrams counts, n-grams buffered per sorted run, build engines
+    "ENGINES", "NGRAM_ORDERS", "NGRAM_RUN_ENTRIES",
+    # errors: every one a GraphmaxError
+    "CorpusError", "GraphBusyError", "GraphExistsError", "GraphFormatError", "GraphNameError", "GraphmaxError",
+    "MergeError", "NotOwnedError", "OptionError", "StorageError", "TokenizerError",
 ]

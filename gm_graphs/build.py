@@ -55,7 +55,38 @@ WORKERS = max(1, min(2, os.cpu_count() or 1))  # threads that merge runs and com
 
 @dataclass
 class CorpusCounts:
-    """Counts of one corpus (or a merge of several) with what the manifest records about them."""
+    """Counts of one corpus (or a merge of several) with what the manifest records about them.
+
+    Made by :func:`count_corpus` or read back from a graph by :func:`load_counts`; :func:`write_graph` writes one
+    as a graph, and ``merge`` adds up the counts of disjoint parts of a corpus.
+
+    Args:
+        counts (``BigramCounts``): the bigram counts A.
+        tokenizer (``TokenizerIdentity``): the tokenizer that made them.
+        files (``list[dict]``): path, size and SHA-256 of each corpus file.
+        read (``dict``): what reading saw (``ReadStats`` as a dict).
+        options (``dict``): the counting options (``text_column``, ``clean``, ``bos_eos``); parts merge only
+            with equal options.
+        timings (``dict``, defaults to ``{}``): seconds per phase.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> _ = (folder / "more.txt").write_text("the dog ran\\n")
+        >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
+        >>> cc.counts.total, cc.tokenizer.vocab_size, cc.options["text_column"]
+        (6, 6, 'text')
+        >>> cc.merge(count_corpus(folder / "more.txt", tok, progress=False)).counts.total
+        8
+    """
 
     counts: BigramCounts
     tokenizer: TokenizerIdentity
@@ -97,6 +128,36 @@ def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", cl
     """Stream ``corpus`` through the tokenizer and count its within-document bigrams, in memory.
 
     Memory grows with the distinct bigrams; ``build_graph`` streams them to disk instead.
+
+    Args:
+        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
+        tokenizer: a loaded tokenizer or anything :func:`load_tokenizer` takes (``"smollm2"``, a folder, a
+            ``tokenizer.json`` or ``.gguf`` file).
+        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
+        bos_eos (``bool``, defaults to ``False``): add BOS→first and last→EOS edges per document.
+        batch_docs (``int``, defaults to 2048): documents tokenized per batch.
+        progress (``bool``, defaults to ``True``): show a progress bar.
+
+    Returns:
+        ``CorpusCounts``: the counts with the corpus' fingerprint, reading statistics and options.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
+        >>> cc.counts.to_csr()[1].toarray()       # "the" is followed by "cat" twice and "dog" once
+        array([[0, 0, 2, 1, 0, 0]])
+        >>> cc.counts.documents, cc.counts.tokens
+        (3, 9)
     """
     files = expand_corpus(corpus)
     tok = load_tokenizer(tokenizer)
@@ -271,6 +332,38 @@ def write_graph(cc: CorpusCounts, graph: str | os.PathLike, *, orders: Sequence[
     ``graph`` is a name (``str``: ``$GRAPHMAX_HOME/graphs/<name>``) or a folder (``pathlib.Path``). The folder is
     committed atomically; an existing graph is replaced only with ``overwrite``, and a folder graphmax did not
     write never is.
+
+    Args:
+        cc (``CorpusCounts``): the counts, from :func:`count_corpus`, :func:`load_counts` or a ``merge``.
+        graph (``str`` or ``os.PathLike``): a name (under ``$GRAPHMAX_HOME/graphs``) or a folder.
+        orders (sequence of ``int``, defaults to ``(1,)``): the powers Ãᵏ to materialise.
+        mixture (``int`` or ``None``, defaults to ``None``): also materialise Ã+…+Ãⁿ for this n.
+        eps (``float``, defaults to 1e-8): ε in D_ii = Σ_j A_ij + ε.
+        prune (``PruneRule``, defaults to ``PruneRule()``): what the higher orders keep of each row.
+        shard_nnz (``int``, defaults to 2²⁶): non-zeros per CSR shard file.
+        overwrite (``bool``, defaults to ``False``): replace an existing graph graphmax wrote.
+        progress (``bool``, defaults to ``True``): show progress bars.
+        ngrams (``dict[int, NgramCounts]`` or ``None``, defaults to ``None``): n-gram tables to store with it.
+        ngram_source (``dict`` or ``None``, defaults to ``None``): where the tables came from, for the manifest.
+
+    Returns:
+        ``Graph``: the written graph, opened at order 1.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
+        >>> g = write_graph(cc, folder / "graph", orders=(1, 2), progress=False)
+        >>> sorted(g.operators), g.vocab_size
+        (['order1', 'order2'], 6)
     """
     check_options(orders=orders, mixture=mixture, eps=eps, prune=prune, shard_nnz=shard_nnz)
     target = target_folder(graph, None) if isinstance(graph, str) else target_folder(None, graph)
@@ -314,11 +407,55 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
     one the local engine writes (the manifest's ``build`` section aside). ``ray_address`` is the cluster
     (``"auto"``, ``"ray://host:10001"``, …); without it, a Ray already initialised in this process, else a local one.
 
+    A real build names a corpus, the LM's tokenizer and a graph name:
+    ``build_graph("reviews/*.csv.gz", "smollm2", name="amazon", orders=(1, 2), ngrams=(3, 4))``.
+
+    Args:
+        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
+        tokenizer: a loaded tokenizer or anything :func:`load_tokenizer` takes (``"smollm2"``, a folder, a
+            ``tokenizer.json`` or ``.gguf`` file); the graph's nodes are its vocabulary.
+        name (``str`` or ``None``, defaults to ``None``): store the graph as ``$GRAPHMAX_HOME/graphs/<name>``.
+        path (``str``, ``os.PathLike`` or ``None``, defaults to ``None``): or write it to this folder (exactly one
+            of ``name`` and ``path``).
+        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
+        orders (sequence of ``int``, defaults to ``(1,)``): the powers Ãᵏ to materialise.
+        mixture (``int`` or ``None``, defaults to ``None``): also materialise Ã+…+Ãⁿ for this n.
+        eps (``float``, defaults to 1e-8): ε in D_ii = Σ_j A_ij + ε.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
+        bos_eos (``bool``, defaults to ``False``): add BOS→first and last→EOS edges per document.
+        prune (``PruneRule``, defaults to ``PruneRule()``): what the higher orders keep of each row.
+        shard_nnz (``int``, defaults to 2²⁶): non-zeros per CSR shard file.
+        overwrite (``bool``, defaults to ``False``): replace an existing graph graphmax wrote (never another
+            folder).
+        batch_docs (``int``, defaults to 2048): documents tokenized per batch.
+        ngrams (sequence of ``int``, defaults to ``()``): n-gram orders (each ≥ 3) to count and store, for
+            context-aware graphmax.
+        ngram_run_entries (``int``, defaults to ``NGRAM_RUN_ENTRIES``): entries of each order buffered in memory
+            before they are sorted into a run on disk.
+        progress (``bool``, defaults to ``True``): show progress bars.
+        engine (``str``, defaults to ``"local"``): one of ``ENGINES``: ``"local"`` or ``"ray"``.
+        ray_address (``str`` or ``None``, defaults to ``None``): the Ray cluster (``engine="ray"`` only).
+
+    Returns:
+        ``Graph``: the built graph, opened at order 1.
+
     Example::
 
-        from gm_graphs import build_graph
-        g = build_graph("reviews/*.csv.gz", "smollm2", name="amazon", orders=(1, 2), ngrams=(3, 4))
-        g.matrix  # Ã as a memory-mapped scipy CSR matrix
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", orders=(1, 2), ngrams=(3,),
+        ...                 progress=False)
+        >>> [round(p, 3) for p in g.matrix[1].toarray()[0].tolist()]      # Ã's row of "the"
+        [0.0, 0.0, 0.667, 0.333, 0.0, 0.0]
+        >>> sorted(g.operators), sorted(g.ngrams)
+        (['order1', 'order2'], [3])
     """
     target = target_folder(name, path)
     _check_build(orders, mixture, eps, prune, shard_nnz, ngrams, ngram_run_entries, engine)
@@ -370,7 +507,30 @@ def local_source(counted: PassResult, ident: TokenizerIdentity, files: list[Path
 
 
 def load_counts(graph: Graph) -> CorpusCounts:
-    """The counts of a built graph with their provenance, ready to merge."""
+    """The counts of a built graph with their provenance, ready to merge.
+
+    Args:
+        graph (``Graph``): a built graph.
+
+    Returns:
+        ``CorpusCounts``: its bigram counts, tokenizer, corpus files, reading statistics and options.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
+        >>> cc = load_counts(g)
+        >>> cc.counts.total, [Path(f["path"]).name for f in cc.files]
+        (6, ['reviews.txt'])
+    """
     m = graph.manifest
     corpus = m["corpus"]
     read_keys = ("documents", "empty_skipped", "undecodable_documents", "replaced_sequences", "per_file")
@@ -386,6 +546,34 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
     ``graphs`` are :class:`Graph` objects, names or folders; the result goes to ``name`` or ``path``. n-gram
     tables merge too, for the orders every part stores. Refused: fewer than two graphs, one graph twice (or a
     corpus file counted in two of them), different tokenizers or counting options.
+
+    Args:
+        graphs (sequence of ``Graph``, ``str`` or ``os.PathLike``): the parts, at least two.
+        name (``str`` or ``None``, defaults to ``None``): store the merge as ``$GRAPHMAX_HOME/graphs/<name>``.
+        path (``str``, ``os.PathLike`` or ``None``, defaults to ``None``): or write it to this folder.
+        **write_options: keyword arguments of :func:`write_graph` (``orders``, ``mixture``, ``eps``, ``prune``,
+            ``shard_nnz``, ``overwrite``, ``progress``).
+
+    Returns:
+        ``Graph``: the merged graph, opened at order 1.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> _ = (folder / "more.txt").write_text("the dog ran\\n")
+        >>> a = build_graph(folder / "reviews.txt", tok, path=folder / "a", progress=False)
+        >>> b = build_graph(folder / "more.txt", tok, path=folder / "b", progress=False)
+        >>> merged = merge_graphs([a, b], path=folder / "merged", progress=False)
+        >>> int(merged.counts.sum()), int(a.counts.sum()) + int(b.counts.sum())
+        (8, 8)
     """
     if isinstance(graphs, (str, os.PathLike)) or len(graphs) < 2:
         raise MergeError("merge needs at least two graphs (the parts to add up)")
@@ -419,6 +607,37 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
     The tables go to a new sub-folder of the graph (their sorted runs of ``run_entries`` n-grams to a work folder
     inside it), and the new manifest that refers to them is the commit: a kill before it leaves the old tables in
     use, and the next writer removes the unreferenced folder.
+
+    Args:
+        graph (``Graph``, ``str`` or ``os.PathLike``): the built graph, opened or by name or folder.
+        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
+        tokenizer: the graph's tokenizer (loaded, or anything :func:`load_tokenizer` takes); another vocabulary
+            is refused.
+        orders (sequence of ``int``, defaults to ``NGRAM_ORDERS``, (3, 4)): the n-gram orders, each ≥ 3.
+        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
+        progress (``bool``, defaults to ``True``): show a progress bar.
+        run_entries (``int``, defaults to ``NGRAM_RUN_ENTRIES``): n-grams of an order buffered before a sorted run.
+
+    Returns:
+        ``dict[int, NgramCounts]``: the stored tables by order, memory-mapped.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
+        >>> tables = add_ngrams(g, folder / "reviews.txt", tok, orders=(3,), progress=False)
+        >>> nxt, counts = tables[3].successors([1, 2])     # after "the cat": "sat" (4) once, "ran" (5) once
+        >>> nxt.tolist(), counts.tolist(), sorted(g.ngrams)
+        ([4, 5], [1, 1], [3])
     """
     graph = graph if isinstance(graph, Graph) else load_graph(graph)
     orders = check_orders(orders)

@@ -72,7 +72,29 @@ JSONL_READERS = ("polars", "json")
 
 @dataclass
 class ReadStats:
-    """What reading saw; recorded in the manifest."""
+    """What reading a corpus saw, filled in by :func:`iter_documents` (a build records it in the manifest).
+
+    Args:
+        documents (``int``, defaults to 0): non-empty documents yielded.
+        empty_skipped (``int``, defaults to 0): empty documents skipped.
+        undecodable_documents (``int``, defaults to 0): documents with bytes that are not UTF-8.
+        replaced_sequences (``int``, defaults to 0): undecodable byte sequences replaced by U+FFFD.
+        per_file (``dict[str, int]``, defaults to ``{}``): documents yielded by each file.
+        nul_replaced (``int``, defaults to 0): NUL characters replaced by U+FFFD.
+        skipped_members (``list[str]``, defaults to ``[]``): ``"archive.zip!member"`` of archive members in no
+            corpus format (README, LICENSE), not read.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> corpus = Path(tmp.name) / "reviews.txt"
+        >>> _ = corpus.write_text("great film\\n\\ndull\\n")
+        >>> stats = ReadStats()
+        >>> batches = list(iter_documents([corpus], stats=stats))
+        >>> stats.documents, stats.empty_skipped
+        (2, 1)
+    """
 
     documents: int = 0
     empty_skipped: int = 0
@@ -90,11 +112,31 @@ def clean_review_text(text: str) -> str:
 
 
 def expand_corpus(corpus: CorpusSpec) -> list[Path]:
-    """Expand paths and globs into a sorted, de-duplicated list of readable corpus files.
+    """Expand paths and globs into a de-duplicated list of readable corpus files (each glob's matches sorted).
 
     Each file is checked here, before anything is built: it exists, is a regular
     file that can be read, is not empty, has a known format whose header is
     intact, and is not inside a graph folder.
+
+    Args:
+        corpus (``str``, ``os.PathLike`` or an iterable of them): files or globs (``"data/*.csv.gz"``,
+            ``"data/**/*.jsonl"``) of Parquet, CSV/TSV, JSONL or plain text, optionally gzip'd or in a ``.zip``.
+
+    Returns:
+        ``list[pathlib.Path]``: the files, in the order given, each once.
+
+    Raises:
+        CorpusError: no file given, a glob that matches nothing, or a file that cannot be read as a corpus (the
+            message names the file and the fix).
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> for name in ("b.txt", "a.txt"):
+        ...     _ = (Path(tmp.name) / name).write_text("the cat sat\\n")
+        >>> [f.name for f in expand_corpus(Path(tmp.name) / "*.txt")]
+        ['a.txt', 'b.txt']
     """
     specs = [corpus] if isinstance(corpus, (str, os.PathLike)) else list(corpus)
     if not specs:
@@ -321,11 +363,33 @@ def iter_documents(
     stats: ReadStats | None = None,
     jsonl_reader: str = "polars",
 ) -> Iterator[list[str]]:
-    """Yield batches of non-empty documents from ``files``, in order.
+    """Yield batches of non-empty documents from ``files``, in order, never holding a whole file.
 
-    ``jsonl_reader="polars"`` (the default) reads plain JSONL files with Polars, ``"json"`` line by line with
-    Python's ``json`` (as compressed and archived ones always are); both yield the same documents, ``stats``
-    and errors.
+    Args:
+        files (``list[pathlib.Path]``): corpus files, as :func:`expand_corpus` returns them (checked).
+        text_column (``str``, defaults to ``"text"``): the column (Parquet, CSV/TSV) or key (JSONL) holding the
+            text; plain text files are one document per line.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and turn ``<br />`` tags into spaces.
+        batch_docs (``int``, defaults to 4096): documents per batch (a Parquet batch may differ).
+        stats (``ReadStats`` or ``None``, defaults to ``None``): filled in with what reading saw.
+        jsonl_reader (``str``, defaults to ``"polars"``): ``"polars"`` reads plain JSONL files with Polars,
+            ``"json"`` line by line with Python's ``json`` (as compressed and archived ones always are); both
+            yield the same documents, ``stats`` and errors.
+
+    Returns:
+        ``Iterator[list[str]]``: batches of documents; empty documents are skipped and counted.
+
+    Raises:
+        CorpusError: a file that cannot be read, a missing text column, or a corpus with no documents at all.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> corpus = Path(tmp.name) / "reviews.csv"
+        >>> _ = corpus.write_text("text,label\\ngreat film,1\\ndull &amp; long<br />,0\\n")
+        >>> list(iter_documents(expand_corpus(corpus), "text", clean=True))
+        [['great film', 'dull & long ']]
     """
     if jsonl_reader not in JSONL_READERS:
         raise ValueError(f"jsonl_reader must be one of {JSONL_READERS}, not {jsonl_reader!r}")

@@ -155,7 +155,29 @@ def key_dtype(vocab_size: int) -> np.dtype:
 
 @dataclass
 class BigramCounts:
-    """Sorted unique bigram keys with their counts, over a vocabulary of ``vocab_size``."""
+    """Sorted unique bigram keys with their counts, over a vocabulary of ``vocab_size``.
+
+    The key of a bigram (s, d) is ``s·N + d`` (N = ``vocab_size``); ``merge`` adds two sets of counts,
+    ``to_csr`` gives the N×N count matrix A.
+
+    Args:
+        vocab_size (``int``): N.
+        keys (``numpy.ndarray``): the sorted unique keys.
+        counts (``numpy.ndarray`` of int64): each key's count.
+        documents (``int``, defaults to 0): the documents counted.
+        tokens (``int``, defaults to 0): the tokens counted.
+
+    Example::
+
+        >>> import numpy as np
+        >>> a = BigramCounts.from_keys(3, np.array([1, 5, 1]))     # (0, 1) twice, (1, 2) once
+        >>> b = BigramCounts.from_keys(3, np.array([1, 6]))        # (0, 1), (2, 0)
+        >>> merged = a.merge(b)
+        >>> merged.total, merged.distinct
+        (5, 3)
+        >>> merged.to_csr().toarray().tolist()
+        [[0, 3, 0], [0, 0, 1], [1, 0, 0]]
+    """
 
     vocab_size: int
     keys: np.ndarray

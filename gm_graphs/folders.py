@@ -47,7 +47,16 @@ _FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
 def graphmax_home() -> Path:
-    """``$GRAPHMAX_HOME`` or ``~/.cache/graphmax``; named graphs live in its ``graphs/``."""
+    """``$GRAPHMAX_HOME`` or ``~/.cache/graphmax``; named graphs live in its ``graphs/``.
+
+    Returns:
+        ``pathlib.Path``: the folder (it may not exist yet).
+
+    Example::
+
+        >>> graph_path("reviews").relative_to(graphmax_home()).as_posix()
+        'graphs/reviews'
+    """
     return Path(os.environ.get("GRAPHMAX_HOME") or Path.home() / ".cache" / "graphmax")
 
 
@@ -65,7 +74,22 @@ def check_name(name: object) -> str:
 
 
 def graph_path(graph: str | os.PathLike) -> Path:
-    """The folder of a graph given by name (``str``) or by folder (any other ``os.PathLike``)."""
+    """The folder of a graph given by name (``str``) or by folder (any other ``os.PathLike``).
+
+    Args:
+        graph (``str`` or ``os.PathLike``): a name (letters, digits, ``.``, ``_``, ``-``) or a folder.
+
+    Returns:
+        ``pathlib.Path``: ``$GRAPHMAX_HOME/graphs/<name>``, or the folder itself.
+
+    Example::
+
+        >>> from pathlib import Path
+        >>> graph_path("reviews") == graphmax_home() / "graphs" / "reviews"
+        True
+        >>> graph_path(Path("work/reviews")).as_posix()
+        'work/reviews'
+    """
     if isinstance(graph, str):
         return graphs_root() / check_name(graph)
     if isinstance(graph, os.PathLike):
@@ -147,6 +171,29 @@ def claim_folder(path: Path, marker: str = REPORT_MARKER) -> Path:
     """Make ``path`` a folder graphmax may write into: create it (absent), or accept it if empty or already marked.
 
     Anything else is refused, so a report never lands in (or replaces files of) a folder the user owns.
+
+    Args:
+        path (``pathlib.Path``): the folder.
+        marker (``str``, defaults to ``".graphmax-report"``): the file that marks the folder as graphmax's.
+
+    Returns:
+        ``pathlib.Path``: ``path``, now a folder holding the marker.
+
+    Raises:
+        NotOwnedError: ``path`` is a file, or a non-empty folder without the marker.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> out = claim_folder(folder / "report")       # created and marked
+        >>> claim_folder(out) == out                    # graphmax's own: accepted again
+        True
+        >>> (folder / "mine").mkdir(); _ = (folder / "mine" / "notes.txt").write_text("keep")
+        >>> claim_folder(folder / "mine")
+        Traceback (most recent call last):
+        ...
+        gm_graphs.errors.NotOwnedError: ...mine is a folder graphmax did not write (no .graphmax-report in it) ...
     """
     path = Path(path)
     if os.path.lexists(path):

@@ -21,7 +21,30 @@ __all__ = ["Graph", "graphmax_home", "list_graphs", "load_graph"]
 
 
 def list_graphs() -> list[str]:
-    """The names of the folders under ``$GRAPHMAX_HOME/graphs`` that hold a manifest (whole or not)."""
+    """The names of the folders under ``$GRAPHMAX_HOME/graphs`` that hold a manifest (whole or not).
+
+    Returns:
+        ``list[str]``: the graph names, sorted; empty when there is no such folder.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> from gm_graphs import build_graph
+        >>> import os
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"GRAPHMAX_HOME": str(folder / "home")}):   # graphs live here
+        ...     _ = build_graph(folder / "reviews.txt", tok, name="reviews", progress=False)
+        ...     list_graphs()
+        ['reviews']
+    """
     root = graphs_root()
     if not root.is_dir():
         return []
@@ -35,7 +58,32 @@ class Graph:
     schema-checked on opening; each array is checked (structure, and SHA-256 when ``verify``) before it is first
     handed out, once per file identity. ``matrix`` is the materialised operator (memory-mapped CSR). For orders
     that were built pruned or not built at all, ``base`` (Ã) and ``spec`` give what a solver needs to apply the
-    exact operator matrix-free.
+    exact operator matrix-free. :func:`load_graph` opens one with more checks.
+
+    Args:
+        graph (``str`` or ``os.PathLike``): a name (under ``$GRAPHMAX_HOME/graphs``) or a folder.
+        order (``int``, defaults to 1): k, for the operator Ãᵏ.
+        mixture (``int`` or ``None``, defaults to ``None``): n, for the mixture Ã+…+Ãⁿ instead.
+        verify (``bool``, defaults to ``True``): check each array's SHA-256 before its first use.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> from gm_graphs import build_graph
+        >>> _ = build_graph(folder / "reviews.txt", tok, path=folder / "graph", orders=(1, 2), progress=False)
+        >>> g = Graph(folder / "graph", order=2)
+        >>> g.spec.name, g.vocab_size, g.materialized
+        ('order2', 6, True)
+        >>> [round(p, 3) for p in g.matrix[1].toarray()[0].tolist()]     # Ã²'s row of "the"
+        [0.0, 0.0, 0.0, 0.0, 0.667, 0.333]
     """
 
     def __init__(self, graph: str | os.PathLike, order: int = 1, mixture: int | None = None, *, verify: bool = True):
@@ -177,6 +225,33 @@ def load_graph(graph: str | os.PathLike, order: int = 1, mixture: int | None = N
     ``--tokenizer`` accepts), refuses a graph built with another vocabulary. Arrays are checked before first use:
     their structure always, their SHA-256 when ``verify``, each once per file identity (a verification cache
     under ``$GRAPHMAX_HOME``), so reopening a multi-GB graph does not re-hash it.
+
+    Args:
+        graph (``str`` or ``os.PathLike``): a name (under ``$GRAPHMAX_HOME/graphs``) or a folder.
+        order (``int``, defaults to 1): k, for the operator Ãᵏ.
+        mixture (``int`` or ``None``, defaults to ``None``): n, for the mixture Ã+…+Ãⁿ instead.
+        tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused.
+        verify (``bool``, defaults to ``True``): check each array's SHA-256 before its first use.
+
+    Returns:
+        ``Graph``: the opened graph.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> from gm_graphs import build_graph
+        >>> _ = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
+        >>> g = load_graph(folder / "graph", tokenizer=tok)
+        >>> g.counts[1].toarray().tolist()       # "the" is followed by "cat" twice and "dog" once
+        [[0, 0, 2, 1, 0, 0]]
     """
     path = graph_path(graph)
     if not os.path.lexists(path):

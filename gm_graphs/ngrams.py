@@ -45,7 +45,29 @@ RUN_ENTRIES = 1 << 24  # n-grams of an order buffered (8 bytes each) before they
 
 @dataclass
 class NgramCounts:
-    """n-gram counts of a corpus, grouped by their (n−1)-token context."""
+    """n-gram counts of a corpus, grouped by their (n−1)-token context.
+
+    The entries of context ``contexts[i]`` (its tokens t₁…tₙ₋₁ as the key Σ tⱼ·N^(n−1−j)) are
+    ``indptr[i]:indptr[i + 1]``: the next tokens ``next`` with their ``counts``. ``successors`` looks a
+    context up.
+
+    Args:
+        order (``int``): n, at least 3.
+        vocab_size (``int``): N.
+        contexts (``numpy.ndarray`` of int64): the sorted unique context keys.
+        indptr (``numpy.ndarray`` of int64): each context's range of entries, ``len(contexts) + 1`` long.
+        next (``numpy.ndarray`` of int32): the next token of each entry, ascending within a context.
+        counts (``numpy.ndarray`` of int64): the count of each entry.
+
+    Example::
+
+        >>> import numpy as np
+        >>> keys = np.array([(1 * 6 + 2) * 6 + 4, (1 * 6 + 2) * 6 + 5, (1 * 6 + 3) * 6 + 4])
+        >>> table = NgramCounts.from_keys(3, keys, np.array([2, 1, 1]), vocab_size=6)
+        >>> nxt, counts = table.successors([1, 2])      # (1, 2) is followed by 4 twice and 5 once
+        >>> nxt.tolist(), counts.tolist(), table.successors([2, 1]), table.entries
+        ([4, 5], [2, 1], None, 3)
+    """
 
     order: int
     vocab_size: int
@@ -110,6 +132,37 @@ def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, 
     distinct n-grams. With a ``work`` folder (the caller's, on a disk with room
     for the tables twice) each order is sorted in runs of ``run_entries``
     n-grams there and merged, and its table is memory-mapped from ``work/<n>/``.
+
+    Args:
+        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
+        tokenizer: a loaded tokenizer or anything :func:`load_tokenizer` takes.
+        orders (sequence of ``int``, defaults to ``NGRAM_ORDERS``, (3, 4)): the n-gram orders, each ≥ 3.
+        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
+        batch_docs (``int``, defaults to 2048): documents tokenized per batch.
+        progress (``bool``, defaults to ``True``): show a progress bar.
+        work (``pathlib.Path`` or ``None``, defaults to ``None``): a folder for the sorted runs and tables;
+            ``None``: in memory.
+        run_entries (``int``, defaults to ``NGRAM_RUN_ENTRIES``): n-grams of an order buffered before a sorted run.
+
+    Returns:
+        ``dict[int, NgramCounts]``: a table per order.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = "[UNK] the cat dog sat ran".split()
+        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
+        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> tables = count_ngrams(folder / "reviews.txt", tok, orders=(3,), progress=False)
+        >>> nxt, counts = tables[3].successors([1, 2])     # after "the cat": "sat" (4) once, "ran" (5) once
+        >>> nxt.tolist(), counts.tolist()
+        ([4, 5], [1, 1])
     """
     if not isinstance(run_entries, int) or run_entries < 1:
         raise OptionError(f"run_entries must be an integer >= 1, got {run_entries!r}")
@@ -143,7 +196,24 @@ def write_table(root: Path, order: int, vocab_size: int, runs: SortedRuns, folde
 
 
 def merge_ngrams(parts: Sequence[dict[int, NgramCounts]]) -> dict[int, NgramCounts]:
-    """Sum the tables of corpus parts counted with one tokenizer; only the orders every part has are kept."""
+    """Sum the tables of corpus parts counted with one tokenizer; only the orders every part has are kept.
+
+    Args:
+        parts (sequence of ``dict[int, NgramCounts]``): the tables of each part, by order.
+
+    Returns:
+        ``dict[int, NgramCounts]``: the summed tables, for the orders every part has.
+
+    Example::
+
+        >>> import numpy as np
+        >>> a = {3: NgramCounts.from_keys(3, np.array([10, 11]), np.array([1, 2]), vocab_size=3)}
+        >>> b = {3: NgramCounts.from_keys(3, np.array([11]), np.array([5]), vocab_size=3),
+        ...      4: NgramCounts.from_keys(4, np.array([7]), np.array([1]), vocab_size=3)}
+        >>> merged = merge_ngrams([a, b])
+        >>> sorted(merged), merged[3].keys().tolist(), merged[3].counts.tolist()
+        ([3], [10, 11], [1, 7])
+    """
     orders = set.intersection(*(set(p) for p in parts)) if parts else set()
     merged = {}
     for order in sorted(orders):

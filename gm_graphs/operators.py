@@ -28,7 +28,17 @@ class PruneRule:
     """Keep, in each row, the ``top_k`` largest entries that are also ``>= min_value``.
 
     ``top_k=None`` keeps every entry passing ``min_value``; ``PruneRule.exact()``
-    keeps everything. Ties are broken toward the smaller column index.
+    keeps everything. Ties are broken toward the smaller column index. A build prunes the higher orders
+    (Ãᵏ, k ≥ 2) with it; solvers still apply the exact operator.
+
+    Args:
+        top_k (``int`` or ``None``, defaults to 64): the entries kept per row, ≥ 1; ``None``: all.
+        min_value (``float``, defaults to 0.0): entries below it are dropped, ≥ 0.
+
+    Example::
+
+        >>> PruneRule(top_k=8).to_dict(), PruneRule.exact().is_exact
+        ({'top_k': 8, 'min_value': 0.0}, True)
     """
 
     top_k: int | None = 64
@@ -264,7 +274,17 @@ def prune(block: sp.csr_matrix, rule: PruneRule) -> tuple[sp.csr_matrix, np.ndar
 
 @dataclass(frozen=True)
 class OperatorSpec:
-    """Which operator: ``power`` k (Ãᵏ) or ``mixture`` n (Ã+…+Ãⁿ)."""
+    """Which operator: ``power`` k (Ãᵏ) or ``mixture`` n (Ã+…+Ãⁿ).
+
+    Args:
+        kind (``str``): ``"power"`` or ``"mixture"``.
+        k (``int``): the power k or the mixture's n, ≥ 1.
+
+    Example::
+
+        >>> OperatorSpec.parse(order=2).name, OperatorSpec.parse(mixture=3).name
+        ('order2', 'mixture3')
+    """
 
     kind: str
     k: int

@@ -25,7 +25,23 @@ SIDES = ("train", "heldout")
 
 @dataclass(frozen=True)
 class CorpusSplit:
-    """Two Parquet files (column ``text``) and how many documents each side got."""
+    """Two Parquet files (column ``text``) and how many documents each side got; :func:`split_corpus` writes it.
+
+    Args:
+        folder (``pathlib.Path``): the split's folder, holding ``train.parquet`` and ``heldout.parquet``.
+        documents (``dict[str, int]``): the documents on each side, ``"train"`` and ``"heldout"``.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("\\n".join(f"review number {i}" for i in range(20)))
+        >>> split = split_corpus(folder / "reviews.txt", folder / "split", heldout_fraction=0.25, seed=0)
+        >>> split.path("train").name, sum(split.documents.values())
+        ('train.parquet', 20)
+        >>> len(split.texts("heldout")) == split.documents["heldout"]
+        True
+    """
 
     folder: Path
     documents: dict[str, int]
@@ -55,13 +71,31 @@ def split_corpus(corpus: CorpusSpec, path: str | os.PathLike, *, heldout_fractio
 
     Written to a temporary folder and committed atomically, so ``path`` is either complete or absent; with
     ``overwrite`` it replaces only a split folder graphmax wrote (it holds a marker file), never another folder.
+    Build the graph from ``split.path("train")``: held-out text never enters it.
+
+    Args:
+        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
+        path (``str`` or ``os.PathLike``): the folder to write.
+        heldout_fraction (``float``, defaults to 0.1): the expected share of documents held out, in (0, 1).
+        seed (``int``, defaults to 0): the key of the hash that decides each document's side.
+        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
+        overwrite (``bool``, defaults to ``False``): replace a split graphmax wrote at ``path``.
+        batch_docs (``int``, defaults to 4096): documents read per batch.
+
+    Returns:
+        ``CorpusSplit``: the folder and the documents on each side.
 
     Example::
 
-        from pathlib import Path
-        from gm_graphs import split_corpus, build_graph
-        s = split_corpus("reviews.csv", Path("work/split"), heldout_fraction=0.1, seed=0)
-        build_graph(s.path("train"), "smollm2", path=Path("work/graph"))   # held-out text never enters it
+        >>> import tempfile; from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> docs = [f"review number {i}" for i in range(20)] + ["review number 0"]     # a duplicate
+        >>> _ = (folder / "reviews.txt").write_text("\\n".join(docs))
+        >>> split = split_corpus(folder / "reviews.txt", folder / "split", heldout_fraction=0.25, seed=0)
+        >>> train, heldout = split.texts("train"), split.texts("heldout")
+        >>> sorted(train + heldout) == sorted(docs), set(train).isdisjoint(heldout)
+        (True, True)
     """
     if not 0.0 < heldout_fraction < 1.0:
         raise OptionError(f"heldout_fraction must be strictly between 0 and 1, got {heldout_fraction}")

@@ -24,6 +24,27 @@ def load_tokenizer(spec: Any):
 
     ``"smollm2"`` names the tokenizer of the bundled SmolLM2-135M GGUF file.
     Nothing is downloaded: names must already be in the local Hugging Face cache.
+
+    Args:
+        spec: a loaded tokenizer (returned as it is), ``"smollm2"``, a Hugging Face name already cached, a
+            tokenizer folder, a ``tokenizer.json`` or a ``.gguf`` file.
+
+    Returns:
+        ``transformers.PreTrainedTokenizerBase``: the tokenizer.
+
+    Raises:
+        TokenizerError: it cannot be loaded (the message says what to pass instead).
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models
+        >>> vocab = {w: i for i, w in enumerate("[UNK] the cat sat".split())}
+        >>> tmp = tempfile.TemporaryDirectory(); path = Path(tmp.name) / "tokenizer.json"
+        >>> Tokenizer(models.WordLevel(vocab, "[UNK]")).save(str(path))
+        >>> tok = load_tokenizer(path)
+        >>> tok.convert_tokens_to_ids("cat"), load_tokenizer(tok) is tok
+        (2, True)
     """
     if hasattr(spec, "get_vocab") and hasattr(spec, "convert_tokens_to_ids"):
         return spec
@@ -57,7 +78,23 @@ def load_tokenizer(spec: Any):
 
 @dataclass(frozen=True)
 class TokenizerIdentity:
-    """What a graph records of its tokenizer; a graph is only valid with a matching vocabulary."""
+    """What a graph records of its tokenizer; a graph is only valid with a matching vocabulary.
+
+    Args:
+        name (``str``): the tokenizer's name or path, for messages.
+        vocab_size (``int``): the number of ids, the graph's N.
+        vocab_sha256 (``str``): SHA-256 of the vocabulary (token → id), which decides the match.
+
+    Example::
+
+        >>> from tokenizers import Tokenizer, models
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> vocab = {w: i for i, w in enumerate("[UNK] the cat sat".split())}
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "[UNK]")))
+        >>> ident = TokenizerIdentity.of(tok)
+        >>> ident.vocab_size, len(ident.vocab_sha256)
+        (4, 64)
+    """
 
     name: str
     vocab_size: int

@@ -13,7 +13,6 @@ import torch
 from transformers import LogitsProcessor
 
 from .context import ContextConfig, ContextReference
-from .divergences import restrict_reference
 
 # ContextConfig's fields that set graphmax's solve, not q: interpolation has no solve
 _SOLVE_FIELDS = ("divergence", "lam", "kl_share")
@@ -58,6 +57,6 @@ class InterpolationLogitsProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         z = scores.to(torch.float64)
-        q, _ = restrict_reference(self.reference(input_ids, width=scores.shape[-1]).to(z.device), torch.isfinite(z))
+        q = self.reference.restricted(input_ids, z)
         p = (1.0 - self.weight) * torch.softmax(z, -1) + self.weight * q
         return torch.where(p > 0, torch.log(p), torch.full_like(p, -torch.inf)).to(scores.dtype)

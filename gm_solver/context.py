@@ -44,7 +44,7 @@ import torch
 from gm_graphs.operators import normalize
 
 from . import context_kernel, lambert_kernel
-from .divergences import DIVERGENCES, _solve_torch, check_inputs, raise_for_status
+from .divergences import DIVERGENCES, _solve_torch, check_inputs, raise_for_status, restrict_reference
 from .solvers import SolveInfo
 
 SMOOTHINGS = ("kneser-ney", "dirichlet")
@@ -53,7 +53,37 @@ SMOOTHINGS = ("kneser-ney", "dirichlet")
 @dataclass(frozen=True)
 class ContextConfig:
     """The choices of context-aware graphmax: divergence, λ, its share on KL(x‖q), order weights β_k, smoothing
-    (D or κ), unigram α. The regulariser is λ·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)]."""
+    (D or κ), unigram α. The regulariser is λ·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)].
+
+    ``graphmax tune`` stores one in a graph (``to_dict``); ``from_dict`` reads it back. The arguments are those of
+    ``ContextGraphmaxLogitsProcessor``, where each is described at length.
+
+    Args:
+        divergence (``str``, defaults to ``"rkl"``): D, one of ``DIVERGENCES``: ``"rkl"`` KL(q‖x), ``"kl"``
+            KL(x‖q) or ``"l2"`` ‖x − q‖².
+        lam (``float``, defaults to 1.2): λ ≥ 0; 0 gives softmax.
+        kl_share (``float``, defaults to 0.15): the share of λ on KL(x‖q), in [0, 1].
+        order_weights (``tuple[float, ...]``, defaults to ``(1.0,)``): β_k ≥ 0 with a positive sum, the weight of
+            q_k for the token k back.
+        smoothing (``str``, defaults to ``"kneser-ney"``): ``"kneser-ney"`` or ``"dirichlet"``.
+        discount (``float``, defaults to 0.75): Kneser–Ney's D in (0, 1), also the n-gram tables' discount.
+        ngram_order (``int``, defaults to 4): the longest n-gram that conditions q (2: the bigram row only).
+        kappa (``float``, defaults to 3.0): κ > 0, the Dirichlet prior (``"dirichlet"``, and orders k ≥ 2).
+        alpha (``float``, defaults to 0.5): α > 0, the add-α smoothing of the unigram every row backs off to.
+        source (``dict``, defaults to ``{"tuned": False}``): where the settings came from (``graphmax tune``
+            records its validation data); ignored by ``==``.
+
+    Raises:
+        ValueError: a setting out of its range, naming it and its value.
+
+    Example::
+
+        >>> cfg = ContextConfig(lam=2.0, kl_share=0.3)
+        >>> cfg.divergence_label, cfg.smoothing_label
+        ('0.7·rkl + 0.3·kl', 'kneser-ney D=0.75')
+        >>> ContextConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
 
     divergence: str = "rkl"
     lam: float = 1.2
@@ -190,6 +220,13 @@ class ContextReference:
     device, from tensors copied there once (:meth:`on`). Orders k ≥ 2 need Ã, which
     is normalised on first use only.
 
+    Args:
+        counts (``gm_graphs.Graph`` or scipy sparse matrix): the bigram counts A (a ``Graph`` loaded at order 1
+            also gives its n-gram tables), or a square count matrix.
+        config (``ContextConfig``, defaults to ``ContextConfig()``): the smoothing, orders and (for :meth:`step`)
+            the solve.
+        cache_rows (``int``, defaults to 4096): rows of Ãᵏ (orders k ≥ 2) kept once computed.
+
     Example::
 
         >>> import scipy.sparse as sp, torch
@@ -313,6 +350,31 @@ class ContextReference:
         q = np.empty((input_ids.shape[0], width))
         context_kernel.reference_rows(*self._kernel_args(input_ids), q, np.empty_like(q))
         return torch.from_numpy(q).to(dtype)
+
+    def restricted(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """q(· | ``input_ids``) over the tokens ``scores`` allows: zero where a score is ``-inf``, renormalised over
+        the rest; a row with no mass left stays all zeros. The q that graphmax's context decoder leans toward and
+        that ``InterpolationLogitsProcessor`` mixes in.
+
+        Args:
+            input_ids (``torch.LongTensor`` (B, T)): the contexts, one per row.
+            scores (``torch.FloatTensor`` (B, V)): the step's scores, V at least the graph's size; only which are
+                finite is read.
+
+        Returns:
+            ``torch.DoubleTensor`` (B, V): the rows of q, float64, on the scores' device.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 0, 0]], dtype=float)
+            >>> ref = ContextReference(counts, ContextConfig(smoothing="dirichlet", kappa=1.0))
+            >>> q = ref.restricted(torch.tensor([[2, 0]]), torch.tensor([[0.0, 0.0, -torch.inf]]))
+            >>> [round(v, 3) for v in q[0].tolist()]            # token 2 is masked: q moves to 0 and 1
+            [0.088, 0.912, 0.0]
+        """
+        q = self(input_ids, width=scores.shape[-1]).to(scores.device)
+        return restrict_reference(q, torch.isfinite(scores))[0]
 
     def step(self, input_ids: torch.Tensor, scores: torch.Tensor, *, lam: float | torch.Tensor | None = None,
              tol: float = 1e-6, max_iter: int | None = None, check_every: int | None = None,

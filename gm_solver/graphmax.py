@@ -88,6 +88,26 @@ def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float =
     every 8 on GPUs); ``0`` never does: ``max_iter`` steps, converged rows
     frozen, input checks asserted on the device; read ``info.converged``.
 
+    Args:
+        logits (``torch.Tensor`` (N,) or (B, N)): z, floating point; ``-inf`` masks a token, NaN and ``+inf``
+            are refused.
+        graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``): M.
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives softmax exactly.
+        tol (``float``, defaults to 1e-6): the certified duality gap at which the solve stops.
+        max_iter (``int``, defaults to 200): the iteration budget.
+        solver (``str``, defaults to ``"auto"``): ``"auto"``/``"mirror"`` (certified mirror descent) or
+            ``"paper"`` (the paper's Algorithm 1).
+        backend (``str``, defaults to ``"auto"``): how M is applied: ``"numba"`` (CPU), ``"torch"`` (any device)
+            or ``"auto"``.
+        dtype (``torch.dtype``, defaults to ``torch.float64``): the working dtype.
+        return_info (``bool``, defaults to ``False``): also return the solve's :class:`SolveInfo`.
+        trace (``bool``, defaults to ``False``): record the gap and step of every iteration in the info.
+        check_every (``int`` or ``None``, defaults to ``None``): iterations between the checks that read the gaps
+            back to the host (0: never).
+
+    Returns:
+        ``torch.Tensor``: x, the logits' shape and dtype, rows summing to 1; with ``return_info``, ``(x, info)``.
+
     Example::
 
         >>> import scipy.sparse as sp, torch
@@ -105,14 +125,52 @@ def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float =
 def log_graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float = 1e-6, max_iter: int = 200,
                  solver: str = "auto", backend: str = "auto", dtype: torch.dtype = torch.float64,
                  return_info: bool = False, trace: bool = False, check_every: int | None = None):
-    """log of :func:`graphmax`, computed directly in log space (``-inf`` where the probability is 0)."""
+    """log of :func:`graphmax`, computed directly in log space (``-inf`` where the probability is 0).
+
+    Args:
+        logits (``torch.Tensor`` (N,) or (B, N)): z, as for :func:`graphmax`.
+        graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``): M.
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives log-softmax exactly.
+        tol (``float``, defaults to 1e-6): the certified duality gap at which the solve stops.
+        max_iter (``int``, defaults to 200): the iteration budget.
+        solver (``str``, defaults to ``"auto"``): ``"auto"``/``"mirror"`` or ``"paper"``.
+        backend (``str``, defaults to ``"auto"``): ``"numba"``, ``"torch"`` or ``"auto"``.
+        dtype (``torch.dtype``, defaults to ``torch.float64``): the working dtype.
+        return_info (``bool``, defaults to ``False``): also return the solve's :class:`SolveInfo`.
+        trace (``bool``, defaults to ``False``): record the gap and step of every iteration in the info.
+        check_every (``int`` or ``None``, defaults to ``None``): iterations between host-side convergence checks.
+
+    Returns:
+        ``torch.Tensor``: log x, the logits' shape and dtype; with ``return_info``, ``(log x, info)``.
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> A = sp.csr_matrix([[0, 1.0, 0], [0, 0, 1.0], [1.0, 0, 0]])
+        >>> logp = log_graphmax(torch.tensor([[2.0, 1.0, -torch.inf]]), A, lam=1.0)
+        >>> [round(v, 3) for v in logp.exp()[0].tolist()], logp[0, 2].item()
+        ([0.562, 0.438, 0.0], -inf)
+    """
     logp, info = _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace, check_every)
     logp = torch.log_softmax(logits, -1) if lam == 0 else logp.to(logits.dtype).reshape(logits.shape)
     return (logp, info) if return_info else logp
 
 
 class Graphmax(torch.nn.Module):
-    """:func:`graphmax` over the last dimension as a module."""
+    """:func:`graphmax` over the last dimension as a module.
+
+    Args:
+        graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``): M.
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives softmax.
+        **kwargs: the keyword arguments of :func:`graphmax` (``tol``, ``max_iter``, ``solver``, …).
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> layer = Graphmax(sp.csr_matrix([[0, 1.0], [1.0, 0]]), lam=0.5)
+        >>> [round(v, 3) for v in layer(torch.tensor([[1.0, 0.0]]))[0].tolist()]
+        [0.583, 0.417]
+    """
 
     def __init__(self, graph: Any, lam: float = 1.0, **kwargs):
         super().__init__()
@@ -125,7 +183,20 @@ class Graphmax(torch.nn.Module):
 
 
 class LogGraphmax(Graphmax):
-    """:func:`log_graphmax` over the last dimension as a module."""
+    """:func:`log_graphmax` over the last dimension as a module.
+
+    Args:
+        graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``): M.
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives log-softmax.
+        **kwargs: the keyword arguments of :func:`log_graphmax` (``tol``, ``max_iter``, ``solver``, …).
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> layer = LogGraphmax(sp.csr_matrix([[0, 1.0], [1.0, 0]]), lam=0.5)
+        >>> [round(v, 3) for v in layer(torch.tensor([[1.0, 0.0]])).exp()[0].tolist()]
+        [0.583, 0.417]
+    """
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return log_graphmax(logits, self.graph, self.lam, **self.kwargs)

@@ -83,6 +83,14 @@ def _as_csr(graph: Any) -> tuple[sp.csr_matrix, str, int]:
 class TransitionOperator:
     """Applies M and Mᵀ to the rows of ``(B, V)`` tensors; M is exact (matrix-free for pruned orders).
 
+    Build one once and pass it as ``graph`` to :func:`graphmax` and the processors: it holds M and its transpose.
+
+    Args:
+        graph (``gm_graphs.Graph``, scipy sparse matrix or torch sparse CSR tensor): M, square.
+        device (``str`` or ``torch.device``, defaults to ``"cpu"``): where the rows it is applied to live.
+        backend (``str``, defaults to ``"auto"``): ``"numba"`` (CPU kernels), ``"torch"`` (sparse CSR on
+            ``device``) or ``"auto"`` (numba on the CPU, torch elsewhere).
+
     Example::
 
         >>> import scipy.sparse as sp, torch

@@ -68,6 +68,17 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
     (per-row iterations and certified gap). The first step of a process compiles numba's kernels (or loads them
     from numba's disk cache): call :meth:`warmup` before timing anything. Calling this base class directly raises
     a TypeError.
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 1, 0]], dtype=float)
+        >>> proc = GraphmaxLogitsProcessor.from_graph(counts)    # a graph never tuned: the context decoder
+        >>> isinstance(proc, ContextGraphmaxLogitsProcessor), isinstance(proc, GraphmaxLogitsProcessor)
+        (True, True)
+        >>> logp = proc(torch.tensor([[1, 0]]), torch.zeros(1, 3))
+        >>> round(float(logp.exp().sum()), 6)
+        1.0
     """
 
     last_info: SolveInfo | None = None

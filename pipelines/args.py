@@ -10,7 +10,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-from gm_graphs.errors import CorpusError
+from gm_graphs import CorpusError, expand_corpus
 
 __all__ = ["integer", "number", "integers", "numbers", "nonblank", "CorpusFiles", "corpus_error"]
 
@@ -100,8 +100,6 @@ def corpus_error(args: argparse.Namespace) -> str | None:
     if not hasattr(args, "corpus_files"):
         return None
     action, values = vars(args).pop("corpus_files")
-    from gm_graphs.corpus import expand_corpus  # pyarrow: only for the commands that read a corpus
-
     try:
         expand_corpus(values)
     except CorpusError as e:

@@ -7,9 +7,17 @@ import json
 import time
 from pathlib import Path
 
-from gm_graphs import GraphFormatError, OptionError, PruneRule, build_graph, list_graphs, load_graph, merge_graphs
-from gm_graphs.build import ENGINES
-from gm_graphs.ngrams import RUN_ENTRIES
+from gm_graphs import (
+    ENGINES,
+    NGRAM_RUN_ENTRIES,
+    GraphFormatError,
+    OptionError,
+    PruneRule,
+    build_graph,
+    list_graphs,
+    load_graph,
+    merge_graphs,
+)
 
 from .args import CorpusFiles, integer, integers, number
 
@@ -65,10 +73,10 @@ def register(sub) -> None:
     p.add_argument("--ngrams", type=integers(3, "3,4"), metavar="ORDERS",
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
                         "conditions on up to n−1 tokens; part of the same atomic build")
-    p.add_argument("--ngram-run-entries", type=integer(1), default=RUN_ENTRIES, metavar="N",
+    p.add_argument("--ngram-run-entries", type=integer(1), default=NGRAM_RUN_ENTRIES, metavar="N",
                    help=f"bigrams and n-grams of each order buffered in memory (8 bytes each) before they are "
                         f"sorted into a run in the build's temporary folder, merged at the end; bounds memory "
-                        f"(default {RUN_ENTRIES:,}: 128 MB per order)")
+                        f"(default {NGRAM_RUN_ENTRIES:,}: 128 MB per order)")
     p.add_argument("--engine", choices=ENGINES, default="local",
                    help="local: this machine (default); ray: a Ray cluster's workers count, this machine writes "
                         "(needs pip install 'graphmax[ray]')")

@@ -16,7 +16,7 @@ import re
 import sys
 from typing import NoReturn
 
-from gm_graphs.errors import GraphmaxError
+from gm_graphs import GraphmaxError
 
 from .args import corpus_error
 
@@ -111,7 +111,7 @@ def os_error_message(e: OSError, args: argparse.Namespace) -> str:
     target = next((getattr(args, k) for k in ("path", "out") if isinstance(getattr(args, k, None), (str, os.PathLike))),
                   None)
     if target is None:
-        from gm_graphs.graph import graphmax_home
+        from gm_graphs import graphmax_home
 
         target = graphmax_home()
     return f"{what} (writing under {os.fspath(target)!r}); {fix}"

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-from gm_graphs import GraphFormatError, add_ngrams, build_graph, bundled, graph_path, load_graph
-from gm_graphs.ngrams import ORDERS
+from gm_graphs import NGRAM_ORDERS, GraphFormatError, add_ngrams, build_graph, bundled, graph_path, load_graph
 from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
 from .args import integer, number
@@ -39,7 +38,7 @@ def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
     if graph is None:  # overwrite replaces only a graph graphmax wrote
         print(f"building graph {name!r} from {corpus.path().name} (once; reused afterwards)")
         graph = build_graph(corpus.path(), tokenizer, name=name, text_column=corpus.text_column, clean=corpus.clean,
-                            ngrams=ORDERS, overwrite=True)
+                            ngrams=NGRAM_ORDERS, overwrite=True)
     if not graph.ngrams:
         add_ngrams(graph, corpus.path(), tokenizer, text_column=corpus.text_column, clean=corpus.clean)
     return graph

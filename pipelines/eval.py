@@ -19,8 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
-from gm_graphs.folders import claim_folder
+from gm_graphs import Graph, add_ngrams, bundled, claim_folder, count_corpus, split_corpus, write_graph
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,

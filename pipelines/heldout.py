@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from gm_solver.divergences import restrict_reference
-
 from .metrics import mean_and_standard_error
 
 if TYPE_CHECKING:
@@ -121,7 +119,7 @@ def target_probabilities(heldout: HeldOut, reference: ContextReference) -> tuple
     for input_ids, scores, targets in heldout.steps():
         z = scores.double()
         p_lm.append(torch.softmax(z, -1).gather(1, targets[:, None])[:, 0])
-        q, _ = restrict_reference(reference(input_ids, width=z.shape[-1]), torch.isfinite(z))  # as the processor
+        q = reference.restricted(input_ids, z)  # as the processor
         p_ref.append(q.gather(1, targets[:, None])[:, 0])
     return torch.cat(p_lm), torch.cat(p_ref)
 

