@@ -20,7 +20,18 @@ from gm_graphs import GraphmaxError
 
 from .args import corpus_error
 
-DESCRIPTION = "Word-transition graphs from a corpus, and graph-regularised softmax decoding with them."
+DESCRIPTION = """Make a pretrained language model write like your corpus, without fine-tuning: build a
+word-transition graph from the corpus in the model's tokens, then decode with graphmax, a softmax
+regularised toward what the corpus says comes next."""
+EXAMPLES = """examples:
+  graphmax demo                                                   # bundled movie reviews and SmolLM2-135M
+  graphmax build reviews/*.csv.gz --text-column review --tokenizer smollm2 --name amazon --ngrams 3,4
+  graphmax tune amazon --corpus validation.csv --text-column review   # choose the decoder; stored in the graph
+  graphmax generate --graph amazon --prompt "This blender" --compare  # the stored decoder, softmax beside it
+  graphmax eval --corpus drug-reviews --out report                    # held-out perplexity, BLEU, baselines
+
+`graphmax COMMAND --help` shows a command's options. Graphs live in $GRAPHMAX_HOME/graphs (default
+~/.cache/graphmax/graphs)."""
 # command → the module whose register() defines it; only the module of the command run is imported
 JOBS = {"build": "build", "merge": "build", "graphs": "build", "generate": "generate", "demo": "demo",
         "tune": "tune", "eval": "eval"}
@@ -62,7 +73,8 @@ def one_line(message: str) -> str:
 def make_parser(argv: list[str]) -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
     """The parser and its command parsers, with only the command's module imported when ``argv`` starts
     with a command (``graphmax build`` needs no torch); every module for help and mistyped commands."""
-    parser = ArgumentParser(prog="graphmax", description=DESCRIPTION)
+    parser = ArgumentParser(prog="graphmax", description=DESCRIPTION, epilog=EXAMPLES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     modules = [JOBS[argv[0]]] if argv and argv[0] in JOBS else list(dict.fromkeys(JOBS.values()))
     for module in modules:
