@@ -29,7 +29,7 @@ from .ngrams import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from .ngrams import NgramCounts, count_ngrams, merge_ngrams
 from .operators import OperatorSpec, PruneRule
 from .split import CorpusSplit, split_corpus
-from .tokenize import TokenizerIdentity, load_tokenizer
+from .tokenize import TokenizerIdentity, load_tokenizer, word_tokenizer
 
 __all__ = [
     # graphs: build, open, merge, list
@@ -40,7 +40,7 @@ __all__ = [
     # corpora: reading, splitting, the bundled ones, and an output folder graphmax may write into
     "CorpusSplit", "ReadStats", "bundled", "claim_folder", "expand_corpus", "iter_documents", "split_corpus",
     # tokenizers
-    "TokenizerIdentity", "load_tokenizer",
+    "TokenizerIdentity", "load_tokenizer", "word_tokenizer",
     # defaults and choices: the n-gram orders add_ngrams counts, n-grams buffered per sorted run, build engines
     "ENGINES", "NGRAM_ORDERS", "NGRAM_RUN_ENTRIES",
     # errors: every one a GraphmaxError

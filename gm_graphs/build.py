@@ -72,12 +72,8 @@ class CorpusCounts:
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> _ = (folder / "more.txt").write_text("the dog ran\\n")
@@ -145,12 +141,8 @@ def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", cl
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
@@ -352,12 +344,8 @@ def write_graph(cc: CorpusCounts, graph: str | os.PathLike, *, orders: Sequence[
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
@@ -442,12 +430,8 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", orders=(1, 2), ngrams=(3,),
@@ -518,12 +502,8 @@ def load_counts(graph: Graph) -> CorpusCounts:
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
@@ -560,12 +540,8 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> _ = (folder / "more.txt").write_text("the dog ran\\n")
@@ -625,12 +601,8 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)

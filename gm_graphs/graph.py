@@ -29,12 +29,8 @@ def list_graphs() -> list[str]:
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> from gm_graphs import build_graph
@@ -69,12 +65,8 @@ class Graph:
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> from gm_graphs import build_graph
@@ -239,12 +231,8 @@ def load_graph(graph: str | os.PathLike, order: int = 1, mixture: int | None = N
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> from gm_graphs import build_graph

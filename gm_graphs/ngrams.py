@@ -151,12 +151,8 @@ def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, 
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> vocab = "[UNK] the cat dog sat ran".split()
-        >>> words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, "[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=words)      # any transformers tokenizer, or "smollm2"
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
         >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
         >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
         >>> tables = count_ngrams(folder / "reviews.txt", tok, orders=(3,), progress=False)

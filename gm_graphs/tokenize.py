@@ -19,6 +19,33 @@ from .errors import TokenizerError
 BUNDLED_ALIASES = {"smollm2": bundled.smollm2_gguf}
 
 
+def word_tokenizer(words: list[str]):
+    """A whitespace tokenizer with one token per word of ``words`` (id 0 is ``[UNK]``), for examples and tests.
+
+    Real graphs use the language model's own tokenizer (:func:`load_tokenizer`); this one makes a graph small
+    enough to read in a docstring.
+
+    Args:
+        words (``list[str]``): the vocabulary after ``[UNK]``; any other word becomes ``[UNK]``.
+
+    Returns:
+        ``transformers.PreTrainedTokenizerFast`` with ``len(words) + 1`` tokens.
+
+    Example::
+
+        >>> tok = word_tokenizer("the cat sat".split())
+        >>> tok("the cat sat on")["input_ids"]
+        [1, 2, 3, 0]
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast  # transformers is heavy: only when a tokenizer is made
+
+    vocab = {"[UNK]": 0, **{w: i for i, w in enumerate(words, start=1)}}
+    model = Tokenizer(models.WordLevel(vocab, "[UNK]"))
+    model.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]")
+
+
 def load_tokenizer(spec: Any):
     """A transformers tokenizer from a loaded tokenizer, a name, a folder, a ``tokenizer.json`` or a GGUF file.
 
