@@ -26,7 +26,6 @@ name and renamed; the manifest says ``"status": "complete"`` only once every sha
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -103,18 +102,11 @@ class Model:
 # ---------------------------------------------------------------- estimation
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def real_documents() -> tuple[list[str], list[dict]]:
     """The bundled corpora's documents (cleaned as graphmax reads them), and where they came from."""
     from gm_graphs import bundled
     from gm_graphs.corpus import expand_corpus, iter_documents
+    from gm_graphs.storage import sha256_file
 
     docs: list[str] = []
     sources = []
@@ -123,7 +115,7 @@ def real_documents() -> tuple[list[str], list[dict]]:
         n = len(docs)
         for batch in iter_documents(expand_corpus(path), c.text_column, clean=c.clean):
             docs.extend(batch)
-        sources.append({"corpus": name, "file": path.name, "sha256": _sha256(path), "documents": len(docs) - n})
+        sources.append({"corpus": name, "file": path.name, "sha256": sha256_file(path), "documents": len(docs) - n})
     return docs, sources
 
 
@@ -451,6 +443,8 @@ def prepare_folder(folder: Path, overwrite: bool) -> None:
 def write_corpus(folder: Path, docs: int, seed: int = 0, shard_docs: int = 250_000, *, overwrite: bool = False,
                  model: Model | None = None, log=print) -> dict:
     """Write ``docs`` documents as Parquet shards into ``folder``; returns the manifest."""
+    from gm_graphs.storage import sha256_file
+
     if docs < 1:
         raise SynthError(f"--docs must be at least 1, got {docs}")
     if shard_docs < 1:
@@ -479,7 +473,7 @@ def write_corpus(folder: Path, docs: int, seed: int = 0, shard_docs: int = 250_0
                        write_statistics=False, row_group_size=50_000)
         os.replace(tmp, folder / entry["file"])
         entry.update(text_bytes=len(arr.buffers()[2]), tokens_estimate=int(tokens.sum()),
-                     file_bytes=(folder / entry["file"]).stat().st_size, sha256=_sha256(folder / entry["file"]))
+                     file_bytes=(folder / entry["file"]).stat().st_size, sha256=sha256_file(folder / entry["file"]))
         total_bytes += entry["text_bytes"]
         total_tokens += entry["tokens_estimate"]
         log(f"{entry['file']}: documents {entry['first_doc']:,}–{entry['first_doc'] + entry['docs'] - 1:,}, "

@@ -32,7 +32,7 @@ import json
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,22 +220,21 @@ def write_manifest(root: Path, manifest: dict) -> None:
     fault_point("manifest.replaced")
 
 
+def file_entries(manifest: Any) -> Iterator[dict]:
+    """Every file entry of a manifest (a dict with a ``file`` path and its ``sha256``), depth first."""
+    if isinstance(manifest, dict):
+        if isinstance(manifest.get("file"), str) and "sha256" in manifest:
+            yield manifest
+        for v in manifest.values():
+            yield from file_entries(v)
+    elif isinstance(manifest, list):
+        for v in manifest:
+            yield from file_entries(v)
+
+
 def referenced_folders(manifest: dict) -> set[str]:
     """The top-level folders the manifest's file entries live in."""
-    found: set[str] = set()
-
-    def walk(v: Any) -> None:
-        if isinstance(v, dict):
-            if isinstance(v.get("file"), str) and "sha256" in v:
-                found.add(v["file"].split("/", 1)[0])
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-
-    walk(manifest)
-    return found
+    return {entry["file"].split("/", 1)[0] for entry in file_entries(manifest)}
 
 
 def remove_unreferenced(root: Path, manifest: dict) -> None:

@@ -571,23 +571,13 @@ def decodable(tmp_path_factory, bpe_tokenizer):
 
 def _rehash(folder: Path) -> None:
     """Recompute every listed file's size and SHA-256, as a crafted folder's author would."""
-    from gm_graphs.storage import sha256_file
+    from gm_graphs.storage import file_entries, sha256_file
 
     m = json.loads((folder / "manifest.json").read_text())
-
-    def walk(v):
-        if isinstance(v, dict):
-            if isinstance(v.get("file"), str) and "sha256" in v:
-                p = folder / v["file"] if not v["file"].startswith("/") else Path(v["file"])
-                if p.is_file():
-                    v["bytes"], v["sha256"] = p.stat().st_size, sha256_file(p)
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-
-    walk(m)
+    for entry in file_entries(m):
+        p = folder / entry["file"] if not entry["file"].startswith("/") else Path(entry["file"])
+        if p.is_file():
+            entry["bytes"], entry["sha256"] = p.stat().st_size, sha256_file(p)
     (folder / "manifest.json").write_text(json.dumps(m))
 
 

@@ -74,19 +74,7 @@ def test_save_array_writes_what_np_save_writes(tmp_path):
 def test_manifest_carries_the_format_marker_and_every_file(small_graph):
     m = small_graph.manifest
     assert m["format"] == GRAPH_FORMAT and m["format_version"] == 1
-    listed = set()
-
-    def walk(v):
-        if isinstance(v, dict):
-            if "sha256" in v and "file" in v:
-                listed.add(v["file"])
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-
-    walk(m)
+    listed = {entry["file"] for entry in storage.file_entries(m)}
     on_disk = {p.relative_to(small_graph.path).as_posix() for p in small_graph.path.rglob("*") if p.is_file()}
     assert on_disk - listed == {"manifest.json"} and listed <= on_disk
 
