@@ -21,6 +21,9 @@ import numba
 import numpy as np
 
 from .counts import count_bits, pack_sorted, unpack, window_keys
+from .numba_cache import ensure_cache_dir
+
+ensure_cache_dir()  # before the cached kernels below are defined
 
 SAMPLE = 4096  # every SAMPLE-th entry of a run stays in memory, to find a key's place in the run by one small read
 RANGE_ENTRIES = 1 << 22  # entries merged at a time by default (32 MB of packed entries, ~100 MB while merged)

@@ -20,6 +20,9 @@ import numpy as np
 
 from .errors import GraphFormatError
 from .folders import GRAPH_FORMAT
+from .numba_cache import ensure_cache_dir
+
+ensure_cache_dir()  # before the cached kernels below are defined
 
 FORMAT_VERSION = 1
 REBUILD = "rebuild the graph (graphmax build … --overwrite)"

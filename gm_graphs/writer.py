@@ -21,7 +21,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .faults import fault_point
+from .numba_cache import ensure_cache_dir
 from .storage import NGRAM_DTYPES, sha256_file
+
+ensure_cache_dir()  # before the cached kernels below are defined
 
 ROW_GROUP = 1 << 20  # rows per Parquet row group
 _HEADER_SHAPE = (2**62,)  # the widest shape a header is written for before its length is known

@@ -19,6 +19,10 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from gm_graphs.numba_cache import ensure_cache_dir
+
+ensure_cache_dir()  # before the cached kernels below are defined
+
 _CHUNKS = 64  # row blocks of equal non-zeros, spread over the threads
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from numba.core.dispatcher import Dispatcher
 
 from gm_graphs import numba_cache
 
@@ -41,6 +43,17 @@ def test_import_falls_back_to_a_temporary_cache_folder(tmp_path):
     assert out.returncode == 0, out.stderr
     cache = Path(out.stdout.strip())
     assert cache.parent == tmp_path / "tmp" and any(cache.rglob("*.nbi"))
+
+
+def test_every_graphmax_kernel_is_stamped_with_all_sources():
+    modules = [f"{package}.{path.stem}" for package in PACKAGES for path in sorted((ROOT / package).glob("*.py"))
+               if "import numba" in path.read_text()]
+    kernels = {}
+    for name in modules:
+        for kernel in vars(importlib.import_module(name)).values():
+            if isinstance(kernel, Dispatcher) and kernel.py_func.__module__ == name and kernel._cache.cache_path:
+                kernels[f"{name}.{kernel.__name__}"] = type(kernel._cache._impl.locator).__module__
+    assert len(kernels) > 50 and kernels == dict.fromkeys(kernels, "gm_graphs.numba_cache")
 
 
 def test_a_change_to_any_kernel_module_recompiles_the_kernels_that_call_it(tmp_path):
