@@ -19,16 +19,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from gm_graphs.numba_cache import ensure_cache_dir
-
 from .context import ContextConfig, ContextReference
 from .divergences import DIVERGENCES, certificate_toward, solve_toward
 from .graphmax import Graphmax, LogGraphmax, graphmax, log_graphmax
 from .objective import certificate
 from .operator import TransitionOperator
 from .solvers import SolveInfo
-
-ensure_cache_dir()  # the kernels are cached on disk: somewhere writable, even on a read-only install
 
 # name → the module that defines it, imported on first access (it imports transformers)
 _LAZY = {
