@@ -205,7 +205,7 @@ def check_decoder(root, d) -> None:
     s.need(isinstance(d, dict), "decoder", "an object", d)
     if "mode" in d:
         s.need(d["mode"] in ("paper", "context"), "decoder.mode", "'paper' or 'context'", d["mode"])
-    for key in ("lam", "kl_share", "discount", "kappa", "alpha"):
+    for key in ("lam", "kl_share", "discount", "kappa", "alpha", "lam_decay"):
         if key in d:
             s.need(_is_number(d[key]), f"decoder.{key}", "a finite number", d[key])
     for key in ("divergence", "smoothing"):

@@ -53,7 +53,8 @@ SMOOTHINGS = ("kneser-ney", "dirichlet")
 @dataclass(frozen=True)
 class ContextConfig:
     """The choices of context-aware graphmax: divergence, λ, its share on KL(x‖q), order weights β_k, smoothing
-    (D or κ), unigram α. The regulariser is λ·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)].
+    (D or κ), unigram α, and how λ falls with the context's length. The regulariser is
+    λ_t·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)], with λ_t = λ·t^(−lam_decay) after t tokens of context.
 
     ``graphmax tune`` stores one in a graph (``to_dict``); ``from_dict`` reads it back. The arguments are those of
     ``ContextGraphmaxLogitsProcessor``, where each is described at length.
@@ -70,6 +71,8 @@ class ContextConfig:
         ngram_order (``int``, defaults to 4): the longest n-gram that conditions q (2: the bigram row only).
         kappa (``float``, defaults to 3.0): κ > 0, the Dirichlet prior (``"dirichlet"``, and orders k ≥ 2).
         alpha (``float``, defaults to 0.5): α > 0, the add-α smoothing of the unigram every row backs off to.
+        lam_decay (``float``, defaults to 0.0): γ ≥ 0, finite: λ_t = λ·t^(−γ) after t tokens of context (the length
+            of ``input_ids``, padding included); 0 keeps λ constant.
         source (``dict``, defaults to ``{"tuned": False}``): where the settings came from (``graphmax tune``
             records its validation data); ignored by ``==``.
 
@@ -83,6 +86,8 @@ class ContextConfig:
         ('0.7·rkl + 0.3·kl', 'kneser-ney D=0.75')
         >>> ContextConfig.from_dict(cfg.to_dict()) == cfg
         True
+        >>> ContextConfig(lam=2.0, lam_decay=0.5).lam_at(16)    # 2·16^(−0.5)
+        0.5
     """
 
     divergence: str = "rkl"
@@ -94,6 +99,7 @@ class ContextConfig:
     ngram_order: int = 4
     kappa: float = 3.0
     alpha: float = 0.5
+    lam_decay: float = 0.0
     source: dict = field(default_factory=lambda: {"tuned": False}, compare=False)
 
     def __post_init__(self):
@@ -113,8 +119,14 @@ class ContextConfig:
             raise ValueError(f"smoothing must be one of {SMOOTHINGS}, got {self.smoothing!r}")
         if not 0 < self.discount < 1:
             raise ValueError(f"discount must be in (0, 1) (Kneser–Ney's D), got {self.discount}")
+        if not (0 <= self.lam_decay < float("inf")):
+            raise ValueError(f"lam_decay must be a finite float >= 0 (0: λ constant), got {self.lam_decay}")
         if not (isinstance(self.ngram_order, int) and self.ngram_order >= 2):
             raise ValueError(f"ngram_order must be an integer >= 2 (2: the bigram row only), got {self.ngram_order!r}")
+
+    def lam_at(self, length: int) -> float:
+        """λ_t for a step after ``length`` tokens of context: λ·t^(−lam_decay), t = max(length, 1)."""
+        return self.lam if self.lam_decay == 0 else self.lam * max(int(length), 1) ** -self.lam_decay
 
     @property
     def divergence_label(self) -> str:
@@ -137,7 +149,7 @@ class ContextConfig:
     @classmethod
     def from_dict(cls, d: dict) -> ContextConfig:
         known = {k: d[k] for k in ("divergence", "lam", "kl_share", "order_weights", "smoothing", "discount",
-                                   "ngram_order", "kappa", "alpha", "source") if k in d}
+                                   "ngram_order", "kappa", "alpha", "lam_decay", "source") if k in d}
         # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior, before kl_share with none
         known.setdefault("smoothing", "dirichlet")
         known.setdefault("kl_share", 0.0)
@@ -382,15 +394,13 @@ class ContextReference:
         """One decoding step: log x of the config's problem toward q(· | ``input_ids``) for each row of ``scores``,
         in ``scores``' dtype and on its device, with the solve's info (certificate per row).
 
-        ``lam`` overrides the config's λ: a float, or a (B,) tensor of λ ≥ 0 per
-        row. ``backend`` "numba" (CPU only): one numba call does everything
-        (``context_kernel.decode_step``; ``max_iter`` ν steps at most, default 60).
-        "torch": everything stays on the scores' device, the reference rows by
-        torch and the solve by ``divergences``' torch path, by default with no
-        host synchronisation off the CPU (``check_every=0``: ``max_iter`` ν steps,
-        default 8, rows frozen once converged, ``info.converged`` left on the
-        device); ``check_every`` ≥ 1 checks every that many steps instead. "auto":
-        numba on CPU, torch elsewhere.
+        ``lam`` overrides the config's λ_t (``ContextConfig.lam_at`` of ``input_ids``' length): a float, or a (B,)
+        tensor of λ ≥ 0 per row. ``backend`` "numba" (CPU only): one numba call does everything
+        (``context_kernel.decode_step``; ``max_iter`` ν steps at most, default 60). "torch": everything stays on the
+        scores' device, the reference rows by torch and the solve by ``divergences``' torch path, by default with no
+        host synchronisation off the CPU (``check_every=0``: ``max_iter`` ν steps, default 8, rows frozen once
+        converged, ``info.converged`` left on the device); ``check_every`` ≥ 1 checks every that many steps instead.
+        "auto": numba on CPU, torch elsewhere.
 
         Example::
 
@@ -420,7 +430,7 @@ class ContextReference:
         share = 1.0 if cfg.divergence == "kl" else cfg.kl_share
         max_iter = max_iter if max_iter is not None else (60 if cpu else 8)
         # the kernel checks the scores' values in its first pass (one pass fewer)
-        lam = check_inputs(scores, None, cfg.lam if lam is None else lam, share, tol, max_iter,
+        lam = check_inputs(scores, None, cfg.lam_at(input_ids.shape[1]) if lam is None else lam, share, tol, max_iter,
                            sync=check_every != 0, skip_z_values=kernel, name="scores")
         if isinstance(lam, float) and lam == 0.0:
             zeros = torch.zeros(scores.shape[0], dtype=torch.float64, device=scores.device)

@@ -110,7 +110,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
             >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 1, 0]], dtype=float)
             >>> GraphmaxLogitsProcessor.from_graph(counts, lam=2.0)    # never tuned: the context decoder's defaults
             ContextGraphmaxLogitsProcessor(divergence='rkl', lam=2.0, kl_share=0.15, ngram_order=4, \
-order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.5)
+order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.5, lam_decay=0.0)
         """
         stored = dict(getattr(graph, "decoder", None) or {})
         target = PaperGraphmaxLogitsProcessor if stored.pop("mode", "context") == "paper" else \
@@ -310,6 +310,10 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         kappa (``float``, defaults to 3.0): κ > 0, the Dirichlet prior of ``smoothing="dirichlet"`` and of the
             orders k ≥ 2.
         alpha (``float``, defaults to 0.5): α > 0, the add-α smoothing of the unigram every row backs off to.
+        lam_decay (``float``, defaults to 0.0): γ ≥ 0, finite: the step after t tokens of context (``input_ids``'
+            length, left padding included) uses λ_t = λ·t^(−γ), since the more of a document the LM has seen, the
+            less it needs the corpus (held-out perplexity over 64 tokens: ``graphmax tune`` chooses γ); 0 keeps λ
+            constant.
         tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused
             (``graph`` must then be a ``gm_graphs.Graph``).
 
@@ -335,7 +339,8 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
 
     def __init__(self, graph: Any, *, divergence: str = "rkl", lam: float = 1.2, kl_share: float = 0.15,
                  ngram_order: int = 4, order_weights: tuple[float, ...] = (1.0,), smoothing: str = "kneser-ney",
-                 discount: float = 0.75, kappa: float = 3.0, alpha: float = 0.5, tokenizer: Any = None):
+                 discount: float = 0.75, kappa: float = 3.0, alpha: float = 0.5, lam_decay: float = 0.0,
+                 tokenizer: Any = None):
         divergence = _choice("divergence", divergence, DIVERGENCES)
         lam = _real("lam", lam, "a finite float >= 0 (0 gives softmax)", _finite_nonnegative)
         kl_share = _real("kl_share", kl_share, "a float in [0, 1] (the share of λ on KL(x‖q))", lambda v: 0 <= v <= 1)
@@ -345,6 +350,8 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         discount = _real("discount", discount, "a float in (0, 1) (Kneser–Ney's D)", lambda v: 0 < v < 1)
         kappa = _real("kappa", kappa, "a finite float > 0 (the Dirichlet prior's strength)", _finite_positive)
         alpha = _real("alpha", alpha, "a finite float > 0 (add-α on the unigram)", _finite_positive)
+        lam_decay = _real("lam_decay", lam_decay, "a finite float >= 0 (λ_t = λ·t^(−lam_decay); 0: constant)",
+                          _finite_nonnegative)
         tables = _ngram_tables(graph)
         in_use = [n for n in tables if n <= ngram_order]
         if ngram_order > max(tables, default=2):
@@ -369,7 +376,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
             graph.check_tokenizer(tokenizer)
         self.config = ContextConfig(divergence=divergence, lam=lam, kl_share=kl_share, order_weights=weights,
                                     smoothing=smoothing, discount=discount, ngram_order=ngram_order, kappa=kappa,
-                                    alpha=alpha)
+                                    alpha=alpha, lam_decay=lam_decay)
         self.reference = ContextReference(graph, self.config)
         self.last_info = None
 
@@ -420,7 +427,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         c = self.config
         return {"divergence": c.divergence, "lam": c.lam, "kl_share": c.kl_share, "ngram_order": c.ngram_order,
                 "order_weights": c.order_weights, "smoothing": c.smoothing, "discount": c.discount,
-                "kappa": c.kappa, "alpha": c.alpha}
+                "kappa": c.kappa, "alpha": c.alpha, "lam_decay": c.lam_decay}
 
 
 def _order_weights(value: Any) -> tuple[float, ...]:

@@ -24,7 +24,7 @@ DECODERS = {"paper": PaperGraphmaxLogitsProcessor, "context": ContextGraphmaxLog
 OPTIONS = {
     "paper": ("lam", "tol", "solver", "max_iter", "order", "mixture"),
     "context": ("lam", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
-                "kappa", "alpha"),
+                "kappa", "alpha", "lam_decay"),
 }
 
 
@@ -114,6 +114,8 @@ def register(sub) -> None:
     p.add_argument("--discount", type=number(above=0, below=1), help="context: Kneser–Ney's D (default 0.75)")
     p.add_argument("--kappa", type=number(above=0), help="context: the Dirichlet prior κ (default 3)")
     p.add_argument("--alpha", type=number(above=0), help="context: add-α of the unigram (default 0.5)")
+    p.add_argument("--lam-decay", type=number(at_least=0),
+                   help="context: γ in λ_t = λ·t^(−γ) after t tokens of context (default 0: λ constant)")
     p.set_defaults(run=run)
 
 

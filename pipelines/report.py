@@ -204,7 +204,8 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
         "", "## Held-out perplexity (teacher-forced)", "",
         perplexity_table(ppl_rows, windows),
         f"Ratios are to softmax over the same tokens; log ratio ± SE is paired per token. Tuned context graphmax: "
-        f"divergence {tuned.divergence_label}, λ = {tuned.lam:g}, {tuned.smoothing_label}, "
+        f"divergence {tuned.divergence_label}, λ = {tuned.lam:g}·t^(−{tuned.lam_decay:g}) after t tokens, "
+        f"{tuned.smoothing_label}, "
         f"n-grams up to {tuned.ngram_order}, order weights {list(tuned.order_weights)} (all candidates in tuning.csv).",
         *(["Algorithm 1's simplex projection leaves exact zeros, so some held-out tokens get probability 0: its "
            "perplexity is infinite."] if ppl["paper algorithm 1"][f"perplexity_{short}"] == float("inf") else []),

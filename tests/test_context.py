@@ -14,7 +14,7 @@ import pytest
 import scipy.optimize
 import scipy.sparse as sp
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gm_graphs.ngrams import NgramCounts
@@ -257,10 +257,34 @@ def test_context_processor_moves_mass_toward_the_corpus_continuation():
     (dict(divergence="js"), "divergence"), (dict(lam=-1.0), "lam"), (dict(order_weights=()), "order_weights"),
     (dict(kappa=0.0), "kappa"), (dict(smoothing="witten-bell"), "smoothing"), (dict(discount=1.0), "discount"),
     (dict(ngram_order=1), "ngram_order"), (dict(kl_share=-0.1), "kl_share"), (dict(kl_share=2.0), "kl_share"),
+    (dict(lam_decay=-0.5), "lam_decay"), (dict(lam_decay=float("inf")), "lam_decay"),
+    (dict(lam_decay=float("nan")), "lam_decay"),
 ])
 def test_config_is_validated(kwargs, error):
     with pytest.raises(ValueError, match=error):
         ContextConfig(**kwargs)
+
+
+def test_a_config_stored_before_lam_decay_keeps_lambda_constant():
+    stored = ContextConfig(lam=2.0).to_dict()
+    del stored["lam_decay"]
+    cfg = ContextConfig.from_dict(stored)
+    assert cfg.lam_decay == 0.0 and cfg.lam_at(1) == cfg.lam_at(500) == 2.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(length=st.integers(1, 40), decay=st.floats(0.0, 2.0), lam=st.floats(0.05, 8.0),
+       backend=st.sampled_from(["numba", "torch"]))
+def test_the_step_uses_lambda_at_the_context_length(length, decay, lam, backend):
+    # λ_t = λ·t^(−γ) with t the length of input_ids: the same step as passing that λ explicitly
+    ref = ContextReference(COUNTS, ContextConfig(lam=lam, lam_decay=decay))
+    ids = torch.randint(0, 5, (3, length), generator=torch.Generator().manual_seed(length))
+    scores = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(length + 1))
+    got, info = ref.step(ids, scores, backend=backend)
+    expected, _ = ref.step(ids, scores, lam=lam * length ** -decay, backend=backend)
+    assert torch.equal(got, expected) and bool((info.gap <= 1e-6).all())
+    if lam * length ** -decay != lam:  # and not the step at λ itself
+        assert not torch.equal(got, ref.step(ids, scores, lam=lam, backend=backend)[0])
 
 
 def test_interpolation_is_the_mixture_of_softmax_and_the_reference():

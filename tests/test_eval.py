@@ -135,7 +135,27 @@ def test_tune_stores_its_choice_and_from_graph_uses_it(smollm2, drug_graph, tmp_
     assert stored["mode"] == "context" and stored["source"]["tuned"] and stored["source"]["positions"] == 12
     proc = GraphmaxLogitsProcessor.from_graph(load_graph(path))
     assert proc.config.lam == stored["lam"] and proc.config.divergence == stored["divergence"]
-    assert proc.config.kl_share == stored["kl_share"]
+    assert proc.config.kl_share == stored["kl_share"] and proc.config.lam_decay == stored["lam_decay"]
+
+
+def test_tune_tries_each_lambda_decay_and_keeps_lambda_t_at_the_median_position():
+    import scipy.sparse as sp
+
+    from pipelines.heldout import HeldOut
+    from pipelines.tune import LAM_DECAYS, tune_config
+
+    gen = torch.Generator().manual_seed(0)
+    counts = sp.csr_matrix(torch.randint(0, 4, (6, 6), generator=gen).double().numpy())
+    ids = [torch.randint(0, 6, (n + 1,), generator=gen) for n in (9, 5, 7)]
+    held = HeldOut(ids, [torch.randn(len(i) - 1, 6, generator=gen) for i in ids])
+    best, table = tune_config(counts, held, progress=False)
+    assert {row["lam_decay"] for row in table} == set(LAM_DECAYS)
+    # the median scored position is 4: each γ starts from λ·4^γ, so that λ_t there is a λ tried at γ = 0
+    constant = [row["lam"] for row in table if row["lam_decay"] == 0]
+    for g in LAM_DECAYS:
+        assert any(math.isclose(row["lam"] * 4 ** -g, lam) for row in table if row["lam_decay"] == g
+                   for lam in constant)
+    assert min(row["perplexity"] for row in table) == table[0]["perplexity"]
 
 
 def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path, monkeypatch):

@@ -223,6 +223,8 @@ def test_every_paper_argument_changes_the_output_or_reaches_the_solver(graph, sm
     ({"smoothing": "witten-bell"}, "`smoothing` must be one of .*got 'witten-bell'"),
     ({"discount": 1.0}, "`discount` must be a float in \\(0, 1\\).*got 1.0"),
     ({"kappa": 0.0}, "`kappa` must be a finite float > 0.*got 0.0"), ({"alpha": -1}, "`alpha`.*got -1"),
+    ({"lam_decay": -0.1}, "`lam_decay` must be a finite float >= 0 .*got -0.1"),
+    ({"lam_decay": math.inf}, "`lam_decay`.*got inf"), ({"lam_decay": "0.5"}, "`lam_decay`.*got '0.5'"),
     ({"tokenizer": "smollm2"}, "`tokenizer` can only be checked against a gm_graphs.Graph"),
     # a setting that another one switches off
     ({"kappa": 10.0}, "`kappa`=10.0 has no effect with smoothing='kneser-ney' and one order"),
