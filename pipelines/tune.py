@@ -30,8 +30,8 @@ SMOOTHINGS = (*({"smoothing": "kneser-ney", "discount": d} for d in (0.6, 0.75, 
               *({"smoothing": "dirichlet", "kappa": k} for k in (1.0, 3.0, 10.0)))
 ORDER_WEIGHTS = ((1.0,), (0.8, 0.2))
 KL_SHARES = (0.0, 0.1, 0.2, 0.3)
-# γ of λ_t = λ·t^(−γ): on the bundled corpora's validation text, positions 33–64 wanted about half the λ of
-# positions 1–8 (the LM needs the corpus less the more of the document it has seen)
+# γ of λ_t = λ·t^(−γ): the LM needs the corpus less the more of the document it has seen (on movie-review
+# validation text, of λ ∈ {0.6, 1.2, 2.4, 4.8}, positions 1–8 did best with 2.4 and positions 33–64 with 0.6)
 LAM_DECAYS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
