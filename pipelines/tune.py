@@ -57,10 +57,9 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
     if tables:
         best = min((dataclasses.replace(best, ngram_order=n) for n in (2, *tables)), key=ppl)
     best = min((dataclasses.replace(best, order_weights=w) for w in order_weights), key=ppl)
-    # each γ starts from the λ_t the search so far chose at the median scored position; λ is scanned again next
+    # λ is constant so far: each γ keeps λ_t at the median scored position equal to it; λ is scanned again next
     mid = statistics.median(t for row in heldout.logits for t in range(1, len(row) + 1))
-    best = min((dataclasses.replace(best, lam_decay=g, lam=best.lam_at(mid) * mid ** g) for g in lam_decays),
-               key=ppl)
+    best = min((dataclasses.replace(best, lam_decay=g, lam=best.lam * mid ** g) for g in lam_decays), key=ppl)
     best = min((dataclasses.replace(best, lam=best.lam * f) for f in (0.5, 0.7, 0.85, 1.0, 1.2, 1.4, 2.0)), key=ppl)
     if best.divergence != "kl":
         best = min((dataclasses.replace(best, kl_share=round(min(1.0, max(0.0, best.kl_share + d)), 6))
