@@ -16,6 +16,10 @@ from queue import Queue
 import numba
 import numpy as np
 import scipy.sparse as sp
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 from tqdm.auto import tqdm
 
 from .numba_cache import ensure_cache_dir
@@ -121,17 +125,349 @@ def _heap_down(hv, hc, size, i):
             return
 
 
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Start loading ``array[index]`` into the caches (a hint: no result depends on it, and it never faults)."""
+    sig = types.void(array, index)
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]], wraparound=False)
+        byte_pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        hint = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]), "llvm.prefetch.p0i8")
+        # a read, kept in every cache level, of data
+        builder.call(hint, [builder.bitcast(pointer, byte_pointer), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                            ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_U = np.uint64  # indexing with unsigned integers spares numba's negative-index checks in the inner loops
+# a row k's record in the layout: meta[_FIELDS * k + field]
+_START, _SPLIT, _END, _RUNS, _RUNS_END, _ROW_SUM, _BOUNDED = range(7)
+_FIELDS = 8  # one cache line per row
+# prefetching: the record of the successor _AHEAD_RECORD places on, the data of the one _AHEAD places on (its
+# first _LINES cache lines of indices), and the run _AHEAD_RUN places on among a row's selected runs
+_AHEAD, _AHEAD_RECORD, _LINES, _AHEAD_RUN = 4, 8, 16, 32
+# v ≤ bound·(1 + _SLACK) for every product value v of a group: both sums have ≤ n < 2³² terms, so they are within
+# n·2⁻⁵³ < 5e-7 (relative) of their exact values, and the exact value is at most the exact bound
+_SLACK = 1e-6
+
+
 @numba.njit(nogil=True, cache=True)
-def _square_rows(indptr, indices, data, r0, r1, top_k, min_value, acc, flag, cols):
+def _layout_rows(indptr, cols, data, prefix, group):
+    """Each row k's record (where its columns < ``prefix`` end, its sum) and its other columns as runs, one per
+    group of ``group`` consecutive columns, each with its start and its largest value; a sentinel run ends a row."""
+    n = indptr.size - 1
+    count = n
+    for k in range(n):
+        last = -1
+        for q in range(indptr[k], indptr[k + 1]):
+            j = np.int64(cols[_U(q)])
+            if j >= prefix and j // group != last:
+                last = j // group
+                count += 1
+    meta = np.zeros(n * _FIELDS, np.int64)
+    sums = meta.view(np.float64)
+    run_group = np.zeros(count, cols.dtype)
+    run_max = np.zeros(count, np.float32)
+    run_start = np.empty(count, np.int64)
+    e = 0
+    for k in range(n):
+        rec = _FIELDS * k
+        meta[rec + _START] = indptr[k]
+        meta[rec + _END] = indptr[k + 1]
+        meta[rec + _SPLIT] = indptr[k + 1]
+        meta[rec + _RUNS] = e
+        last = -1
+        s = 0.0
+        for q in range(indptr[k], indptr[k + 1]):
+            j = np.int64(cols[_U(q)])
+            v = data[_U(q)]
+            s += np.float64(v)
+            if j < prefix:
+                continue
+            if last == -1:
+                meta[rec + _SPLIT] = q
+            if j // group != last:
+                last = j // group
+                run_group[e] = last
+                run_max[e] = v
+                run_start[e] = q
+                e += 1
+            elif v > run_max[e - 1]:
+                run_max[e - 1] = v
+        meta[rec + _RUNS_END] = e
+        run_start[e] = indptr[k + 1]
+        e += 1
+        sums[rec + _ROW_SUM] = s
+    return meta, run_group, run_max, run_start
+
+
+@numba.njit(nogil=True, cache=True)
+def _mark_bounded(meta, cols, prefix, n_groups):
+    """Flag the rows of Ã² cheaper to bound than to sum whole: a bounded row reads its successors' short rows below
+    ``prefix`` and their runs (twice), then scans ``prefix`` columns and the groups; a whole row reads everything."""
+    n = meta.size // _FIELDS
+    for i in range(n):
+        rec = _FIELDS * i
+        work = 0
+        bounded = prefix + n_groups
+        for p in range(meta[rec + _START], meta[rec + _END]):
+            k = _FIELDS * np.int64(cols[_U(p)])
+            work += meta[k + _END] - meta[k + _START]
+            bounded += meta[k + _SPLIT] - meta[k + _START] + 2 * (meta[k + _RUNS_END] - meta[k + _RUNS])
+        meta[rec + _BOUNDED] = 10 * bounded < 7 * work
+
+
+@numba.njit(nogil=True, cache=True)
+def _prefetch_row(meta, cols, data, p, end, lo, hi):
+    """Prefetch, for the successor ``_AHEAD`` places after ``p``, its columns from field ``lo`` to ``hi``; and the
+    record of the one ``_AHEAD_RECORD`` places after."""
+    if p + _AHEAD_RECORD < end:
+        _prefetch(meta, _FIELDS * np.int64(cols[_U(p + _AHEAD_RECORD)]))
+    if p + _AHEAD < end:
+        rec = _FIELDS * np.int64(cols[_U(p + _AHEAD)])
+        a = meta[rec + lo]
+        for x in range(a, min(meta[rec + hi], a + 32 * _LINES), 32):
+            _prefetch(cols, x)
+            _prefetch(data, x)
+            _prefetch(data, x + 16)
+
+
+@numba.njit(nogil=True, cache=True)
+def _push(hv, hc, size, top_k, v, j):
+    """Offer column j of value v to the ``top_k`` kept so far (a min-heap once full); returns the new size."""
+    if size < top_k:
+        hv[size] = v
+        hc[size] = j
+        size += 1
+        if size == top_k:
+            for h in range(top_k // 2 - 1, -1, -1):
+                _heap_down(hv, hc, size, h)
+    elif v > hv[0]:  # a later column replaces only a smaller value: ties go to the smaller column
+        hv[0] = v
+        hc[0] = j
+        _heap_down(hv, hc, size, 0)
+    return size
+
+
+@numba.njit(nogil=True, cache=True)
+def _read_columns(acc, lo, hi, min_value, top_k, hv, hc, size):
+    """Read (and clear) the accumulated columns lo..hi in column order into the heap; returns (size, their sum)."""
+    s = 0.0
+    for j in range(lo, hi):
+        v = acc[j]
+        if v == 0.0:  # csr_matmat leaves out sums that are exactly 0
+            continue
+        acc[j] = 0.0
+        s += v
+        if v >= min_value:
+            size = _push(hv, hc, size, top_k, v, j)
+    return size, s
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_whole(meta, cols, data, i, acc):
+    """acc += Σ_k Ã_ik·Ã_k over row i's successors in stored order, each row k in stored order (scipy's order)."""
+    p0, p1 = meta[_FIELDS * i + _START], meta[_FIELDS * i + _END]
+    for p in range(p0, p1):
+        _prefetch_row(meta, cols, data, p, p1, _START, _END)
+        rec = _FIELDS * np.int64(cols[_U(p)])
+        w = np.float64(data[_U(p)])
+        for q in range(meta[rec + _START], meta[rec + _END]):
+            acc[cols[_U(q)]] += w * np.float64(data[_U(q)])
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_prefixes(meta, cols, data, run_group, run_max, i, acc, bound):
+    """The columns < prefix of row i of Ã², summed as scipy sums them, and for every group of the others a bound
+    Σ_k Ã_ik·max(Ã_k over the group) on its values; returns the row's total Σ_k Ã_ik·Σ_j Ã_kj."""
+    sums = meta.view(np.float64)
+    p0, p1 = meta[_FIELDS * i + _START], meta[_FIELDS * i + _END]
+    total = 0.0
+    for p in range(p0, p1):
+        _prefetch_row(meta, cols, data, p, p1, _START, _SPLIT)
+        if p + _AHEAD < p1:
+            rec = _FIELDS * np.int64(cols[_U(p + _AHEAD)])
+            for x in range(meta[rec + _RUNS], min(meta[rec + _RUNS_END], meta[rec + _RUNS] + 32 * _LINES), 32):
+                _prefetch(run_group, x)
+                _prefetch(run_max, x)
+                _prefetch(run_max, x + 16)
+        rec = _FIELDS * np.int64(cols[_U(p)])
+        w = np.float64(data[_U(p)])
+        total += w * sums[rec + _ROW_SUM]
+        for q in range(meta[rec + _START], meta[rec + _SPLIT]):
+            acc[cols[_U(q)]] += w * np.float64(data[_U(q)])
+        for e in range(meta[rec + _RUNS], meta[rec + _RUNS_END]):
+            bound[run_group[_U(e)]] += w * np.float64(run_max[_U(e)])
+    return total
+
+
+@numba.njit(nogil=True, cache=True)
+def _select_groups(bound, selected, first, threshold):
+    """Select the groups whose bound reaches ``threshold`` (and is not 0), clearing the bounds; returns how many
+    were selected, the last one, and how many had a bound (products) at all."""
+    count = 0
+    last = first - 1
+    nonzero = 0
+    for c in range(first, bound.size):
+        b = bound[c]
+        bound[c] = 0.0
+        keep = b > 0.0 and b * (1.0 + _SLACK) >= threshold
+        selected[c] = keep
+        count += keep
+        nonzero += b > 0.0
+        if keep:
+            last = c
+    return count, last, nonzero
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_selected(meta, cols, data, run_group, run_start, i, selected, last, acc, hits, weights):
+    """Add row i's products in the selected groups to acc, in scipy's order; ``hits``/``weights`` are scratch
+    (grown when too small and returned)."""
+    p0, p1 = meta[_FIELDS * i + _START], meta[_FIELDS * i + _END]
+    count = 0
+    for p in range(p0, p1):  # the selected runs of the successors, in order, listed without branches
+        rec = _FIELDS * np.int64(cols[_U(p)])
+        e0, e1 = meta[rec + _RUNS], meta[rec + _RUNS_END]
+        if count + e1 - e0 > hits.size:
+            hits = np.concatenate((hits[:count], np.empty(count + e1 - e0, np.int64)))
+            weights = np.concatenate((weights[:count], np.empty(count + e1 - e0, np.float64)))
+        w = np.float64(data[_U(p)])
+        for e in range(e0, e1):
+            g = np.int64(run_group[_U(e)])
+            if g > last:  # a row's runs ascend: none of the rest is selected
+                break
+            hits[count] = e
+            weights[count] = w
+            count += selected[g]
+    for t in range(count):
+        if t + _AHEAD_RUN < count:
+            x = run_start[_U(hits[t + _AHEAD_RUN])]
+            _prefetch(cols, x)
+            _prefetch(data, x)
+        e = _U(hits[t])
+        w = weights[t]
+        for q in range(run_start[e], run_start[e + _U(1)]):
+            acc[cols[_U(q)]] += w * np.float64(data[_U(q)])
+    return hits, weights
+
+
+@numba.njit(nogil=True, cache=True)
+def _bounded_row(meta, cols, data, run_group, run_max, run_start, prefix, group, i, top_k, min_value, acc, bound,
+                 selected, hits, weights, hv, hc):
+    """Row i of Ã² pruned to its ``top_k`` without summing every product: its columns < ``prefix`` are summed
+    exactly; the 64th largest of them bounds what a column must reach to be kept; only the groups of later columns
+    whose bound reaches it are summed (exactly, in scipy's order); returns (heap size, total, hits, weights).
+
+    Skipped columns are below the heap's smallest value when they would have come in column order, so the heap ends
+    as the whole row's would. The total is the row's sum in column order when no group was skipped, else
+    Σ_k Ã_ik·Σ_j Ã_kj (the same up to float64 rounding)."""
+    n = acc.size
+    total = _scatter_prefixes(meta, cols, data, run_group, run_max, i, acc, bound)
+    size, s = _read_columns(acc, 0, min(prefix, n), min_value, top_k, hv, hc, 0)
+    threshold = hv[0] if size == top_k else min_value
+    first = min(prefix, n) // group
+    count, last, nonzero = _select_groups(bound, selected, first, threshold)
+    if count > 0:
+        hits, weights = _scatter_selected(meta, cols, data, run_group, run_start, i, selected, last, acc, hits,
+                                          weights)
+    for c in range(first, last + 1):
+        if selected[c]:
+            size, part = _read_columns(acc, c * group, min(n, c * group + group), min_value, top_k, hv, hc, size)
+            s += part
+    # nothing skipped: the sum in column order is scipy's; else the skipped groups hold part of the total
+    return size, (s if count == nonzero else total), hits, weights
+
+
+@numba.njit(nogil=True, cache=True)
+def _whole_row(meta, cols, data, i, acc, flag, order):
+    """Row i of Ã² summed whole, as scipy sums it; returns how many columns it touched, listed ascending in
+    ``order`` (a row of many products is summed into the cleared accumulator and scanned; a row of few has its
+    touched columns flagged and sorted)."""
+    n = acc.size
+    rec = _FIELDS * i
+    work = 0
+    for p in range(meta[rec + _START], meta[rec + _END]):
+        k = _FIELDS * np.int64(cols[_U(p)])
+        work += meta[k + _END] - meta[k + _START]
+    if work * 8 > n:
+        _scatter_whole(meta, cols, data, i, acc)
+        touched = 0
+        for j in range(n):  # without branches: the columns whose sum is not 0, ascending
+            order[touched] = j
+            touched += acc[j] != 0.0
+        return touched
+    touched = 0
+    for p in range(meta[rec + _START], meta[rec + _END]):
+        k = _FIELDS * np.int64(cols[_U(p)])
+        w = np.float64(data[_U(p)])
+        for q in range(meta[k + _START], meta[k + _END]):
+            j = np.int64(cols[_U(q)])
+            if flag[j] == 0:
+                flag[j] = 1
+                order[touched] = j
+                touched += 1
+            acc[j] += w * np.float64(data[_U(q)])
+    order[:touched].sort()
+    for t in range(touched):
+        flag[order[t]] = 0
+    return touched
+
+
+@numba.njit(nogil=True, cache=True)
+def _read_touched(acc, order, touched, min_value, top_k, hv, hc, out_idx, out_val, m):
+    """Read (and clear) a whole row's touched columns in column order: its total, and either the heap of its
+    ``top_k`` or (``top_k`` 0) every value ≥ ``min_value`` appended to the output; returns (heap size, total,
+    mass appended, m)."""
+    s = 0.0
+    appended = 0.0
+    size = 0
+    for t in range(touched):
+        j = order[t]
+        v = acc[j]
+        if v == 0.0:  # csr_matmat leaves out sums that are exactly 0
+            continue
+        acc[j] = 0.0
+        s += v
+        if v < min_value:
+            continue
+        if top_k == 0:
+            out_idx[m] = j
+            out_val[m] = v
+            appended += v
+            m += 1
+        else:
+            size = _push(hv, hc, size, top_k, v, j)
+    return size, s, appended, m
+
+
+@numba.njit(nogil=True, cache=True)
+def _reserve(out_idx, out_val, m, extra):
+    """The output buffers, grown (at least doubled) if the first m entries and ``extra`` more do not fit."""
+    if m + extra <= out_idx.size:
+        return out_idx, out_val
+    grow = max(out_idx.size * 2, m + extra)
+    return (np.concatenate((out_idx[:m], np.empty(grow - m, dtype=np.int32))),
+            np.concatenate((out_val[:m], np.empty(grow - m, dtype=np.float64))))
+
+
+@numba.njit(nogil=True, cache=True)
+def _square_rows(meta, cols, data, run_group, run_max, run_start, prefix, group, r0, r1, top_k, min_value, acc,
+                 flag, order, bound, selected):
     """Rows r0..r1 of Ã², pruned as ``prune`` prunes the rows of ``a64[r0:r1] @ a64``, without building them.
 
-    A row is summed in a dense accumulator in the order scipy's product sums it (successors k in stored order, then
-    row k in stored order) in float64, so its values are the same to the bit; it is then read in column order
-    (a row of many products is summed into the cleared accumulator and scanned; a row of few has its touched
-    columns flagged and sorted), its total summed in that order, and the ``top_k`` largest values ≥ ``min_value``
-    kept, ties toward the smaller column (a min-heap: a later column replaces only a larger value).
-    """
-    n = acc.size
+    Every value read is summed in float64 in the order scipy's product sums it (successors k in stored order, then
+    row k in stored order), so it is the same to the bit; values are read in column order, the total summed in that
+    order, and the ``top_k`` largest values ≥ ``min_value`` kept, ties toward the smaller column. Rows flagged in
+    the layout (with ``top_k``) skip the groups of columns that cannot reach the kept (:func:`_bounded_row`).
+    ``acc`` and ``bound`` are all 0 and ``flag`` all 0 between rows."""
     n_rows = r1 - r0
     new_ptr = np.zeros(n_rows + 1, dtype=np.int64)
     cap = max(16, n_rows * (top_k if top_k > 0 else 64))
@@ -141,105 +477,100 @@ def _square_rows(indptr, indices, data, r0, r1, top_k, min_value, acc, flag, col
     total = np.zeros(n_rows, dtype=np.float64)
     hv = np.empty(max(top_k, 1), dtype=np.float64)
     hc = np.empty(max(top_k, 1), dtype=np.int64)
+    hits = np.empty(1 << 12, dtype=np.int64)
+    weights = np.empty(1 << 12, dtype=np.float64)
     m = 0
     for r in range(n_rows):
         i = r0 + r
-        work = 0  # the row's products: a row with many of them is summed densely (no per-product bookkeeping)
-        for p in range(indptr[i], indptr[i + 1]):
-            work += indptr[indices[p] + 1] - indptr[indices[p]]
-        if work * 8 > n:
-            acc[:] = 0.0
-            for p in range(indptr[i], indptr[i + 1]):
-                k = indices[p]
-                w = np.float64(data[p])
-                for q in range(indptr[k], indptr[k + 1]):
-                    acc[indices[q]] += w * np.float64(data[q])
-            order = cols
-            touched = 0
-            for j in range(n):  # without branches: the columns whose sum is not 0, ascending
-                order[touched] = j
-                touched += acc[j] != 0.0
+        if top_k > 0 and meta[_FIELDS * i + _BOUNDED]:
+            size, total[r], hits, weights = _bounded_row(meta, cols, data, run_group, run_max, run_start, prefix,
+                                                         group, i, top_k, min_value, acc, bound, selected, hits,
+                                                         weights, hv, hc)
         else:
-            touched = 0
-            for p in range(indptr[i], indptr[i + 1]):
-                k = indices[p]
-                w = np.float64(data[p])
-                for q in range(indptr[k], indptr[k + 1]):
-                    j = indices[q]
-                    if flag[j] == 0:
-                        flag[j] = 1
-                        acc[j] = 0.0
-                        cols[touched] = j
-                        touched += 1
-                    acc[j] += w * np.float64(data[q])
-            order = np.sort(cols[:touched])
-            for t in range(touched):
-                flag[order[t]] = 0
-        if m + (touched if top_k == 0 else top_k) > out_idx.size:
-            grow = max(out_idx.size * 2, m + touched)
-            out_idx = np.concatenate((out_idx[:m], np.empty(grow - m, dtype=np.int32)))
-            out_val = np.concatenate((out_val[:m], np.empty(grow - m, dtype=np.float64)))
-        s = 0.0
-        size = 0
-        for t in range(touched):
-            j = order[t]
-            v = acc[j]
-            if v == 0.0:  # csr_matmat leaves out sums that are exactly 0
-                continue
-            s += v
-            if v < min_value:
-                continue
+            touched = _whole_row(meta, cols, data, i, acc, flag, order)
             if top_k == 0:
-                out_idx[m] = j
-                out_val[m] = v
-                kept[r] += v
-                m += 1
-            elif size < top_k:
-                hv[size] = v
-                hc[size] = j
-                size += 1
-                if size == top_k:
-                    for h in range(top_k // 2 - 1, -1, -1):
-                        _heap_down(hv, hc, size, h)
-            elif v > hv[0]:
-                hv[0] = v
-                hc[0] = j
-                _heap_down(hv, hc, size, 0)
-        total[r] = s
-        if top_k > 0:
-            pick = np.argsort(hc[:size])
-            for h in pick:
-                out_idx[m] = hc[h]
-                out_val[m] = hv[h]
-                kept[r] += hv[h]
-                m += 1
+                out_idx, out_val = _reserve(out_idx, out_val, m, touched)
+            size, total[r], kept[r], m = _read_touched(acc, order, touched, min_value, top_k, hv, hc, out_idx,
+                                                       out_val, m)
+        out_idx, out_val = _reserve(out_idx, out_val, m, size)
+        for h in np.argsort(hc[:size]):
+            out_idx[m] = hc[h]
+            out_val[m] = hv[h]
+            kept[r] += hv[h]
+            m += 1
         new_ptr[r + 1] = m
     return new_ptr, out_idx[:m], out_val[:m], kept, total
+
+
+def _bounds_split(n: int) -> tuple[int, int]:
+    """(prefix, group) for a vocabulary of n: the first n/24 columns summed exactly in every bounded row, the others
+    bounded in groups of n/768 (2,048 and 64 at 49,152 tokens; frequent tokens have small ids in BPE vocabularies,
+    so the prefix holds most rows' largest values)."""
+    group = max(1, min(64, n // 768))
+    return group * max(1, n // (24 * group)), group
+
+
+@dataclass(frozen=True)
+class _SquareLayout:
+    """Ã arranged for :func:`_square_rows`: unsigned column indices (uint16 up to 65,536 columns), a record per row,
+    and the runs of columns ≥ ``prefix`` by group with their largest value."""
+
+    meta: np.ndarray
+    cols: np.ndarray
+    data: np.ndarray
+    run_group: np.ndarray
+    run_max: np.ndarray
+    run_start: np.ndarray
+    prefix: int
+    group: int
+
+    @classmethod
+    def of(cls, base: sp.csr_matrix, prefix: int, group: int) -> _SquareLayout:
+        n = base.shape[0]
+        if not base.has_canonical_format:  # scipy's order is then the stored one, which the kernel follows only sorted
+            base = base.copy()
+            base.sum_duplicates()
+        indptr = np.asarray(base.indptr, dtype=np.int64)
+        cols = np.asarray(base.indices, dtype=np.uint16 if n <= 1 << 16 else np.uint32)
+        data = np.asarray(base.data, dtype=np.float32)
+        meta, run_group, run_max, run_start = _layout_rows(indptr, cols, data, prefix, group)
+        _mark_bounded(meta, cols, prefix, -(-n // group) - prefix // group)
+        return cls(meta, cols, data, run_group, run_max, run_start, prefix, group)
+
+    def rows(self, r0: int, r1: int, rule: PruneRule, scratch: tuple) -> tuple:
+        return _square_rows(self.meta, self.cols, self.data, self.run_group, self.run_max, self.run_start,
+                            self.prefix, self.group, r0, r1, rule.top_k or 0, rule.min_value, *scratch)
 
 
 def square_blocks(base: sp.csr_matrix, rule: PruneRule, *, block_rows: int = 1024, workers: int = 1,
                   progress: bool = True) -> Iterator[tuple[int, sp.csr_matrix, np.ndarray]]:
     """Ã² pruned by ``rule``, as ``(row_start, block, mass kept)`` in row order: the same blocks
     ``build_operators(base, [OperatorSpec("power", 2)], rule)`` yields, by a fused kernel (no exact product is
-    built, sorted and pruned) on ``workers`` threads."""
+    built, sorted and pruned) on ``workers`` threads. Kept indices and values are the same to the bit; the mass
+    kept may differ at float64 rounding, in rows where columns that cannot be kept were not summed."""
     n = base.shape[0]
     if base.shape != (n, n):
         raise ValueError(f"Ã² needs a square Ã, got shape {base.shape}")
-    indptr = np.asarray(base.indptr, dtype=np.int64)
-    indices = np.asarray(base.indices, dtype=np.int32)
-    data = np.asarray(base.data, dtype=np.float32)
-    scratch = Queue()  # a dense accumulator per thread; its flags are all 0 between rows
+    yield from _square_blocks(_SquareLayout.of(base, *_bounds_split(n)), rule, block_rows=block_rows, workers=workers,
+                              progress=progress)
+
+
+def _square_blocks(layout: _SquareLayout, rule: PruneRule, *, block_rows: int, workers: int,
+                   progress: bool) -> Iterator[tuple[int, sp.csr_matrix, np.ndarray]]:
+    n = layout.meta.size // _FIELDS
+    n_groups = -(-n // layout.group)
+    scratch = Queue()  # per thread: accumulator, flags, column order, group bounds, selection (all 0 between rows)
     for _ in range(max(1, workers)):
-        scratch.put((np.zeros(n, np.float64), np.zeros(n, np.uint8), np.empty(n + 1, np.int32)))
+        scratch.put((np.zeros(n, np.float64), np.zeros(n, np.uint8), np.empty(n + 1, np.int64),
+                     np.zeros(n_groups, np.float64), np.zeros(n_groups, np.uint8)))
 
     def block(r0: int):
         r1 = min(n, r0 + block_rows)
-        acc, flag, cols = scratch.get()
+        buffers = scratch.get()
         try:
-            ptr, idx, val, kept, total = _square_rows(indptr, indices, data, r0, r1, rule.top_k or 0,
-                                                      rule.min_value, acc, flag, cols)
+            ptr, idx, val, kept, total = layout.rows(r0, r1, rule, buffers)
         finally:
-            scratch.put((acc, flag, cols))
+            scratch.put(buffers)
         with np.errstate(invalid="ignore", divide="ignore"):
             frac = np.where(total > 0, kept / total, 1.0)
         return r0, sp.csr_matrix((val.astype(np.float32), idx, ptr), shape=(r1 - r0, n)), frac
