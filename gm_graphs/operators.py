@@ -329,32 +329,33 @@ def _select_groups(bound, selected, first, threshold):
 
 @numba.njit(nogil=True, cache=True)
 def _scatter_selected(meta, cols, data, run_group, run_start, i, selected, last, acc, hits, weights):
-    """Add row i's products in the selected groups to acc, in scipy's order; ``hits``/``weights`` are scratch
-    (grown when too small and returned)."""
+    """Add row i's products in the selected groups to acc, in scipy's order; ``hits`` (runs' start and end) and
+    ``weights`` are scratch, grown when too small and returned."""
     p0, p1 = meta[_FIELDS * i + _START], meta[_FIELDS * i + _END]
     count = 0
     for p in range(p0, p1):  # the selected runs of the successors, in order, listed without branches
         rec = _FIELDS * np.int64(cols[_U(p)])
         e0, e1 = meta[rec + _RUNS], meta[rec + _RUNS_END]
-        if count + e1 - e0 > hits.size:
-            hits = np.concatenate((hits[:count], np.empty(count + e1 - e0, np.int64)))
+        if count + e1 - e0 > weights.size:
+            hits = np.concatenate((hits[:2 * count], np.empty(2 * (count + e1 - e0), np.int64)))
             weights = np.concatenate((weights[:count], np.empty(count + e1 - e0, np.float64)))
         w = np.float64(data[_U(p)])
         for e in range(e0, e1):
             g = np.int64(run_group[_U(e)])
             if g > last:  # a row's runs ascend: none of the rest is selected
                 break
-            hits[count] = e
+            hits[2 * count] = run_start[_U(e)]
+            hits[2 * count + 1] = run_start[_U(e + 1)]
             weights[count] = w
             count += selected[g]
     for t in range(count):
         if t + _AHEAD_RUN < count:
-            x = run_start[_U(hits[t + _AHEAD_RUN])]
+            x = hits[2 * (t + _AHEAD_RUN)]
             _prefetch(cols, x)
             _prefetch(data, x)
-        e = _U(hits[t])
+            _prefetch(data, x + 15)
         w = weights[t]
-        for q in range(run_start[e], run_start[e + _U(1)]):
+        for q in range(hits[2 * t], hits[2 * t + 1]):
             acc[cols[_U(q)]] += w * np.float64(data[_U(q)])
     return hits, weights
 
@@ -477,7 +478,7 @@ def _square_rows(meta, cols, data, run_group, run_max, run_start, prefix, group,
     total = np.zeros(n_rows, dtype=np.float64)
     hv = np.empty(max(top_k, 1), dtype=np.float64)
     hc = np.empty(max(top_k, 1), dtype=np.int64)
-    hits = np.empty(1 << 12, dtype=np.int64)
+    hits = np.empty(1 << 13, dtype=np.int64)
     weights = np.empty(1 << 12, dtype=np.float64)
     m = 0
     for r in range(n_rows):
