@@ -1,8 +1,8 @@
 """Ã² pruned to its top 64 per row: the fused kernel before and after the bounded rows, on a built graph's Ã.
 Prints a table; not a test.
 
-    python3 benchmarks/square.py /path/to/synth4m-graph                 # every row: square_blocks, as the build runs it
-    python3 benchmarks/square.py /path/to/synth4m-graph --blocks 12     # 12 blocks of 256 rows (the heaviest among them)
+    python3 benchmarks/square.py /path/to/synth4m-graph              # every row: square_blocks, as the build runs it
+    python3 benchmarks/square.py /path/to/synth4m-graph --blocks 12  # 12 blocks of 256 rows, the heaviest among them
 
 The old kernel is the package's ``gm_graphs/operators.py`` at ``--baseline`` (git), compiled without numba's cache.
 Both run on the same Ã (the graph's order1, as the build passes it) in the same process, interleaved (old, new, old,
@@ -33,8 +33,7 @@ import scipy.sparse as sp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gm_graphs import PruneRule, load_graph  # noqa: E402
-from gm_graphs import operators  # noqa: E402
+from gm_graphs import PruneRule, load_graph, operators  # noqa: E402
 
 BASELINE = "7d30983"  # the last commit with the unbounded kernel
 
@@ -100,11 +99,9 @@ class NewRows:
     def __init__(self, base: sp.csr_matrix, rule: PruneRule):
         self.rule = rule
         self.layout = operators._SquareLayout.of(base, *operators._bounds_split(base.shape[0]))
-        self.groups = -(-base.shape[0] // self.layout.group)
 
     def scratch(self, n: int) -> tuple:
-        return (np.zeros(n, np.float64), np.zeros(n, np.uint8), np.empty(n + 1, np.int64),
-                np.zeros(self.groups, np.float64), np.zeros(self.groups, np.uint8))
+        return self.layout.scratch()
 
     def __call__(self, r0: int, r1: int, scratch: tuple) -> tuple:
         return self.layout.rows(r0, r1, self.rule, scratch)

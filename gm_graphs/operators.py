@@ -156,6 +156,7 @@ _AHEAD, _AHEAD_RECORD, _LINES, _AHEAD_RUN = 4, 8, 16, 32
 # v ≤ bound·(1 + _SLACK) for every product value v of a group: both sums have ≤ n < 2³² terms, so they are within
 # n·2⁻⁵³ < 5e-7 (relative) of their exact values, and the exact value is at most the exact bound
 _SLACK = 1e-6
+_BLOCK = 16  # bounded rows summed together: a successor's row is read once for all those it follows
 
 
 @numba.njit(nogil=True, cache=True)
@@ -284,28 +285,109 @@ def _scatter_whole(meta, cols, data, i, acc):
 
 
 @numba.njit(nogil=True, cache=True)
-def _scatter_prefixes(meta, cols, data, run_group, run_max, i, acc, bound):
-    """The columns < prefix of row i of Ã², summed as scipy sums them, and for every group of the others a bound
-    Σ_k Ã_ik·max(Ã_k over the group) on its values; returns the row's total Σ_k Ã_ik·Σ_j Ã_kj."""
+def _merge_successors(meta, cols, data, rows, counts, ks, places, ws):
+    """The successors k of ``rows`` with the place of their row in ``rows`` and Ã_ik, ascending in k and, for equal
+    k, in place (a counting sort; ``counts`` holds n + 1 zeros and is left so); returns (how many, ks, places, ws),
+    the buffers grown when too small."""
+    m = 0
+    for u in range(rows.size):
+        rec = _FIELDS * rows[u]
+        m += meta[rec + _END] - meta[rec + _START]
+        for p in range(meta[rec + _START], meta[rec + _END]):
+            counts[np.int64(cols[_U(p)]) + 1] += 1
+    if m > ks.size:
+        ks, places, ws = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.float64)
+    for k in range(1, counts.size):
+        counts[k] += counts[k - 1]
+    for u in range(rows.size):
+        rec = _FIELDS * rows[u]
+        for p in range(meta[rec + _START], meta[rec + _END]):
+            k = np.int64(cols[_U(p)])
+            t = counts[k]
+            counts[k] = t + 1
+            ks[t] = k
+            places[t] = u
+            ws[t] = data[_U(p)]
+    counts[:] = 0
+    return m, ks, places, ws
+
+
+@numba.njit(nogil=True, cache=True)
+def _prefetch_successor(meta, cols, data, rows_of, ks, t, m):
+    """Prefetch the record of the successor ``_AHEAD_RECORD`` places after t, and the columns < prefix and the runs
+    of the one ``_AHEAD`` places after (unless it is the same row as its predecessor's, already read)."""
+    if t + _AHEAD_RECORD < m:
+        _prefetch(meta, _FIELDS * ks[t + _AHEAD_RECORD])
+    if t + _AHEAD < m and ks[t + _AHEAD] != ks[t + _AHEAD - 1]:
+        rec = _FIELDS * ks[t + _AHEAD]
+        a = meta[rec + _START]
+        for x in range(a, min(meta[rec + _SPLIT], a + 32 * _LINES), 32):
+            _prefetch(cols, x)
+            _prefetch(data, x)
+            _prefetch(data, x + 16)
+        a = meta[rec + _RUNS]
+        for x in range(a, min(meta[rec + _RUNS_END], a + 32 * _LINES), 32):
+            _prefetch(rows_of, x)
+
+
+@numba.njit(nogil=True, cache=True)
+def _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, bound, totals):
+    """For the rows of a block (successors merged by :func:`_merge_successors`): into acc[place] their columns
+    < prefix of Ã², summed as scipy sums them (k ascending, row k in stored order); into bound[place] for every later
+    group of columns a bound Σ_k Ã_ik·max(Ã_k over the group) on its values; into totals[place] Σ_k Ã_ik·Σ_j Ã_kj.
+    A successor's row is read once for all the block's rows it follows."""
     sums = meta.view(np.float64)
-    p0, p1 = meta[_FIELDS * i + _START], meta[_FIELDS * i + _END]
-    total = 0.0
-    for p in range(p0, p1):
-        _prefetch_row(meta, cols, data, p, p1, _START, _SPLIT)
-        if p + _AHEAD < p1:
-            rec = _FIELDS * np.int64(cols[_U(p + _AHEAD)])
-            for x in range(meta[rec + _RUNS], min(meta[rec + _RUNS_END], meta[rec + _RUNS] + 32 * _LINES), 32):
-                _prefetch(run_group, x)
-                _prefetch(run_max, x)
-                _prefetch(run_max, x + 16)
-        rec = _FIELDS * np.int64(cols[_U(p)])
-        w = np.float64(data[_U(p)])
-        total += w * sums[rec + _ROW_SUM]
+    for t in range(m):
+        _prefetch_successor(meta, cols, data, run_max, ks, t, m)
+        rec = _FIELDS * ks[t]
+        u = places[t]
+        w = ws[t]
+        totals[u] += w * sums[rec + _ROW_SUM]
+        row = acc[u]
         for q in range(meta[rec + _START], meta[rec + _SPLIT]):
-            acc[cols[_U(q)]] += w * np.float64(data[_U(q)])
+            row[cols[_U(q)]] += w * np.float64(data[_U(q)])
+        b = bound[u]
         for e in range(meta[rec + _RUNS], meta[rec + _RUNS_END]):
-            bound[run_group[_U(e)]] += w * np.float64(run_max[_U(e)])
-    return total
+            b[run_group[_U(e)]] += w * np.float64(run_max[_U(e)])
+
+
+@numba.njit(nogil=True, cache=True)
+def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, selected, last, acc, hits, weights):
+    """For the rows of a block: add into acc[place] the products in each row's selected groups (those up to
+    last[place]), in scipy's order; ``hits`` (a run's start, end and place) and ``weights`` are scratch, grown when
+    too small and returned."""
+    count = 0
+    for t in range(m):  # the selected runs, in order, listed without branches
+        u = places[t]
+        rec = _FIELDS * ks[t]
+        e0, e1 = meta[rec + _RUNS], meta[rec + _RUNS_END]
+        if count + e1 - e0 > weights.size:
+            hits = np.concatenate((hits[:3 * count], np.empty(3 * (count + e1 - e0), np.int64)))
+            weights = np.concatenate((weights[:count], np.empty(count + e1 - e0, np.float64)))
+        _prefetch_successor(meta, cols, data, run_start, ks, t, m)
+        chosen = selected[u]
+        end = last[u]
+        w = ws[t]
+        for e in range(e0, e1):
+            g = np.int64(run_group[_U(e)])
+            if g > end:  # a row's runs ascend: none of the rest is selected
+                break
+            hits[3 * count] = run_start[_U(e)]
+            hits[3 * count + 1] = run_start[_U(e + 1)]
+            hits[3 * count + 2] = u
+            weights[count] = w
+            count += chosen[g]
+    for t in range(count):
+        if t + _AHEAD_RUN < count:
+            x = hits[3 * (t + _AHEAD_RUN)]
+            _prefetch(cols, x)
+            _prefetch(data, x)
+            _prefetch(data, x + 15)
+        row = acc[hits[3 * t + 2]]
+        w = weights[t]
+        for q in range(hits[3 * t], hits[3 * t + 1]):
+            row[cols[_U(q)]] += w * np.float64(data[_U(q)])
+    return hits, weights
 
 
 @numba.njit(nogil=True, cache=True)
@@ -328,63 +410,41 @@ def _select_groups(bound, selected, first, threshold):
 
 
 @numba.njit(nogil=True, cache=True)
-def _scatter_selected(meta, cols, data, run_group, run_start, i, selected, last, acc, hits, weights):
-    """Add row i's products in the selected groups to acc, in scipy's order; ``hits`` (runs' start and end) and
-    ``weights`` are scratch, grown when too small and returned."""
-    p0, p1 = meta[_FIELDS * i + _START], meta[_FIELDS * i + _END]
-    count = 0
-    for p in range(p0, p1):  # the selected runs of the successors, in order, listed without branches
-        rec = _FIELDS * np.int64(cols[_U(p)])
-        e0, e1 = meta[rec + _RUNS], meta[rec + _RUNS_END]
-        if count + e1 - e0 > weights.size:
-            hits = np.concatenate((hits[:2 * count], np.empty(2 * (count + e1 - e0), np.int64)))
-            weights = np.concatenate((weights[:count], np.empty(count + e1 - e0, np.float64)))
-        w = np.float64(data[_U(p)])
-        for e in range(e0, e1):
-            g = np.int64(run_group[_U(e)])
-            if g > last:  # a row's runs ascend: none of the rest is selected
-                break
-            hits[2 * count] = run_start[_U(e)]
-            hits[2 * count + 1] = run_start[_U(e + 1)]
-            weights[count] = w
-            count += selected[g]
-    for t in range(count):
-        if t + _AHEAD_RUN < count:
-            x = hits[2 * (t + _AHEAD_RUN)]
-            _prefetch(cols, x)
-            _prefetch(data, x)
-            _prefetch(data, x + 15)
-        w = weights[t]
-        for q in range(hits[2 * t], hits[2 * t + 1]):
-            acc[cols[_U(q)]] += w * np.float64(data[_U(q)])
-    return hits, weights
+def _bounded_block(meta, cols, data, run_group, run_max, run_start, prefix, group, rows, top_k, min_value, acc,
+                   bound, selected, counts, buffers, hv, hc, sizes, totals):
+    """Rows ``rows`` of Ã² pruned to their ``top_k`` without summing every product: the heaps hv[place], hc[place]
+    (sizes[place] entries) and totals[place]; ``buffers`` (scratch: ks, places, ws, hits, weights) are returned,
+    grown when too small.
 
-
-@numba.njit(nogil=True, cache=True)
-def _bounded_row(meta, cols, data, run_group, run_max, run_start, prefix, group, i, top_k, min_value, acc, bound,
-                 selected, hits, weights, hv, hc):
-    """Row i of Ã² pruned to its ``top_k`` without summing every product: its columns < ``prefix`` are summed
-    exactly; the 64th largest of them bounds what a column must reach to be kept; only the groups of later columns
-    whose bound reaches it are summed (exactly, in scipy's order); returns (heap size, total, hits, weights).
-
-    Skipped columns are below the heap's smallest value when they would have come in column order, so the heap ends
-    as the whole row's would. The total is the row's sum in column order when no group was skipped, else
+    Each row's columns < ``prefix`` are summed exactly; the ``top_k``-th largest of them is a value a column must
+    reach to be kept; only the groups of later columns whose bound reaches it are summed (exactly, in scipy's
+    order). Skipped columns are below the heap's smallest value when they would have come in column order, so the
+    heap ends as the whole row's would. The total is the row's sum in column order when no group was skipped, else
     Σ_k Ã_ik·Σ_j Ã_kj (the same up to float64 rounding)."""
-    n = acc.size
-    total = _scatter_prefixes(meta, cols, data, run_group, run_max, i, acc, bound)
-    size, s = _read_columns(acc, 0, min(prefix, n), min_value, top_k, hv, hc, 0)
-    threshold = hv[0] if size == top_k else min_value
+    n = acc.shape[1]
+    ks, places, ws, hits, weights = buffers
+    m, ks, places, ws = _merge_successors(meta, cols, data, rows, counts, ks, places, ws)
+    estimates = np.zeros(rows.size)
+    _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, bound, estimates)
     first = min(prefix, n) // group
-    count, last, nonzero = _select_groups(bound, selected, first, threshold)
-    if count > 0:
-        hits, weights = _scatter_selected(meta, cols, data, run_group, run_start, i, selected, last, acc, hits,
-                                          weights)
-    for c in range(first, last + 1):
-        if selected[c]:
-            size, part = _read_columns(acc, c * group, min(n, c * group + group), min_value, top_k, hv, hc, size)
-            s += part
-    # nothing skipped: the sum in column order is scipy's; else the skipped groups hold part of the total
-    return size, (s if count == nonzero else total), hits, weights
+    last = np.empty(rows.size, np.int64)
+    skipped = np.zeros(rows.size, np.bool_)
+    for u in range(rows.size):
+        sizes[u], totals[u] = _read_columns(acc[u], 0, min(prefix, n), min_value, top_k, hv[u], hc[u], 0)
+        threshold = hv[u, 0] if sizes[u] == top_k else min_value
+        count, last[u], nonzero = _select_groups(bound[u], selected[u], first, threshold)
+        skipped[u] = count < nonzero
+    hits, weights = _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, selected, last, acc,
+                                  hits, weights)
+    for u in range(rows.size):
+        for c in range(first, last[u] + 1):
+            if selected[u, c]:
+                sizes[u], part = _read_columns(acc[u], c * group, min(n, c * group + group), min_value, top_k, hv[u],
+                                               hc[u], sizes[u])
+                totals[u] += part
+        if skipped[u]:  # the skipped groups hold part of the total
+            totals[u] = estimates[u]
+    return ks, places, ws, hits, weights
 
 
 @numba.njit(nogil=True, cache=True)
@@ -461,45 +521,57 @@ def _reserve(out_idx, out_val, m, extra):
 
 @numba.njit(nogil=True, cache=True)
 def _square_rows(meta, cols, data, run_group, run_max, run_start, prefix, group, r0, r1, top_k, min_value, acc,
-                 flag, order, bound, selected):
+                 flag, order, block_acc, bound, selected, counts):
     """Rows r0..r1 of Ã², pruned as ``prune`` prunes the rows of ``a64[r0:r1] @ a64``, without building them.
 
     Every value read is summed in float64 in the order scipy's product sums it (successors k in stored order, then
     row k in stored order), so it is the same to the bit; values are read in column order, the total summed in that
     order, and the ``top_k`` largest values ≥ ``min_value`` kept, ties toward the smaller column. Rows flagged in
-    the layout (with ``top_k``) skip the groups of columns that cannot reach the kept (:func:`_bounded_row`).
-    ``acc`` and ``bound`` are all 0 and ``flag`` all 0 between rows."""
+    the layout (with ``top_k``) are taken a block at a time and skip the groups of columns that cannot reach the
+    kept (:func:`_bounded_block`). ``acc``, ``block_acc``, ``bound``, ``selected``, ``flag`` and ``counts`` are all
+    0 between calls."""
     n_rows = r1 - r0
+    block = block_acc.shape[0]
     new_ptr = np.zeros(n_rows + 1, dtype=np.int64)
     cap = max(16, n_rows * (top_k if top_k > 0 else 64))
     out_idx = np.empty(cap, dtype=np.int32)
     out_val = np.empty(cap, dtype=np.float64)
     kept = np.zeros(n_rows, dtype=np.float64)
     total = np.zeros(n_rows, dtype=np.float64)
-    hv = np.empty(max(top_k, 1), dtype=np.float64)
-    hc = np.empty(max(top_k, 1), dtype=np.int64)
-    hits = np.empty(1 << 13, dtype=np.int64)
-    weights = np.empty(1 << 12, dtype=np.float64)
+    hv = np.empty((block + 1, max(top_k, 1)), dtype=np.float64)  # a heap per bounded row, the last for whole rows
+    hc = np.empty((block + 1, max(top_k, 1)), dtype=np.int64)
+    sizes = np.zeros(block, dtype=np.int64)
+    totals = np.zeros(block, dtype=np.float64)
+    buffers = (np.empty(1 << 14, np.int64), np.empty(1 << 14, np.int64), np.empty(1 << 14, np.float64),
+               np.empty(3 << 12, np.int64), np.empty(1 << 12, np.float64))
     m = 0
-    for r in range(n_rows):
-        i = r0 + r
-        if top_k > 0 and meta[_FIELDS * i + _BOUNDED]:
-            size, total[r], hits, weights = _bounded_row(meta, cols, data, run_group, run_max, run_start, prefix,
-                                                         group, i, top_k, min_value, acc, bound, selected, hits,
-                                                         weights, hv, hc)
-        else:
-            touched = _whole_row(meta, cols, data, i, acc, flag, order)
-            if top_k == 0:
-                out_idx, out_val = _reserve(out_idx, out_val, m, touched)
-            size, total[r], kept[r], m = _read_touched(acc, order, touched, min_value, top_k, hv, hc, out_idx,
-                                                       out_val, m)
-        out_idx, out_val = _reserve(out_idx, out_val, m, size)
-        for h in np.argsort(hc[:size]):
-            out_idx[m] = hc[h]
-            out_val[m] = hv[h]
-            kept[r] += hv[h]
-            m += 1
-        new_ptr[r + 1] = m
+    for b0 in range(r0, r1, block):
+        b1 = min(r1, b0 + block)
+        rows = np.array([i for i in range(b0, b1) if top_k > 0 and meta[_FIELDS * i + _BOUNDED]], dtype=np.int64)
+        if rows.size > 0:
+            buffers = _bounded_block(meta, cols, data, run_group, run_max, run_start, prefix, group, rows, top_k,
+                                     min_value, block_acc, bound, selected, counts, buffers, hv, hc, sizes, totals)
+        place = 0
+        for i in range(b0, b1):
+            r = i - r0
+            if place < rows.size and rows[place] == i:
+                size, total[r] = sizes[place], totals[place]
+                heap_v, heap_c = hv[place], hc[place]
+                place += 1
+            else:
+                touched = _whole_row(meta, cols, data, i, acc, flag, order)
+                if top_k == 0:
+                    out_idx, out_val = _reserve(out_idx, out_val, m, touched)
+                heap_v, heap_c = hv[block], hc[block]
+                size, total[r], kept[r], m = _read_touched(acc, order, touched, min_value, top_k, heap_v, heap_c,
+                                                           out_idx, out_val, m)
+            out_idx, out_val = _reserve(out_idx, out_val, m, size)
+            for h in np.argsort(heap_c[:size]):
+                out_idx[m] = heap_c[h]
+                out_val[m] = heap_v[h]
+                kept[r] += heap_v[h]
+                m += 1
+            new_ptr[r + 1] = m
     return new_ptr, out_idx[:m], out_val[:m], kept, total
 
 
@@ -538,6 +610,15 @@ class _SquareLayout:
         _mark_bounded(meta, cols, prefix, -(-n // group) - prefix // group)
         return cls(meta, cols, data, run_group, run_max, run_start, prefix, group)
 
+    def scratch(self) -> tuple:
+        """A thread's buffers for :meth:`rows`, all 0 (as the kernel leaves them): accumulator, flags, column order,
+        the block's accumulators, group bounds and selections, and counts for merging successors."""
+        n = self.meta.size // _FIELDS
+        groups = -(-n // self.group)
+        return (np.zeros(n, np.float64), np.zeros(n, np.uint8), np.empty(n + 1, np.int64),
+                np.zeros((_BLOCK, n), np.float64), np.zeros((_BLOCK, groups), np.float64),
+                np.zeros((_BLOCK, groups), np.uint8), np.zeros(n + 1, np.int64))
+
     def rows(self, r0: int, r1: int, rule: PruneRule, scratch: tuple) -> tuple:
         return _square_rows(self.meta, self.cols, self.data, self.run_group, self.run_max, self.run_start,
                             self.prefix, self.group, r0, r1, rule.top_k or 0, rule.min_value, *scratch)
@@ -559,11 +640,9 @@ def square_blocks(base: sp.csr_matrix, rule: PruneRule, *, block_rows: int = 102
 def _square_blocks(layout: _SquareLayout, rule: PruneRule, *, block_rows: int, workers: int,
                    progress: bool) -> Iterator[tuple[int, sp.csr_matrix, np.ndarray]]:
     n = layout.meta.size // _FIELDS
-    n_groups = -(-n // layout.group)
-    scratch = Queue()  # per thread: accumulator, flags, column order, group bounds, selection (all 0 between rows)
+    scratch = Queue()  # a thread's buffers
     for _ in range(max(1, workers)):
-        scratch.put((np.zeros(n, np.float64), np.zeros(n, np.uint8), np.empty(n + 1, np.int64),
-                     np.zeros(n_groups, np.float64), np.zeros(n_groups, np.uint8)))
+        scratch.put(layout.scratch())
 
     def block(r0: int):
         r1 = min(n, r0 + block_rows)
