@@ -576,11 +576,11 @@ def _square_rows(meta, cols, data, run_group, run_max, run_start, prefix, group,
 
 
 def _bounds_split(n: int) -> tuple[int, int]:
-    """(prefix, group) for a vocabulary of n: the first n/24 columns summed exactly in every bounded row, the others
-    bounded in groups of n/768 (2,048 and 64 at 49,152 tokens; frequent tokens have small ids in BPE vocabularies,
-    so the prefix holds most rows' largest values)."""
-    group = max(1, min(64, n // 768))
-    return group * max(1, n // (24 * group)), group
+    """(prefix, group) for a vocabulary of n: the first n/12 columns summed exactly in every bounded row, the others
+    bounded in groups of n/384 (4,096 and 128 at 49,152 tokens; frequent tokens have small ids in BPE vocabularies,
+    so the prefix holds most of a row's largest values)."""
+    group = max(1, min(128, n // 384))
+    return group * max(1, n // (12 * group)), group
 
 
 @dataclass(frozen=True)
