@@ -599,15 +599,21 @@ class _SquareLayout:
 
     @classmethod
     def of(cls, base: sp.csr_matrix, prefix: int, group: int) -> _SquareLayout:
+        """The layout of ``base`` with ``prefix`` columns summed exactly (a multiple of ``group``); rows are bounded
+        only where ``base`` is sorted (the prefix and runs are then contiguous) and its values finite and ≥ 0 (the
+        bounds hold); otherwise every row is summed whole, in stored order, as scipy sums it."""
+        if prefix % group:
+            raise ValueError(f"the prefix ({prefix}) must be a multiple of the group ({group})")
         n = base.shape[0]
-        if not base.has_canonical_format:  # scipy's order is then the stored one, which the kernel follows only sorted
-            base = base.copy()
-            base.sum_duplicates()
         indptr = np.asarray(base.indptr, dtype=np.int64)
         cols = np.asarray(base.indices, dtype=np.uint16 if n <= 1 << 16 else np.uint32)
         data = np.asarray(base.data, dtype=np.float32)
+        boundable = bool(base.has_sorted_indices and np.all(np.isfinite(data) & (data >= 0)))
+        if not boundable:  # no runs: every row's columns are its "prefix"
+            prefix = group * -(-n // group)
         meta, run_group, run_max, run_start = _layout_rows(indptr, cols, data, prefix, group)
-        _mark_bounded(meta, cols, prefix, -(-n // group) - prefix // group)
+        if boundable:
+            _mark_bounded(meta, cols, prefix, -(-n // group) - prefix // group)
         return cls(meta, cols, data, run_group, run_max, run_start, prefix, group)
 
     def scratch(self) -> tuple:
