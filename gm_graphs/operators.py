@@ -313,21 +313,21 @@ def _merge_successors(meta, cols, data, rows, counts, ks, places, ws):
 
 
 @numba.njit(nogil=True, cache=True)
-def _prefetch_successor(meta, cols, data, rows_of, ks, t, m):
-    """Prefetch the record of the successor ``_AHEAD_RECORD`` places after t, and the columns < prefix and the runs
-    of the one ``_AHEAD`` places after (unless it is the same row as its predecessor's, already read)."""
+def _prefetch_ahead(meta, ks, t, m):
+    """The row record of the successor ``_AHEAD_RECORD`` places after t; and the one ``_AHEAD`` places after, unless
+    its row is that of its predecessor (then already read), or -1."""
     if t + _AHEAD_RECORD < m:
         _prefetch(meta, _FIELDS * ks[t + _AHEAD_RECORD])
     if t + _AHEAD < m and ks[t + _AHEAD] != ks[t + _AHEAD - 1]:
-        rec = _FIELDS * ks[t + _AHEAD]
-        a = meta[rec + _START]
-        for x in range(a, min(meta[rec + _SPLIT], a + 32 * _LINES), 32):
-            _prefetch(cols, x)
-            _prefetch(data, x)
-            _prefetch(data, x + 16)
-        a = meta[rec + _RUNS]
-        for x in range(a, min(meta[rec + _RUNS_END], a + 32 * _LINES), 32):
-            _prefetch(rows_of, x)
+        return _FIELDS * ks[t + _AHEAD]
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _prefetch_lines(array, start, end, per_line):
+    """Prefetch ``array[start:end]`` (at most ``_LINES`` lines), holding ``per_line`` items a cache line."""
+    for x in range(start, min(end, start + per_line * _LINES), per_line):
+        _prefetch(array, x)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -338,7 +338,12 @@ def _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, 
     A successor's row is read once for all the block's rows it follows."""
     sums = meta.view(np.float64)
     for t in range(m):
-        _prefetch_successor(meta, cols, data, run_max, ks, t, m)
+        ahead = _prefetch_ahead(meta, ks, t, m)
+        if ahead >= 0:  # what this successor reads: its columns < prefix and its runs' groups and largest values
+            _prefetch_lines(cols, meta[ahead + _START], meta[ahead + _SPLIT], 32)
+            _prefetch_lines(data, meta[ahead + _START], meta[ahead + _SPLIT], 16)
+            _prefetch_lines(run_group, meta[ahead + _RUNS], meta[ahead + _RUNS_END], 32)
+            _prefetch_lines(run_max, meta[ahead + _RUNS], meta[ahead + _RUNS_END], 16)
         rec = _FIELDS * ks[t]
         u = places[t]
         w = ws[t]
@@ -355,28 +360,51 @@ def _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, 
 def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, selected, last, acc, hits, weights):
     """For the rows of a block: add into acc[place] the products in each row's selected groups (those up to
     last[place]), in scipy's order; ``hits`` (a run's start, end and place) and ``weights`` are scratch, grown when
-    too small and returned."""
+    too small and returned. A successor's runs are walked once for all the block's rows it follows."""
+    chosen = np.zeros(selected.shape[1], np.uint32)  # per group: the places (bits) that selected it
+    for u in range(last.size):
+        for c in range(last[u] + 1):
+            chosen[c] |= np.uint32(selected[u, c]) << np.uint32(u)
+    row_weight = np.empty(last.size, np.float64)
     count = 0
-    for t in range(m):  # the selected runs, in order, listed without branches
-        u = places[t]
-        rec = _FIELDS * ks[t]
+    t = 0
+    while t < m:  # the selected runs, successor by successor (k ascending), listed
+        k = ks[t]
+        users = np.uint32(0)
+        end = -1
+        t1 = t
+        while t1 < m and ks[t1] == k:
+            u = places[t1]
+            users |= np.uint32(1) << np.uint32(u)
+            row_weight[u] = ws[t1]
+            end = max(end, last[u])
+            t1 += 1
+        rec = _FIELDS * k
         e0, e1 = meta[rec + _RUNS], meta[rec + _RUNS_END]
-        if count + e1 - e0 > weights.size:
-            hits = np.concatenate((hits[:3 * count], np.empty(3 * (count + e1 - e0), np.int64)))
-            weights = np.concatenate((weights[:count], np.empty(count + e1 - e0, np.float64)))
-        _prefetch_successor(meta, cols, data, run_start, ks, t, m)
-        chosen = selected[u]
-        end = last[u]
-        w = ws[t]
+        if count + (t1 - t) * (e1 - e0) > weights.size:
+            grow = 2 * (count + (t1 - t) * (e1 - e0))
+            hits = np.concatenate((hits[:3 * count], np.empty(3 * grow - 3 * count, np.int64)))
+            weights = np.concatenate((weights[:count], np.empty(grow - count, np.float64)))
+        ahead = _prefetch_ahead(meta, ks, t1 - 1, m)
+        if ahead >= 0:  # the runs' groups and starts
+            _prefetch_lines(run_group, meta[ahead + _RUNS], meta[ahead + _RUNS_END], 32)
+            _prefetch_lines(run_start, meta[ahead + _RUNS], meta[ahead + _RUNS_END] + 1, 8)
         for e in range(e0, e1):
             g = np.int64(run_group[_U(e)])
             if g > end:  # a row's runs ascend: none of the rest is selected
                 break
-            hits[3 * count] = run_start[_U(e)]
-            hits[3 * count + 1] = run_start[_U(e + 1)]
-            hits[3 * count + 2] = u
-            weights[count] = w
-            count += chosen[g]
+            both = chosen[g] & users
+            u = 0
+            while both:  # the places that follow k and selected g, in order
+                if both & np.uint32(1):
+                    hits[3 * count] = run_start[_U(e)]
+                    hits[3 * count + 1] = run_start[_U(e + 1)]
+                    hits[3 * count + 2] = u
+                    weights[count] = row_weight[u]
+                    count += 1
+                both >>= np.uint32(1)
+                u += 1
+        t = t1
     for t in range(count):
         if t + _AHEAD_RUN < count:
             x = hits[3 * (t + _AHEAD_RUN)]
