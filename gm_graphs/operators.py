@@ -148,7 +148,7 @@ def _prefetch(typingctx, array, index):
 
 _U = np.uint64  # indexing with unsigned integers spares numba's negative-index checks in the inner loops
 # a row k's record in the layout: meta[_FIELDS * k + field]
-_START, _SPLIT, _END, _RUNS, _RUNS_END, _ROW_SUM, _BOUNDED = range(7)
+_START, _SPLIT, _END, _RUNS, _RUNS_END, _ROW_SUM, _BOUNDED, _DENSE = range(8)
 _FIELDS = 8  # one cache line per row
 # prefetching: the record of the successor _AHEAD_RECORD places on, the data of the one _AHEAD places on (its
 # first _LINES cache lines of indices), and the run _AHEAD_RUN places on among a row's selected runs
@@ -331,7 +331,7 @@ def _prefetch_lines(array, start, end, per_line):
 
 
 @numba.njit(nogil=True, cache=True)
-def _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, bound, totals):
+def _sum_prefixes(meta, cols, data, dense, run_group, run_max, m, ks, places, ws, acc, bound, totals):
     """For the rows of a block (successors merged by :func:`_merge_successors`): into acc[place] their columns
     < prefix of Ã², summed as scipy sums them (k ascending, row k in stored order); into bound[place] for every later
     group of columns a bound Σ_k Ã_ik·max(Ã_k over the group) on its values; into totals[place] Σ_k Ã_ik·Σ_j Ã_kj.
@@ -339,9 +339,10 @@ def _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, 
     sums = meta.view(np.float64)
     for t in range(m):
         ahead = _prefetch_ahead(meta, ks, t, m)
-        if ahead >= 0:  # what this successor reads: its columns < prefix and its runs' groups and largest values
+        if ahead >= 0 and meta[ahead + _DENSE] < 0:  # what it reads: its columns < prefix, its runs' groups and maxima
             _prefetch_lines(cols, meta[ahead + _START], meta[ahead + _SPLIT], 32)
             _prefetch_lines(data, meta[ahead + _START], meta[ahead + _SPLIT], 16)
+        if ahead >= 0:
             _prefetch_lines(run_group, meta[ahead + _RUNS], meta[ahead + _RUNS_END], 32)
             _prefetch_lines(run_max, meta[ahead + _RUNS], meta[ahead + _RUNS_END], 16)
         rec = _FIELDS * ks[t]
@@ -349,8 +350,13 @@ def _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, 
         w = ws[t]
         totals[u] += w * sums[rec + _ROW_SUM]
         row = acc[u]
-        for q in range(meta[rec + _START], meta[rec + _SPLIT]):
-            row[cols[_U(q)]] += w * np.float64(data[_U(q)])
+        if meta[rec + _DENSE] >= 0:  # a row dense below the prefix: added whole (its zeros change no sum)
+            values = dense[meta[rec + _DENSE]]
+            for j in range(values.size):
+                row[j] += w * np.float64(values[j])
+        else:
+            for q in range(meta[rec + _START], meta[rec + _SPLIT]):
+                row[cols[_U(q)]] += w * np.float64(data[_U(q)])
         b = bound[u]
         for e in range(meta[rec + _RUNS], meta[rec + _RUNS_END]):
             b[run_group[_U(e)]] += w * np.float64(run_max[_U(e)])
@@ -438,8 +444,8 @@ def _select_groups(bound, selected, first, threshold):
 
 
 @numba.njit(nogil=True, cache=True)
-def _bounded_block(meta, cols, data, run_group, run_max, run_start, prefix, group, rows, top_k, min_value, acc,
-                   bound, selected, counts, buffers, hv, hc, sizes, totals):
+def _bounded_block(meta, cols, data, dense, run_group, run_max, run_start, prefix, group, rows, top_k, min_value,
+                   acc, bound, selected, counts, buffers, hv, hc, sizes, totals):
     """Rows ``rows`` of Ã² pruned to their ``top_k`` without summing every product: the heaps hv[place], hc[place]
     (sizes[place] entries) and totals[place]; ``buffers`` (scratch: ks, places, ws, hits, weights) are returned,
     grown when too small.
@@ -453,7 +459,7 @@ def _bounded_block(meta, cols, data, run_group, run_max, run_start, prefix, grou
     ks, places, ws, hits, weights = buffers
     m, ks, places, ws = _merge_successors(meta, cols, data, rows, counts, ks, places, ws)
     estimates = np.zeros(rows.size)
-    _sum_prefixes(meta, cols, data, run_group, run_max, m, ks, places, ws, acc, bound, estimates)
+    _sum_prefixes(meta, cols, data, dense, run_group, run_max, m, ks, places, ws, acc, bound, estimates)
     first = min(prefix, n) // group
     last = np.empty(rows.size, np.int64)
     skipped = np.zeros(rows.size, np.bool_)
@@ -548,8 +554,8 @@ def _reserve(out_idx, out_val, m, extra):
 
 
 @numba.njit(nogil=True, cache=True)
-def _square_rows(meta, cols, data, run_group, run_max, run_start, prefix, group, r0, r1, top_k, min_value, acc,
-                 flag, order, block_acc, bound, selected, counts):
+def _square_rows(meta, cols, data, dense, run_group, run_max, run_start, prefix, group, r0, r1, top_k, min_value,
+                 acc, flag, order, block_acc, bound, selected, counts):
     """Rows r0..r1 of Ã², pruned as ``prune`` prunes the rows of ``a64[r0:r1] @ a64``, without building them.
 
     Every value read is summed in float64 in the order scipy's product sums it (successors k in stored order, then
@@ -577,8 +583,9 @@ def _square_rows(meta, cols, data, run_group, run_max, run_start, prefix, group,
         b1 = min(r1, b0 + block)
         rows = np.array([i for i in range(b0, b1) if top_k > 0 and meta[_FIELDS * i + _BOUNDED]], dtype=np.int64)
         if rows.size > 0:
-            buffers = _bounded_block(meta, cols, data, run_group, run_max, run_start, prefix, group, rows, top_k,
-                                     min_value, block_acc, bound, selected, counts, buffers, hv, hc, sizes, totals)
+            buffers = _bounded_block(meta, cols, data, dense, run_group, run_max, run_start, prefix, group, rows,
+                                     top_k, min_value, block_acc, bound, selected, counts, buffers, hv, hc, sizes,
+                                     totals)
         place = 0
         for i in range(b0, b1):
             r = i - r0
@@ -614,11 +621,13 @@ def _bounds_split(n: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class _SquareLayout:
     """Ã arranged for :func:`_square_rows`: unsigned column indices (uint16 up to 65,536 columns), a record per row,
-    and the runs of columns ≥ ``prefix`` by group with their largest value."""
+    the runs of columns ≥ ``prefix`` by group with their largest value, and the rows dense below ``prefix`` as
+    dense rows (``dense``, the record's ``_DENSE`` field their index)."""
 
     meta: np.ndarray
     cols: np.ndarray
     data: np.ndarray
+    dense: np.ndarray
     run_group: np.ndarray
     run_max: np.ndarray
     run_start: np.ndarray
@@ -640,9 +649,15 @@ class _SquareLayout:
         if not boundable:  # no runs: every row's columns are its "prefix"
             prefix = group * -(-n // group)
         meta, run_group, run_max, run_start = _layout_rows(indptr, cols, data, prefix, group)
+        meta[_DENSE::_FIELDS] = -1
+        dense = np.zeros((0, prefix), np.float32)
         if boundable:
             _mark_bounded(meta, cols, prefix, -(-n // group) - prefix // group)
-        return cls(meta, cols, data, run_group, run_max, run_start, prefix, group)
+            # rows with a third or more of the prefix's columns: added whole, a dense add of it is the cheaper
+            rows = np.flatnonzero(3 * (meta[_SPLIT::_FIELDS] - meta[_START::_FIELDS]) >= prefix)
+            dense = sp.csr_matrix(base[rows])[:, :prefix].toarray().astype(np.float32)
+            meta[_DENSE::_FIELDS][rows] = np.arange(rows.size)
+        return cls(meta, cols, data, dense, run_group, run_max, run_start, prefix, group)
 
     def scratch(self) -> tuple:
         """A thread's buffers for :meth:`rows`, all 0 (as the kernel leaves them): accumulator, flags, column order,
@@ -654,7 +669,7 @@ class _SquareLayout:
                 np.zeros((_BLOCK, groups), np.uint8), np.zeros(n + 1, np.int64))
 
     def rows(self, r0: int, r1: int, rule: PruneRule, scratch: tuple) -> tuple:
-        return _square_rows(self.meta, self.cols, self.data, self.run_group, self.run_max, self.run_start,
+        return _square_rows(self.meta, self.cols, self.data, self.dense, self.run_group, self.run_max, self.run_start,
                             self.prefix, self.group, r0, r1, rule.top_k or 0, rule.min_value, *scratch)
 
 
