@@ -19,6 +19,7 @@ import scipy.sparse as sp
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 from tqdm.auto import tqdm
 
@@ -400,16 +401,14 @@ def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, sel
             if g > end:  # a row's runs ascend: none of the rest is selected
                 break
             both = chosen[g] & users
-            u = 0
-            while both:  # the places that follow k and selected g, in order
-                if both & np.uint32(1):
-                    hits[3 * count] = run_start[_U(e)]
-                    hits[3 * count + 1] = run_start[_U(e + 1)]
-                    hits[3 * count + 2] = u
-                    weights[count] = row_weight[u]
-                    count += 1
-                both >>= np.uint32(1)
-                u += 1
+            while both:  # the places that follow k and selected g, lowest first
+                u = np.int64(trailing_zeros(both))
+                both &= both - np.uint32(1)
+                hits[3 * count] = run_start[_U(e)]
+                hits[3 * count + 1] = run_start[_U(e + 1)]
+                hits[3 * count + 2] = u
+                weights[count] = row_weight[u]
+                count += 1
         t = t1
     for t in range(count):
         if t + _AHEAD_RUN < count:
