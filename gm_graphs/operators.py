@@ -151,13 +151,13 @@ _U = np.uint64  # indexing with unsigned integers spares numba's negative-index 
 # a row k's record in the layout: meta[_FIELDS * k + field]
 _START, _SPLIT, _END, _RUNS, _RUNS_END, _ROW_SUM, _BOUNDED, _DENSE = range(8)
 _FIELDS = 8  # one cache line per row
-# prefetching: the record of the successor _AHEAD_RECORD places on, the data of the one _AHEAD places on (its
-# first _LINES cache lines of indices), and the run _AHEAD_RUN places on among a row's selected runs
+# prefetching: the row record of the successor _AHEAD_RECORD places on, the data of the one _AHEAD places on (at
+# most _LINES cache lines of each array), and the run _AHEAD_RUN places on among the selected runs
 _AHEAD, _AHEAD_RECORD, _LINES, _AHEAD_RUN = 4, 8, 16, 32
 # v ≤ bound·(1 + _SLACK) for every product value v of a group: both sums have ≤ n < 2³² terms, so they are within
 # n·2⁻⁵³ < 5e-7 (relative) of their exact values, and the exact value is at most the exact bound
 _SLACK = 1e-6
-_BLOCK = 16  # bounded rows summed together: a successor's row is read once for all those it follows
+_BLOCK = 64  # bounded rows summed together (≤ 64: a bit each): a successor's row is read once for all it follows
 
 
 @numba.njit(nogil=True, cache=True)
@@ -227,18 +227,10 @@ def _mark_bounded(meta, cols, prefix, n_groups):
 
 
 @numba.njit(nogil=True, cache=True)
-def _prefetch_row(meta, cols, data, p, end, lo, hi):
-    """Prefetch, for the successor ``_AHEAD`` places after ``p``, its columns from field ``lo`` to ``hi``; and the
-    record of the one ``_AHEAD_RECORD`` places after."""
-    if p + _AHEAD_RECORD < end:
-        _prefetch(meta, _FIELDS * np.int64(cols[_U(p + _AHEAD_RECORD)]))
-    if p + _AHEAD < end:
-        rec = _FIELDS * np.int64(cols[_U(p + _AHEAD)])
-        a = meta[rec + lo]
-        for x in range(a, min(meta[rec + hi], a + 32 * _LINES), 32):
-            _prefetch(cols, x)
-            _prefetch(data, x)
-            _prefetch(data, x + 16)
+def _prefetch_lines(array, start, end, per_line):
+    """Prefetch ``array[start:end]`` (at most ``_LINES`` lines), holding ``per_line`` items a cache line."""
+    for x in range(start, min(end, start + per_line * _LINES), per_line):
+        _prefetch(array, x)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -278,7 +270,12 @@ def _scatter_whole(meta, cols, data, i, acc):
     """acc += Σ_k Ã_ik·Ã_k over row i's successors in stored order, each row k in stored order (scipy's order)."""
     p0, p1 = meta[_FIELDS * i + _START], meta[_FIELDS * i + _END]
     for p in range(p0, p1):
-        _prefetch_row(meta, cols, data, p, p1, _START, _END)
+        if p + _AHEAD_RECORD < p1:
+            _prefetch(meta, _FIELDS * np.int64(cols[_U(p + _AHEAD_RECORD)]))
+        if p + _AHEAD < p1:
+            ahead = _FIELDS * np.int64(cols[_U(p + _AHEAD)])
+            _prefetch_lines(cols, meta[ahead + _START], meta[ahead + _END], 32)
+            _prefetch_lines(data, meta[ahead + _START], meta[ahead + _END], 16)
         rec = _FIELDS * np.int64(cols[_U(p)])
         w = np.float64(data[_U(p)])
         for q in range(meta[rec + _START], meta[rec + _END]):
@@ -325,13 +322,6 @@ def _prefetch_ahead(meta, ks, t, m):
 
 
 @numba.njit(nogil=True, cache=True)
-def _prefetch_lines(array, start, end, per_line):
-    """Prefetch ``array[start:end]`` (at most ``_LINES`` lines), holding ``per_line`` items a cache line."""
-    for x in range(start, min(end, start + per_line * _LINES), per_line):
-        _prefetch(array, x)
-
-
-@numba.njit(nogil=True, cache=True)
 def _sum_prefixes(meta, cols, data, dense, run_group, run_max, m, ks, places, ws, acc, bound, totals):
     """For the rows of a block (successors merged by :func:`_merge_successors`): into acc[place] their columns
     < prefix of Ã², summed as scipy sums them (k ascending, row k in stored order); into bound[place] for every later
@@ -368,21 +358,21 @@ def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, sel
     """For the rows of a block: add into acc[place] the products in each row's selected groups (those up to
     last[place]), in scipy's order; ``hits`` (a run's start, end and place) and ``weights`` are scratch, grown when
     too small and returned. A successor's runs are walked once for all the block's rows it follows."""
-    chosen = np.zeros(selected.shape[1], np.uint32)  # per group: the places (bits) that selected it
+    chosen = np.zeros(selected.shape[1], np.uint64)  # per group: the places (bits) that selected it
     for u in range(last.size):
         for c in range(last[u] + 1):
-            chosen[c] |= np.uint32(selected[u, c]) << np.uint32(u)
+            chosen[c] |= np.uint64(selected[u, c]) << np.uint64(u)
     row_weight = np.empty(last.size, np.float64)
     count = 0
     t = 0
     while t < m:  # the selected runs, successor by successor (k ascending), listed
         k = ks[t]
-        users = np.uint32(0)
+        users = np.uint64(0)
         end = -1
         t1 = t
         while t1 < m and ks[t1] == k:
             u = places[t1]
-            users |= np.uint32(1) << np.uint32(u)
+            users |= np.uint64(1) << np.uint64(u)
             row_weight[u] = ws[t1]
             end = max(end, last[u])
             t1 += 1
@@ -403,7 +393,7 @@ def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, sel
             both = chosen[g] & users
             while both:  # the places that follow k and selected g, lowest first
                 u = np.int64(trailing_zeros(both))
-                both &= both - np.uint32(1)
+                both &= both - np.uint64(1)
                 hits[3 * count] = run_start[_U(e)]
                 hits[3 * count + 1] = run_start[_U(e + 1)]
                 hits[3 * count + 2] = u
@@ -561,8 +551,8 @@ def _square_rows(meta, cols, data, dense, run_group, run_max, run_start, prefix,
     row k in stored order), so it is the same to the bit; values are read in column order, the total summed in that
     order, and the ``top_k`` largest values ≥ ``min_value`` kept, ties toward the smaller column. Rows flagged in
     the layout (with ``top_k``) are taken a block at a time and skip the groups of columns that cannot reach the
-    kept (:func:`_bounded_block`). ``acc``, ``block_acc``, ``bound``, ``selected``, ``flag`` and ``counts`` are all
-    0 between calls."""
+    kept (:func:`_bounded_block`). ``acc``, ``block_acc``, ``bound``, ``flag`` and ``counts`` are all 0 between
+    calls (``selected`` is written before it is read)."""
     n_rows = r1 - r0
     block = block_acc.shape[0]
     new_ptr = np.zeros(n_rows + 1, dtype=np.int64)
@@ -659,7 +649,7 @@ class _SquareLayout:
         return cls(meta, cols, data, dense, run_group, run_max, run_start, prefix, group)
 
     def scratch(self) -> tuple:
-        """A thread's buffers for :meth:`rows`, all 0 (as the kernel leaves them): accumulator, flags, column order,
+        """A thread's buffers for :meth:`rows` (zeros, as the kernel leaves them): accumulator, flags, column order,
         the block's accumulators, group bounds and selections, and counts for merging successors."""
         n = self.meta.size // _FIELDS
         groups = -(-n // self.group)

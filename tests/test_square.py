@@ -72,7 +72,7 @@ def _random_base(seed: int, n: int, density: float, zeros: bool) -> sp.csr_matri
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 90), density=st.floats(0.01, 0.6),
        top_k=st.sampled_from([None, 1, 3, 8, 64]), min_value=st.sampled_from([0.0, 0.02, 0.2]),
        split=st.sampled_from([(1, 1), (2, 2), (4, 2), (6, 3), (8, 8), (16, 4), (96, 8)]),
-       rows=st.sampled_from(["bounded", "whole", "model"]), zeros=st.booleans(), block_rows=st.integers(1, 40),
+       rows=st.sampled_from(["bounded", "whole", "model"]), zeros=st.booleans(), block_rows=st.integers(1, 100),
        workers=st.integers(1, 2))
 def test_bounded_and_whole_rows_keep_the_product_bits(seed, n, density, top_k, min_value, split, rows, zeros,
                                                        block_rows, workers):
