@@ -211,6 +211,15 @@ def _layout_rows(indptr, cols, data, prefix, group):
 
 
 @numba.njit(nogil=True, cache=True)
+def _finite_non_negative(data):
+    """Whether every value is finite and ≥ 0 (what the bounds need), without temporaries the size of ``data``."""
+    for v in data:
+        if not (v >= 0 and v < np.inf):
+            return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
 def _mark_bounded(meta, cols, prefix, n_groups):
     """Flag the rows of Ã² cheaper to bound than to sum whole: a bounded row reads its successors' short rows below
     ``prefix`` and their runs (twice), then scans ``prefix`` columns and the groups; a whole row reads everything."""
@@ -354,10 +363,26 @@ def _sum_prefixes(meta, cols, data, dense, run_group, run_max, m, ks, places, ws
 
 
 @numba.njit(nogil=True, cache=True)
+def _scatter_runs(cols, data, hits, weights, count, acc):
+    """Add the listed runs (start, end, place; weight) into acc[place], in order, prefetching the runs ahead."""
+    for t in range(count):
+        if t + _AHEAD_RUN < count:
+            x = hits[3 * (t + _AHEAD_RUN)]
+            _prefetch(cols, x)
+            _prefetch(data, x)
+            _prefetch(data, x + 15)
+        row = acc[hits[3 * t + 2]]
+        w = weights[t]
+        for q in range(hits[3 * t], hits[3 * t + 1]):
+            row[cols[_U(q)]] += w * np.float64(data[_U(q)])
+
+
+@numba.njit(nogil=True, cache=True)
 def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, selected, last, acc, hits, weights):
     """For the rows of a block: add into acc[place] the products in each row's selected groups (those up to
-    last[place]), in scipy's order; ``hits`` (a run's start, end and place) and ``weights`` are scratch, grown when
-    too small and returned. A successor's runs are walked once for all the block's rows it follows."""
+    last[place]), in scipy's order. A successor's runs are walked once for all the block's rows it follows; the
+    selected runs are listed in ``hits`` (start, end, place) and ``weights``, and summed whenever the list is full
+    (the list grows only for a successor whose runs alone overflow it; returned)."""
     chosen = np.zeros(selected.shape[1], np.uint64)  # per group: the places (bits) that selected it
     for u in range(last.size):
         for c in range(last[u] + 1):
@@ -365,7 +390,7 @@ def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, sel
     row_weight = np.empty(last.size, np.float64)
     count = 0
     t = 0
-    while t < m:  # the selected runs, successor by successor (k ascending), listed
+    while t < m:  # successor by successor (k ascending)
         k = ks[t]
         users = np.uint64(0)
         end = -1
@@ -378,10 +403,12 @@ def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, sel
             t1 += 1
         rec = _FIELDS * k
         e0, e1 = meta[rec + _RUNS], meta[rec + _RUNS_END]
-        if count + (t1 - t) * (e1 - e0) > weights.size:
-            grow = 2 * (count + (t1 - t) * (e1 - e0))
-            hits = np.concatenate((hits[:3 * count], np.empty(3 * grow - 3 * count, np.int64)))
-            weights = np.concatenate((weights[:count], np.empty(grow - count, np.float64)))
+        most = (t1 - t) * (e1 - e0)
+        if count + most > weights.size:  # sum what is listed (in order: a column's products stay k-ascending)
+            _scatter_runs(cols, data, hits, weights, count, acc)
+            count = 0
+            if most > weights.size:
+                hits, weights = np.empty(3 * most, np.int64), np.empty(most, np.float64)
         ahead = _prefetch_ahead(meta, ks, t1 - 1, m)
         if ahead >= 0:  # the runs' groups and starts
             _prefetch_lines(run_group, meta[ahead + _RUNS], meta[ahead + _RUNS_END], 32)
@@ -400,16 +427,7 @@ def _sum_selected(meta, cols, data, run_group, run_start, m, ks, places, ws, sel
                 weights[count] = row_weight[u]
                 count += 1
         t = t1
-    for t in range(count):
-        if t + _AHEAD_RUN < count:
-            x = hits[3 * (t + _AHEAD_RUN)]
-            _prefetch(cols, x)
-            _prefetch(data, x)
-            _prefetch(data, x + 15)
-        row = acc[hits[3 * t + 2]]
-        w = weights[t]
-        for q in range(hits[3 * t], hits[3 * t + 1]):
-            row[cols[_U(q)]] += w * np.float64(data[_U(q)])
+    _scatter_runs(cols, data, hits, weights, count, acc)
     return hits, weights
 
 
@@ -566,7 +584,7 @@ def _square_rows(meta, cols, data, dense, run_group, run_max, run_start, prefix,
     sizes = np.zeros(block, dtype=np.int64)
     totals = np.zeros(block, dtype=np.float64)
     buffers = (np.empty(1 << 14, np.int64), np.empty(1 << 14, np.int64), np.empty(1 << 14, np.float64),
-               np.empty(3 << 12, np.int64), np.empty(1 << 12, np.float64))
+               np.empty(3 << 16, np.int64), np.empty(1 << 16, np.float64))
     m = 0
     for b0 in range(r0, r1, block):
         b1 = min(r1, b0 + block)
@@ -634,7 +652,7 @@ class _SquareLayout:
         indptr = np.asarray(base.indptr, dtype=np.int64)
         cols = np.asarray(base.indices, dtype=np.uint16 if n <= 1 << 16 else np.uint32)
         data = np.asarray(base.data, dtype=np.float32)
-        boundable = bool(base.has_sorted_indices and np.all(np.isfinite(data) & (data >= 0)))
+        boundable = bool(base.has_sorted_indices) and _finite_non_negative(data)
         if not boundable:  # no runs: every row's columns are its "prefix"
             prefix = group * -(-n // group)
         meta, run_group, run_max, run_start = _layout_rows(indptr, cols, data, prefix, group)

@@ -18,8 +18,10 @@ from gm_graphs.operators import (
     _FIELDS,
     OperatorSpec,
     _bounds_split,
+    _merge_successors,
     _square_blocks,
     _SquareLayout,
+    _sum_selected,
     build_operators,
     normalize,
     prune,
@@ -123,6 +125,28 @@ def test_a_zipfian_graph_skips_groups_and_keeps_the_product_bits(top_k):
     fast = list(square_blocks(base, rule, block_rows=512, workers=2, progress=False))
     slow = list(build_operators(base, [OperatorSpec("power", 2)], rule, block_rows=512, progress=False))
     _assert_same(fast, slow)
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 64])
+def test_selected_runs_summed_in_chunks_are_summed_as_at_once(capacity):
+    """The list of selected runs is summed whenever it fills: in order, so each column's sum is the same."""
+    base = _random_base(11, 80, 0.3, False)
+    layout = _SquareLayout.of(base, 8, 4)
+    rows = np.arange(0, 80, 3, dtype=np.int64)
+    n_groups = 20
+    m, ks, places, ws = _merge_successors(layout.meta, layout.cols, layout.data, rows, np.zeros(81, np.int64),
+                                          np.empty(1, np.int64), np.empty(1, np.int64), np.empty(1))
+    rng = np.random.default_rng(0)
+    selected = (rng.random((rows.size, n_groups)) < 0.5).astype(np.uint8)
+    selected[:, :2] = 0  # groups below the prefix are never selected
+    last = np.array([np.flatnonzero(s).max(initial=1) for s in selected], dtype=np.int64)
+    sums = []
+    for size in (capacity, 1 << 16):
+        acc = np.zeros((rows.size, 80))
+        _sum_selected(layout.meta, layout.cols, layout.data, layout.run_group, layout.run_start, m, ks, places, ws,
+                      selected, last, acc, np.empty(3 * size, np.int64), np.empty(size))
+        sums.append(acc)
+    assert sums[0].tobytes() == sums[1].tobytes() and sums[1].any()
 
 
 def test_unsorted_or_negative_rows_are_summed_whole_in_stored_order():
