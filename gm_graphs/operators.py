@@ -644,15 +644,16 @@ class _SquareLayout:
     @classmethod
     def of(cls, base: sp.csr_matrix, prefix: int, group: int) -> _SquareLayout:
         """The layout of ``base`` with ``prefix`` columns summed exactly (a multiple of ``group``); rows are bounded
-        only where ``base`` is sorted (the prefix and runs are then contiguous) and its values finite and ≥ 0 (the
-        bounds hold); otherwise every row is summed whole, in stored order, as scipy sums it."""
+        only where ``base`` is canonical (sorted, so the prefix and runs are contiguous; no duplicates, which a dense
+        row would add up) and its values finite and ≥ 0 (the bounds hold); otherwise every row is summed whole, in
+        stored order, as scipy sums it."""
         if prefix % group:
             raise ValueError(f"the prefix ({prefix}) must be a multiple of the group ({group})")
         n = base.shape[0]
         indptr = np.asarray(base.indptr, dtype=np.int64)
         cols = np.asarray(base.indices, dtype=np.uint16 if n <= 1 << 16 else np.uint32)
         data = np.asarray(base.data, dtype=np.float32)
-        boundable = bool(base.has_sorted_indices) and _finite_non_negative(data)
+        boundable = bool(base.has_canonical_format) and _finite_non_negative(data)
         if not boundable:  # no runs: every row's columns are its "prefix"
             prefix = group * -(-n // group)
         meta, run_group, run_max, run_start = _layout_rows(indptr, cols, data, prefix, group)

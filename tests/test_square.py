@@ -149,17 +149,20 @@ def test_selected_runs_summed_in_chunks_are_summed_as_at_once(capacity):
     assert sums[0].tobytes() == sums[1].tobytes() and sums[1].any()
 
 
-def test_unsorted_or_negative_rows_are_summed_whole_in_stored_order():
+def test_unsorted_duplicated_or_negative_rows_are_summed_whole_in_stored_order():
     base = _random_base(3, 40, 0.3, False)
     rows = np.repeat(np.arange(base.shape[0]), np.diff(base.indptr))
     descending = np.lexsort((-base.indices, rows))  # each row's entries in descending columns
     unsorted = sp.csr_matrix((base.data[descending], base.indices[descending], base.indptr), shape=base.shape)
     assert not unsorted.has_sorted_indices
+    twice = np.repeat(np.arange(base.nnz), 2)  # every entry stored twice, each half its value, columns sorted
+    duplicated = sp.csr_matrix((base.data[twice] / 2, base.indices[twice], 2 * base.indptr), shape=base.shape)
+    assert duplicated.has_sorted_indices and not duplicated.has_canonical_format
     negative = base.copy()
     negative.data[::5] *= -1
-    for matrix in (unsorted, negative):
-        layout = _SquareLayout.of(matrix, 2, 1)
-        assert not layout.meta[_BOUNDED::_FIELDS].any()
+    for matrix in (unsorted, duplicated, negative):
+        assert not _SquareLayout.of(matrix, 2, 1).meta[_BOUNDED::_FIELDS].any()
+    for matrix in (unsorted, negative):  # (scipy adds up duplicates before multiplying: not the stored order)
         fast = list(square_blocks(matrix, PruneRule(top_k=3), block_rows=7, progress=False))
         slow = list(build_operators(matrix, [OperatorSpec("power", 2)], PruneRule(top_k=3), block_rows=7,
                                     progress=False))
