@@ -148,6 +148,11 @@ class ContextConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ContextConfig:
+        return cls(**cls.stored_fields(d))
+
+    @staticmethod
+    def stored_fields(d: dict) -> dict:
+        """The fields a stored choice sets, read the way each older manifest meant them; not yet checked."""
         known = {k: d[k] for k in ("divergence", "lam", "kl_share", "order_weights", "smoothing", "discount",
                                    "ngram_order", "kappa", "alpha", "lam_decay", "source") if k in d}
         # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior, before kl_share with none
@@ -155,7 +160,7 @@ class ContextConfig:
         known.setdefault("kl_share", 0.0)
         if "trigrams" in d:  # stored before n-gram tables of any order: a switch for the trigram table
             known.setdefault("ngram_order", 3 if d["trigrams"] else 2)
-        return cls(**known)
+        return known
 
 
 def graph_stats(graph: Any, indptr: np.ndarray, indices: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:

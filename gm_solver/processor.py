@@ -122,10 +122,11 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
                                 f"construct the other decoder directly to use it")
         if target is PaperGraphmaxLogitsProcessor:
             return target(graph, **{**stored, **kwargs})
-        config = ContextConfig.from_dict(stored) if stored else ContextConfig()
-        settings = {**config.to_dict(), **kwargs}
+        # stored values and overrides are checked together, by the class: an override mends a bad stored value
+        fields = ContextConfig().to_dict()
+        settings = {**fields, **(ContextConfig.stored_fields(stored) if stored else {}), **kwargs}
         source = settings.pop("source")
-        overridden = sorted(set(kwargs) & set(config.to_dict()))
+        overridden = sorted(set(kwargs) & set(fields))
         proc = target(graph, **settings)
         proc._set_source({**source, "overridden": overridden} if overridden else source)
         return proc

@@ -83,6 +83,18 @@ def test_generate_refuses_options_in_one_line_before_loading_the_model(graph_pat
     assert err.startswith("graphmax generate: error: ") and error in err and err.count("\n") == 1
 
 
+def test_generate_refuses_a_stored_decoder_that_would_fail_in_one_line(graph_path, no_model, capsys):
+    # set_decoder checks types only; a value out of range is refused when it is used, before the model loads
+    stored = {"mode": "context", **ContextConfig().to_dict(), "lam_decay": -1.0}
+    load_graph(graph_path).set_decoder(stored)
+    assert main(["generate", "--path", str(graph_path), "--prompt", "the movie"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphmax generate: error: ") and "`lam_decay` must be a finite float >= 0" in err
+    assert err.count("\n") == 1
+    # an option given on the command line replaces the stored value
+    assert generate.build_decoder(_args("--path", str(graph_path), "--lam-decay", "0.5"))[1].config.lam_decay == 0.5
+
+
 def test_generate_refuses_a_missing_graph_and_takes_a_name_or_a_folder(home, no_model, graph_path, capsys):
     assert main(["generate", "--graph", "nowhere", "--prompt", "x"]) == 2
     assert "graphmax generate: error: no graph 'nowhere'" in capsys.readouterr().err
