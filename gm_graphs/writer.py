@@ -278,6 +278,23 @@ def write_operator(root: Path, name: str, n: int, blocks: Iterable[tuple], shard
                               "p10": float(np.quantile(kept, 0.1))}}
 
 
+@numba.njit(nogil=True, cache=True)
+def _split_keys(keys, n, base, contexts, indptr, nxt):
+    """Sorted keys context·n + w → the distinct contexts, where each starts (offset by ``base``) and the w's, in one
+    pass; the number of contexts. (NumPy's //, %, a diff and a gather take ~20× longer over the same keys.)"""
+    m = 0
+    prev = np.int64(-1)
+    for i in range(keys.size):
+        c = keys[i] // n
+        nxt[i] = np.int32(keys[i] - c * n)
+        if c != prev:
+            contexts[m] = c
+            indptr[m] = base + i
+            m += 1
+            prev = c
+    return m
+
+
 class NgramWriter:
     """One order's n-gram table streamed in ascending ranges of whole contexts → ``<folder>/<n>/*.npy``."""
 
@@ -287,18 +304,23 @@ class NgramWriter:
                       for part, dt in NGRAM_DTYPES.items()}
         self.entries = 0
         self.contexts = 0
+        self._buffers = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int32))  # reused per range
 
     def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
         if not keys.size:
             return
-        ctx = keys // self.n
-        starts = np.flatnonzero(np.concatenate(([True], ctx[1:] != ctx[:-1])))
-        self.files["contexts"].append(ctx[starts])
-        self.files["indptr"].append(starts + self.entries)
-        self.files["next"].append(keys % self.n)
+        if self._buffers[0].size < keys.size:
+            size = keys.size
+            self._buffers = (np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size, np.int32))
+        contexts, indptr, nxt = self._buffers
+        m = _split_keys(np.ascontiguousarray(keys, dtype=np.int64), np.int64(self.n), np.int64(self.entries),
+                        contexts, indptr, nxt)
+        self.files["contexts"].append(contexts[:m])
+        self.files["indptr"].append(indptr[:m])
+        self.files["next"].append(nxt[:keys.size])
         self.files["counts"].append(counts)
         self.entries += keys.size
-        self.contexts += starts.size
+        self.contexts += m
 
     def close(self) -> dict:
         self.files["indptr"].append(np.array([self.entries], dtype=np.int64))

@@ -16,6 +16,7 @@ from gm_graphs.build import GraphSource, write_graph_into
 from gm_graphs.counts import BigramCounts
 from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
 from gm_graphs.tokenize import TokenizerIdentity
+from gm_graphs.writer import NgramWriter
 
 
 def _source(counts: BigramCounts, cut: int) -> GraphSource:
@@ -91,3 +92,27 @@ def test_a_mixture_and_powers_are_written_beside_order1(tmp_path: Path):
     g = load_graph(folder, order=2)
     assert sorted(g.manifest["operators"]) == ["mixture2", "order1", "order2"]
     assert g.manifest["build"] == {}  # what write_graph_into was given
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 60), entries=st.integers(1, 400), cuts=st.integers(1, 6))
+def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory, seed, n, entries, cuts):
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, n ** 3, entries)).astype(np.int64)
+    counts = rng.integers(1, 1 << 40, keys.size)
+    contexts = keys // n
+    # ranges of whole contexts, cut at random context changes, as SortedRuns.ranges hands them over
+    changes = np.flatnonzero(np.diff(contexts)) + 1
+    edges = [0, *sorted(rng.choice(changes, min(cuts, changes.size), replace=False).tolist()), keys.size]
+    root = tmp_path_factory.mktemp("ngrams")
+    w = NgramWriter(root, "ng", 3, n, None)
+    for a, b in zip(edges[:-1], edges[1:]):
+        w.add(keys[a:b], counts[a:b])
+    entry = w.close()
+    stored = {part: np.load(root / "ng" / "3" / f"{part}.npy") for part in ("contexts", "indptr", "next", "counts")}
+    first = np.concatenate(([True], contexts[1:] != contexts[:-1]))
+    assert entry == {**entry, "contexts": int(first.sum()), "entries": keys.size}
+    np.testing.assert_array_equal(stored["contexts"], contexts[first])
+    np.testing.assert_array_equal(stored["indptr"], [*np.flatnonzero(first), keys.size])
+    np.testing.assert_array_equal(stored["next"], keys % n)
+    np.testing.assert_array_equal(stored["counts"], counts)
+    assert stored["next"].dtype == np.int32 and stored["indptr"].dtype == stored["contexts"].dtype == np.int64
