@@ -484,7 +484,7 @@ def local_source(counted: PassResult, ident: TokenizerIdentity, files: list[Path
     options = {"text_column": text_column, "clean": clean, "bos_eos": bos_eos}
     corpus = corpus_entry(fingerprint(files), asdict(counted.read), options, counted.documents, counted.tokens)
     source = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column} if ngrams else None
-    tables = {order: (lambda r=runs[order]: r.ranges(workers=WORKERS)) for order in ngrams}
+    tables = {order: (lambda r=runs[order]: r.ranges()) for order in ngrams}
     timings = {**counted.timings, "run_bytes": {str(o): r.bytes_written for o, r in runs.items()}}
     return GraphSource(ident, corpus, lambda: runs[2].ranges(workers=WORKERS), tables, source, {"engine": "local"},
                        timings)
