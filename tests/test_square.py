@@ -33,7 +33,7 @@ from gm_graphs.operators import (
 FRAC_RTOL = 1e-12
 
 
-def _assert_same(fast: list, slow: list, *, exact_frac: bool = False) -> None:
+def assert_same_blocks(fast: list, slow: list, *, exact_frac: bool = False) -> None:
     assert len(fast) == len(slow)
     for (r0, block, kept), (s0, blocks) in zip(fast, slow):
         expected, expected_kept = blocks["order2"]
@@ -84,7 +84,7 @@ def test_bounded_and_whole_rows_keep_the_product_bits(seed, n, density, top_k, m
                                progress=False))
     slow = list(build_operators(base, [OperatorSpec("power", 2)], rule, block_rows=block_rows, progress=False))
     # whole rows (and top_k=None, which never bounds) sum every column in order: their total is scipy's
-    _assert_same(fast, slow, exact_frac=rows == "whole" or top_k is None)
+    assert_same_blocks(fast, slow, exact_frac=rows == "whole" or top_k is None)
 
 
 def _zipf_base(seed: int, n: int, successors: int) -> sp.csr_matrix:
@@ -124,7 +124,7 @@ def test_a_zipfian_graph_skips_groups_and_keeps_the_product_bits(top_k):
     rule = PruneRule(top_k=top_k)
     fast = list(square_blocks(base, rule, block_rows=512, workers=2, progress=False))
     slow = list(build_operators(base, [OperatorSpec("power", 2)], rule, block_rows=512, progress=False))
-    _assert_same(fast, slow)
+    assert_same_blocks(fast, slow)
 
 
 @pytest.mark.parametrize("capacity", [1, 7, 64])
@@ -166,7 +166,7 @@ def test_unsorted_duplicated_or_negative_rows_are_summed_whole_in_stored_order()
         fast = list(square_blocks(matrix, PruneRule(top_k=3), block_rows=7, progress=False))
         slow = list(build_operators(matrix, [OperatorSpec("power", 2)], PruneRule(top_k=3), block_rows=7,
                                     progress=False))
-        _assert_same(fast, slow, exact_frac=True)
+        assert_same_blocks(fast, slow, exact_frac=True)
 
 
 def test_the_prefix_is_a_multiple_of_the_group():

@@ -18,6 +18,8 @@ from gm_graphs.operators import OperatorSpec, build_operators, normalize, square
 from gm_graphs.tokenize import TokenizerIdentity
 from gm_graphs.writer import NgramWriter
 
+from .test_square import assert_same_blocks
+
 
 def _source(counts: BigramCounts, cut: int) -> GraphSource:
     corpus = {"files": [], "documents": 1, "empty_skipped": 0, "undecodable_documents": 0, "replaced_sequences": 0,
@@ -68,15 +70,7 @@ def test_fused_square_kernel_equals_the_product_pruned_to_the_bit(seed, n, densi
     rule = PruneRule(top_k=top_k, min_value=min_value)
     fast = list(square_blocks(base, rule, block_rows=block_rows, workers=workers, progress=False))
     slow = list(build_operators(base, [OperatorSpec("power", 2)], rule, block_rows=block_rows, progress=False))
-    assert len(fast) == len(slow)
-    for (r0, block, kept), (s0, blocks) in zip(fast, slow):
-        expected, expected_kept = blocks["order2"]
-        assert r0 == s0
-        assert np.array_equal(block.indptr, expected.indptr) and np.array_equal(block.indices, expected.indices)
-        assert block.data.tobytes() == expected.data.tobytes()
-        # the mass kept only to float64 rounding: a row the kernel bounds (skipping columns that cannot be kept)
-        # totals Σ_k Ã_ik·Σ_j Ã_kj rather than summing the row in column order (tests/test_square.py)
-        np.testing.assert_allclose(kept, expected_kept, rtol=1e-12, atol=0)
+    assert_same_blocks(fast, slow)  # the mass kept to float64 rounding: see tests/test_square.py
 
 
 def test_square_needs_a_square_matrix():
