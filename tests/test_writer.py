@@ -104,7 +104,7 @@ def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory,
     entry = w.close()
     stored = {part: np.load(root / "ng" / "3" / f"{part}.npy") for part in ("contexts", "indptr", "next", "counts")}
     first = np.concatenate(([True], contexts[1:] != contexts[:-1]))
-    assert entry == {**entry, "contexts": int(first.sum()), "entries": keys.size}
+    assert (entry["contexts"], entry["entries"]) == (int(first.sum()), keys.size)
     np.testing.assert_array_equal(stored["contexts"], contexts[first])
     np.testing.assert_array_equal(stored["indptr"], [*np.flatnonzero(first), keys.size])
     np.testing.assert_array_equal(stored["next"], keys % n)
