@@ -22,6 +22,7 @@ import numpy as np
 
 from .counts import count_bits, pack_sorted, unpack, window_keys
 from .numba_cache import ensure_cache_dir
+from .pagecache import DropBehind, drop
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
@@ -83,6 +84,7 @@ class Run:
                 if n == 0:
                     raise OSError(f"{self.path} ends before entry {b}")
                 done += n
+            drop(fh.fileno(), a * 8, done)  # each range is read once
         return out
 
 
@@ -142,8 +144,10 @@ class SortedRuns:
             self._keep(packed.copy())
             return
         path = self.folder / f"run-{self.order}-{len(self.runs):05d}.u64"
-        with open(path, "wb") as fh:
-            fh.write(memoryview(packed).cast("B"))
+        with open(path, "wb") as fh:  # read back once, after the pass: no reason to keep it in memory
+            out = DropBehind(fh)
+            out.write(packed)
+            out.finish()
         self.bytes_written += packed.nbytes
         self.runs.append(Run(m, packed[::SAMPLE].copy(), path=path))
 

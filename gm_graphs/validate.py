@@ -367,6 +367,22 @@ def check_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n
         raise _fail(root, f"{what}: count {pos} is {counts[pos]}; counts must be >= 1")
 
 
+def ngram_range_problem(order: int, contexts, nxt, counts, n: int, after: int) -> str | None:
+    """What :func:`check_ngram_table` would find wrong in one range of a table as its writer produces it, or None:
+    contexts ascending from above ``after`` and below N^(order−1), next tokens in [0, N), counts ≥ 1. (The writer
+    makes indptr itself, ascending from 0 to the entries, and counts the contexts and entries of the manifest.)"""
+    pos = _first_not_ascending(contexts, n ** (order - 1))
+    if pos >= 0 or (contexts.size and contexts[0] <= after):
+        return f"context {max(pos, 0)} of the range is not above the one before it or not below N^{order - 1}"
+    pos = _first_outside(nxt, n)
+    if pos >= 0:
+        return f"next token {pos} of the range is outside [0, N)"
+    pos = _first_below(counts, 1)
+    if pos >= 0:
+        return f"count {pos} of the range is {counts[pos]}; counts must be >= 1"
+    return None
+
+
 def check_stats(root, stats: dict[str, np.ndarray], n: int, nnz: int, total: int) -> None:
     """The per-node arrays: N long, ≥ 0, and consistent with the counts' nnz and total."""
     for name, a in stats.items():

@@ -37,6 +37,7 @@ from gm_graphs import (
     build_graph,
     load_graph,
     merge_graphs,
+    pagecache,
 )
 from gm_graphs.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main
@@ -137,6 +138,7 @@ def _run_faults(spec: dict) -> dict:
     os.environ["GRAPHMAX_HOME"] = str(home)
     if spec["fallback"]:
         folders._renameat2 = None  # as on a kernel without RENAME_EXCHANGE
+    pagecache.CHUNK = 4096  # files of a few KB written back and dropped chunk by chunk, as a big build's are
     tok = load_tokenizer(spec["tokenizer"])
     setups, jobs = _jobs(tok, spec["corpora"])
     for step in setups[spec["job"]]:
@@ -252,8 +254,10 @@ def _one_line_error(stderr: str, kind: str) -> str:
 
 # ---- crash safety -------------------------------------------------------------------------------------------------
 
+# a chunk written back and dropped from the page cache (where the kernel has sync_file_range)
+SYNCED = {"write.synced"} if pagecache._sync_range is not None else set()
 STAGED = {"stage.created", "build.counts_written", "build.operators_written", "write.array", "manifest.written",
-          "manifest.replaced", "stage.filled", "stage.unmarked"}
+          "manifest.replaced", "stage.filled", "stage.unmarked"} | SYNCED
 POINTS = {  # at least these; a job passes whatever points it reaches
     "build": STAGED | {"build.started", "build.counted", "build.ngrams_counted", "build.ngrams_written",
                        "commit.renamed"},
@@ -261,7 +265,7 @@ POINTS = {  # at least these; a job passes whatever points it reaches
                            "commit.exchanged", "remove.emptied"},
     "merge": STAGED | {"build.ngrams_written", "commit.exchanged", "remove.emptied"},
     "add_ngrams": {"write.array", "ngrams.counted", "ngrams.written", "manifest.written", "manifest.replaced",
-                   "ngrams.committed", "remove.emptied"},
+                   "ngrams.committed", "remove.emptied"} | SYNCED,
     "set_decoder": {"manifest.written", "manifest.replaced"},
 }
 

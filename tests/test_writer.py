@@ -11,13 +11,14 @@ import scipy.sparse as sp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import PruneRule, load_graph
+from gm_graphs import GraphFormatError, PruneRule, load_graph, validate
 from gm_graphs.build import GraphSource, write_graph_into
 from gm_graphs.counts import BigramCounts
 from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
 from gm_graphs.tokenize import TokenizerIdentity
 from gm_graphs.writer import NgramWriter
 
+from .conftest import make_docs
 from .test_square import assert_same_blocks
 
 
@@ -110,3 +111,66 @@ def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory,
     np.testing.assert_array_equal(stored["next"], keys % n)
     np.testing.assert_array_equal(stored["counts"], counts)
     assert stored["next"].dtype == np.int32 and stored["indptr"].dtype == stored["contexts"].dtype == np.int64
+
+
+@given(seed=st.integers(0, 2**16), cuts=st.integers(0, 6),
+       fault=st.sampled_from([None, "context repeated", "context too large", "count 0", "next outside"]))
+def test_the_writers_range_checks_find_what_the_loaded_tables_check_finds(seed, cuts, fault):
+    """``ngram_range_problem`` over a table's ranges (what NgramWriter runs, so that a build need not read its tables
+    back) flags a table exactly when ``check_ngram_table`` over the whole of it (what a load runs) refuses it."""
+    n, order = 50, 3
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, n ** order, 400)).astype(np.int64)
+    contexts, nxt, counts = keys // n, (keys % n).astype(np.int32), rng.integers(1, 9, keys.size)
+    first = np.concatenate(([True], contexts[1:] != contexts[:-1]))
+    table_contexts, indptr = contexts[first], np.append(np.flatnonzero(first), keys.size)
+    at = int(rng.integers(1, table_contexts.size))
+    if fault == "context repeated":
+        table_contexts[at] = table_contexts[at - 1]
+    elif fault == "context too large":
+        table_contexts[-1] = n ** (order - 1)
+    elif fault == "count 0":
+        counts[rng.integers(keys.size)] = 0
+    elif fault == "next outside":
+        nxt[rng.integers(keys.size)] = n
+    edges = [0, *sorted(rng.choice(np.arange(1, table_contexts.size), min(cuts, table_contexts.size - 1),
+                                   replace=False).tolist()), table_contexts.size]
+    problems, last = [], -1
+    for a, b in zip(edges[:-1], edges[1:]):
+        problems.append(validate.ngram_range_problem(order, table_contexts[a:b], nxt[indptr[a]:indptr[b]],
+                                                     counts[indptr[a]:indptr[b]], n, last))
+        last = int(table_contexts[b - 1])
+    try:
+        validate.check_ngram_table("g", order, table_contexts, indptr, nxt, counts, n, table_contexts.size,
+                                   keys.size)
+        refused = False
+    except GraphFormatError:
+        refused = True
+    assert refused == (fault is not None) == any(problems), (fault, problems)
+
+
+@pytest.mark.parametrize("bad", ["out of order", "count 0"])
+def test_a_range_the_writer_was_handed_wrong_stops_it_before_anything_is_written(tmp_path, bad):
+    w = NgramWriter(tmp_path, "ng", 3, 10, None)
+    w.add(np.array([505, 507], dtype=np.int64), np.array([1, 2]))
+    keys, counts = (np.array([501]), np.array([1])) if bad == "out of order" else (np.array([600]), np.array([0]))
+    with pytest.raises(AssertionError, match="the 3-gram table being written"):
+        w.add(keys, counts)
+    assert w.entries == 2 and w.contexts == 1  # the bad range was not appended
+
+
+def test_a_build_trusts_the_ngram_tables_it_checked_as_it_wrote_them_and_a_load_elsewhere_checks_them(
+        tmp_path, bpe_tokenizer, monkeypatch):
+    from gm_graphs import build_graph
+
+    calls = []
+    original = validate.check_ngram_table
+    monkeypatch.setattr(validate, "check_ngram_table", lambda *a: (calls.append(a[1]), original(*a))[1])
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(make_docs(80, seed=3)) + "\n")
+    monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
+    build_graph(str(corpus), bpe_tokenizer, path=tmp_path / "g", ngrams=(3, 4), progress=False)
+    assert calls == []  # not read back
+    monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "other-home"))  # no record of what was verified
+    assert sorted(load_graph(tmp_path / "g").ngrams) == [3, 4]
+    assert sorted(calls) == [3, 4]
