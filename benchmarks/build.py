@@ -7,10 +7,11 @@ The corpus is the first shards of ``--corpus`` (``benchmarks/synth_corpus.py`` w
 documents, column ``text``); each size builds ``graphmax build <shards> --tokenizer smollm2 --orders 1,2 --ngrams
 3,4`` in a fresh subprocess, so that its peak RSS is its own. Beside each build, in the same run, the tokenizer
 alone: the same reader and batch encode (``gm_graphs.onepass.encoded_batches``), ids materialised, nothing
-counted. Printed per size: tokens/s of both and their ratio, seconds per stage, peak RSS, peak and final disk use
-of the graph folder and its temporary folders, distinct 2-/3-/4-grams, and the load average while it ran (other
-jobs on the machine slow every stage). ``--ray`` sizes are also built with ``--engine ray`` on a local Ray
-(``ray.init(num_cpus=2)``), with the volume its shuffle moved and what 4, 16 and 64 nodes would move.
+counted. Printed per size: tokens/s of both and their ratio, seconds per stage, CPU seconds (user/sys) of each
+process, peak RSS, peak and final disk use of the graph folder and its temporary folders, distinct 2-/3-/4-grams,
+and the load average while it ran (other jobs on the machine slow every stage). ``--ray`` sizes are also built
+with ``--engine ray`` on a local Ray (``ray.init(num_cpus=2)``), with the volume its shuffle moved and what 4, 16
+and 64 nodes would move.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def _child(job: str, files: list[str], out: str) -> dict:
             ray.shutdown()
     load.append(os.getloadavg()[0])
     result["load"] = load
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["peak_rss_mb"] = usage.ru_maxrss / 1024
+    result["cpu_s"] = {"user": usage.ru_utime, "sys": usage.ru_stime}  # this process (not Ray's workers)
     return result
 
 
@@ -164,6 +167,11 @@ def main() -> None:
         _print_tables(rows)
 
 
+def _cpu(job: dict) -> str:
+    cpu = job.get("cpu_s")
+    return f"{cpu['user']:.0f}/{cpu['sys']:.0f}" if cpu else "-"
+
+
 def _print_row(docs: int, job: str, tok: dict, b: dict) -> None:
     print(f"# {docs:,} documents, {job}: {json.dumps({'tokenize': tok, 'build': b})}", flush=True)
 
@@ -171,13 +179,14 @@ def _print_row(docs: int, job: str, tok: dict, b: dict) -> None:
 def _print_tables(rows) -> None:
     print("\nthroughput and memory (tokens/s: tokenizer alone vs the whole build, end to end)")
     print(f"{'docs':>10} {'engine':<6} {'tokens':>12} {'tok-only tok/s':>15} {'e2e tok/s':>11} {'ratio':>6} "
-          f"{'e2e s':>7} {'peak RSS MB':>12} {'peak disk GB':>13} {'final disk GB':>14} {'load avg':>10}")
+          f"{'e2e s':>7} {'CPU user/sys s':>15} {'tok-only CPU':>13} {'peak RSS MB':>12} {'peak disk GB':>13} "
+          f"{'final disk GB':>14} {'load avg':>10}")
     for docs, job, tok, b in rows:
         t_rate, e_rate = tok["tokens"] / tok["seconds"], b["tokens"] / b["seconds"]
         load = f"{min(tok['load'] + b['load']):.1f}-{max(tok['load'] + b['load']):.1f}"
         print(f"{docs:>10,} {job:<6} {b['tokens']:>12,} {t_rate:>15,.0f} {e_rate:>11,.0f} {e_rate / t_rate:>6.2f} "
-              f"{b['seconds']:>7.1f} {b['peak_rss_mb']:>12,.0f} {_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} "
-              f"{load:>10}")
+              f"{b['seconds']:>7.1f} {_cpu(b):>15} {_cpu(tok):>13} {b['peak_rss_mb']:>12,.0f} "
+              f"{_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} {load:>10}")
     print("\nseconds per stage (Ã² and the n-gram merge run at the same time, on two threads)")
     print(f"{'docs':>10} {'engine':<6} {'tokenize+count':>15} {'tok-only':>9} {'A, stats, Ã':>12} {'Ã²':>7} "
           f"{'n-grams':>8} {'write':>7} {'distinct 2-grams':>17} {'3-grams':>12} {'4-grams':>12}")
