@@ -148,6 +148,9 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None,
                     help="move the largest size's local graph here instead of deleting it (a new folder, on the "
                          "file system of --work), e.g. to time load_graph on it")
+    ap.add_argument("--bracket", action="store_true",
+                    help="time the tokenizer alone again after each size's builds and compare the builds with the "
+                         "mean of both runs (this machine's speed drifts by up to ±10 %% within minutes)")
     args = ap.parse_args()
     if args.keep and args.keep.exists():
         ap.error(f"--keep {args.keep} exists; name a new folder")
@@ -157,14 +160,26 @@ def main() -> None:
             files = _shards(args.corpus, docs)
             jobs = ["local"] * (docs in args.docs) + ["ray"] * (docs in args.ray)
             tok = run("tokenize", files, "")
+            builds = []
             for job in jobs:
-                b = run(job, files, str(Path(tmp) / f"g{docs}-{job}"))
-                rows.append((docs, job, tok, b))
-                _print_row(docs, job, tok, b)
+                builds.append((job, run(job, files, str(Path(tmp) / f"g{docs}-{job}"))))
                 if args.keep and job == "local" and docs == max(args.docs):
                     os.rename(Path(tmp) / f"g{docs}-{job}", args.keep)
                 shutil.rmtree(Path(tmp) / f"g{docs}-{job}", ignore_errors=True)
+            if args.bracket:
+                tok = _mean_of(tok, run("tokenize", files, ""))
+            for job, b in builds:
+                rows.append((docs, job, tok, b))
+                _print_row(docs, job, tok, b)
         _print_tables(rows)
+
+
+def _mean_of(before: dict, after: dict) -> dict:
+    """The tokenizer alone timed before and after the builds, as one measurement: their mean."""
+    return {"seconds": (before["seconds"] + after["seconds"]) / 2, "runs_s": [before["seconds"], after["seconds"]],
+            "tokens": before["tokens"], "load": before["load"] + after["load"],
+            "cpu_s": {k: (before["cpu_s"][k] + after["cpu_s"][k]) / 2 for k in before["cpu_s"]},
+            "peak_rss_mb": max(before["peak_rss_mb"], after["peak_rss_mb"])}
 
 
 def _cpu(job: dict) -> str:
@@ -187,6 +202,10 @@ def _print_tables(rows) -> None:
         print(f"{docs:>10,} {job:<6} {b['tokens']:>12,} {t_rate:>15,.0f} {e_rate:>11,.0f} {e_rate / t_rate:>6.2f} "
               f"{b['seconds']:>7.1f} {_cpu(b):>15} {_cpu(tok):>13} {b['peak_rss_mb']:>12,.0f} "
               f"{_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} {load:>10}")
+    for docs, job, tok, _ in rows:
+        if "runs_s" in tok and job == "local":
+            print(f"{docs:>10,} tokenizer alone before / after the builds: {tok['runs_s'][0]:.1f} / "
+                  f"{tok['runs_s'][1]:.1f} s (the ratio uses their mean)")
     print("\nseconds per stage (Ã² and the n-gram merge run at the same time, on two threads)")
     print(f"{'docs':>10} {'engine':<6} {'tokenize+count':>15} {'tok-only':>9} {'A, stats, Ã':>12} {'Ã²':>7} "
           f"{'n-grams':>8} {'write':>7} {'distinct 2-grams':>17} {'3-grams':>12} {'4-grams':>12}")
