@@ -329,7 +329,8 @@ def _sample(files: list[Path], uris: list[str], spec_read: dict, ray, limit: int
             if len(docs) >= limit:
                 break
         return docs[:limit]
-    table = ray.data.read_parquet(uris[:1], columns=[spec_read["text_column"]]).limit(limit).to_arrow_refs()
+    # select_columns is pushed down into the Parquet read (read_parquet's columns= is deprecated in Ray 2.60)
+    table = ray.data.read_parquet(uris[:1]).select_columns([spec_read["text_column"]]).limit(limit).to_arrow_refs()
     rows = pa.concat_tables(ray.get(table)).column(0).to_pylist() if table else []
     return [clean_review_text(d) if spec_read["clean"] else d for d in rows if d and not d.isspace()]
 
@@ -480,7 +481,7 @@ def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):
                                         **task)
             entries = fingerprint(files)
         else:
-            blocks = ray.data.read_parquet(uris, columns=[spec.text_column], include_paths=True)
+            blocks = ray.data.read_parquet(uris, include_paths=True).select_columns([spec.text_column, "path"])
             counted = blocks.map_batches(_count_arrow_block, batch_size=None, batch_format="pyarrow",
                                          fn_kwargs={"spec": spec}, **task)
             remote = ray.remote(max_retries=TASK_RETRIES, retry_exceptions=True)(_uri_fingerprint)
