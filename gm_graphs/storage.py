@@ -27,7 +27,6 @@ checks, once per file identity (``gm_graphs.verified``).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import stat
@@ -37,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import scipy.sparse as sp
 
 from . import pagecache, validate, verified
@@ -49,7 +46,6 @@ from .validate import FORMAT_VERSION, NGRAM_PARTS, STATS
 
 DEFAULT_SHARD_NNZ = 1 << 26  # 64M non-zeros: 768 MB of float32 data + int64 indices at most
 NGRAMS = "ngrams"
-_CHUNK = 1 << 24
 _INDEX = (np.dtype("<i4"), np.dtype("<i8"))
 _INT64 = (np.dtype("<i8"),)
 _DTYPES = {  # the dtypes each kind of array may have on disk
@@ -75,106 +71,6 @@ def sha256_file(path: Path, drop: bool = False) -> str:
     return h.hexdigest()
 
 
-def file_entry(root: Path, path: Path) -> dict:
-    """The manifest entry of a file written by another library (Parquet): path, size, SHA-256 read back."""
-    return {"file": path.relative_to(root).as_posix(), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-def save_array(root: Path, rel: str, array: np.ndarray) -> dict:
-    """Write a 1-D array as ``root/rel`` (.npy), hashing the bytes as they go; returns its manifest entry.
-
-    Written in chunks straight from ``array`` (a memory map stays on disk), never all in memory at once.
-    """
-    array = np.asarray(array)
-    if array.ndim != 1:
-        raise AssertionError(f"{rel}: the format stores 1-D arrays, got shape {array.shape}")
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    h = hashlib.sha256(header.getvalue())
-    with open(path, "wb") as fh:
-        fh.write(header.getvalue())
-        fault_point("write.array")
-        step = max(1, _CHUNK // max(1, array.itemsize))
-        for start in range(0, array.shape[0], step):
-            block = memoryview(np.ascontiguousarray(array[start:start + step])).cast("B")
-            h.update(block)
-            fh.write(block)
-    return {"file": rel, "bytes": path.stat().st_size, "sha256": h.hexdigest()}
-
-
-class CSRWriter:
-    """Appends row blocks of one N×N operator and splits them into shards of at most ``shard_nnz``."""
-
-    def __init__(self, root: Path, name: str, n: int, dtype, shard_nnz: int = DEFAULT_SHARD_NNZ):
-        self.root, self.name, self.n, self.dtype, self.shard_nnz = root, name, n, np.dtype(dtype), shard_nnz
-        self.shards: list[dict] = []
-        self._pending: list[sp.csr_matrix] = []
-        self._pending_nnz = 0
-        self._row = 0
-        self._start = 0
-        self.nnz = 0
-
-    def add(self, block: sp.csr_matrix) -> None:
-        if self._pending and self._pending_nnz + block.nnz > self.shard_nnz:
-            self._flush()
-        self._pending.append(block)
-        self._pending_nnz += block.nnz
-        self._row += block.shape[0]
-
-    def _flush(self) -> None:
-        if not self._pending and self.shards:
-            return
-        rows = sp.vstack(self._pending, format="csr") if self._pending else sp.csr_matrix((0, self.n))
-        folder = f"{self.name}/shard-{len(self.shards):05d}"
-        # scipy's kernels want indptr and indices of one dtype: int32 unless a shard needs more.
-        index = np.int32 if rows.nnz < 2**31 and self.n < 2**31 else np.int64
-        files = {"indptr": save_array(self.root, f"{folder}/indptr.npy", rows.indptr.astype(index)),
-                 "indices": save_array(self.root, f"{folder}/indices.npy", rows.indices.astype(index)),
-                 "data": save_array(self.root, f"{folder}/data.npy", rows.data.astype(self.dtype))}
-        self.shards.append({"rows": [self._start, self._start + rows.shape[0]], "nnz": int(rows.nnz), "files": files})
-        self.nnz += int(rows.nnz)
-        self._start += rows.shape[0]
-        self._pending, self._pending_nnz = [], 0
-
-    def close(self) -> list[dict]:
-        self._flush()
-        if self._row != self.n:
-            raise AssertionError(f"{self.name}: wrote {self._row} rows of {self.n}")
-        return self.shards
-
-
-def write_csr(root: Path, name: str, matrix: sp.csr_matrix, dtype, shard_nnz: int = DEFAULT_SHARD_NNZ) -> list[dict]:
-    w = CSRWriter(root, name, matrix.shape[0], dtype, shard_nnz)
-    step = max(1, matrix.shape[0] // max(1, -(-matrix.nnz // shard_nnz)))
-    for r0 in range(0, matrix.shape[0], step):
-        w.add(matrix[r0:r0 + step])
-    return w.close()
-
-
-def _written_shard(root: Path, shard: dict, n: int) -> sp.csr_matrix:
-    """A shard this process just wrote (in a folder not yet committed), memory-mapped without checks."""
-    a = {part: np.load(root / e["file"], mmap_mode="r") for part, e in shard["files"].items()}
-    return sp.csr_matrix((a["data"], a["indices"], a["indptr"]), shape=(shard["rows"][1] - shard["rows"][0], n))
-
-
-def write_edges(root: Path, rel: str, shards: list[dict], n: int, value_name: str) -> dict:
-    """An edge list (src, dst, value) in Parquet, written shard by shard to bound memory."""
-    writer = None
-    try:
-        for shard in shards:
-            block = _written_shard(root, shard, n).tocoo()
-            table = pa.table({"src": pa.array((block.row + shard["rows"][0]).astype(np.int32)),
-                              "dst": pa.array(block.col.astype(np.int32)), value_name: pa.array(block.data)})
-            writer = writer or pq.ParquetWriter(root / rel, table.schema, compression="zstd")
-            writer.write_table(table)
-    finally:
-        if writer is not None:
-            writer.close()
-    return file_entry(root, root / rel)
-
-
 def compute_stats(counts: sp.csr_matrix) -> dict[str, np.ndarray]:
     """The per-node arrays context-aware decoding reads at start-up, from the count matrix (exact, int64)."""
     n = counts.shape[0]
@@ -187,10 +83,6 @@ def compute_stats(counts: sp.csr_matrix) -> dict[str, np.ndarray]:
             "successors": np.diff(indptr),
             "predecessors": np.bincount(np.asarray(counts.indices), minlength=n).astype(np.int64),
             "column_counts": column}
-
-
-def write_stats(root: Path, counts: sp.csr_matrix) -> dict:
-    return {name: save_array(root, f"stats/{name}.npy", a) for name, a in compute_stats(counts).items()}
 
 
 def new_ngram_folder() -> str:

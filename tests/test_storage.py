@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from gm_graphs import GraphFormatError, build_graph, load_graph, storage
 from gm_graphs.folders import GRAPH_FORMAT, is_graph_folder
+from gm_graphs.writer import Hasher, NpyWriter
 
 from .conftest import make_docs
 
@@ -62,9 +63,13 @@ def test_a_graph_without_stats_or_format_marker_loads_and_computes_them(small_gr
         np.testing.assert_array_equal(old.stats[name], values)
 
 
-def test_save_array_writes_what_np_save_writes(tmp_path):
+def test_the_npy_writer_writes_what_np_save_writes(tmp_path):
+    hasher = Hasher()
     for a in (np.arange(5, dtype=np.int64), np.zeros(0, np.float32), np.linspace(0, 1, 7, dtype=np.float32)):
-        entry = storage.save_array(tmp_path, "a.npy", a)
+        w = NpyWriter(tmp_path, "a.npy", a.dtype, hasher)
+        w.append(a[:3])
+        w.append(a[3:])
+        entry = w.close().result()
         np.save(tmp_path / "b.npy", a)
         assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
         assert entry == {"file": "a.npy", "bytes": (tmp_path / "b.npy").stat().st_size,
