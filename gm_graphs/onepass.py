@@ -12,85 +12,28 @@ import queue
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from .ahead import END, Worker, ahead, put
 from .corpus import ReadStats, iter_documents
 from .counts import check_ids
 from .faults import fault_point
 from .runs import SortedRuns
 from .tokenize import BatchEncoder
 
-_END = object()
 _DEPTH = 4  # batches waiting between two stages
-
-
-class _Thread:
-    """Runs ``target`` in a daemon thread; an error stops it (``stop`` is set) and is raised by ``check``."""
-
-    def __init__(self, target: Callable[[], None], name: str, stop: threading.Event):
-        self.error: BaseException | None = None
-        self.stop = stop
-        self._thread = threading.Thread(target=self._run, args=(target,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, target) -> None:
-        try:
-            target()
-        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-            self.error = e
-            self.stop.set()
-
-    def join(self) -> None:
-        self._thread.join()
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
-    """Put ``item`` unless ``stop`` is set meanwhile (the other side has gone); whether it was put."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
 
 
 def read_batches(files: list[Path], text_column: str, *, clean: bool, batch_docs: int,
                  stats: ReadStats) -> Iterator[list[str]]:
     """``iter_documents`` run by a thread ahead of the caller."""
-    q: queue.Queue = queue.Queue(_DEPTH)
-    stop = threading.Event()
-
-    def produce() -> None:
-        for docs in iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats):
-            if not _put(q, docs, stop):
-                return
-        _put(q, _END, stop)
-
-    reader = _Thread(produce, "graphmax-read", stop)
-    try:
-        while True:
-            try:
-                item = q.get(timeout=0.1)
-            except queue.Empty:
-                reader.check()
-                continue
-            if item is _END:
-                break
-            yield item
-        reader.join()
-        reader.check()
-    finally:
-        reader.stop.set()
+    return ahead(iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats), _DEPTH,
+                 "graphmax-read")
 
 
 def encoded_batches(files: list[Path], encoder: BatchEncoder, text_column: str, *, clean: bool, batch_docs: int,
@@ -133,7 +76,7 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
                 item = q.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if item is _END:
+            if item is END:
                 return
             t = time.perf_counter()
             ids, offsets = item
@@ -142,7 +85,7 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
                 counter.add(ids, offsets)
             busy[0] += time.perf_counter() - t
 
-    counter = _Thread(consume, "graphmax-count", stop)
+    counter = Worker(consume, "graphmax-count", stop)
     sizes = {str(f): f.stat().st_size for f in files}
     documents = tokens = 0
     t0 = time.perf_counter()
@@ -154,7 +97,7 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
                 check_ids(ids, encoder.vocab_size)
                 documents += offsets.size - 1
                 tokens += ids.size
-                if not _put(q, (ids, offsets), stop):
+                if not put(q, (ids, offsets), stop):
                     counter.check()
                 finished = sum(sizes[f] for f in list(stats.per_file))
                 if progress and finished > done:
@@ -164,7 +107,7 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
                 bar.set_postfix(docs_s=f"{documents / elapsed:,.0f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
             bar.update(bar.total - done)
             timings["tokenize_s"] = time.perf_counter() - t0
-            _put(q, _END, stop)
+            put(q, END, stop)
             counter.join()
             counter.check()
             for c in counters.values():

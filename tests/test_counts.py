@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from hypothesis import given
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gm_graphs.counts import BigramCounts, CountAccumulator
@@ -117,3 +118,28 @@ def test_sorted_runs_merge_to_an_independent_count_in_ranges_of_whole_contexts(t
     runs.remove()
     if folder is not None:
         assert list(folder.iterdir()) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), tokens=st.integers(1000, 20000), run_entries=st.integers(200, 2000),
+       max_entries=st.integers(50, 5000), sample=st.integers(4, 32))
+def test_ranges_hold_about_max_entries_whatever_the_number_of_runs(tmp_path_factory, seed, tokens, run_entries,
+                                                                  max_entries, sample):
+    """Ranges are cut every max_entries entries of all runs together, not of each run: with r runs, cutting per run
+    made r times more ranges than asked for, each read from every run in r small pieces."""
+    from gm_graphs import runs as runs_module
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, tokens).astype(np.int32)
+    offsets = np.array([0, tokens], dtype=np.int64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs_module, "SAMPLE", sample)
+        runs = runs_module.SortedRuns(4, 1000, run_entries, tmp_path_factory.mktemp("runs"))
+        runs.add(ids, offsets)
+        runs.release()
+        total = sum(r.length for r in runs.runs)
+        samples = total // sample + len(runs.runs)  # each run keeps ceil(length / SAMPLE) samples
+        got = list(runs.ranges(max_entries))
+        assert sum(k.size for k, _ in got) <= total
+        assert len(got) <= samples // max(1, max_entries // sample) + 1
+        runs.remove()
