@@ -256,9 +256,8 @@ def write_graph_into(tmp: Path, src: GraphSource, *, name: str, orders: Sequence
 
         def ngram_tables() -> dict:
             t0 = time.perf_counter()
-            # the largest table first: its files are hashed (by the hasher's threads) while the smaller ones merge
             tables = {str(order): write_ngrams(tmp, NGRAMS, order, n, ranges(), hasher)
-                      for order, ranges in sorted(src.ngrams.items(), reverse=True)}
+                      for order, ranges in sorted(src.ngrams.items())}
             timings["ngrams_s"] = time.perf_counter() - t0
             timings["peak_rss_mb_ngrams"] = peak_rss_mb()
             return tables

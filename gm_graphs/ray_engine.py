@@ -376,6 +376,9 @@ class _Stream:
         self.sent: dict[int, int] = {}  # bytes of pieces each unit sent to the merges
 
     def take(self, order: int):
+        if self._next is not None and self._next["order"] < order:  # the rows of a lower order would be skipped
+            raise AssertionError(f"order {order} asked for before order {self._next['order']}: the merged rows "
+                                 f"come in ascending order")
         while self._next is not None and self._next["order"] == order:
             yield self._next
             self._next = next(self._rows, None)

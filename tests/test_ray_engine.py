@@ -167,3 +167,21 @@ def test_ray_address_without_the_ray_engine_is_refused(csv_corpus, bpe_tokenizer
     assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--ray-address",
                  "auto"]) == 2
     assert "--engine ray" in capsys.readouterr().err
+
+
+def test_merged_rows_asked_for_out_of_order_raise_instead_of_coming_back_empty():
+    """The merged rows arrive by order (2, 3, 4): asking for order 4 first would silently skip the 3-grams."""
+    import numpy as np
+
+    from gm_graphs.ray_engine import _Stream
+
+    def row(order, key):
+        return {"order": order, "meta": "{}", "keys": np.array([key], np.int64).tobytes(),
+                "counts": np.array([1], np.int64).tobytes()}
+
+    stream = _Stream([row(2, 5), row(3, 7), row(4, 9)])
+    assert [k.tolist() for k, _ in stream.ranges(2)] == [[5]]
+    with pytest.raises(AssertionError, match="order 4 asked for before order 3"):
+        list(stream.ranges(4))
+    assert [k.tolist() for k, _ in stream.ranges(3)] == [[7]]
+    assert [k.tolist() for k, _ in stream.ranges(4)] == [[9]]
