@@ -45,6 +45,56 @@ def window_keys(ids, offsets, vocab, order, inset, out, fill):
 
 
 @numba.njit(nogil=True, cache=True)
+def last_keys(ids, offsets, vocab, order, inset, out, fill):
+    """Write the key of the last window of ``order`` tokens of each document (as ``window_keys`` bounds it) to
+    ``out[fill:]``; the new fill. These are the windows of ``order`` that no window of ``order + 1`` starts with."""
+    for d in range(offsets.size - 1):
+        a, b = offsets[d] + inset, offsets[d + 1] - inset
+        if b - a >= order:
+            key = np.uint64(ids[b - order])
+            for j in range(b - order + 1, b):
+                key = key * np.uint64(vocab) + np.uint64(ids[j])
+            out[fill] = key
+            fill += 1
+    return fill
+
+
+@numba.njit(nogil=True, cache=True)
+def prefix_entries(packed, n, bits, vocab, last, lower_bits, out):
+    """The packed entries of the windows one token shorter than those of the sorted packed entries
+    ``packed[:n]``: each window's first tokens (its key divided by ``vocab``), merged with the sorted keys ``last``
+    (the windows that no longer one starts with), counts summed; written to ``out``, their number returned.
+
+    Prefixes of sorted keys are sorted, so the shorter windows come out sorted without another sort. ``out`` needs
+    ``n + last.size`` entries: a count above the lower cap is split, but the lower cap is at least the higher one.
+    """
+    shift = np.uint64(bits)
+    mask = (np.uint64(1) << shift) - np.uint64(1)
+    lower = np.uint64(lower_bits)
+    cap = (np.uint64(1) << lower) - np.uint64(1)
+    v = np.uint64(vocab)
+    i = j = m = 0
+    while i < n or j < last.size:
+        key = (packed[i] >> shift) // v if i < n else last[j]
+        if j < last.size and last[j] < key:
+            key = last[j]
+        end = (key + np.uint64(1)) * v  # the longer windows starting with key are the next ones below end
+        total = np.uint64(0)
+        while i < n and (packed[i] >> shift) < end:  # one division per prefix, not per entry
+            total += packed[i] & mask
+            i += 1
+        while j < last.size and last[j] == key:
+            total += np.uint64(1)
+            j += 1
+        while total > 0:
+            c = total if total < cap else cap
+            out[m] = (key << lower) | c
+            m += 1
+            total -= c
+    return m
+
+
+@numba.njit(nogil=True, cache=True)
 def pack_sorted(keys, n, count_bits):
     """Run-length encode the sorted ``keys[:n]`` in place as packed entries ``key << b | count``; their number."""
     if n == 0:

@@ -23,7 +23,7 @@ from .ahead import END, Worker, ahead, put
 from .corpus import ReadStats, iter_documents
 from .counts import check_ids
 from .faults import fault_point
-from .runs import SortedRuns
+from .runs import SortedRuns, feeders
 from .tokenize import BatchEncoder
 
 _DEPTH = 4  # batches waiting between two stages
@@ -63,7 +63,9 @@ class PassResult:
 
 def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, SortedRuns], *, text_column: str,
                clean: bool, batch_docs: int = 2048, progress: bool = True, desc: str = "tokenize+count") -> PassResult:
-    """Read and tokenize ``files`` once, counting every batch into each of ``counters`` in another thread."""
+    """Read and tokenize ``files`` once, counting every batch into each of ``counters`` in another thread
+    (consecutive orders from one sort: ``runs.NestedRuns``)."""
+    feed = feeders(counters.values())
     stats = ReadStats()
     timings: dict = {}
     q: queue.Queue = queue.Queue(_DEPTH)
@@ -81,8 +83,8 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
             t = time.perf_counter()
             ids, offsets = item
             fault_point("count.batch")
-            for counter in counters.values():
-                counter.add(ids, offsets)
+            for f in feed:
+                f.add(ids, offsets)
             busy[0] += time.perf_counter() - t
 
     counter = Worker(consume, "graphmax-count", stop)
@@ -110,8 +112,8 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
             put(q, END, stop)
             counter.join()
             counter.check()
-            for c in counters.values():
-                c.release()
+            for f in feed:
+                f.release()
     finally:
         stop.set()
     timings["count_pass_s"] = time.perf_counter() - t0

@@ -6,14 +6,15 @@ before it, so that memory holds about the distinct windows). The runs are then m
 time (``SortedRuns.ranges``): a thread reads each range from every run with ``pread`` (not memory-mapped, so what
 was read leaves the process), front to back, each entry once, while the ranges before it are sorted and summed
 and handed on in ascending order. Memory is the buffer, plus the ranges being read and merged; neither grows with
-the corpus.
+the corpus. Consecutive orders are counted from one buffer and one sort (``NestedRuns``): a window's first tokens
+are the window one shorter, so sorting the longest windows sorts them all but for each document's last ones.
 """
 
 from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import numba
 import numpy as np
 
 from .ahead import ahead
-from .counts import count_bits, pack_sorted, unpack, window_keys
+from .counts import count_bits, last_keys, pack_sorted, prefix_entries, unpack, window_keys
 from .numba_cache import ensure_cache_dir
 from .pagecache import DropBehind, drop
 
@@ -161,9 +162,15 @@ class SortedRuns:
         keys = self._buffer[:self._fill]
         keys.sort()
         m = pack_sorted(keys, self._fill, self.bits)
-        self.windows += self._fill
+        self.add_run(keys[:m], self._fill)
         self._fill = 0
-        packed = keys[:m]
+
+    def add_run(self, packed: np.ndarray, windows: int) -> None:
+        """Keep the sorted packed entries ``packed`` (of ``windows`` windows) as a run; ``packed`` may be reused
+        after."""
+        self.windows += windows
+        if packed.size == 0:
+            return
         if self.folder is None:
             self._keep(packed.copy())
             return
@@ -173,7 +180,7 @@ class SortedRuns:
             out.write(packed)
             out.finish()
         self.bytes_written += packed.nbytes
-        self.runs.append(Run(m, packed[::SAMPLE].copy(), path=path))
+        self.runs.append(Run(packed.size, packed[::SAMPLE].copy(), path=path))
 
     def _keep(self, packed: np.ndarray) -> None:
         if self.runs:  # in memory, one run: merged with the new one
@@ -256,3 +263,91 @@ class SortedRuns:
             if run.path is not None:
                 run.path.unlink(missing_ok=True)
         self.runs = []
+
+
+class NestedRuns:
+    """Feeds the :class:`SortedRuns` of consecutive orders n₀ < … < n (same inset) from one sort of the longest
+    windows: the windows of order k − 1 are the first k − 1 tokens of those of order k, which a sort of the
+    order-k keys leaves sorted, plus each document's last window of order k − 1. One sort and one pass over the
+    tokens instead of one per order (and one buffer instead of one per order).
+
+    Args:
+        runs (sequence of :class:`SortedRuns`): one per order, consecutive orders, one vocabulary, one inset; the
+            longest order's ``run_entries`` sets the buffer.
+    """
+
+    def __init__(self, runs: Sequence[SortedRuns]):
+        self.runs = sorted(runs, key=lambda r: r.order)
+        orders = [r.order for r in self.runs]
+        if (len(orders) < 2 or orders != list(range(orders[0], orders[0] + len(orders)))
+                or len({(r.vocab_size, r.inset) for r in self.runs}) != 1):
+            raise ValueError(f"NestedRuns needs consecutive orders over one vocabulary and inset, got {orders}")
+        self.top = self.runs[-1]
+        self._buffer = np.empty(0, dtype=np.uint64)  # the longest windows' keys
+        self._scratch = np.empty(0, dtype=np.uint64)  # a shorter order's entries while the next is derived
+        self._fill = 0
+        self._last: dict[int, list[np.ndarray]] = {r.order: [] for r in self.runs[:-1]}
+
+    def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        """Count the windows of every order in documents ``ids[offsets[i]:offsets[i+1]]``."""
+        top = self.top
+        if self._buffer.size == 0:
+            self._buffer = np.empty(top.run_entries, dtype=np.uint64)
+        if self._fill + ids.size > top.run_entries:
+            self.flush()
+        for order, parts in self._last.items():
+            out = np.empty(offsets.size - 1, dtype=np.uint64)
+            parts.append(out[:last_keys(ids, offsets, top.vocab_size, order, top.inset, out, 0)])
+        if ids.size <= top.run_entries:
+            self._fill = window_keys(ids, offsets, top.vocab_size, top.order, top.inset, self._buffer, self._fill)
+            return
+        keys = np.empty(ids.size, dtype=np.uint64)  # a batch larger than the buffer: in buffer-sized pieces
+        n = window_keys(ids, offsets, top.vocab_size, top.order, top.inset, keys, 0)
+        for start in range(0, n, top.run_entries):
+            piece = keys[start:min(n, start + top.run_entries)]
+            self._buffer[:piece.size] = piece
+            self._fill = piece.size
+            self.flush()
+
+    def flush(self) -> None:
+        """Sort the buffered windows; pack them and each shorter order derived from them into a run."""
+        if self._fill == 0 and not any(self._last.values()):
+            return
+        keys = self._buffer[:self._fill]
+        keys.sort()
+        packed = keys[:pack_sorted(keys, self._fill, self.top.bits)]
+        windows = self._fill
+        self.top.add_run(packed, windows)
+        # each order from the one above it, into the other of two buffers (a run is written or copied when added)
+        buffers, into = [self._buffer, self._scratch], 1
+        for runs, above in zip(self.runs[-2::-1], self.runs[::-1]):
+            last = np.sort(np.concatenate([np.empty(0, np.uint64), *self._last[runs.order]]))
+            self._last[runs.order] = []
+            if buffers[into].size < packed.size + last.size:
+                buffers[into] = np.empty(packed.size + last.size, dtype=np.uint64)
+            out = buffers[into]
+            packed = out[:prefix_entries(packed, packed.size, above.bits, runs.vocab_size, last, runs.bits, out)]
+            windows += last.size
+            runs.add_run(packed, windows)
+            into = 1 - into
+        self._buffer, self._scratch = buffers
+        self._fill = 0
+
+    def release(self) -> None:
+        """Free the buffer (after the last ``add``) and write what it holds."""
+        self.flush()
+        self._buffer = self._scratch = np.empty(0, dtype=np.uint64)
+
+
+def feeders(counters: Iterable[SortedRuns]) -> list[SortedRuns | NestedRuns]:
+    """What to feed each batch to: chains of consecutive orders with one inset as :class:`NestedRuns`, the other
+    counters as they are."""
+    chains: list[list[SortedRuns]] = []
+    for runs in sorted(counters, key=lambda r: (r.inset, r.vocab_size, r.order)):
+        chain = chains[-1] if chains else None
+        if chain and (chain[-1].inset, chain[-1].vocab_size, chain[-1].order + 1) == (runs.inset, runs.vocab_size,
+                                                                                     runs.order):
+            chain.append(runs)
+        else:
+            chains.append([runs])
+    return [NestedRuns(chain) if len(chain) > 1 else chain[0] for chain in chains]

@@ -143,3 +143,70 @@ def test_ranges_hold_about_max_entries_whatever_the_number_of_runs(tmp_path_fact
         assert sum(k.size for k, _ in got) <= total
         assert len(got) <= samples // max(1, max_entries // sample) + 1
         runs.remove()
+
+
+@given(docs=docs_strategy, low=st.integers(2, 3), high=st.integers(3, 5), run_entries=st.integers(1, 40),
+       on_disk=st.booleans(), inset=st.integers(0, 1), cuts=st.lists(st.integers(0, 12), max_size=3))
+def test_nested_runs_count_every_order_as_its_own_sorted_runs_do(tmp_path_factory, docs, low, high, run_entries,
+                                                                 on_disk, inset, cuts):
+    """Orders low..high from one sort of the longest windows: the same counts and windows as a SortedRuns per
+    order, whatever the batches, the buffer (batches larger than it included) and the documents' lengths."""
+    from gm_graphs.runs import NestedRuns, SortedRuns, feeders
+
+    high = max(low + 1, high)
+
+    def counters(tag):
+        return {o: SortedRuns(o, 12, run_entries, tmp_path_factory.mktemp(tag) if on_disk else None, inset=inset)
+                for o in range(low, high + 1)}
+
+    alone, nested = counters("alone"), counters("nested")
+    feed = feeders(nested.values())
+    assert len(feed) == 1 and isinstance(feed[0], NestedRuns)
+    ids, offsets = _encode(docs)
+    edges = sorted({0, len(docs), *(min(c, len(docs)) for c in cuts)})
+    for lo, hi in zip(edges, edges[1:]):
+        batch = ids[offsets[lo]:offsets[hi]], offsets[lo:hi + 1] - offsets[lo]
+        for runs in alone.values():
+            runs.add(*batch)
+        feed[0].add(*batch)
+    feed[0].release()
+    for order in alone:
+        want, got = alone[order].merged(), nested[order].merged()
+        assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
+        assert nested[order].windows == alone[order].windows == sum(_windows(docs, order, inset).values())
+
+
+def test_nested_runs_split_a_count_above_the_shorter_orders_cap():
+    """Over SmolLM2's 49,152 tokens a 4-gram entry holds a count of 1 and a 3-gram entry up to 2¹⁷ − 1: a trigram
+    seen 140,000 times in one run is two entries, and sums back."""
+    from gm_graphs.runs import SortedRuns, feeders
+
+    docs = [[5, 6, 7, 8]] * 70_000 + [[5, 6, 7]] * 70_000 + [[9, 5, 6, 7, 8, 1]] * 3
+    ids, offsets = _encode(docs)
+    alone = {o: SortedRuns(o, 49_152, 1 << 22) for o in (2, 3, 4)}
+    nested = {o: SortedRuns(o, 49_152, 1 << 22) for o in (2, 3, 4)}
+    for runs in alone.values():
+        runs.add(ids, offsets)
+    (feed,) = feeders(nested.values())
+    feed.add(ids, offsets)
+    feed.release()
+    assert nested[3].runs[0].length == 5  # (5, 6, 7) split in two
+    for order in (2, 3, 4):
+        want, got = alone[order].merged(), nested[order].merged()
+        assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
+    assert alone[3].merged()[1].max() == 140_003
+
+
+def test_feeders_nest_consecutive_orders_with_one_inset():
+    from gm_graphs.runs import NestedRuns, SortedRuns, feeders
+
+    def kinds(specs):
+        return sorted((type(f).__name__, tuple(r.order for r in f.runs) if isinstance(f, NestedRuns) else f.order)
+                      for f in feeders([SortedRuns(o, 50, 8, inset=i) for o, i in specs]))
+
+    assert kinds([(2, 0), (3, 0), (4, 0)]) == [("NestedRuns", (2, 3, 4))]
+    assert kinds([(2, 0), (3, 1), (4, 1)]) == [("NestedRuns", (3, 4)), ("SortedRuns", 2)]  # --bos-eos
+    assert kinds([(2, 0), (4, 0)]) == [("SortedRuns", 2), ("SortedRuns", 4)]
+    assert kinds([(3, 0)]) == [("SortedRuns", 3)]
+    with pytest.raises(ValueError, match="consecutive orders"):
+        NestedRuns([SortedRuns(2, 50, 8), SortedRuns(4, 50, 8)])
