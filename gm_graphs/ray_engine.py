@@ -42,10 +42,11 @@ import numpy as np
 import pyarrow as pa
 
 from .corpus import ReadStats, _arrow_text, clean_review_text, expand_corpus, fingerprint, iter_documents
-from .counts import check_ids, count_bits, pack_sorted, unpack, window_keys
+from .counts import check_ids, count_bits, unpack
 from .errors import CorpusError, GraphmaxError, OptionError
 from .faults import fault_point
 from .folders import staged_folder
+from .runs import SortedRuns, feeders
 from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
 
 EXTRA = "pip install 'graphmax[ray]'  (Ray Data: ray[data]==2.60.*)"
@@ -147,50 +148,37 @@ def _encoder(spec: CountSpec) -> BatchEncoder:
     return _TOKENIZERS[key]
 
 
-class _Pieces:
-    """Buffers the windows of every order of one unit and turns each full buffer into (order, range) pieces."""
+class _RangeRuns(SortedRuns):
+    """The sorted runs of one order of one unit, each cut into its pieces by range instead of kept."""
 
-    def __init__(self, spec: CountSpec, unit: int):
-        self.spec, self.unit = spec, unit
-        self.buffers = {o: np.empty(spec.run_entries, dtype=np.uint64) for o in spec.orders}
-        self.fill = dict.fromkeys(spec.orders, 0)
-        self.rows: dict[str, list] = {"order": [], "range": [], "unit": [], "data": [], "meta": []}
-        self.part = 0
+    def __init__(self, pieces: _Pieces, order: int, inset: int):
+        super().__init__(order, pieces.spec.vocab_size, pieces.spec.run_entries, inset=inset)
+        self.pieces = pieces
 
-    def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
-        n, spec = self.spec.vocab_size, self.spec
-        for order in spec.orders:
-            inset = 1 if spec.bos_eos and order > 2 else 0
-            if self.fill[order] + ids.size > spec.run_entries:
-                self.flush(order)
-            if ids.size > spec.run_entries:
-                keys = np.empty(ids.size, dtype=np.uint64)
-                m = window_keys(ids, offsets, n, order, inset, keys, 0)
-                for start in range(0, m, spec.run_entries):
-                    piece = keys[start:min(m, start + spec.run_entries)]
-                    self.buffers[order][:piece.size] = piece
-                    self.fill[order] = piece.size
-                    self.flush(order)
-            else:
-                self.fill[order] = window_keys(ids, offsets, n, order, inset, self.buffers[order], self.fill[order])
-
-    def flush(self, order: int) -> None:
-        fill = self.fill[order]
-        if not fill:
-            return
-        keys = self.buffers[order][:fill]
-        keys.sort()
-        bits = count_bits(order, self.spec.vocab_size)
-        packed = keys[:pack_sorted(keys, fill, bits)]
-        lead = np.uint64(self.spec.vocab_size ** (order - 1))
-        edges = [(np.uint64(b) * lead) << np.uint64(bits) for b in self.spec.bounds]
+    def add_run(self, packed: np.ndarray, windows: int) -> None:
+        self.windows += windows
+        lead = np.uint64(self.vocab_size ** (self.order - 1))
+        edges = [(np.uint64(b) * lead) << np.uint64(self.bits) for b in self.pieces.spec.bounds]
         cuts = [0, *np.searchsorted(packed, np.array(edges, dtype=np.uint64)).tolist(), packed.size]
         for r, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
             if b > a:
-                self._row(order, r, packed[a:b].tobytes(), "")
-        self.fill[order] = 0
+                self.pieces.add_row(self.order, r, packed[a:b].tobytes(), "")
 
-    def _row(self, order: int, rng: int, data: bytes, meta: str) -> None:
+
+class _Pieces:
+    """Counts the windows of every order of one unit as the local build does (``runs.feeders``) and turns each
+    sorted run into (order, range) pieces."""
+
+    def __init__(self, spec: CountSpec, unit: int):
+        self.spec, self.unit = spec, unit
+        self.feed = feeders(_RangeRuns(self, order, 1 if spec.bos_eos and order > 2 else 0) for order in spec.orders)
+        self.rows: dict[str, list] = {"order": [], "range": [], "unit": [], "data": [], "meta": []}
+
+    def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        for f in self.feed:
+            f.add(ids, offsets)
+
+    def add_row(self, order: int, rng: int, data: bytes, meta: str) -> None:
         for key, value in (("order", order), ("range", rng), ("unit", self.unit), ("data", data), ("meta", meta)):
             self.rows[key].append(value)
 
@@ -206,10 +194,10 @@ class _Pieces:
             yield table
 
     def finish(self, stats: ReadStats, documents: int, tokens: int) -> Iterator[pa.Table]:
-        for order in self.spec.orders:
-            self.flush(order)
+        for f in self.feed:
+            f.release()
         meta = {"read": asdict(stats), "documents": documents, "tokens": tokens}
-        self._row(_STATS, self.unit, b"", json.dumps(meta))
+        self.add_row(_STATS, self.unit, b"", json.dumps(meta))
         yield from self.ready()
 
 
