@@ -13,6 +13,7 @@ are the window one shorter, so sorting the longest windows sorts them all but fo
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,34 @@ class Run:
             drop(fh.fileno(), a * 8, done)
 
 
+class _WindowBuffer(ABC):
+    """A buffer of window keys, sorted into runs by ``flush`` whenever it is full."""
+
+    _buffer: np.ndarray
+    _fill: int
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Sort the buffered keys into runs."""
+
+    def _buffer_windows(self, ids: np.ndarray, offsets: np.ndarray, runs: SortedRuns) -> None:
+        """Key the windows of ``runs``' order into the buffer (``runs.run_entries`` long), flushed when full."""
+        if self._buffer.size == 0:
+            self._buffer = np.empty(runs.run_entries, dtype=np.uint64)
+        if self._fill + ids.size > runs.run_entries:
+            self.flush()
+        if ids.size <= runs.run_entries:
+            self._fill = window_keys(ids, offsets, runs.vocab_size, runs.order, runs.inset, self._buffer, self._fill)
+            return
+        keys = np.empty(ids.size, dtype=np.uint64)  # a batch larger than the buffer: in buffer-sized pieces
+        n = window_keys(ids, offsets, runs.vocab_size, runs.order, runs.inset, keys, 0)
+        for start in range(0, n, runs.run_entries):
+            piece = keys[start:min(n, start + runs.run_entries)]
+            self._buffer[:piece.size] = piece
+            self._fill = piece.size
+            self.flush()
+
+
 class _Cursor:
     """Reads one run front to back, a range at a time: each entry from disk once, in order."""
 
@@ -113,7 +142,7 @@ class _Cursor:
         return k
 
 
-class SortedRuns:
+class SortedRuns(_WindowBuffer):
     """Counts the windows of ``order`` tokens of encoded documents; see the module's docstring."""
 
     def __init__(self, order: int, vocab_size: int, run_entries: int = 1 << 24, folder: Path | None = None,
@@ -137,23 +166,8 @@ class SortedRuns:
 
     def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
         """Count the windows of documents ``ids[offsets[i]:offsets[i+1]]`` (none crosses a document boundary)."""
-        if ids.size < self.order:
-            return
-        if self._buffer.size == 0:
-            self._buffer = np.empty(self.run_entries, dtype=np.uint64)
-        if self._fill + ids.size > self.run_entries:
-            self.flush()
-        if ids.size <= self.run_entries:
-            self._fill = window_keys(ids, offsets, self.vocab_size, self.order, self.inset, self._buffer,
-                                     self._fill)
-            return
-        keys = np.empty(ids.size, dtype=np.uint64)  # a batch larger than the buffer: in buffer-sized pieces
-        n = window_keys(ids, offsets, self.vocab_size, self.order, self.inset, keys, 0)
-        for start in range(0, n, self.run_entries):
-            piece = keys[start:min(n, start + self.run_entries)]
-            self._buffer[:piece.size] = piece
-            self._fill = piece.size
-            self.flush()
+        if ids.size >= self.order:
+            self._buffer_windows(ids, offsets, self)
 
     def flush(self) -> None:
         """Sort and pack the buffered keys into a run."""
@@ -265,7 +279,7 @@ class SortedRuns:
         self.runs = []
 
 
-class NestedRuns:
+class NestedRuns(_WindowBuffer):
     """Feeds the :class:`SortedRuns` of consecutive orders n₀ < … < n (same inset) from one sort of the longest
     windows: the windows of order k − 1 are the first k − 1 tokens of those of order k, which a sort of the
     order-k keys leaves sorted, plus each document's last window of order k − 1. One sort and one pass over the
@@ -291,23 +305,10 @@ class NestedRuns:
     def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
         """Count the windows of every order in documents ``ids[offsets[i]:offsets[i+1]]``."""
         top = self.top
-        if self._buffer.size == 0:
-            self._buffer = np.empty(top.run_entries, dtype=np.uint64)
-        if self._fill + ids.size > top.run_entries:
-            self.flush()
-        for order, parts in self._last.items():
+        for order, parts in self._last.items():  # counted in whichever run the next flush writes
             out = np.empty(offsets.size - 1, dtype=np.uint64)
             parts.append(out[:last_keys(ids, offsets, top.vocab_size, order, top.inset, out, 0)])
-        if ids.size <= top.run_entries:
-            self._fill = window_keys(ids, offsets, top.vocab_size, top.order, top.inset, self._buffer, self._fill)
-            return
-        keys = np.empty(ids.size, dtype=np.uint64)  # a batch larger than the buffer: in buffer-sized pieces
-        n = window_keys(ids, offsets, top.vocab_size, top.order, top.inset, keys, 0)
-        for start in range(0, n, top.run_entries):
-            piece = keys[start:min(n, start + top.run_entries)]
-            self._buffer[:piece.size] = piece
-            self._fill = piece.size
-            self.flush()
+        self._buffer_windows(ids, offsets, top)
 
     def flush(self) -> None:
         """Sort the buffered windows; pack them and each shorter order derived from them into a run."""
