@@ -154,12 +154,13 @@ class _RangeRuns(SortedRuns):
     def __init__(self, pieces: _Pieces, order: int, inset: int):
         super().__init__(order, pieces.spec.vocab_size, pieces.spec.run_entries, inset=inset)
         self.pieces = pieces
+        lead = np.uint64(self.vocab_size ** (order - 1))  # the packed entry where each range's leading token starts
+        self.edges = np.array([(np.uint64(b) * lead) << np.uint64(self.bits) for b in pieces.spec.bounds],
+                              dtype=np.uint64)
 
     def add_run(self, packed: np.ndarray, windows: int) -> None:
         self.windows += windows
-        lead = np.uint64(self.vocab_size ** (self.order - 1))
-        edges = [(np.uint64(b) * lead) << np.uint64(self.bits) for b in self.pieces.spec.bounds]
-        cuts = [0, *np.searchsorted(packed, np.array(edges, dtype=np.uint64)).tolist(), packed.size]
+        cuts = [0, *np.searchsorted(packed, self.edges).tolist(), packed.size]
         for r, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
             if b > a:
                 self.pieces.add_row(self.order, r, packed[a:b].tobytes(), "")
