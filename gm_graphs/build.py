@@ -206,7 +206,8 @@ class GraphSource:
     tokenizer: TokenizerIdentity
     corpus: dict  # files, read statistics, options, documents, tokens
     bigrams: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]
-    ngrams: dict[int, Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]] = field(default_factory=dict)
+    # per order: how many n-grams were counted (Σ counts, which sets the table's dtypes), and the ranges
+    ngrams: dict[int, tuple[int, Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]]] = field(default_factory=dict)
     ngram_source: dict | None = None
     build: dict = field(default_factory=dict)  # the engine: the only part of the manifest two engines write differently
     timings: dict = field(default_factory=dict)  # seconds per stage (not stored: a rebuild writes the same bytes)
@@ -256,8 +257,8 @@ def write_graph_into(tmp: Path, src: GraphSource, *, name: str, orders: Sequence
 
         def ngram_tables() -> dict:
             t0 = time.perf_counter()
-            tables = {str(order): write_ngrams(tmp, NGRAMS, order, n, ranges(), hasher)
-                      for order, ranges in sorted(src.ngrams.items())}
+            tables = {str(order): write_ngrams(tmp, NGRAMS, order, n, ranges(), hasher, total)
+                      for order, (total, ranges) in sorted(src.ngrams.items())}
             timings["ngrams_s"] = time.perf_counter() - t0
             timings["peak_rss_mb_ngrams"] = peak_rss_mb()
             return tables
@@ -311,7 +312,8 @@ def _opened(target: Path, timings: dict | None = None) -> Graph:
 def _source_of(cc: CorpusCounts, ngrams: dict[int, NgramCounts] | None, ngram_source: dict | None) -> GraphSource:
     corpus = {"files": cc.files, **cc.read, "options": cc.options, "documents": cc.counts.documents,
               "tokens": cc.counts.tokens}
-    tables = {order: (lambda t=t: [(t.keys(), np.asarray(t.counts))]) for order, t in (ngrams or {}).items()}
+    tables = {order: (int(np.asarray(t.counts).sum()), lambda t=t: [(t.keys(), np.asarray(t.counts))])
+              for order, t in (ngrams or {}).items()}
     return GraphSource(cc.tokenizer, corpus, cc.counts.ranges, tables, ngram_source, {"engine": "memory"})
 
 
@@ -484,7 +486,7 @@ def local_source(counted: PassResult, ident: TokenizerIdentity, files: list[Path
     options = {"text_column": text_column, "clean": clean, "bos_eos": bos_eos}
     corpus = corpus_entry(fingerprint(files), asdict(counted.read), options, counted.documents, counted.tokens)
     source = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column} if ngrams else None
-    tables = {order: (lambda r=runs[order]: r.ranges()) for order in ngrams}
+    tables = {order: (runs[order].windows, lambda r=runs[order]: r.ranges()) for order in ngrams}
     timings = {**counted.timings, "run_bytes": {str(o): r.bytes_written for o, r in runs.items()}}
     return GraphSource(ident, corpus, lambda: runs[2].ranges(workers=WORKERS), tables, source, {"engine": "local"},
                        timings)

@@ -8,9 +8,11 @@ memory-mappable arrays per order, sorted by context:
 
 - ``contexts.npy``  int64, the distinct contexts in base N (N = vocabulary size): for n = 3,
   u·N + v with u = w_{t−2}, v = w_{t−1}; ascending
-- ``indptr.npy``    int64, context i's successors are entries indptr[i]:indptr[i+1]
+- ``indptr.npy``    int32, context i's successors are entries indptr[i]:indptr[i+1]
 - ``next.npy``      int32, the successor tokens w
-- ``counts.npy``    int64, how often (context, w) occurred within one document
+- ``counts.npy``    int32, how often (context, w) occurred within one document
+
+(indptr and counts are int64 in a table of 2³¹ n-grams or more: ``storage.ngram_dtypes``.)
 
 Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
 (N⁴ < 2⁶³).
@@ -55,9 +57,9 @@ class NgramCounts:
         order (``int``): n, at least 3.
         vocab_size (``int``): N.
         contexts (``numpy.ndarray`` of int64): the sorted unique context keys.
-        indptr (``numpy.ndarray`` of int64): each context's range of entries, ``len(contexts) + 1`` long.
+        indptr (``numpy.ndarray`` of int32 or int64): each context's range of entries, ``len(contexts) + 1`` long.
         next (``numpy.ndarray`` of int32): the next token of each entry, ascending within a context.
-        counts (``numpy.ndarray`` of int64): the count of each entry.
+        counts (``numpy.ndarray`` of int32 or int64, as indptr): the count of each entry.
 
     Example::
 
@@ -180,7 +182,7 @@ def write_table(root: Path, order: int, vocab_size: int, runs: SortedRuns, folde
     """Merge ``runs`` into ``root/folder/<order>/*.npy`` and delete them. With a ``hasher``: the manifest entry
     (its hashes as Futures); without: the table, memory-mapped."""
     try:
-        entry = write_ngrams(root, folder, order, vocab_size, runs.ranges(), hasher)
+        entry = write_ngrams(root, folder, order, vocab_size, runs.ranges(), hasher, runs.windows)
     finally:
         runs.remove()
     if runs.folder is not None and runs.folder.is_dir():
@@ -216,7 +218,7 @@ def merge_ngrams(parts: Sequence[dict[int, NgramCounts]]) -> dict[int, NgramCoun
         tables = [p[order] for p in parts]
         n = tables[0].vocab_size
         bits = count_bits(order, n)
-        packed = np.concatenate([repack(t.keys(), np.asarray(t.counts), bits) for t in tables])
+        packed = np.concatenate([repack(t.keys(), np.asarray(t.counts, dtype=np.int64), bits) for t in tables])
         packed.sort()
         merged[order] = NgramCounts.from_keys(order, *unpack(packed, bits), n)
     return merged

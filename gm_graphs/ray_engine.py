@@ -172,7 +172,8 @@ class _Pieces:
 
     def __init__(self, spec: CountSpec, unit: int):
         self.spec, self.unit = spec, unit
-        self.feed = feeders(_RangeRuns(self, order, 1 if spec.bos_eos and order > 2 else 0) for order in spec.orders)
+        self.runs = [_RangeRuns(self, order, 1 if spec.bos_eos and order > 2 else 0) for order in spec.orders]
+        self.feed = feeders(self.runs)
         self.rows: dict[str, list] = {"order": [], "range": [], "unit": [], "data": [], "meta": []}
 
     def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
@@ -197,7 +198,8 @@ class _Pieces:
     def finish(self, stats: ReadStats, documents: int, tokens: int) -> Iterator[pa.Table]:
         for f in self.feed:
             f.release()
-        meta = {"read": asdict(stats), "documents": documents, "tokens": tokens}
+        meta = {"read": asdict(stats), "documents": documents, "tokens": tokens,
+                "windows": {str(r.order): r.windows for r in self.runs}}
         self.add_row(_STATS, self.unit, b"", json.dumps(meta))
         yield from self.ready()
 
@@ -433,7 +435,8 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
                 source = {"corpus": [str(f) for f in (files or uris)], "clean": clean,
                           "text_column": text_column} if ngrams else None
                 src = GraphSource(ident, entry, lambda: stream.ranges(2),
-                                  {o: (lambda o=o: stream.ranges(o)) for o in ngrams}, source,
+                                  {o: (sum(m["windows"][str(o)] for m in meta), lambda o=o: stream.ranges(o))
+                                   for o in ngrams}, source,
                                   {"engine": "ray"}, timings)
                 write_graph_into(tmp, src, name=target.name, orders=orders, mixture=mixture, eps=eps, prune=prune,
                                  shard_nnz=shard_nnz, progress=progress)

@@ -349,6 +349,8 @@ def check_csr(root, what: str, indptr: np.ndarray, indices: np.ndarray, data: np
 
 def check_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n_contexts: int, entries: int) -> None:
     what = f"the {order}-gram table"
+    if indptr.dtype != counts.dtype:
+        raise _fail(root, f"{what}: indptr is {indptr.dtype} but counts is {counts.dtype} (they must agree)")
     if contexts.shape != (n_contexts,) or indptr.shape != (n_contexts + 1,):
         raise _fail(root, f"{what}: {contexts.shape[0]} contexts and {indptr.shape[0]} indptr entries, the manifest "
                           f"says {n_contexts} contexts")

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from .faults import fault_point
 from .numba_cache import ensure_cache_dir
 from .pagecache import DropBehind
-from .storage import NGRAM_DTYPES, sha256_file
+from .storage import ngram_dtypes, sha256_file
 from .validate import ngram_range_problem
 
 ensure_cache_dir()  # before the cached kernels below are defined
@@ -302,10 +302,11 @@ def _split_keys(keys, n, base, contexts, indptr, nxt):
 class NgramWriter:
     """One order's n-gram table streamed in ascending ranges of whole contexts → ``<folder>/<n>/*.npy``."""
 
-    def __init__(self, root: Path, folder: str, order: int, vocab_size: int, hasher: Hasher | None):
-        self.order, self.n = order, vocab_size
+    def __init__(self, root: Path, folder: str, order: int, vocab_size: int, hasher: Hasher | None, total: int):
+        self.order, self.n, self.total = order, vocab_size, total
         self.files = {part: NpyWriter(root, f"{folder}/{order}/{part}.npy", dt, hasher)
-                      for part, dt in NGRAM_DTYPES.items()}
+                      for part, dt in ngram_dtypes(total).items()}
+        self.counted = 0  # the n-grams written, never above ``total`` (which chose the dtypes)
         self.entries = 0
         self.contexts = 0
         self._last = -1  # the last context written
@@ -323,6 +324,9 @@ class NgramWriter:
         # the checks a loaded table gets, run on the range while it is in memory: the build then trusts its tables
         # without reading them back (GraphFiles.trust_written), which took ~10 s at 4M documents
         problem = ngram_range_problem(self.order, contexts[:m], nxt[:keys.size], counts, self.n, self._last)
+        self.counted += int(counts.sum())
+        if not problem and self.counted > self.total:
+            problem = f"more n-grams than the {self.total:,} counted"
         if problem:
             raise AssertionError(f"the {self.order}-gram table being written: {problem}")
         self._last = int(contexts[m - 1])
@@ -340,9 +344,9 @@ class NgramWriter:
 
 
 def write_ngrams(root: Path, folder: str, order: int, vocab_size: int, ranges: Iterable,
-                 hasher: Hasher | None) -> dict:
-    """Write one order's table from its merged ranges; its manifest entry (with Futures)."""
-    w = NgramWriter(root, folder, order, vocab_size, hasher)
+                 hasher: Hasher | None, total: int) -> dict:
+    """Write one order's table of ``total`` n-grams from its merged ranges; its manifest entry (with Futures)."""
+    w = NgramWriter(root, folder, order, vocab_size, hasher, total)
     for keys, counts in ranges:
         w.add(keys, counts)
     return w.close()

@@ -279,10 +279,13 @@ class ContextReference:
         self.ngrams = {n: t for n, t in sorted(tables.items()) if n <= config.ngram_order and t.entries > 0}
         self.tail = max([self.orders, *(n - 1 for n in self.ngrams)])  # the context tokens a row reads
         # the kernel's view of the tables, padded with empty ones to at least two (orders 3 and 4), so that the
-        # usual graphs (no tables, or one or two) share one compiled kernel
-        empty = (_frozen([], np.int64), _frozen([0], np.int64), _frozen([], np.int32), _frozen([], np.int64), 0)
-        self._tables = tuple((_frozen(t.contexts, np.int64), _frozen(t.indptr, np.int64), _frozen(t.next, np.int32),
-                              _frozen(t.counts, np.int64), order) for order, t in self.ngrams.items())
+        # usual graphs (no tables, or one or two) share one compiled kernel; indptr and counts keep their stored
+        # dtype (int32, int64 in tables of 2³¹ n-grams or more) unless the tables differ, when all become int64
+        wide = {np.dtype(a.dtype) for t in self.ngrams.values() for a in (t.indptr, t.counts)} - {np.dtype(np.int32)}
+        index = np.int64 if wide else np.int32
+        empty = (_frozen([], np.int64), _frozen([0], index), _frozen([], np.int32), _frozen([], index), 0)
+        self._tables = tuple((_frozen(t.contexts, np.int64), _frozen(t.indptr, index), _frozen(t.next, np.int32),
+                              _frozen(t.counts, index), order) for order, t in self.ngrams.items())
         self._tables += (empty,) * (2 - len(self._tables))
         self._transition = None
         self._row = lru_cache(maxsize=cache_rows)(self._power_row)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -675,6 +676,9 @@ CRAFTS = {
     "n-gram next negative": _edit_array("ngrams/4/next.npy", _set(-1, -5)),
     "n-gram indptr decreasing": _edit_array("ngrams/4/indptr.npy", _set(1, 10**6)),
     "n-gram count zero": _edit_array("ngrams/3/counts.npy", _set(0, 0)),
+    "n-gram counts wider than indptr": _edit_array("ngrams/3/counts.npy", lambda a: a.astype(np.int64)),
+    "n-gram counts unsigned": _edit_array("ngrams/4/counts.npy", lambda a: a.astype(np.uint32)),
+    "n-gram indptr of floats": _edit_array("ngrams/4/indptr.npy", lambda a: a.astype(np.float32)),
     "n-gram order 2": _edit_manifest(lambda m, f: m["ngrams"]["orders"].update({"2": m["ngrams"]["orders"]["3"]})),
     "stats negative": _edit_array("stats/row_counts.npy", _set(0, -1)),
     "stats short": _edit_array("stats/successors.npy", lambda a: a[:-1]),
@@ -699,6 +703,31 @@ def test_crafted_graph_folders_end_in_a_one_line_graph_format_error(decodable, t
     assert not wrong
     for r in results.values():
         _one_line_error(r["stderr"], "GraphFormatError")
+
+
+def test_a_graph_with_int64_ngram_tables_still_loads_and_decodes_the_same(decodable, tmp_path):
+    """Graphs written before the tables' int32 indptr and counts (``storage.ngram_dtypes``) stored them as int64:
+    they load, and their reference rows are the same to the bit (the kernel compiled for either dtype)."""
+    from gm_solver import ContextConfig, ContextReference
+
+    graph, context = decodable
+    assert {graph.ngrams[o].counts.dtype for o in (3, 4)} == {graph.ngrams[o].indptr.dtype for o in (3, 4)} == {
+        np.dtype(np.int32)}
+    old = tmp_path / "g"
+    shutil.copytree(graph.path, old)
+    for order in (3, 4):
+        for part in ("indptr", "counts"):
+            _edit_array(f"ngrams/{order}/{part}.npy", lambda a: a.astype(np.int64))(old)
+    _rehash(old)
+    wide = load_graph(old)
+    assert wide.ngrams[4].counts.dtype == wide.ngrams[3].indptr.dtype == np.int64
+    rng = np.random.default_rng(5)
+    # the first row ends in a context of the 4-gram table (so every table is looked up), the others are random
+    ids = torch.tensor([[0, *context], *rng.integers(0, graph.vocab_size, (7, 4)).tolist()])
+    rows = [ContextReference(g, ContextConfig())(ids, graph.vocab_size) for g in (graph, wide)]
+    assert torch.equal(rows[0], rows[1])
+    assert rows[0].shape == (8, graph.vocab_size)
+    assert torch.allclose(rows[0].sum(-1), torch.ones(8, dtype=rows[0].dtype))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from gm_graphs import GraphFormatError, PruneRule, load_graph, validate
 from gm_graphs.build import GraphSource, write_graph_into
 from gm_graphs.counts import BigramCounts
 from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
+from gm_graphs.storage import ngram_dtypes
 from gm_graphs.tokenize import TokenizerIdentity
 from gm_graphs.writer import NgramWriter
 
@@ -89,17 +90,19 @@ def test_a_mixture_and_powers_are_written_beside_order1(tmp_path: Path):
     assert g.manifest["build"] == {}  # what write_graph_into was given
 
 
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 60), entries=st.integers(1, 400), cuts=st.integers(1, 6))
-def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory, seed, n, entries, cuts):
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 60), entries=st.integers(1, 400), cuts=st.integers(1, 6),
+       largest=st.sampled_from([2, 1 << 20, 1 << 40]))
+def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory, seed, n, entries, cuts, largest):
     rng = np.random.default_rng(seed)
     keys = np.unique(rng.integers(0, n ** 3, entries)).astype(np.int64)
-    counts = rng.integers(1, 1 << 40, keys.size)
+    counts = rng.integers(1, largest, keys.size, endpoint=True)
+    total = int(counts.sum())
     contexts = keys // n
     # ranges of whole contexts, cut at random context changes, as SortedRuns.ranges hands them over
     changes = np.flatnonzero(np.diff(contexts)) + 1
     edges = [0, *sorted(rng.choice(changes, min(cuts, changes.size), replace=False).tolist()), keys.size]
     root = tmp_path_factory.mktemp("ngrams")
-    w = NgramWriter(root, "ng", 3, n, None)
+    w = NgramWriter(root, "ng", 3, n, None, total)
     for a, b in zip(edges[:-1], edges[1:]):
         w.add(keys[a:b], counts[a:b])
     entry = w.close()
@@ -110,7 +113,25 @@ def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory,
     np.testing.assert_array_equal(stored["indptr"], [*np.flatnonzero(first), keys.size])
     np.testing.assert_array_equal(stored["next"], keys % n)
     np.testing.assert_array_equal(stored["counts"], counts)
-    assert stored["next"].dtype == np.int32 and stored["indptr"].dtype == stored["contexts"].dtype == np.int64
+    index = np.int64 if total >= 2**31 else np.int32  # the narrow dtypes hold every count and entry index
+    assert stored["next"].dtype == np.int32 and stored["contexts"].dtype == np.int64
+    assert stored["indptr"].dtype == stored["counts"].dtype == index
+
+
+@pytest.mark.parametrize("total, index", [(1, np.int32), (2**31 - 1, np.int32), (2**31, np.int64), (2**40, np.int64)])
+def test_ngram_dtypes_narrow_below_two_to_the_31(total, index):
+    dtypes = ngram_dtypes(total)
+    assert (dtypes["indptr"], dtypes["counts"], dtypes["contexts"], dtypes["next"]) == (index, index, np.int64,
+                                                                                      np.int32)
+
+
+def test_a_table_with_more_ngrams_than_its_total_stops_its_writer(tmp_path):
+    """The total chose the dtypes, so a count beyond it could wrap around in int32: the writer refuses it first."""
+    w = NgramWriter(tmp_path, "ng", 3, 10, None, 4)
+    w.add(np.array([505, 507], dtype=np.int64), np.array([1, 2]))
+    with pytest.raises(AssertionError, match="more n-grams than the 4 counted"):
+        w.add(np.array([600], dtype=np.int64), np.array([2]))
+    assert w.entries == 2 and w.counted == 5
 
 
 @given(seed=st.integers(0, 2**16), cuts=st.integers(0, 6),
@@ -151,7 +172,7 @@ def test_the_writers_range_checks_find_what_the_loaded_tables_check_finds(seed, 
 
 @pytest.mark.parametrize("bad", ["out of order", "count 0"])
 def test_a_range_the_writer_was_handed_wrong_stops_it_before_anything_is_written(tmp_path, bad):
-    w = NgramWriter(tmp_path, "ng", 3, 10, None)
+    w = NgramWriter(tmp_path, "ng", 3, 10, None, 100)
     w.add(np.array([505, 507], dtype=np.int64), np.array([1, 2]))
     keys, counts = (np.array([501]), np.array([1])) if bad == "out of order" else (np.array([600]), np.array([0]))
     with pytest.raises(AssertionError, match="the 3-gram table being written"):
