@@ -280,7 +280,8 @@ class ContextReference:
         self.tail = max([self.orders, *(n - 1 for n in self.ngrams)])  # the context tokens a row reads
         # the kernel's view of the tables, padded with empty ones to at least two (orders 3 and 4), so that the
         # usual graphs (no tables, or one or two) share one compiled kernel; indptr and counts keep their stored
-        # dtype (int32, int64 in tables of 2³¹ n-grams or more) unless the tables differ, when all become int64
+        # int32 (``storage.ngram_dtypes``) unless one table holds int64 (2³¹ n-grams or more, an older graph, or
+        # tables counted in memory), when all become int64: the kernel indexes the tables as one uniform tuple
         wide = {np.dtype(a.dtype) for t in self.ngrams.values() for a in (t.indptr, t.counts)} - {np.dtype(np.int32)}
         index = np.int64 if wide else np.int32
         empty = (_frozen([], np.int64), _frozen([0], index), _frozen([], np.int32), _frozen([], index), 0)
