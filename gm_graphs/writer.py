@@ -304,20 +304,23 @@ class NgramWriter:
 
     def __init__(self, root: Path, folder: str, order: int, vocab_size: int, hasher: Hasher | None, total: int):
         self.order, self.n, self.total = order, vocab_size, total
-        self.files = {part: NpyWriter(root, f"{folder}/{order}/{part}.npy", dt, hasher)
-                      for part, dt in ngram_dtypes(total).items()}
+        dtypes = ngram_dtypes(total)
+        self.files = {part: NpyWriter(root, f"{folder}/{order}/{part}.npy", dt, hasher) for part, dt in dtypes.items()}
         self.counted = 0  # the n-grams written, never above ``total`` (which chose the dtypes)
         self.entries = 0
         self.contexts = 0
         self._last = -1  # the last context written
-        self._buffers = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int32))  # reused per range
+        self._index = dtypes["indptr"]  # the split writes indptr in the file's dtype: no conversion per range
+        self._buffers = self._allocate(0)  # reused per range
+
+    def _allocate(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.empty(size, np.int64), np.empty(size, self._index), np.empty(size, np.int32)
 
     def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
         if not keys.size:
             return
         if self._buffers[0].size < keys.size:
-            size = keys.size
-            self._buffers = (np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size, np.int32))
+            self._buffers = self._allocate(keys.size)
         contexts, indptr, nxt = self._buffers
         m = _split_keys(np.ascontiguousarray(keys, dtype=np.int64), np.int64(self.n), np.int64(self.entries),
                         contexts, indptr, nxt)
