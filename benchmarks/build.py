@@ -5,9 +5,11 @@
 
 The corpus is the first shards of ``--corpus`` (``benchmarks/synth_corpus.py`` writes it: Parquet shards of 250,000
 documents, column ``text``); each size builds ``graphmax build <shards> --tokenizer smollm2 --orders 1,2 --ngrams
-3,4`` in a fresh subprocess, so that its peak RSS is its own. Beside each build, in the same run, the tokenizer
-alone: the same reader and batch encode (``gm_graphs.onepass.encoded_batches``), ids materialised, nothing
-counted. Printed per size: tokens/s of both and their ratio, seconds per stage, CPU seconds (user/sys) of each
+3,4`` in a fresh subprocess, so that its peak RSS is its own. Beside each build, in the same run, two baselines
+that read the same shards with the same reader (``gm_graphs.onepass.encoded_batches``), ids materialised, nothing
+counted: the tokenizer alone (the LM's fast tokenizer as transformers runs it, ``encode_batch_fast`` on all cores)
+and graphmax's own encoder alone (``BatchEncoder``: the word cache of ``gm_graphs.bytelevel``, same ids).
+Printed per size: tokens/s of each and the build's ratio to both, seconds per stage, CPU seconds (user/sys) of each
 process, peak RSS, peak and final disk use of the graph folder and its temporary folders, distinct 2-/3-/4-grams,
 and the load average while it ran (other jobs on the machine slow every stage). ``--ray`` sizes are also built
 with ``--engine ray`` on a local Ray (``ray.init(num_cpus=2)``), with the volume its shuffle moved and what 4, 16
@@ -74,6 +76,22 @@ class _Disk:
         return max(self.peak, self.size())
 
 
+class _TokenizerAlone:
+    """The LM's fast tokenizer as transformers runs it (Rust, all cores), its ids in one array as ``BatchEncoder``
+    returns them."""
+
+    def __init__(self, tok):
+        self.backend = tok.backend_tokenizer
+
+    def encode(self, docs: list[str]):
+        import numpy as np
+
+        lists = [e.ids for e in self.backend.encode_batch_fast(docs, add_special_tokens=False)]
+        offsets = np.zeros(len(lists) + 1, np.int64)
+        np.cumsum([len(ids) for ids in lists], out=offsets[1:])
+        return np.fromiter((i for ids in lists for i in ids), np.int32, int(offsets[-1])), offsets
+
+
 def _child(job: str, files: list[str], out: str) -> dict:
     """One measurement in this (fresh) process."""
     sys.path.insert(0, str(REPO))
@@ -85,8 +103,8 @@ def _child(job: str, files: list[str], out: str) -> dict:
     load = [os.getloadavg()[0]]
     tok = load_tokenizer("smollm2")
     result: dict = {}
-    if job == "tokenize":
-        encoder = BatchEncoder(tok)
+    if job in ("tokenizer", "encoder"):
+        encoder = BatchEncoder(tok) if job == "encoder" else _TokenizerAlone(tok)
         tokens = 0
         t0 = time.perf_counter()
         for ids, _ in encoded_batches([Path(f) for f in files], encoder, "text", clean=False, batch_docs=2048,
@@ -159,7 +177,7 @@ def main() -> None:
         for docs in sorted(set(args.docs) | set(args.ray)):
             files = _shards(args.corpus, docs)
             jobs = ["local"] * (docs in args.docs) + ["ray"] * (docs in args.ray)
-            tok = run("tokenize", files, "")
+            tok = {job: run(job, files, "") for job in ("tokenizer", "encoder")}
             builds = []
             for job in jobs:
                 builds.append((job, run(job, files, str(Path(tmp) / f"g{docs}-{job}"))))
@@ -167,7 +185,7 @@ def main() -> None:
                     os.rename(Path(tmp) / f"g{docs}-{job}", args.keep)
                 shutil.rmtree(Path(tmp) / f"g{docs}-{job}", ignore_errors=True)
             if args.bracket:
-                tok = _mean_of(tok, run("tokenize", files, ""))
+                tok = {job: _mean_of(tok[job], run(job, files, "")) for job in tok}
             for job, b in builds:
                 rows.append((docs, job, tok, b))
                 _print_row(docs, job, tok, b)
@@ -175,7 +193,7 @@ def main() -> None:
 
 
 def _mean_of(before: dict, after: dict) -> dict:
-    """The tokenizer alone timed before and after the builds, as one measurement: their mean."""
+    """A baseline timed before and after the builds, as one measurement: their mean."""
     return {"seconds": (before["seconds"] + after["seconds"]) / 2, "runs_s": [before["seconds"], after["seconds"]],
             "tokens": before["tokens"], "load": before["load"] + after["load"],
             "cpu_s": {k: (before["cpu_s"][k] + after["cpu_s"][k]) / 2 for k in before["cpu_s"]},
@@ -192,29 +210,34 @@ def _print_row(docs: int, job: str, tok: dict, b: dict) -> None:
 
 
 def _print_tables(rows) -> None:
-    print("\nthroughput and memory (tokens/s: tokenizer alone vs the whole build, end to end)")
-    print(f"{'docs':>10} {'engine':<6} {'tokens':>12} {'tok-only tok/s':>15} {'e2e tok/s':>11} {'ratio':>6} "
-          f"{'e2e s':>7} {'CPU user/sys s':>15} {'tok-only CPU':>13} {'peak RSS MB':>12} {'peak disk GB':>13} "
+    print("\nthroughput and memory (tokens/s of the tokenizer alone, of graphmax's encoder alone and of the whole "
+          "build, end to end; ratio: the build's tokens/s over the tokenizer's, and over the encoder's)")
+    print(f"{'docs':>10} {'engine':<6} {'tokens':>12} {'tokenizer tok/s':>16} {'encoder tok/s':>14} "
+          f"{'e2e tok/s':>11} {'ratio':>6} {'/ encoder':>9} {'e2e s':>7} {'CPU user/sys s':>15} "
+          f"{'tokenizer CPU':>14} {'encoder CPU':>12} {'peak RSS MB':>12} {'peak disk GB':>13} "
           f"{'final disk GB':>14} {'load avg':>10}")
     for docs, job, tok, b in rows:
-        t_rate, e_rate = tok["tokens"] / tok["seconds"], b["tokens"] / b["seconds"]
-        load = f"{min(tok['load'] + b['load']):.1f}-{max(tok['load'] + b['load']):.1f}"
-        print(f"{docs:>10,} {job:<6} {b['tokens']:>12,} {t_rate:>15,.0f} {e_rate:>11,.0f} {e_rate / t_rate:>6.2f} "
-              f"{b['seconds']:>7.1f} {_cpu(b):>15} {_cpu(tok):>13} {b['peak_rss_mb']:>12,.0f} "
-              f"{_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} {load:>10}")
+        t, e = tok["tokenizer"], tok["encoder"]
+        t_rate, c_rate, e_rate = t["tokens"] / t["seconds"], e["tokens"] / e["seconds"], b["tokens"] / b["seconds"]
+        loads = t["load"] + e["load"] + b["load"]
+        print(f"{docs:>10,} {job:<6} {b['tokens']:>12,} {t_rate:>16,.0f} {c_rate:>14,.0f} {e_rate:>11,.0f} "
+              f"{e_rate / t_rate:>6.2f} {e_rate / c_rate:>9.2f} {b['seconds']:>7.1f} {_cpu(b):>15} {_cpu(t):>14} "
+              f"{_cpu(e):>12} {b['peak_rss_mb']:>12,.0f} {_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} "
+              f"{min(loads):>4.1f}-{max(loads):.1f}")
     for docs, job, tok, _ in rows:
-        if "runs_s" in tok and job == "local":
-            print(f"{docs:>10,} tokenizer alone before / after the builds: {tok['runs_s'][0]:.1f} / "
-                  f"{tok['runs_s'][1]:.1f} s (the ratio uses their mean)")
+        for name, base in tok.items():
+            if "runs_s" in base and job == "local":
+                print(f"{docs:>10,} {name} alone before / after the builds: {base['runs_s'][0]:.1f} / "
+                      f"{base['runs_s'][1]:.1f} s (the ratios use their mean)")
     print("\nseconds per stage (Ã² and the n-gram merge run at the same time, on two threads)")
-    print(f"{'docs':>10} {'engine':<6} {'tokenize+count':>15} {'tok-only':>9} {'A, stats, Ã':>12} {'Ã²':>7} "
+    print(f"{'docs':>10} {'engine':<6} {'tokenize+count':>15} {'encoder':>9} {'A, stats, Ã':>12} {'Ã²':>7} "
           f"{'n-grams':>8} {'write':>7} {'distinct 2-grams':>17} {'3-grams':>12} {'4-grams':>12}")
     for docs, job, tok, b in rows:
         t = b["timings"]
         count = t.get("count_pass_s", t.get("count_s", 0.0))
         write = t.get("hash_wait_s", 0.0) + t.get("commit_s", 0.0)
         d = b["distinct"]
-        print(f"{docs:>10,} {job:<6} {count:>15.1f} {tok['seconds']:>9.1f} {t.get('bigrams_s', 0):>12.1f} "
+        print(f"{docs:>10,} {job:<6} {count:>15.1f} {tok['encoder']['seconds']:>9.1f} {t.get('bigrams_s', 0):>12.1f} "
               f"{t.get('operators_s', 0):>7.1f} {t.get('ngrams_s', 0):>8.1f} {write:>7.1f} {d['2']:>17,} "
               f"{d['3']:>12,} {d['4']:>12,}")
     ray_rows = [(docs, b) for docs, job, _, b in rows if job == "ray"]

@@ -1,0 +1,114 @@
+"""The word cache gives exactly the ids of the tokenizer it stands in for, on every ASCII context and real corpora."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gm_graphs import bundled
+from gm_graphs.bytelevel import WordCache, _byte_symbols, ascii_words, cacheable
+from gm_graphs.corpus import expand_corpus, iter_documents
+from gm_graphs.tokenize import BatchEncoder, word_tokenizer
+
+ASCII = "".join(map(chr, range(128)))
+# one character of each class, the contractions' letters, characters that are space only to Python, added-token text
+PROBE = "aZ09 \t\n\x0b\x0c\r\x1c\x1f\x00\x7f'strevmld.<|_"
+
+
+def reference(backend, docs: list[str]) -> list[list[int]]:
+    return [e.ids for e in backend.encode_batch(docs, add_special_tokens=False)]
+
+
+def split(ids: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+    return [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_tokenizer):
+    return smollm2_tokenizer.backend_tokenizer
+
+
+def words_of(backend, text: str) -> list[str]:
+    """The tokenizer's own split of ``text``, its byte symbols turned back into the ASCII they stand for."""
+    back = {s: chr(b) for b, s in enumerate(_byte_symbols()) if b < 128}
+    return ["".join(back[c] for c in w) for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_every_pair_of_ascii_characters_in_every_context_is_split_as_the_tokenizer_splits_it(backend):
+    contexts = ("", ""), ("x", " y"), (" ", "1"), ("  ", "'s\n"), ("7", "\t")
+    for a, b in itertools.product(ASCII, repeat=2):
+        for left, right in contexts:
+            text = f"{left}{a}{b}{right}"
+            assert ascii_words(text) == words_of(backend, text), repr(text)
+
+
+def test_every_triple_of_probe_characters_gets_the_tokenizers_words_and_ids(backend):
+    docs = ["".join(t) for t in itertools.product(PROBE, repeat=3)]
+    assert [ascii_words(d) for d in docs] == [words_of(backend, d) for d in docs]
+    assert split(*WordCache(backend, np.int32).encode(docs)) == reference(backend, docs)
+
+
+@given(st.lists(st.text(alphabet=st.sampled_from(PROBE + ASCII + "é—’\u2028\u3000"), max_size=60), max_size=12),
+       st.integers(0, 40))
+def test_any_batch_gets_the_tokenizers_ids_whatever_the_cap(smollm2_tokenizer, docs, max_words):
+    backend = smollm2_tokenizer.backend_tokenizer
+    cache = WordCache(backend, np.int32, max_words=max_words)
+    for _ in range(2):  # the second time from the cache
+        assert split(*cache.encode(docs)) == reference(backend, docs)
+        assert cache.words <= max_words
+
+
+def test_documents_with_an_added_tokens_text_get_the_added_token(backend):
+    docs = ["hello <|im_start|>user\nhi<|im_end|>", "a <b> c", "<|endoftext|>"]
+    ids, offsets = WordCache(backend, np.int32).encode(docs)
+    assert split(ids, offsets) == reference(backend, docs)
+    assert 1 in ids and 2 in ids and 0 in ids  # <|im_start|>, <|im_end|>, <|endoftext|>
+
+
+def test_empty_batches_and_documents(backend):
+    cache = WordCache(backend, np.int32)
+    ids, offsets = cache.encode([])
+    assert len(ids) == 0 and offsets.tolist() == [0]
+    assert split(*cache.encode(["", "a", "", "é"])) == reference(backend, ["", "a", "", "é"])
+
+
+@pytest.mark.parametrize("corpus", ["movie-reviews", "drug-reviews", "news-articles"])
+def test_real_corpora_get_the_tokenizers_ids_and_the_cap_holds(backend, corpus):
+    spec = bundled.CORPORA[corpus]
+    batches = itertools.islice(iter_documents(expand_corpus(spec.path()), spec.text_column, clean=spec.clean,
+                                              batch_docs=512), 4)
+    cache = WordCache(backend, np.int32, max_words=3000)
+    for docs in batches:
+        assert split(*cache.encode(docs)) == reference(backend, docs)
+    assert cache.words == 3000
+
+
+def test_the_encoder_uses_the_cache_for_byte_level_bpe_and_frames_documents_the_same(smollm2_tokenizer):
+    docs = ["the cat sat", "caf\u00e9", ""]
+    encoder = BatchEncoder(smollm2_tokenizer, add_bos_eos=True)
+    assert encoder._words is not None
+    bos, eos = smollm2_tokenizer.bos_token_id, smollm2_tokenizer.eos_token_id
+    assert split(*encoder.encode(docs)) == [[bos, *ids, eos] for ids in reference(encoder._backend, docs)]
+
+
+def test_only_plain_byte_level_bpe_is_cacheable(smollm2_tokenizer, bpe_tokenizer):
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+
+    assert cacheable(smollm2_tokenizer.backend_tokenizer) and cacheable(bpe_tokenizer.backend_tokenizer)
+    assert not cacheable(word_tokenizer(["a"]).backend_tokenizer)
+    for change in (lambda t: setattr(t, "normalizer", normalizers.NFC()),
+                   lambda t: setattr(t, "pre_tokenizer", pre_tokenizers.ByteLevel(add_prefix_space=True)),
+                   lambda t: setattr(t, "pre_tokenizer", pre_tokenizers.Sequence([pre_tokenizers.Digits(),
+                                                                                 pre_tokenizers.ByteLevel()]))):
+        t = Tokenizer.from_str(smollm2_tokenizer.backend_tokenizer.to_str())
+        change(t)
+        assert not cacheable(t)
+
+
+def test_a_negative_cap_is_refused(backend):
+    with pytest.raises(ValueError, match="max_words"):
+        WordCache(backend, np.int32, max_words=-1)
