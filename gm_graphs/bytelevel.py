@@ -3,16 +3,20 @@
 A byte-level BPE tokenizer splits text into words with one regular expression and encodes each word on its own,
 so a word's ids never depend on its neighbours. The fast tokenizer runs that split, BPE (or its cache) and builds
 an ``Encoding`` for every token: about 1.1 µs of CPU a token here. A corpus of millions of documents repeats a few
-million words. :class:`WordCache` splits ASCII documents with GPT-2's expression written out as a numba kernel
-(tested against the tokenizer's own split on every ASCII character in every context), looks each word up in a
-bounded hash table filled by the tokenizer's own BPE model, and lays the words' ids end to end, without the GIL.
-Documents that are not ASCII, or that hold an added token's text, are encoded by the tokenizer itself, so every
-document gets exactly the ids the tokenizer gives it.
+million words. :class:`WordCache` splits documents with GPT-2's expression written out as a numba kernel over
+their UTF-8 bytes (tested against the tokenizer's own split on every character it knows, in every context),
+looks each word up in a bounded hash table filled by the tokenizer's own BPE model, and lays the words' ids end to
+end, without the GIL. The kernel knows the characters whose classes (letter, number, space, other) have stood
+since Unicode 4.1: ASCII, the Latin supplements and extensions (U+0080–U+024F), general punctuation
+(U+2000–U+206F) and the replacement character. Documents with any other character, or with an added token's
+text, are encoded by the tokenizer itself, so every document gets exactly the ids the tokenizer gives it.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 
 import numba
 import numpy as np
@@ -21,13 +25,26 @@ from .numba_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
-# The classes of GPT-2's expression on ASCII: \p{L} is A-Z a-z, \p{N} is 0-9 and \s is Unicode's White_Space,
-# which in ASCII is \t \n \v \f \r and the space (not \x1c-\x1f, which Python's own \s also takes).
-_LETTER, _DIGIT, _SPACE, _OTHER = 0, 1, 2, 3
-CLASSES = np.full(128, _OTHER, np.uint8)
-CLASSES[[*range(65, 91), *range(97, 123)]] = _LETTER
-CLASSES[48:58] = _DIGIT
-CLASSES[[9, 10, 11, 12, 13, 32]] = _SPACE
+# The characters the kernel knows, and each one's class in GPT-2's expression: \p{L}, \p{N}, \s (Unicode's
+# White_Space: in ASCII \t \n \v \f \r and the space, not \x1c-\x1f, which Python's str.isspace also takes) or
+# none of them. Documents with any other character go to the tokenizer.
+_LETTER, _DIGIT, _SPACE, _OTHER, _UNKNOWN = 0, 1, 2, 3, 4
+KNOWN = "\x00-\u024f\u2000-\u206f\ufffd"
+_OUTSIDE = re.compile(f"[^{KNOWN}]")
+
+
+def _classes() -> np.ndarray:
+    classes = np.full(0x10000, _UNKNOWN, np.uint8)
+    for first, last in ((0, 0x24F), (0x2000, 0x206F), (0xFFFD, 0xFFFD)):
+        for cp in range(first, last + 1):
+            c = chr(cp)
+            category = unicodedata.category(c)
+            classes[cp] = (_LETTER if category[0] == "L" else _DIGIT if category[0] == "N"
+                           else _SPACE if c.isspace() and not 0x1C <= cp <= 0x1F else _OTHER)
+    return classes
+
+
+CLASSES = _classes()
 _FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
 
 
@@ -38,7 +55,7 @@ def _byte_symbols() -> list[str]:
     return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
 
 
-_SYMBOLS = dict(enumerate(_byte_symbols()))  # a str.translate table (ASCII words only reach it)
+_SYMBOLS = _byte_symbols()
 
 
 def cacheable(backend) -> bool:
@@ -54,11 +71,23 @@ def cacheable(backend) -> bool:
 
 
 @numba.njit(nogil=True, cache=True)
+def _char(text, i):
+    """The code point of the UTF-8 character at ``text[i]`` (one the kernel knows: three bytes at most), and its
+    length in bytes."""
+    b = text[i]
+    if b < 0x80:
+        return numba.int64(b), 1
+    if b < 0xE0:
+        return (numba.int64(b & 0x1F) << 6) | (text[i + 1] & 0x3F), 2
+    return (numba.int64(b & 0x0F) << 12) | (numba.int64(text[i + 1] & 0x3F) << 6) | (text[i + 2] & 0x3F), 3
+
+
+@numba.njit(nogil=True, cache=True)
 def _word_end(text, i, end, classes):
     """Where the word of GPT-2's expression that starts at ``text[i]`` ends, in a document ending at ``end``; the
     expression's first alternative that matches wins: 's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+|
     ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"""
-    c = text[i]
+    c, size = _char(text, i)
     if c == 39 and i + 1 < end:  # an apostrophe: 's 't 'm 'd, then 're 've 'll
         d = text[i + 1]
         if d == 115 or d == 116 or d == 109 or d == 100:
@@ -66,20 +95,28 @@ def _word_end(text, i, end, classes):
         if i + 2 < end and ((d == 114 and text[i + 2] == 101) or (d == 118 and text[i + 2] == 101)
                             or (d == 108 and text[i + 2] == 108)):
             return i + 3
-    j = i
-    if c == 32 and i + 1 < end and classes[text[i + 1]] != _SPACE:
-        j = i + 1  # a space joins the letters, digits or other characters after it
-    kind = classes[text[j]]
+    kind = classes[c]
+    if c == 32 and i + 1 < end:
+        after, after_size = _char(text, i + 1)
+        if classes[after] != _SPACE:  # a space joins the letters, digits or other characters after it
+            kind, size = classes[after], 1 + after_size
+    j = i + size
     if kind != _SPACE:
-        j += 1
-        while j < end and classes[text[j]] == kind:
-            j += 1
+        while j < end:
+            c, size = _char(text, j)
+            if classes[c] != kind:
+                break
+            j += size
         return j
-    j = i + 1
-    while j < end and classes[text[j]] == _SPACE:
-        j += 1
+    last = i  # where the run's last space starts
+    while j < end:
+        c, size = _char(text, j)
+        if classes[c] != _SPACE:
+            break
+        last = j
+        j += size
     # \s+(?!\S) leaves the last space of a run to the word after it; a lone space before a word is \s+ itself
-    return j if j == end or j == i + 1 else j - 1
+    return j if j == end or last == i else last
 
 
 @numba.njit(nogil=True, cache=True)
@@ -156,20 +193,23 @@ def _lay_out(word, n, doc_words, id_starts, id_sizes, ids, out, doc_ends):
     return t
 
 
-def ascii_words(text: str) -> list[str]:
-    """The words GPT-2's expression splits an ASCII ``text`` into, as :class:`WordCache` splits them.
+def split_words(text: str) -> list[str]:
+    """The words GPT-2's expression splits ``text`` into, as :class:`WordCache` splits them (``text`` must hold only
+    characters of ``KNOWN``).
 
     Example::
 
-        >>> ascii_words("It's  2 cats!\\n")
-        ['It', "'s", ' ', ' 2', ' cats', '!', '\\n']
+        >>> split_words("It's  2 caf\\u00e9s!\\n")
+        ['It', "'s", ' ', ' 2', ' cafés', '!', '\\n']
     """
-    data = np.frombuffer(text.encode("ascii"), np.uint8)
+    if _OUTSIDE.search(text):
+        raise ValueError(f"split_words takes characters of {KNOWN!r} only")
+    data = np.frombuffer(text.encode("utf-8"), np.uint8)
     starts, sizes, word = (np.empty(len(data), np.int64) for _ in range(3))
     n = _split(data, np.array([len(data)], np.int64), CLASSES, np.full(1, -1, np.int64), np.zeros(0, np.uint8),
                np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), starts, sizes,
                np.empty(len(data), np.uint64), word)
-    return [text[a:a + b] for a, b in zip(starts[:n].tolist(), sizes[:n].tolist())]
+    return [data[a:a + b].tobytes().decode("utf-8") for a, b in zip(starts[:n].tolist(), sizes[:n].tolist())]
 
 
 class WordCache:
@@ -186,13 +226,13 @@ class WordCache:
         >>> from gm_graphs.tokenize import load_tokenizer
         >>> backend = load_tokenizer("smollm2").backend_tokenizer
         >>> cache = WordCache(backend, np.int32)
-        >>> docs = ["the cat sat", "the dog sat", "caf\\u00e9 au lait"]
+        >>> docs = ["the cat sat", "the dog sat", "caf\\u00e9 au lait", "\\u4e2d\\u6587"]
         >>> ids, offsets = cache.encode(docs)
         >>> [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == [
         ...     e.ids for e in backend.encode_batch(docs, add_special_tokens=False)]
         True
-        >>> cache.words  # "the", " cat", " sat", " dog": the third document went to the tokenizer (not ASCII)
-        4
+        >>> cache.words  # the, cat, sat, dog, café, au, lait: the Chinese went to the tokenizer
+        7
     """
 
     def __init__(self, backend, dtype, *, max_words: int = 1 << 20):
@@ -207,18 +247,20 @@ class WordCache:
         self._starts, self._sizes, self._id_starts, self._id_sizes = (np.zeros(1 << 10, np.int64) for _ in range(4))
         self._hashes = np.zeros(1 << 10, np.uint64)
         # An added token's text (<|im_start|>…) is one token wherever it appears: such documents go to the tokenizer.
-        added = {t.content for t in backend.get_added_tokens_decoder().values() if t.content and t.content.isascii()}
+        added = {t.content for t in backend.get_added_tokens_decoder().values() if t.content}
         self._added = {c: [t for t in added if t[0] == c] for c in {t[0] for t in added}}
 
     def _plain(self, doc: str) -> bool:
-        return doc.isascii() and not any(c in doc and any(t in doc for t in texts) for c, texts in self._added.items())
+        return ((doc.isascii() or not _OUTSIDE.search(doc))
+                and not any(c in doc and any(t in doc for t in texts) for c, texts in self._added.items()))
 
     def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(ids, offsets)``: document i is ``ids[offsets[i]:offsets[i+1]]``, as the tokenizer gives it."""
         plain = [self._plain(d) for d in docs]
         kept = [d for d, p in zip(docs, plain) if p]
-        text = np.frombuffer("".join(kept).encode("ascii"), np.uint8)
-        doc_words = np.cumsum(np.fromiter(map(len, kept), np.int64, len(kept)))
+        text = np.frombuffer("".join(kept).encode("utf-8"), np.uint8)
+        doc_words = np.cumsum(np.fromiter((len(d) if d.isascii() else len(d.encode()) for d in kept), np.int64,
+                                          len(kept)))
         word_start, word_size, word = (np.empty(len(text), np.int64) for _ in range(3))
         word_hash = np.empty(len(text), np.uint64)
         n = _split(text, doc_words, CLASSES, self._slots, self._arena, self._starts, self._sizes, self._hashes,
@@ -248,7 +290,7 @@ class WordCache:
                 w = new[key] = self.words + len(new)
                 hashes.append(word_hash[k])
             word[k] = w
-        encoded = [[t.id for t in self._model.tokenize(key.decode("ascii").translate(_SYMBOLS))] for key in new]
+        encoded = [[t.id for t in self._model.tokenize("".join(_SYMBOLS[b] for b in key))] for key in new]
         first, last = self.words, self.words + len(new)
         sizes = np.fromiter(map(len, new), np.int64, len(new))
         id_sizes = np.fromiter(map(len, encoded), np.int64, len(new))

