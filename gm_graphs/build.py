@@ -459,9 +459,10 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
         fault_point("build.started")
         files = expand_corpus(corpus)
         work = tmp / ".work"
-        encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
-        counted = count_pass(files, encoder, _counters(ident.vocab_size, ngrams, bos_eos=bos_eos,
-                                                       run_entries=ngram_run_entries, work=work),
+        # the encoder (its word cache: up to ~90 MB) is dropped when the pass ends, before the merges
+        counted = count_pass(files, BatchEncoder(tok, add_bos_eos=bos_eos),
+                             _counters(ident.vocab_size, ngrams, bos_eos=bos_eos, run_entries=ngram_run_entries,
+                                       work=work),
                              text_column=text_column, clean=clean, batch_docs=batch_docs, progress=progress)
         fault_point("build.counted")
         if ngrams:

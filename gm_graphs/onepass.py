@@ -1,9 +1,10 @@
 """One pass over a corpus: read it, tokenize it once, and feed every counter (bigrams and each n-gram order).
 
 Three stages run at once, joined by small bounded queues: a thread reads batches of documents, the calling thread
-encodes them (the fast tokenizer's batch encode runs in Rust on every core, without the GIL), and a thread counts
-them (numba kernels and NumPy's sort, also without the GIL). Counting thus overlaps the tokenizer instead of
-following it; what is left after the pass is merging the sorted runs.
+encodes them (``BatchEncoder``: for byte-level BPE a numba word cache on one core, else the fast tokenizer's
+batch encode in Rust on every core; both without the GIL), and a thread counts them (numba kernels and NumPy's
+sort, also without the GIL). Counting thus overlaps the encoding instead of following it; what is left after the
+pass is merging the sorted runs.
 """
 
 from __future__ import annotations
