@@ -152,7 +152,7 @@ class BatchEncoder:
         self.tok = tok
         self.vocab_size = TokenizerIdentity.of(tok).vocab_size
         self.dtype = np.int32 if self.vocab_size < 2**31 else np.int64
-        self._backend = getattr(tok, "backend_tokenizer", None)
+        self._backend = _whole_documents(tok)
         self._words = WordCache(self._backend, self.dtype) if self._backend is not None and cacheable(
             self._backend) else None
         self.bos = self.eos = None
@@ -181,6 +181,24 @@ class BatchEncoder:
         np.cumsum(lengths, out=offsets[1:])
         ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=self.dtype, count=int(offsets[-1]))
         return ids, offsets
+
+
+def _whole_documents(tok):
+    """A copy of ``tok``'s Rust tokenizer that neither truncates nor pads (``None`` for a slow tokenizer).
+
+    transformers sets the shared Rust tokenizer's truncation and padding at each call and leaves them set, so a
+    tokenizer called with ``truncation=True`` before would cut every document a build encodes, and padding would
+    count pad ids; the copy is ours alone.
+    """
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(backend.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
 
 
 def _framed(ids: np.ndarray, offsets: np.ndarray, bos: int, eos: int) -> tuple[np.ndarray, np.ndarray]:

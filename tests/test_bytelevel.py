@@ -132,3 +132,15 @@ def test_only_plain_byte_level_bpe_is_cacheable(smollm2_tokenizer, bpe_tokenizer
 def test_a_negative_cap_is_refused(backend):
     with pytest.raises(ValueError, match="max_words"):
         WordCache(backend, np.int32, max_words=-1)
+
+
+@pytest.mark.parametrize("docs", [["the cat sat on the mat and the dog"], ["caf\u00e9 \u4e2d the cat sat on the mat"]])
+def test_a_tokenizer_left_truncating_and_padding_still_encodes_whole_documents(smollm2_tokenizer, docs):
+    from gm_graphs import load_tokenizer
+
+    tok = load_tokenizer("smollm2")  # a tokenizer of its own: the shared one stays as it is
+    whole = reference(tok.backend_tokenizer, docs)
+    tok.backend_tokenizer.enable_truncation(3)
+    tok.backend_tokenizer.enable_padding(length=40)
+    assert split(*BatchEncoder(tok).encode(docs)) == whole
+    assert tok.backend_tokenizer.truncation is not None  # the caller's tokenizer is left as it was
