@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import unicodedata
 
 import numba
@@ -60,12 +61,12 @@ _SYMBOLS = _byte_symbols()
 
 def cacheable(backend) -> bool:
     """Whether ``backend`` (a ``tokenizers.Tokenizer``) is plain byte-level BPE, whose words :class:`WordCache`
-    can encode: no normaliser, GPT-2's pre-tokenizer alone (its own expression, no prefix space) and a BPE model
-    without dropout. Anything else (another expression, a normaliser, a sequence of pre-tokenizers) is encoded by
-    the tokenizer itself."""
+    can encode: no normaliser, GPT-2's pre-tokenizer alone (its own expression, no prefix space), a BPE model
+    without dropout, and neither truncation nor padding. Anything else (another expression, a normaliser, a
+    sequence of pre-tokenizers) is encoded by the tokenizer itself."""
     config = json.loads(backend.to_str())
     pre, model = config.get("pre_tokenizer") or {}, config.get("model") or {}
-    return (config.get("normalizer") is None
+    return (config.get("normalizer") is None and backend.truncation is None and backend.padding is None
             and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
             and model.get("type") == "BPE" and not model.get("dropout"))
 
@@ -216,7 +217,8 @@ class WordCache:
     """Encodes documents with a byte-level BPE tokenizer through a cache of word → ids.
 
     Args:
-        backend (``tokenizers.Tokenizer``): a tokenizer for which :func:`cacheable` holds.
+        backend (``tokenizers.Tokenizer``): a tokenizer for which :func:`cacheable` holds; its added tokens are
+            read here, once.
         dtype: the ids' dtype.
         max_words (``int``): words kept at most; a word beyond is encoded for its batch and not kept (a million
             words take ~90 MB).
@@ -239,6 +241,7 @@ class WordCache:
         if max_words < 0:
             raise ValueError(f"max_words must be >= 0, got {max_words}")
         self._backend, self._model, self.dtype, self.max_words = backend, backend.model, dtype, max_words
+        self._lock = threading.Lock()  # the kernels run without the GIL over arrays that encode grows and trims
         self.words = 0  # words kept
         self._slots = np.full(1 << 12, -1, np.int64)  # word numbers by hash, -1 where empty; at most half full
         self._arena, self._arena_used = np.zeros(1 << 16, np.uint8), 0  # the words' text, end to end
@@ -256,11 +259,15 @@ class WordCache:
 
     def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(ids, offsets)``: document i is ``ids[offsets[i]:offsets[i+1]]``, as the tokenizer gives it."""
+        docs = [_exact(d) for d in docs]
+        with self._lock:
+            return self._encode(docs)
+
+    def _encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
         plain = [self._plain(d) for d in docs]
-        kept = [d for d, p in zip(docs, plain) if p]
-        text = np.frombuffer("".join(kept).encode("utf-8"), np.uint8)
-        doc_words = np.cumsum(np.fromiter((len(d) if d.isascii() else len(d.encode()) for d in kept), np.int64,
-                                          len(kept)))
+        parts = [d.encode("utf-8") for d, p in zip(docs, plain) if p]
+        text = np.frombuffer(b"".join(parts), np.uint8)
+        doc_words = np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)))
         word_start, word_size, word = (np.empty(len(text), np.int64) for _ in range(3))
         word_hash = np.empty(len(text), np.uint64)
         n = _split(text, doc_words, CLASSES, self._slots, self._arena, self._starts, self._sizes, self._hashes,
@@ -268,7 +275,7 @@ class WordCache:
         missed = np.flatnonzero(word[:n] < 0)
         if len(missed):
             self._learn(text, word_start, word_size, word_hash, word, missed)
-        doc_ends = np.empty(len(kept), np.int64)
+        doc_ends = np.empty(len(parts), np.int64)
         out = np.empty(int(self._id_sizes[word[:n]].sum()), self.dtype)
         _lay_out(word, n, doc_words, self._id_starts, self._id_sizes, self._ids, out, doc_ends)
         if self.words > self.max_words:  # the batch's words beyond the cap were encoded for it alone
@@ -320,6 +327,15 @@ class WordCache:
             self._arena = np.resize(self._arena, max(text, 2 * len(self._arena)))
         if ids > len(self._ids):
             self._ids = np.resize(self._ids, max(ids, 2 * len(self._ids)))
+
+
+def _exact(doc) -> str:
+    """``doc`` as a plain ``str``: the kernels trust its length and characters, which a subclass could misreport."""
+    if type(doc) is str:
+        return doc
+    if not isinstance(doc, str):
+        raise TypeError(f"documents are str, got {type(doc).__name__}")
+    return str.__str__(doc)
 
 
 def _interleave(out: np.ndarray, doc_ends: np.ndarray, plain: list[bool], other_lists: list[list[int]],

@@ -195,10 +195,11 @@ def _whole_documents(tok):
         return None
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_str(backend.to_str())
-    backend.no_truncation()
-    backend.no_padding()
-    return backend
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.encode_special_tokens = backend.encode_special_tokens  # a flag the JSON does not carry
+    copy.no_truncation()
+    copy.no_padding()
+    return copy
 
 
 def _framed(ids: np.ndarray, offsets: np.ndarray, bos: int, eos: int) -> tuple[np.ndarray, np.ndarray]:

@@ -112,7 +112,8 @@ def test_the_encoder_uses_the_cache_for_byte_level_bpe_and_frames_documents_the_
     encoder = BatchEncoder(smollm2_tokenizer, add_bos_eos=True)
     assert encoder._words is not None
     bos, eos = smollm2_tokenizer.bos_token_id, smollm2_tokenizer.eos_token_id
-    assert split(*encoder.encode(docs)) == [[bos, *ids, eos] for ids in reference(encoder._backend, docs)]
+    whole = reference(smollm2_tokenizer.backend_tokenizer, docs)
+    assert split(*encoder.encode(docs)) == [[bos, *ids, eos] for ids in whole]
 
 
 def test_only_plain_byte_level_bpe_is_cacheable(smollm2_tokenizer, bpe_tokenizer):
@@ -144,3 +145,44 @@ def test_a_tokenizer_left_truncating_and_padding_still_encodes_whole_documents(s
     tok.backend_tokenizer.enable_padding(length=40)
     assert split(*BatchEncoder(tok).encode(docs)) == whole
     assert tok.backend_tokenizer.truncation is not None  # the caller's tokenizer is left as it was
+
+
+def test_a_str_subclass_that_misreports_itself_is_encoded_as_its_text(backend):
+    class Liar(str):
+        def __len__(self):
+            return 10**7
+
+        def isascii(self):
+            return True
+
+    docs = [Liar("hello world"), Liar("caf\u00e9 \u4e2d")]
+    assert split(*WordCache(backend, np.int32).encode(docs)) == reference(backend, [str(d) for d in docs])
+    with pytest.raises(TypeError, match="documents are str, got bytes"):
+        WordCache(backend, np.int32).encode([b"bytes"])
+
+
+def test_threads_sharing_one_cache_get_the_tokenizers_ids(backend):
+    from concurrent.futures import ThreadPoolExecutor
+
+    batches = [[f"w{b}x{i} and {i * b} more w{i}" for i in range(300)] for b in range(12)]
+    cache = WordCache(backend, np.int32, max_words=500)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda docs: split(*cache.encode(docs)), batches))
+    assert got == [reference(backend, docs) for docs in batches]
+
+
+def test_the_encoder_keeps_a_tokenizer_that_splits_special_tokens_as_text(smollm2_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=smollm2_tokenizer.backend_tokenizer, split_special_tokens=True)
+    docs = ["hi <|im_start|>user", "<|endoftext|>"]
+    assert split(*BatchEncoder(tok).encode(docs)) == tok(docs, add_special_tokens=False)["input_ids"]
+
+
+def test_a_tokenizer_that_truncates_or_pads_is_not_cacheable(backend):
+    from tokenizers import Tokenizer
+
+    for change in (lambda t: t.enable_truncation(5), lambda t: t.enable_padding(length=9)):
+        t = Tokenizer.from_str(backend.to_str())
+        change(t)
+        assert not cacheable(t)
