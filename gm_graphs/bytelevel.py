@@ -18,6 +18,7 @@ import json
 import re
 import threading
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -32,6 +33,7 @@ ensure_cache_dir()  # before the cached kernels below are defined
 _LETTER, _DIGIT, _SPACE, _OTHER, _UNKNOWN = 0, 1, 2, 3, 4
 KNOWN = "\x00-\u024f\u2000-\u206f\ufffd"
 _OUTSIDE = re.compile(f"[^{KNOWN}]")
+_PARALLEL_BYTES = 1 << 16  # a batch of this much text is split on two threads
 
 
 def _classes() -> np.ndarray:
@@ -159,12 +161,11 @@ def _insert(slots, hashes, first, last):
 
 
 @numba.njit(nogil=True, cache=True)
-def _split(text, doc_ends, classes, slots, arena, starts, sizes, hashes, word_start, word_size, word_hash, word):
-    """Splits each document of ``text`` (ending at ``doc_ends``) into words and looks each up: word k is
-    ``text[word_start[k]:word_start[k] + word_size[k]]``, ``word[k]`` its entry or -1. Returns the words' count;
-    ``doc_ends`` is overwritten by each document's last word + 1."""
-    n = 0
-    i = 0
+def _split(text, i, n, doc_ends, classes, slots, arena, starts, sizes, hashes, word_start, word_size, word_hash,
+           word):
+    """Splits the documents of ``text`` from byte ``i`` (ending at ``doc_ends``) into words numbered from ``n`` and
+    looks each up: word k is ``text[word_start[k]:word_start[k] + word_size[k]]``, ``word[k]`` its entry or -1.
+    Returns the number after the last word; ``doc_ends`` is overwritten by each document's last word + 1."""
     for d in range(len(doc_ends)):
         end = doc_ends[d]
         while i < end:
@@ -207,7 +208,7 @@ def split_words(text: str) -> list[str]:
         raise ValueError(f"split_words takes characters of {KNOWN!r} only")
     data = np.frombuffer(text.encode("utf-8"), np.uint8)
     starts, sizes, word = (np.empty(len(data), np.int64) for _ in range(3))
-    n = _split(data, np.array([len(data)], np.int64), CLASSES, np.full(1, -1, np.int64), np.zeros(0, np.uint8),
+    n = _split(data, 0, 0, np.array([len(data)], np.int64), CLASSES, np.full(1, -1, np.int64), np.zeros(0, np.uint8),
                np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), starts, sizes,
                np.empty(len(data), np.uint64), word)
     return [data[a:a + b].tobytes().decode("utf-8") for a, b in zip(starts[:n].tolist(), sizes[:n].tolist())]
@@ -242,6 +243,7 @@ class WordCache:
             raise ValueError(f"max_words must be >= 0, got {max_words}")
         self._backend, self._model, self.dtype, self.max_words = backend, backend.model, dtype, max_words
         self._lock = threading.Lock()  # the kernels run without the GIL over arrays that encode grows and trims
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="graphmax-words")  # splits a batch's second half
         self.words = 0  # words kept
         self._slots = np.full(1 << 12, -1, np.int64)  # word numbers by hash, -1 where empty; at most half full
         self._arena, self._arena_used = np.zeros(1 << 16, np.uint8), 0  # the words' text, end to end
@@ -268,10 +270,7 @@ class WordCache:
         parts = [d.encode("utf-8") for d, p in zip(docs, plain) if p]
         text = np.frombuffer(b"".join(parts), np.uint8)
         doc_words = np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)))
-        word_start, word_size, word = (np.empty(len(text), np.int64) for _ in range(3))
-        word_hash = np.empty(len(text), np.uint64)
-        n = _split(text, doc_words, CLASSES, self._slots, self._arena, self._starts, self._sizes, self._hashes,
-                   word_start, word_size, word_hash, word)
+        n, word_start, word_size, word_hash, word = self._split(text, doc_words)
         missed = np.flatnonzero(word[:n] < 0)
         if len(missed):
             self._learn(text, word_start, word_size, word_hash, word, missed)
@@ -284,6 +283,26 @@ class WordCache:
         others = [d for d, p in zip(docs, plain) if not p]
         other_lists = [e.ids for e in self._backend.encode_batch_fast(others, add_special_tokens=False)]
         return _interleave(out, doc_ends, plain, other_lists, self.dtype)
+
+    def _split(self, text: np.ndarray, doc_words: np.ndarray) -> tuple:
+        """``_split`` over the whole batch: the second half of a large batch on the helper thread, at once (the
+        table is only read); its words are written from index ``b``, the first half's bytes, which the first half's
+        words cannot pass, then moved up behind them."""
+        word_start, word_size, word = (np.empty(len(text), np.int64) for _ in range(3))
+        word_hash = np.empty(len(text), np.uint64)
+        table = (CLASSES, self._slots, self._arena, self._starts, self._sizes, self._hashes, word_start, word_size,
+                 word_hash, word)
+        k = int(np.searchsorted(doc_words, len(text) // 2)) + 1 if len(text) >= _PARALLEL_BYTES else len(doc_words)
+        if k >= len(doc_words):
+            return _split(text, 0, 0, doc_words, *table), word_start, word_size, word_hash, word
+        b = int(doc_words[k - 1])
+        second = self._helper.submit(_split, text, b, b, doc_words[k:], *table)
+        n1 = _split(text, 0, 0, doc_words[:k], *table)
+        n2 = second.result() - b
+        for a in (word_start, word_size, word_hash, word):
+            a[n1:n1 + n2] = a[b:b + n2]
+        doc_words[k:] -= b - n1
+        return n1 + n2, word_start, word_size, word_hash, word
 
     def _learn(self, text, word_start, word_size, word_hash, word, missed) -> None:
         """Encodes the batch's unknown words with the BPE model, stores them after the words kept (the table takes

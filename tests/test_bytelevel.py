@@ -81,6 +81,20 @@ def test_any_batch_gets_the_tokenizers_ids_whatever_the_cap(smollm2_tokenizer, d
         assert cache.words <= max_words
 
 
+@given(st.lists(st.text(alphabet=st.sampled_from(PROBE + BEYOND[::11] + "\u4e2d"), max_size=30), max_size=9),
+       st.integers(0, 40))
+def test_batches_split_on_two_threads_get_the_tokenizers_ids(smollm2_tokenizer, docs, max_words):
+    from unittest import mock
+
+    from gm_graphs import bytelevel
+
+    backend = smollm2_tokenizer.backend_tokenizer
+    with mock.patch.object(bytelevel, "_PARALLEL_BYTES", 0):  # every batch of two documents or more
+        cache = WordCache(backend, np.int32, max_words=max_words)
+        for _ in range(2):
+            assert split(*cache.encode(docs)) == reference(backend, docs)
+
+
 def test_documents_with_an_added_tokens_text_get_the_added_token(backend):
     docs = ["hello <|im_start|>user\nhi<|im_end|>", "a <b> c", "<|endoftext|>"]
     ids, offsets = WordCache(backend, np.int32).encode(docs)
