@@ -320,16 +320,15 @@ class WordCache:
         first, last = self.words, self.words + len(new)
         sizes = np.fromiter(map(len, new), np.int64, len(new))
         id_sizes = np.fromiter(map(len, encoded), np.int64, len(new))
-        self._grow(last, self._arena_used + int(sizes.sum()), self._ids_used + int(id_sizes.sum()))
+        arena_end, ids_end = self._arena_used + int(sizes.sum()), self._ids_used + int(id_sizes.sum())
+        self._grow(last, arena_end, ids_end)
         self._starts[first:last] = self._arena_used + np.cumsum(sizes) - sizes
         self._sizes[first:last], self._hashes[first:last] = sizes, hashes
         self._id_starts[first:last] = self._ids_used + np.cumsum(id_sizes) - id_sizes
         self._id_sizes[first:last] = id_sizes
-        self._arena[self._arena_used:self._arena_used + int(sizes.sum())] = np.frombuffer(b"".join(new), np.uint8)
-        self._ids[self._ids_used:self._ids_used + int(id_sizes.sum())] = [i for ids in encoded for i in ids]
-        self._arena_used += int(sizes.sum())
-        self._ids_used += int(id_sizes.sum())
-        self.words = last
+        self._arena[self._arena_used:arena_end] = np.frombuffer(b"".join(new), np.uint8)
+        self._ids[self._ids_used:ids_end] = [i for ids in encoded for i in ids]
+        self._arena_used, self._ids_used, self.words = arena_end, ids_end, last
         kept = min(last, self.max_words)
         if 2 * kept > len(self._slots):
             self._slots = np.full(1 << (4 * kept).bit_length(), -1, np.int64)
