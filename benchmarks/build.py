@@ -7,8 +7,9 @@ The corpus is the first shards of ``--corpus`` (``benchmarks/synth_corpus.py`` w
 documents, column ``text``); each size builds ``graphmax build <shards> --tokenizer smollm2 --orders 1,2 --ngrams
 3,4`` in a fresh subprocess, so that its peak RSS is its own. Beside each build, in the same run, two baselines
 that read the same shards with the same reader (``gm_graphs.onepass.encoded_batches``), ids materialised, nothing
-counted: the tokenizer alone (the LM's fast tokenizer as transformers runs it, ``encode_batch_fast`` on all cores)
-and graphmax's own encoder alone (``BatchEncoder``: the word cache of ``gm_graphs.bytelevel``, same ids).
+counted: the tokenizer alone (``BatchEncoder(tok, word_cache=False)``: the LM's fast tokenizer, ``encode_batch_fast``
+on all cores) and graphmax's own encoder alone (``BatchEncoder``: the word cache of ``gm_graphs.bytelevel``, same
+ids).
 Printed per size: tokens/s of each and the build's ratio to both, seconds per stage, CPU seconds (user/sys) of each
 process, peak RSS, peak and final disk use of the graph folder and its temporary folders, distinct 2-/3-/4-grams,
 and the load average while it ran (other jobs on the machine slow every stage). ``--ray`` sizes are also built
@@ -76,22 +77,6 @@ class _Disk:
         return max(self.peak, self.size())
 
 
-class _TokenizerAlone:
-    """The LM's fast tokenizer as transformers runs it (Rust, all cores), its ids in one array as ``BatchEncoder``
-    returns them."""
-
-    def __init__(self, tok):
-        self.backend = tok.backend_tokenizer
-
-    def encode(self, docs: list[str]):
-        import numpy as np
-
-        lists = [e.ids for e in self.backend.encode_batch_fast(docs, add_special_tokens=False)]
-        offsets = np.zeros(len(lists) + 1, np.int64)
-        np.cumsum([len(ids) for ids in lists], out=offsets[1:])
-        return np.fromiter((i for ids in lists for i in ids), np.int32, int(offsets[-1])), offsets
-
-
 def _child(job: str, files: list[str], out: str) -> dict:
     """One measurement in this (fresh) process."""
     sys.path.insert(0, str(REPO))
@@ -104,7 +89,7 @@ def _child(job: str, files: list[str], out: str) -> dict:
     tok = load_tokenizer("smollm2")
     result: dict = {}
     if job in ("tokenizer", "encoder"):
-        encoder = BatchEncoder(tok) if job == "encoder" else _TokenizerAlone(tok)
+        encoder = BatchEncoder(tok, word_cache=job == "encoder")
         tokens = 0
         t0 = time.perf_counter()
         for ids, _ in encoded_batches([Path(f) for f in files], encoder, "text", clean=False, batch_docs=2048,

@@ -281,7 +281,8 @@ class WordCache:
             self.words = self.max_words
             self._arena_used, self._ids_used = int(self._starts[self.words]), int(self._id_starts[self.words])
         others = [d for d, p in zip(docs, plain) if not p]
-        other_lists = [e.ids for e in self._backend.encode_batch_fast(others, add_special_tokens=False)]
+        other_lists = ([e.ids for e in self._backend.encode_batch_fast(others, add_special_tokens=False)]
+                       if others else [])  # most batches have none: no call into the tokenizer
         return _interleave(out, doc_ends, plain, other_lists, self.dtype)
 
     def _split(self, text: np.ndarray, doc_words: np.ndarray) -> tuple:

@@ -146,15 +146,21 @@ class BatchEncoder:
     Byte-level BPE tokenizers (SmolLM2's) encode through a word cache (:class:`~gm_graphs.bytelevel.WordCache`,
     the same ids for a fraction of the CPU); other fast tokenizers encode a batch in Rust on all cores
     (``encode_batch_fast``); the rest fall back to the tokenizer's ``__call__``.
+
+    Args:
+        tok: a loaded tokenizer.
+        add_bos_eos (``bool``, defaults to ``False``): put BOS before and EOS after every document.
+        word_cache (``bool``, defaults to ``True``): use the word cache where it applies; ``False`` encodes every
+            batch with the Rust tokenizer (the same ids, e.g. to time the tokenizer alone).
     """
 
-    def __init__(self, tok, *, add_bos_eos: bool = False):
+    def __init__(self, tok, *, add_bos_eos: bool = False, word_cache: bool = True):
         self.tok = tok
         self.vocab_size = TokenizerIdentity.of(tok).vocab_size
         self.dtype = np.int32 if self.vocab_size < 2**31 else np.int64
         self._backend = _whole_documents(tok)
-        self._words = WordCache(self._backend, self.dtype) if self._backend is not None and cacheable(
-            self._backend) else None
+        self._words = WordCache(self._backend, self.dtype) if (
+            word_cache and self._backend is not None and cacheable(self._backend)) else None
         self.bos = self.eos = None
         if add_bos_eos:
             self.bos, self.eos = tok.bos_token_id, tok.eos_token_id

@@ -130,6 +130,13 @@ def test_the_encoder_uses_the_cache_for_byte_level_bpe_and_frames_documents_the_
     assert split(*encoder.encode(docs)) == [[bos, *ids, eos] for ids in whole]
 
 
+def test_the_encoder_without_its_cache_gives_the_same_ids(smollm2_tokenizer):
+    docs = ["the cat sat", "caf\u00e9", "", "\u4e2d", "hi <|im_start|>"]
+    plain = BatchEncoder(smollm2_tokenizer, word_cache=False)
+    assert plain._words is None
+    assert split(*plain.encode(docs)) == split(*BatchEncoder(smollm2_tokenizer).encode(docs))
+
+
 def test_only_plain_byte_level_bpe_is_cacheable(smollm2_tokenizer, bpe_tokenizer):
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
