@@ -43,3 +43,7 @@ class MergeError(GraphmaxError, ValueError):
 
 class StorageError(GraphmaxError, OSError):
     """Writing failed (disk full, read-only file system); nothing half-written was left behind."""
+
+
+class DatastoreError(GraphmaxError, ValueError):
+    """A kNN datastore folder is missing, truncated, corrupted or malformed, or its input is."""

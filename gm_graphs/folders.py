@@ -42,6 +42,7 @@ GRAPH_FORMAT = "graphmax-graph"  # the manifest's "format": what makes a folder 
 TEMP_MARKER = ".graphmax-temp"
 SPLIT_MARKER = ".graphmax-split"
 REPORT_MARKER = ".graphmax-report"
+DATASTORE_MARKER = ".graphmax-datastore"
 MAX_MANIFEST_BYTES = 64 << 20
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
@@ -142,10 +143,10 @@ def _is_marked(path: Path, marker: str) -> bool:
 
 
 def is_owned(path: Path, kind: str) -> bool:
-    """Whether graphmax wrote ``path`` as a ``kind`` ("graph", "split" or "report") folder."""
+    """Whether graphmax wrote ``path`` as a ``kind`` ("graph", "split", "report" or "datastore") folder."""
     if kind == "graph":
         return is_graph_folder(path)
-    return _is_marked(path, {"split": SPLIT_MARKER, "report": REPORT_MARKER}[kind])
+    return _is_marked(path, {"split": SPLIT_MARKER, "report": REPORT_MARKER, "datastore": DATASTORE_MARKER}[kind])
 
 
 def _describe(path: Path, kind: str) -> str:

@@ -20,6 +20,7 @@ import importlib
 from typing import Any
 
 from .context import ContextConfig, ContextReference
+from .datastore import Datastore, HiddenStateTap, build_datastore, load_datastore
 from .divergences import DIVERGENCES, certificate_toward, solve_toward
 from .graphmax import Graphmax, LogGraphmax, graphmax, log_graphmax
 from .objective import certificate
@@ -31,13 +32,16 @@ _LAZY = {
     "GraphmaxLogitsProcessor": "processor",
     "PaperGraphmaxLogitsProcessor": "processor",
     "ContextGraphmaxLogitsProcessor": "processor",
+    "KnnContextGraphmaxLogitsProcessor": "processor",
     "InterpolationLogitsProcessor": "baselines",
 }
 
 __all__ = [
     # decoders for model.generate()
     "ContextGraphmaxLogitsProcessor", "GraphmaxLogitsProcessor", "InterpolationLogitsProcessor",
-    "PaperGraphmaxLogitsProcessor",
+    "KnnContextGraphmaxLogitsProcessor", "PaperGraphmaxLogitsProcessor",
+    # the kNN datastore that KnnContextGraphmaxLogitsProcessor reads: build, load, and the tap on the model's head
+    "Datastore", "HiddenStateTap", "build_datastore", "load_datastore",
     # the context decoder's settings, and its reference q(· | context) (what interpolation mixes in, too)
     "ContextConfig", "ContextReference",
     # the values `divergence` takes, for sweeps and command lines

@@ -343,13 +343,35 @@ class ContextReference:
             ptr[b + 1] = filled
         return alpha, ptr, np.concatenate(idx), np.concatenate(val)
 
-    def _kernel_args(self, input_ids: torch.Tensor) -> tuple:
-        """The arguments of ``context_kernel.reference_rows`` up to its output rows, for the contexts ``input_ids``."""
+    def _kernel_args(self, input_ids: torch.Tensor, knn: tuple | None = None) -> tuple:
+        """The arguments of ``context_kernel.reference_rows`` up to its output rows, for the contexts ``input_ids``
+        (and a kNN distribution mixed in: its tokens and weights join the sparse pieces of each row)."""
         ctx = np.ascontiguousarray(input_ids[:, -self.tail:].detach().cpu().numpy(), dtype=np.int64)
         weights = self._weights(ctx.shape[1])
+        if knn is not None:
+            weights = [(1.0 - knn[2]) * w for w in weights]
+        extra = self._extra(ctx, weights)
+        if knn is not None:
+            extra = (extra[0], *_append_pieces(*extra[1:], knn[0].cpu().numpy(), knn[2] * knn[1].cpu().numpy()))
         return (ctx, weights[0], self.indptr, self.indices, self.counts, self.row_counts, self.successors,
                 self.unigram, self.log_unigram, self._tables, self.kneser_ney, self.config.discount, self.config.kappa,
-                *self._extra(ctx, weights))
+                *extra)
+
+    def _check_knn(self, knn: Any, rows: int, width: int) -> tuple | None:
+        """``knn`` = (tokens (B, k) ids below ``width``, weights (B, k) ≥ 0 summing to 1 per row, share in [0, 1])."""
+        if knn is None:
+            return None
+        tokens, weights, share = knn
+        if not (torch.is_tensor(tokens) and torch.is_tensor(weights) and tokens.dim() == 2
+                and tokens.shape == weights.shape and tokens.shape[0] == rows and not tokens.is_floating_point()):
+            raise ValueError(f"knn must be (tokens (B, k), weights (B, k), share) with B = {rows} rows")
+        if not 0.0 <= float(share) <= 1.0:
+            raise ValueError(f"the kNN share must be in [0, 1], got {share!r}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= width):
+            raise ValueError(f"kNN tokens must be ids in [0, {width})")
+        if not bool(torch.isfinite(weights).all() and (weights >= 0).all()):
+            raise ValueError("kNN weights must be finite and >= 0")
+        return tokens.long(), weights.double(), float(share)
 
     def _check_ids(self, input_ids: torch.Tensor, rows: int | None = None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
@@ -360,16 +382,18 @@ class ContextReference:
             raise ValueError(f"input_ids has {input_ids.shape[0]} rows but scores has {rows}; one context per row")
 
     def __call__(self, input_ids: torch.Tensor, width: int | None = None,
-                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph."""
+                 dtype: torch.dtype = torch.float64, knn: tuple | None = None) -> torch.Tensor:
+        """(B, width) reference rows for the next token after each row of ``input_ids``; zeros past the graph.
+        ``knn`` = (tokens (B, k), weights (B, k), β) mixes a sparse distribution in: (1 − β)·q + β·p_knn."""
         self._check_ids(input_ids)
         width = self.n if width is None else width
         if width < self.n:
             raise ValueError(f"width {width} is narrower than the graph's {self.n} tokens")
+        knn = self._check_knn(knn, input_ids.shape[0], width)
         if input_ids.device.type != "cpu":
-            return self._rows_torch(input_ids, width).to(dtype)
+            return self._rows_torch(input_ids, width, knn).to(dtype)
         q = np.empty((input_ids.shape[0], width))
-        context_kernel.reference_rows(*self._kernel_args(input_ids), q, np.empty_like(q))
+        context_kernel.reference_rows(*self._kernel_args(input_ids, knn), q, np.empty_like(q))
         return torch.from_numpy(q).to(dtype)
 
     def restricted(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -399,7 +423,7 @@ class ContextReference:
 
     def step(self, input_ids: torch.Tensor, scores: torch.Tensor, *, lam: float | torch.Tensor | None = None,
              tol: float = 1e-6, max_iter: int | None = None, check_every: int | None = None,
-             backend: str = "auto") -> tuple[torch.Tensor, SolveInfo]:
+             backend: str = "auto", knn: tuple | None = None) -> tuple[torch.Tensor, SolveInfo]:
         """One decoding step: log x of the config's problem toward q(· | ``input_ids``) for each row of ``scores``,
         in ``scores``' dtype and on its device, with the solve's info (certificate per row).
 
@@ -409,7 +433,8 @@ class ContextReference:
         scores' device, the reference rows by torch and the solve by ``divergences``' torch path, by default with no
         host synchronisation off the CPU (``check_every=0``: ``max_iter`` ν steps, default 8, rows frozen once
         converged, ``info.converged`` left on the device); ``check_every`` ≥ 1 checks every that many steps instead.
-        "auto": numba on CPU, torch elsewhere.
+        "auto": numba on CPU, torch elsewhere. ``knn`` = (tokens (B, k), weights (B, k), β): the reference is
+        (1 − β)·q + β·p_knn, p_knn the sparse rows given (``gm_solver.datastore``).
 
         Example::
 
@@ -428,6 +453,7 @@ class ContextReference:
         if scores.shape[-1] < self.n:
             raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.n} nodes; "
                              f"rebuild the graph with this model's tokenizer")
+        knn = self._check_knn(knn, scores.shape[0], scores.shape[-1])
         cpu = scores.device.type == "cpu"
         if backend == "numba" and not cpu:
             raise ValueError(f"the numba kernel runs on the CPU, the scores are on {scores.device}; "
@@ -446,7 +472,7 @@ class ContextReference:
             return torch.log_softmax(scores, -1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
         if not kernel:
             z = scores.to(torch.float64)
-            q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1])
+            q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1], knn)
             logx, info = _solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
                                       check_every=check_every)
             return logx.to(scores.dtype), info
@@ -465,7 +491,7 @@ class ContextReference:
         gaps = np.empty(rows)
         kind = lambert_kernel.L2 if cfg.divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
         with lambert_kernel.one_task_at_a_time():
-            status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids), lam_np, share, max_iter,
+            status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids, knn), lam_np, share, max_iter,
                                                 lambert_kernel.TABLE, work[2:], out, iters, gaps,
                                                 lambert_kernel.schedule(rows))
         raise_for_status(status, "scores")
@@ -501,7 +527,7 @@ class ContextReference:
         self._devices[key] = tables
         return tables
 
-    def _rows_torch(self, input_ids: torch.Tensor, width: int) -> torch.Tensor:
+    def _rows_torch(self, input_ids: torch.Tensor, width: int, knn: tuple | None = None) -> torch.Tensor:
         """The reference rows by torch on ``input_ids``' device: the kernel's q, from fixed-width gathers (no size
         is read back to the host)."""
         dev = self.on(input_ids.device)
@@ -511,6 +537,10 @@ class ContextReference:
         for k, beta in enumerate(self._weights(length), start=1):
             if beta > 0.0:
                 q[:, :self.n] += beta * (self._order_one(ctx, dev) if k == 1 else self._order_k(ctx[:, -k], k, dev))
+        if knn is not None:
+            tokens, weights, share = knn
+            q = (1.0 - share) * q
+            q.scatter_add_(1, tokens.to(q.device), share * weights.to(q.device))
         return q
 
     def _token_counts(self, token: torch.Tensor, dev: _DeviceTables) -> tuple[torch.Tensor, torch.Tensor]:
@@ -574,3 +604,19 @@ def _gather(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, r
     mask = offset[None, :] < length[:, None]
     pos = torch.where(mask, start[:, None] + offset[None, :], 0)
     return torch.where(mask, indices[pos], 0), torch.where(mask, values[pos], 0.0), mask
+
+
+def _append_pieces(ptr: np.ndarray, idx: np.ndarray, val: np.ndarray, tokens: np.ndarray,
+                   weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The CSR pieces (ptr, idx, val) with each row's (tokens, weights) appended after its own pieces."""
+    rows, k = tokens.shape
+    own = np.diff(ptr)
+    new_ptr = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(own + k, out=new_ptr[1:])
+    new_idx = np.empty(new_ptr[-1], dtype=np.int32)
+    new_val = np.empty(new_ptr[-1])
+    at = np.arange(idx.size) + np.repeat(np.arange(rows, dtype=np.int64) * k, own)
+    new_idx[at], new_val[at] = idx, val
+    tail = (new_ptr[:-1] + own)[:, None] + np.arange(k)
+    new_idx[tail], new_val[tail] = tokens, weights
+    return new_ptr, new_idx, new_val

@@ -19,6 +19,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .context import SMOOTHINGS, ContextConfig, ContextReference
+from .datastore import Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
 from .graphmax import SOLVERS, get_operator, log_graphmax
 from .graphmax import _check as check_logits  # the paper decoder's input checks, so both refuse bad scores alike
@@ -164,7 +165,9 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
     def _refuse_unless_default(self, name: str, value: Any, why: str) -> None:
         """Refuse an argument set away from its default where it has no effect (transformers' generation
         config warns about such flags; a decoder that silently ignored one would mislead)."""
-        default = inspect.signature(type(self)).parameters[name].default
+        # the class that declares the argument (a subclass passes its base's arguments on as **settings)
+        default = next(c for c in type(self).__mro__ if name in inspect.signature(c).parameters)
+        default = inspect.signature(default).parameters[name].default
         if value != default:
             raise ValueError(f"`{name}`={value!r} has no effect {why}; leave it at its default ({default!r})")
 
@@ -429,6 +432,108 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         return {"divergence": c.divergence, "lam": c.lam, "kl_share": c.kl_share, "ngram_order": c.ngram_order,
                 "order_weights": c.order_weights, "smoothing": c.smoothing, "discount": c.discount,
                 "kappa": c.kappa, "alpha": c.alpha, "lam_decay": c.lam_decay}
+
+
+class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
+    r"""Context-aware graphmax whose reference also reads the whole context through a kNN datastore:
+
+        q′ = (1 − β)·q(· | input_ids) + β·p_knn(· | h),
+
+    q the corpus' n-gram reference of :class:`ContextGraphmaxLogitsProcessor`, h the LM's last hidden state
+    (taken by ``tap``) and p_knn the distribution of the tokens that followed its ``knn_k`` nearest keys in
+    ``datastore``, weighted by softmax(−d/T) of their squared distances d (Khandelwal et al., ICLR 2020). The
+    problem, its solve and its certificate are those of the base class with q′ for q. Each step searches the
+    datastore exactly (a matrix product over its keys): its cost grows with the datastore.
+
+    Args:
+        graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph, as for the base class.
+        datastore (``gm_solver.datastore.Datastore``): keys from this model (``build_datastore``), values in the
+            graph's vocabulary.
+        tap (``gm_solver.datastore.HiddenStateTap``): attached to the model that decodes
+            (``HiddenStateTap(model)``), so that each step's hidden states are those of the scores' rows.
+        knn_weight (``float``, defaults to 0.5): β in [0, 1], the share of p_knn in the reference; 0 is the base
+            class's decoder (the datastore is then not searched).
+        knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1 (at most the datastore's size).
+        knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units (for
+            SmolLM2-135M's final states, 50–100 fitted best on held-out text).
+        **settings: the base class's arguments (``divergence``, ``lam``, ``kl_share``, ``lam_decay``, …,
+            ``tokenizer``).
+
+    Returns (when called with ``input_ids`` (B, T) and ``scores`` (B, V)):
+        ``torch.FloatTensor`` (B, V): log-probabilities in the scores' dtype.
+
+    Example::
+
+        >>> import numpy as np, scipy.sparse as sp, torch
+        >>> counts = sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]], dtype=float)
+        >>> store = Datastore(np.eye(3, 4), np.array([2, 2, 1]), vocab_size=3)   # keys in a 4-d hidden space
+        >>> tap = HiddenStateTap()
+        >>> tap.states = torch.tensor([[0.0, 0.9, 0.0, 0.0]])                  # what the model's head saw
+        >>> proc = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_k=2, knn_temperature=0.1, lam=2.0)
+        >>> logp = proc(torch.tensor([[2, 0]]), torch.zeros(1, 3))    # the corpus says 1, the neighbours say 2
+        >>> [round(p, 3) for p in logp.exp()[0].tolist()], bool(proc.last_info.gap.max() <= 1e-6)
+        ([0.113, 0.384, 0.503], True)
+    """
+
+    def __init__(self, graph: Any, datastore: Datastore, tap: HiddenStateTap, *, knn_weight: float = 0.5,
+                 knn_k: int = 1024, knn_temperature: float = 50.0, **settings: Any):
+        super().__init__(graph, **settings)
+        if not isinstance(datastore, Datastore):
+            raise TypeError(f"`datastore` must be a gm_solver.datastore.Datastore (load_datastore or "
+                            f"build_datastore), got {type(datastore).__name__}")
+        if not isinstance(tap, HiddenStateTap):
+            raise TypeError(f"`tap` must be a gm_solver.datastore.HiddenStateTap attached to the model, got "
+                            f"{type(tap).__name__}")
+        if datastore.vocab_size > self.reference.n:
+            raise ValueError(f"`datastore` holds token ids of a {datastore.vocab_size}-token vocabulary, the graph "
+                             f"has {self.reference.n}; build both with one tokenizer")
+        self.knn_weight = _real("knn_weight", knn_weight, "a float in [0, 1] (the share of p_knn in q)",
+                                lambda v: 0 <= v <= 1)
+        self.knn_k = _integer("knn_k", knn_k, "an int >= 1", lambda v: v >= 1)
+        self.knn_temperature = _real("knn_temperature", knn_temperature, "a finite float > 0", _finite_positive)
+        self.datastore, self.tap = datastore, tap
+
+    @classmethod
+    def from_config(cls, graph: Any, config: ContextConfig, *, datastore: Datastore, tap: HiddenStateTap,
+                    tokenizer: Any = None, **knn: Any) -> KnnContextGraphmaxLogitsProcessor:
+        """The decoder with the settings of ``config`` (``graphmax tune``'s choice) and a datastore.
+
+        Args:
+            graph, datastore, tap, tokenizer: as for the constructor.
+            config (``ContextConfig``): the base class's settings; its ``source`` is kept as ``self.config.source``.
+            **knn: ``knn_weight``, ``knn_k``, ``knn_temperature``.
+        """
+        if not isinstance(config, ContextConfig):
+            raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
+        settings = config.to_dict()
+        source = settings.pop("source")
+        proc = cls(graph, datastore, tap, **knn, **settings, tokenizer=tokenizer)
+        proc._set_source(source)
+        return proc
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.config.lam == 0 or self.knn_weight == 0:
+            return super().__call__(input_ids, scores)
+        hidden = self.tap.last
+        if hidden.shape[0] != scores.shape[0]:
+            raise ValueError(f"the tap holds {hidden.shape[0]} hidden states for {scores.shape[0]} rows of scores; "
+                             f"attach the tap to the model that produces these scores")
+        tokens, weights = self.datastore.distribution(hidden, self.knn_k, self.knn_temperature)
+        logp, self.last_info = self.reference.step(input_ids, scores, knn=(tokens, weights, self.knn_weight))
+        return logp
+
+    def warmup(self) -> KnnContextGraphmaxLogitsProcessor:
+        """As the base class's, with a neighbour in each row's reference (the tap is left as it was)."""
+        width, _ = self._shape()
+        for rows in (1, 2):
+            one = (torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1, dtype=torch.float64), self.knn_weight)
+            self.reference.step(torch.zeros(rows, 8, dtype=torch.long), torch.zeros(rows, width), knn=one)
+        self.datastore.neighbours(torch.zeros(1, self.datastore.dim), self.knn_k)
+        return self
+
+    def _settings(self) -> dict[str, Any]:
+        return {**super()._settings(), "knn_weight": self.knn_weight, "knn_k": self.knn_k,
+                "knn_temperature": self.knn_temperature, "datastore_keys": len(self.datastore)}
 
 
 def _order_weights(value: Any) -> tuple[float, ...]:

@@ -23,8 +23,12 @@ from gm_graphs import Graph, add_ngrams, bundled, claim_folder, count_corpus, sp
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
+    Datastore,
+    HiddenStateTap,
     InterpolationLogitsProcessor,
+    KnnContextGraphmaxLogitsProcessor,
     PaperGraphmaxLogitsProcessor,
+    build_datastore,
     log_graphmax,
 )
 
@@ -44,7 +48,7 @@ from .heldout import (
 )
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
-from .tune import tune_config
+from .tune import tune_config, tune_knn
 
 PAPER_CONTEXT = "I was so disappointed by this, and at this stage I was going to"
 SIZES = {  # documents and tokens per step; --full uses the second set
@@ -124,6 +128,31 @@ def retune_lambda(graph: Graph, heldout: HeldOut, config: ContextConfig,
 
 
 @dataclasses.dataclass
+class Knn:
+    """The kNN datastore over the training side, and the decoder tuned with it on the validation half."""
+
+    datastore: Datastore
+    tuned: ContextConfig
+    settings: dict  # knn_weight, knn_temperature, knn_k
+    table: list[dict]
+    documents: int
+    seconds: float  # building the datastore (the LM over its documents) and tuning β, T and λ
+
+
+def datastore_decoder(model, tok, setup: Setup, tuned: ContextConfig, valid: HeldOut, docs: int, positions: int,
+                      work: Path) -> Knn:
+    """A datastore of the first ``positions`` tokens of ``docs`` training documents, and β, T, λ tuned on it."""
+    t0 = time.perf_counter()
+    texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()[:docs]
+    datastore = build_datastore(model, tok, texts, work / "datastore", positions=positions, overwrite=True,
+                                model_name=str(getattr(model, "name_or_path", "")))
+    print(f"datastore: {len(datastore):,} keys from {len(texts):,} training documents in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    config, settings, table = tune_knn(setup.graph, valid, tuned, datastore)
+    return Knn(datastore, config, settings, table, len(texts), time.perf_counter() - t0)
+
+
+@dataclasses.dataclass
 class FineTuned:
     """The fine-tuned baseline: the run, its λ re-tuned for graphmax on top, and its logits on the test documents."""
 
@@ -157,7 +186,7 @@ def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, va
 
 
 def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], mixture_lams: list[float],
-                  positions: int, finetuned: FineTuned | None) -> list[Decoder]:
+                  positions: int, finetuned: FineTuned | None, knn: Knn | None = None) -> list[Decoder]:
     """Every decoder scored by a processor; the interpolation rows come from ``interpolation_rows``."""
     paper_positions = min(PAPER_POSITIONS, positions)
     decoders = [Decoder("softmax", "softmax", "baseline")]
@@ -176,6 +205,11 @@ def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], m
                             ContextGraphmaxLogitsProcessor(setup.graph).warmup()))
     decoders.append(Decoder("ours", "context graphmax, tuned (ours)", "ours",
                             ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup()))
+    if knn is not None:
+        decoders.append(Decoder("ours knn", f"context graphmax + kNN datastore ({len(knn.datastore):,} keys), tuned "
+                                "(ours)", "ours", KnnContextGraphmaxLogitsProcessor.from_config(
+                                    setup.graph, knn.tuned, datastore=knn.datastore, tap=HiddenStateTap(),
+                                    **knn.settings).warmup()))
     if finetuned is not None:
         decoders.append(Decoder("fine-tuned", "fine-tuned LM (LoRA), softmax", "fine-tuned", lm="fine-tuned"))
         decoders.append(Decoder("fine-tuned ours", "context graphmax on the fine-tuned LM (ours)", "ours",
@@ -259,16 +293,22 @@ def run_eval(args) -> Path:
     # context-aware graphmax is tuned on the validation half, never on the test half
     t0 = time.perf_counter()
     valid_docs, test_docs = setup.validation[:sizes["tune_docs"]], setup.test[:sizes["ppl_docs"]]
-    tuned, tune_table = tune_config(setup.graph, score_documents(model, tok, valid_docs, positions))
-    tune_seconds = time.perf_counter() - t0
+    hidden = args.datastore_docs > 0  # the kNN decoder reads the LM's hidden states
+    valid = score_documents(model, tok, valid_docs, positions, hidden=hidden)
+    tuned, tune_table = tune_config(setup.graph, valid)
+    knn = datastore_decoder(model, tok, setup, tuned, valid, args.datastore_docs, positions,
+                            out / "work") if hidden else None
+    tune_seconds = time.perf_counter() - t0  # with the datastore's build and tuning: all graphmax's own compute
     # the baseline a user would pick: fine-tune the LM on the same training text, for as long as graphmax took
     finetuned = fine_tuned_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, tune_seconds)
-    scored = {"base": score_documents(model, tok, test_docs, positions)}
+    scored = {"base": score_documents(model, tok, test_docs, positions, hidden=hidden)}
+    if knn is not None:
+        tune_table += knn.table
     if finetuned is not None:
         scored["fine-tuned"] = finetuned.test
         tune_table += finetuned.retune_table
 
-    decoders = make_decoders(setup, tuned, paper_lams, args.mixture_lams, positions, finetuned)
+    decoders = make_decoders(setup, tuned, paper_lams, args.mixture_lams, positions, finetuned, knn)
     nll, ms = score_decoders(decoders, scored, windows)
     interpolations, weights = interpolation_rows(setup.graph, scored, windows, nll)
     decoders += interpolations
@@ -285,10 +325,15 @@ def run_eval(args) -> Path:
     by_key["interpolation optimum"].label = f"interpolation w={best_w:.3f} (optimum on test)"
     gen = {key: (by_key[key].label, lms[by_key[key].lm], by_key[key].processor)
            for key in ["softmax", *[f"paper {lam:g}" for lam in paper_lams], "interpolation optimum", "ours",
+                       *(["ours knn"] if knn is not None else []),
                        *(["fine-tuned", "fine-tuned ours"] if finetuned is not None else [])]}
     openings = [" ".join(t.split()[:8]) for t in setup.test[-sizes["prompts"]:]]
     references = setup.test[:sizes["references"]]
+    if knn is not None:  # inside generate() the kNN decoder's tap reads the model's head
+        by_key["ours knn"].processor.tap.attach(model)
     gen_rows, samples = generation_rows(gen, model, tok, openings, references, sizes, args.seed)
+    if knn is not None:
+        by_key["ours knn"].processor.tap.remove()
 
     # the per-step cost goal is for batch 1: greedy, one opening at a time, plain vs ours
     cost = decode_cost(model, tok, openings[:4], by_key["ours"].processor, max_new_tokens=sizes["new_tokens"])
@@ -319,7 +364,9 @@ def run_eval(args) -> Path:
     report.write_report(out, args=args, sizes=sizes, setup=setup, tuned=tuned, ppl_rows=ppl_rows,
                         nll=nll, windows=windows, gen_rows=gen_rows, bleu4_vs_softmax=bleu4,
                         traces=traces, samples=samples, openings=openings, cost=cost,
-                        finetune=finetuned.summary if finetuned is not None else None)
+                        finetune=finetuned.summary if finetuned is not None else None,
+                        knn=None if knn is None else {"keys": len(knn.datastore), "documents": knn.documents,
+                                                      "seconds": knn.seconds, **knn.settings})
     return out
 
 
@@ -416,6 +463,10 @@ def register(sub) -> None:
         p.add_argument(f"--{key.replace('_', '-')}", type=integer(1), default=None,
                        help=f"default {SIZES['default'][key]} (--full: {SIZES['full'][key]})")
     p.add_argument("--full", action="store_true", help="larger sizes (hours on 2 CPU cores)")
+    p.add_argument("--datastore-docs", type=integer(0), default=0,
+                   help="also evaluate context graphmax with a kNN datastore of the LM's hidden states over the "
+                        "first --positions tokens of this many training documents (0: not; ~700 positions/s "
+                        "on 2 CPU cores)")
     p.add_argument("--finetune-budget-s", type=float, default=None,
                    help="seconds of LoRA fine-tuning for the fine-tuned baseline (default: as long as the graph's "
                         "build and tuning took in the same run; 0: no fine-tuned rows)")

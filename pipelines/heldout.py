@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from gm_solver.datastore import HiddenStateTap
+
 from .metrics import mean_and_standard_error
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ class HeldOut:
 
     ids: list[torch.Tensor]
     logits: list[torch.Tensor]
+    hidden: list[torch.Tensor] | None = None  # the LM head's input at each scored position (``hidden=True``)
 
     @property
     def positions(self) -> int:
@@ -45,17 +48,27 @@ class HeldOut:
             yield (torch.stack([self.ids[d][:t] for d in docs]), torch.stack([self.logits[d][t - 1] for d in docs]),
                    torch.stack([self.ids[d][t] for d in docs]))
 
+    def hidden_steps(self):
+        """The hidden states (B, d) of each ``steps()`` step, in its rows' order (needs ``hidden``)."""
+        if self.hidden is None:
+            raise ValueError("these held-out documents were scored without hidden states; score_documents(..., "
+                             "hidden=True)")
+        longest = max(len(x) for x in self.logits)
+        for t in range(1, longest + 1):
+            yield torch.stack([self.hidden[d][t - 1] for d in range(len(self.ids)) if len(self.logits[d]) >= t])
+
 
 def score_documents(model, tok, texts: list[str], positions: int = 32, batch_docs: int = 8,
-                    progress: bool = True) -> HeldOut:
-    """Run the LM once over the first ``positions + 1`` tokens of each text (texts shorter than 2 tokens skipped)."""
+                    progress: bool = True, hidden: bool = False) -> HeldOut:
+    """Run the LM once over the first ``positions + 1`` tokens of each text (texts shorter than 2 tokens skipped);
+    ``hidden`` also keeps the LM head's input at each scored position (what a kNN datastore is searched with)."""
     encoded = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"][:positions + 1]) for t in texts]
     encoded = [e for e in encoded if len(e) >= 2]
     if not encoded:
         raise ValueError("no held-out document has two tokens or more; give longer texts")
-    ids, logits = [], []
+    ids, logits, states = [], [], []
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    with torch.no_grad():
+    with torch.no_grad(), HiddenStateTap(model if hidden else None) as tap:
         for i in tqdm(range(0, len(encoded), batch_docs), desc="LM on held-out", disable=not progress):
             chunk = encoded[i:i + batch_docs]
             width = max(len(e) for e in chunk)
@@ -68,7 +81,9 @@ def score_documents(model, tok, texts: list[str], positions: int = 32, batch_doc
             for j, e in enumerate(chunk):
                 ids.append(e)
                 logits.append(out[j, :len(e) - 1].clone())
-    return HeldOut(ids, logits)
+                if hidden:
+                    states.append(tap.states[j, :len(e) - 1].float().clone())
+    return HeldOut(ids, logits, states if hidden else None)
 
 
 def token_nll(heldout: HeldOut, processor=None, desc: str | None = None,
@@ -83,8 +98,13 @@ def token_nll(heldout: HeldOut, processor=None, desc: str | None = None,
     nll = []
     steps = max(len(x) for x in heldout.logits)
     steps = steps if positions is None else min(steps, positions)
-    for input_ids, scores, targets in tqdm(itertools.islice(heldout.steps(), steps), total=steps, desc=desc,
-                                           disable=desc is None, leave=False):
+    # a decoder that reads the LM's hidden states (a kNN datastore's) gets each step's through its tap
+    tap = getattr(processor, "tap", None)
+    hidden = heldout.hidden_steps() if tap is not None else itertools.repeat(None)
+    for (input_ids, scores, targets), states in tqdm(zip(itertools.islice(heldout.steps(), steps), hidden),
+                                                     total=steps, desc=desc, disable=desc is None, leave=False):
+        if tap is not None:
+            tap.states = states
         logp = torch.log_softmax(scores.double(), -1) if processor is None else processor(input_ids, scores).double()
         nll.append(-logp.gather(1, targets[:, None])[:, 0])
     return torch.cat(nll)

@@ -18,7 +18,13 @@ import statistics
 from tqdm.auto import tqdm
 
 from gm_graphs import expand_corpus, iter_documents, load_graph
-from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor
+from gm_solver import (
+    ContextConfig,
+    ContextGraphmaxLogitsProcessor,
+    Datastore,
+    HiddenStateTap,
+    KnnContextGraphmaxLogitsProcessor,
+)
 
 from .args import CorpusFiles, integer
 from .build import add_graph_arguments, graph_arg
@@ -33,6 +39,13 @@ KL_SHARES = (0.0, 0.1, 0.2, 0.3)
 # γ of λ_t = λ·t^(−γ): the LM needs the corpus less the more of the document it has seen (on movie-review
 # validation text, of λ ∈ {0.6, 1.2, 2.4, 4.8}, positions 1–8 did best with 2.4 and positions 33–64 with 0.6)
 LAM_DECAYS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# the kNN datastore's share β in the reference and its temperature T (squared distances of SmolLM2's final states
+# are in the hundreds; on drug-review and news validation text β 0.35–0.7, T 50–100 did best), then λ's scale,
+# which rose by a third with the datastore in the same measurements
+KNN_WEIGHTS = (0.2, 0.35, 0.5, 0.7)
+KNN_TEMPERATURES = (25.0, 50.0, 100.0, 200.0)
+KNN_LAM_FACTORS = (0.85, 1.0, 1.2, 1.4)
+KNN_K = 1024
 
 
 def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lambdas=LAMBDAS,
@@ -70,6 +83,37 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
     for row in table:
         row.pop("source")
     return best, table
+
+
+def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastore, *, weights=KNN_WEIGHTS,
+             temperatures=KNN_TEMPERATURES, lam_factors=KNN_LAM_FACTORS, k: int = KNN_K,
+             progress: bool = True) -> tuple[ContextConfig, dict, list[dict]]:
+    """``KnnContextGraphmaxLogitsProcessor``'s β and T on top of ``config`` (``tune_config``'s choice), then λ's
+    scale, by held-out perplexity of ``heldout`` (scored with ``hidden=True``): the config, the kNN arguments, and
+    every candidate tried."""
+    tap = HiddenStateTap()
+    tried: dict[tuple, float] = {}
+    bar = tqdm(desc="tune kNN", unit="candidate", disable=not progress)
+
+    def ppl(key: tuple) -> float:
+        if key not in tried:
+            weight, temperature, factor = key
+            proc = KnnContextGraphmaxLogitsProcessor.from_config(
+                graph, dataclasses.replace(config, lam=config.lam * factor), datastore=datastore, tap=tap,
+                knn_weight=weight, knn_k=k, knn_temperature=temperature)
+            tried[key] = perplexity(heldout, proc)
+            bar.update(1)
+        return tried[key]
+
+    best = min(((w, t, 1.0) for w in weights for t in temperatures), key=ppl)
+    best = min(((best[0], best[1], f) for f in lam_factors), key=ppl)
+    bar.close()
+    table = [{**dataclasses.replace(config, lam=config.lam * f).to_dict(), "knn_weight": w, "knn_temperature": t,
+              "knn_k": k, "perplexity": p} for (w, t, f), p in sorted(tried.items(), key=lambda kv: kv[1])]
+    for row in table:
+        row.pop("source")
+    knn = {"knn_weight": best[0], "knn_temperature": best[1], "knn_k": k}
+    return dataclasses.replace(config, lam=config.lam * best[2]), knn, table
 
 
 def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:

@@ -1,0 +1,237 @@
+"""The on-disk format of a kNN datastore: writing it, and opening it with every file checked. Owned here.
+
+A datastore (Khandelwal et al., "Generalization through Memorization: Nearest Neighbor Language Models", ICLR
+2020) holds, for each position of a corpus, the LM's last hidden state there (the key) and the token that followed
+(the value). ``gm_solver.datastore`` computes it with a model and searches it; this module only stores arrays::
+
+    <datastore>/.graphmax-datastore   the marker: graphmax wrote this folder (it may replace it, nothing else)
+    <datastore>/meta.json             format, version, sizes, the model and tokenizer, each file's bytes and SHA-256
+    <datastore>/keys.npy              float16, 1-D, keys × dim values: the keys row after row
+    <datastore>/values.npy            int32, 1-D, one token id per key, each below the vocabulary size
+
+The folder is written as a temporary sibling and renamed into place (``folders.staged_folder``), so a kill leaves
+the old datastore or the new one. Opening one follows no symlink, checks sizes, ``.npy`` headers, dtypes, the
+values' range, the keys' finiteness and (``verify``) the SHA-256 of each file before handing out an array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DatastoreError
+from .faults import fault_point
+from .folders import DATASTORE_MARKER, staged_folder
+from .writer import _header
+
+FORMAT = "graphmax-datastore"
+VERSION = 1
+META = "meta.json"
+KEYS, VALUES = "keys.npy", "values.npy"
+KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")
+_MAX_META = 1 << 20
+_FIX = "write it again with `graphmax datastore` (or gm_solver.build_datastore)"
+
+
+@dataclass(frozen=True)
+class DatastoreArrays:
+    """A checked datastore: ``keys`` (N, dim) float16 and ``values`` (N,) int32, read-only memory maps, and its
+    metadata (``vocab_size``, ``model``, ``tokenizer``, ``positions``, ``documents``)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    meta: dict
+
+
+def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *, dim: int,
+                    vocab_size: int, model: str, tokenizer: str, positions: int, documents: int,
+                    overwrite: bool = False) -> Path:
+    """Write (keys (n, dim), values (n,)) chunks as a datastore folder at ``path``, atomically.
+
+    Args:
+        path (``str`` or ``os.PathLike``): the folder; an existing one is replaced only with ``overwrite`` and
+            only if graphmax wrote it as a datastore.
+        chunks (iterable of (``np.ndarray``, ``np.ndarray``)): keys (n, dim), finite, stored as float16, and the
+            token ids that followed them (n,), in [0, ``vocab_size``).
+        dim (``int``): the keys' width (the LM's hidden size).
+        vocab_size (``int``): the tokenizer's vocabulary size; every value is below it.
+        model, tokenizer (``str``): what computed the keys, recorded for the reader's checks.
+        positions (``int``): the positions kept per document; documents (``int``): how many were read.
+        overwrite (``bool``, defaults to ``False``): replace a datastore graphmax wrote at ``path``.
+
+    Returns:
+        ``pathlib.Path``: ``path``.
+
+    Raises:
+        DatastoreError: a chunk of the wrong shape, with non-finite keys or out-of-range values, or no keys at all;
+            nothing is left at ``path`` (or the old datastore is).
+
+    Example::
+
+        >>> import tempfile, numpy as np; from pathlib import Path
+        >>> tmp = Path(tempfile.mkdtemp())
+        >>> keys, values = np.eye(3, 4, dtype=np.float32), np.array([2, 0, 1])
+        >>> _ = write_datastore(tmp / "ds", [(keys, values)], dim=4, vocab_size=3, model="m", tokenizer="t",
+        ...                     positions=8, documents=1)
+        >>> store = open_datastore(tmp / "ds")
+        >>> store.keys.shape, store.values.tolist()
+        ((3, 4), [2, 0, 1])
+    """
+    if not (isinstance(dim, int) and dim >= 1 and isinstance(vocab_size, int) and vocab_size >= 1):
+        raise DatastoreError(f"dim and vocab_size must be ints >= 1, got dim={dim!r}, vocab_size={vocab_size!r}")
+    path = Path(path)
+    with staged_folder(path, overwrite=overwrite, kind="datastore") as tmp:
+        (tmp / DATASTORE_MARKER).write_text("a kNN datastore written by graphmax\n")
+        n = 0
+        with open(tmp / KEYS, "wb") as kf, open(tmp / VALUES, "wb") as vf:
+            # headers of the widest length first, filled in at the end (numpy pads them to one size)
+            kf.write(_header(KEY_DTYPE, 2**62))
+            vf.write(_header(VALUE_DTYPE, 2**62))
+            for keys, values in chunks:
+                keys, values = np.asarray(keys), np.asarray(values)
+                if keys.ndim != 2 or keys.shape[1] != dim or values.shape != (keys.shape[0],):
+                    raise DatastoreError(f"a datastore chunk has keys {keys.shape} and values {values.shape}; "
+                                         f"expected (n, {dim}) and (n,)")
+                half = keys.astype(KEY_DTYPE)
+                if not np.isfinite(half).all():
+                    raise DatastoreError("a datastore chunk has keys that are not finite in float16 (NaN, inf, or "
+                                         "beyond ±65504); check the model's hidden states")
+                if values.size and (values.min() < 0 or values.max() >= vocab_size):
+                    raise DatastoreError(f"a datastore chunk has token ids outside [0, {vocab_size}); use the "
+                                         f"tokenizer the datastore is for")
+                kf.write(np.ascontiguousarray(half).tobytes())
+                vf.write(np.ascontiguousarray(values, dtype=VALUE_DTYPE).tobytes())
+                n += values.size
+                fault_point("datastore.chunk")
+            if n == 0:
+                raise DatastoreError("no keys to store: every document was shorter than two tokens; give longer "
+                                     "documents")
+            kf.seek(0)
+            kf.write(_header(KEY_DTYPE, n * dim))
+            vf.seek(0)
+            vf.write(_header(VALUE_DTYPE, n))
+        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+                 for name in (KEYS, VALUES)}
+        meta = {"format": FORMAT, "version": VERSION, "keys": n, "dim": dim, "vocab_size": vocab_size,
+                "model": str(model), "tokenizer": str(tokenizer), "positions": int(positions),
+                "documents": int(documents), "files": files}
+        (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+        fault_point("datastore.written")
+    return path
+
+
+def open_datastore(path: str | os.PathLike, verify: bool = True) -> DatastoreArrays:
+    """The checked arrays of the datastore folder ``path`` (see the module's docstring for the checks).
+
+    Raises:
+        DatastoreError: one line naming what is wrong with the folder and how to get a good one.
+    """
+    root = Path(path)
+    try:
+        st = os.lstat(root)
+    except OSError as e:
+        raise DatastoreError(f"datastore {root}: cannot open it ({e.strerror}); give a folder written by "
+                             f"`graphmax datastore`") from None
+    if not stat.S_ISDIR(st.st_mode) or not stat.S_ISREG(_lstat_mode(root / DATASTORE_MARKER)):
+        raise DatastoreError(f"{root} is not a datastore folder (no {DATASTORE_MARKER} in it); give a folder written "
+                             f"by `graphmax datastore`")
+    meta = _read_meta(root)
+    arrays = {}
+    for name, dtype, length in ((KEYS, KEY_DTYPE, meta["keys"] * meta["dim"]), (VALUES, VALUE_DTYPE, meta["keys"])):
+        arrays[name] = _open_array(root, name, dtype, length, meta["files"][name], verify)
+    keys = arrays[KEYS].reshape(meta["keys"], meta["dim"])
+    values = arrays[VALUES]
+    if values.min() < 0 or values.max() >= meta["vocab_size"]:
+        raise _bad(root, f"{VALUES} holds token ids outside [0, {meta['vocab_size']})")
+    for lo in range(0, keys.shape[0], 1 << 16):  # in blocks: a float32 copy of a large datastore is not needed
+        if not np.isfinite(keys[lo:lo + (1 << 16)]).all():
+            raise _bad(root, f"{KEYS} holds keys that are not finite")
+    return DatastoreArrays(keys, values, meta)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
+def _bad(root: Path, what: str) -> DatastoreError:
+    return DatastoreError(f"datastore {root}: {what}; {_FIX}")
+
+
+def _positive_int(meta: dict, key: str) -> bool:
+    v = meta.get(key)
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2**40
+
+
+def _read_meta(root: Path) -> dict:
+    try:
+        fd = os.open(root / META, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise _bad(root, f"cannot open {META} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_META:
+            raise _bad(root, f"{META} is not a regular file of at most {_MAX_META} bytes")
+        try:
+            meta = json.loads(fh.read().decode("utf-8"))
+        except (ValueError, RecursionError):
+            raise _bad(root, f"{META} is not JSON") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _bad(root, f"{META} is not a graphmax datastore's (format {FORMAT!r})")
+    if meta.get("version") != VERSION:
+        raise _bad(root, f"it is of format version {meta.get('version')!r}; this graphmax reads version {VERSION}")
+    if not all(_positive_int(meta, k) for k in ("keys", "dim", "vocab_size")) or meta["dim"] > 1 << 16:
+        raise _bad(root, f"{META} has no valid keys, dim and vocab_size (ints >= 1)")
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(files.get(n), dict) and isinstance(files[n].get("bytes"), int)
+            and isinstance(files[n].get("sha256"), str) for n in (KEYS, VALUES)):
+        raise _bad(root, f"{META} does not record {KEYS} and {VALUES} (bytes and sha256)")
+    for key in ("model", "tokenizer"):
+        meta[key] = str(meta.get(key, ""))
+    for key in ("positions", "documents"):
+        meta[key] = meta.get(key) if isinstance(meta.get(key), int) else 0
+    return meta
+
+
+def _open_array(root: Path, name: str, dtype: np.dtype, length: int, entry: dict, verify: bool) -> np.ndarray:
+    try:
+        fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise _bad(root, f"cannot open {name} ({e.strerror}; a symlink is refused)") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise _bad(root, f"{name} is not a regular file")
+        if st.st_size != entry["bytes"]:
+            raise _bad(root, f"{name} has {st.st_size} bytes, {META} says {entry['bytes']} (truncated or replaced)")
+        try:
+            version = np.lib.format.read_magic(fh)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
+            shape, fortran, found = read(fh, max_header_size=10000)
+        except (ValueError, KeyError, SyntaxError, TypeError, OSError, EOFError):
+            raise _bad(root, f"{name} is not a .npy array") from None
+        if found != dtype or fortran or shape != (length,):
+            raise _bad(root, f"{name} holds {found.str} of shape {shape}; expected {dtype.str} of shape ({length},)")
+        offset = fh.tell()
+        if offset + length * dtype.itemsize != st.st_size:
+            raise _bad(root, f"{name}: {length} values do not fill its {st.st_size} bytes")
+        if verify:
+            fh.seek(0)
+            if hashlib.file_digest(fh, "sha256").hexdigest() != entry["sha256"]:
+                raise _bad(root, f"{name} fails its SHA-256 checksum (corrupted)")
+        return np.memmap(fh, dtype=dtype, mode="r", offset=offset, shape=(length,))
