@@ -177,15 +177,22 @@ def _positive_int(meta: dict, key: str) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2**40
 
 
-def _read_meta(root: Path) -> dict:
+def _open_regular(root: Path, name: str):
+    """``root/name`` opened for reading if it is a regular file (a symlink, folder or device is refused)."""
     try:
-        fd = os.open(root / META, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
-        raise _bad(root, f"cannot open {META} ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_META:
-            raise _bad(root, f"{META} is not a regular file of at most {_MAX_META} bytes")
+        raise _bad(root, f"cannot open {name} ({e.strerror}; a symlink is refused)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _bad(root, f"{name} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _read_meta(root: Path) -> dict:
+    with _open_regular(root, META) as fh:
+        if os.fstat(fh.fileno()).st_size > _MAX_META:
+            raise _bad(root, f"{META} is larger than {_MAX_META} bytes")
         try:
             meta = json.loads(fh.read().decode("utf-8"))
         except (ValueError, RecursionError):
@@ -209,14 +216,8 @@ def _read_meta(root: Path) -> dict:
 
 
 def _open_array(root: Path, name: str, dtype: np.dtype, length: int, entry: dict, verify: bool) -> np.ndarray:
-    try:
-        fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise _bad(root, f"cannot open {name} ({e.strerror}; a symlink is refused)") from None
-    with os.fdopen(fd, "rb") as fh:
+    with _open_regular(root, name) as fh:
         st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise _bad(root, f"{name} is not a regular file")
         if st.st_size != entry["bytes"]:
             raise _bad(root, f"{name} has {st.st_size} bytes, {META} says {entry['bytes']} (truncated or replaced)")
         try:

@@ -187,7 +187,7 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     assert main(["eval", "--corpus", "drug-reviews",  # a bundled corpus by name: its file, column and cleaning
                  "--out", str(out), "--heldout-fraction", "0.2", "--lams", "0,1", "--mixture-lams", "1",
                  "--ppl-docs", "2", "--positions", "4", "--tune-docs", "2", "--prompts", "2",
-                 "--new-tokens", "3", "--references", "40", "--finetune-budget-s", "3"]) == 0
+                 "--new-tokens", "3", "--references", "40", "--finetune-budget-s", "3", "--datastore-docs", "20"]) == 0
     for name in ("report.md", "perplexity.csv", "generation.csv", "tuning.csv", "ab_sheet.csv", "ab_sheet.html",
                  "ab_key.csv", "lambda_bleu.png", "lambda_perplexity.png", "solver_convergence.png",
                  "top10_tokens.png"):
@@ -199,8 +199,11 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     with open(out / "perplexity.csv") as fh:
         rows = {r["key"]: r for r in csv.DictReader(fh)}
     assert float(rows["softmax"]["ratio_2"]) == 1.0 and float(rows["softmax"]["ratio_4"]) == 1.0
-    assert {"paper 1", "paper mixture 1", "interpolation 0.3", "interpolation optimum", "ours", "fine-tuned",
-            "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
+    assert {"paper 1", "paper mixture 1", "interpolation 0.3", "interpolation optimum", "ours", "ours knn",
+            "fine-tuned", "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
+    assert "with a kNN datastore" in report and (out / "work" / "datastore" / "meta.json").is_file()
+    with open(out / "generation.csv") as fh:
+        assert "ours knn" in {r["key"] for r in csv.DictReader(fh)}
     assert rows["paper 1"]["ratio_4"] == "" and rows["paper 1"]["ratio_2"] != ""  # scored over 2 tokens only
     # the optimum is at least as good as every grid weight, over each window
     for w in ("2", "4"):

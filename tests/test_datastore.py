@@ -1,0 +1,357 @@
+"""The kNN datastore: its folder (round trip, hostile folders, atomic writes under kills), its exact search, the
+reference it mixes into q (numba kernel, torch, and an explicit dense mix agree), its processor, and the tap on the
+real model's head."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gm_solver.datastore as dsmod
+from gm_graphs.datastore import KEYS, META, VALUES, open_datastore, write_datastore
+from gm_graphs.errors import DatastoreError, GraphExistsError, NotOwnedError
+from gm_graphs.folders import DATASTORE_MARKER
+from gm_solver import (
+    ContextConfig,
+    ContextGraphmaxLogitsProcessor,
+    ContextReference,
+    Datastore,
+    HiddenStateTap,
+    KnnContextGraphmaxLogitsProcessor,
+    solve_toward,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, keys: np.ndarray, values: np.ndarray, vocab: int = 50, **kw) -> Path:
+    return write_datastore(path, [(keys, values)], dim=keys.shape[1], vocab_size=vocab, model="m", tokenizer="t",
+                           positions=8, documents=1, **kw)
+
+
+def _random(rng: np.random.Generator, n: int = 40, dim: int = 6, vocab: int = 50):
+    return rng.normal(size=(n, dim)).astype(np.float32), rng.integers(0, vocab, n)
+
+
+# ---- the folder ---------------------------------------------------------------------------------------------------
+
+@given(n=st.integers(1, 300), dim=st.integers(1, 40), chunks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_a_datastore_reads_back_what_was_written_in_float16(tmp_path_factory, n, dim, chunks, seed):
+    rng = np.random.default_rng(seed)
+    keys, values = rng.normal(scale=30, size=(n, dim)), rng.integers(0, 1000, n)
+    cuts = np.sort(rng.integers(0, n + 1, chunks - 1))
+    pieces = list(zip(np.split(keys, cuts), np.split(values, cuts)))
+    path = tmp_path_factory.mktemp("ds") / "ds"
+    write_datastore(path, pieces, dim=dim, vocab_size=1000, model="m", tokenizer="t", positions=3, documents=2)
+    store = open_datastore(path)
+    assert np.array_equal(store.keys, keys.astype(np.float16)) and np.array_equal(store.values, values)
+    assert store.meta["keys"] == n and store.meta["dim"] == dim and store.meta["documents"] == 2
+
+
+def _rewrite_meta(path: Path, **changes) -> None:
+    meta = json.loads((path / META).read_text())
+    meta.update(changes)
+    (path / META).write_text(json.dumps(meta))
+
+
+def _resign(path: Path, name: str) -> None:
+    """Record ``name``'s current size and checksum, as a forger would."""
+    import hashlib
+
+    data = (path / name).read_bytes()
+    meta = json.loads((path / META).read_text())
+    meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / META).write_text(json.dumps(meta))
+
+
+def _npy(path: Path, array: np.ndarray) -> None:
+    np.save(path, array)
+
+
+HOSTILE = {
+    "no marker": lambda p: os.unlink(p / DATASTORE_MARKER),
+    "meta not json": lambda p: (p / META).write_text("{nope"),
+    "meta a list": lambda p: (p / META).write_text("[1, 2]"),
+    "meta huge": lambda p: (p / META).write_text(" " * (2 << 20)),
+    "other format": lambda p: _rewrite_meta(p, format="something"),
+    "other version": lambda p: _rewrite_meta(p, version=99),
+    "negative keys": lambda p: _rewrite_meta(p, keys=-3),
+    "keys a string": lambda p: _rewrite_meta(p, keys="40"),
+    "dim zero": lambda p: _rewrite_meta(p, dim=0),
+    "no file records": lambda p: _rewrite_meta(p, files={}),
+    "keys missing": lambda p: os.unlink(p / KEYS),
+    "keys a symlink": lambda p: (os.rename(p / KEYS, p / "elsewhere.npy"), os.symlink("elsewhere.npy", p / KEYS)),
+    "keys a folder": lambda p: (os.unlink(p / KEYS), os.mkdir(p / KEYS)),
+    "keys truncated": lambda p: os.truncate(p / KEYS, 100),
+    "keys flipped": lambda p: (p / KEYS).write_bytes((p / KEYS).read_bytes()[:-1] + b"\x01"),
+    "keys not npy": lambda p: ((p / KEYS).write_bytes(b"x" * 608), _resign(p, KEYS)),
+    "keys float32": lambda p: (_npy(p / KEYS, np.zeros(40 * 6, np.float32)), _resign(p, KEYS)),
+    "keys 2-d": lambda p: (_npy(p / KEYS, np.zeros((40, 6), np.float16)), _resign(p, KEYS)),
+    "keys too few": lambda p: (_npy(p / KEYS, np.zeros(40 * 5, np.float16)), _resign(p, KEYS)),
+    "keys nan": lambda p: (_npy(p / KEYS, np.full(40 * 6, np.nan, np.float16)), _resign(p, KEYS)),
+    "keys pickled objects": lambda p: (np.save(p / KEYS, np.array([{}] * 240, dtype=object), allow_pickle=True),
+                                       _resign(p, KEYS)),
+    "values out of range": lambda p: (_npy(p / VALUES, np.full(40, 50, np.int32)), _resign(p, VALUES)),
+    "values negative": lambda p: (_npy(p / VALUES, np.full(40, -1, np.int32)), _resign(p, VALUES)),
+    "values int64": lambda p: (_npy(p / VALUES, np.zeros(40, np.int64)), _resign(p, VALUES)),
+    "values big-endian": lambda p: (_npy(p / VALUES, np.zeros(40, ">i4")), _resign(p, VALUES)),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(HOSTILE))
+def test_a_hostile_datastore_folder_is_one_line_error(tmp_path, damage):
+    path = _write(tmp_path / "ds", *_random(np.random.default_rng(0)))
+    HOSTILE[damage](path)
+    with pytest.raises(DatastoreError) as err:
+        dsmod.load_datastore(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message, message
+
+
+def test_a_datastore_is_never_written_over_a_folder_graphmax_did_not_write(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(NotOwnedError):
+        _write(mine, *_random(np.random.default_rng(0)), overwrite=True)
+    assert (mine / "notes.txt").read_text() == "keep" and sorted(os.listdir(tmp_path)) == ["mine"]
+    path = _write(tmp_path / "ds", *_random(np.random.default_rng(0)))
+    with pytest.raises(GraphExistsError):
+        _write(path, *_random(np.random.default_rng(1)))
+    keys, values = _random(np.random.default_rng(1))
+    _write(path, keys, values, overwrite=True)
+    assert np.array_equal(open_datastore(path).values, values)
+
+
+@pytest.mark.parametrize("bad", ["nan key", "token beyond", "negative token", "wrong width", "no keys"])
+def test_bad_chunks_leave_the_old_datastore_and_nothing_else(tmp_path, bad):
+    keys, values = _random(np.random.default_rng(0))
+    path = _write(tmp_path / "ds", keys, values)
+    k2, v2 = _random(np.random.default_rng(1))
+    if bad == "nan key":
+        k2[3, 2] = np.nan
+    elif bad == "token beyond":
+        v2[5] = 50
+    elif bad == "negative token":
+        v2[5] = -1
+    elif bad == "wrong width":
+        k2 = k2[:, :5]
+    else:
+        k2, v2 = k2[:0], v2[:0]
+    with pytest.raises(DatastoreError) as err:
+        write_datastore(path, [(keys, values), (k2, v2)] if bad != "no keys" else [(k2, v2)], dim=6,
+                        vocab_size=50, model="m", tokenizer="t", positions=8, documents=1, overwrite=True)
+    assert "\n" not in str(err.value)
+    assert np.array_equal(open_datastore(path).values, values) and sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+_WRITER = """
+import sys, numpy as np
+from gm_graphs.datastore import write_datastore
+seed = int(sys.argv[2])
+rng = np.random.default_rng(seed)
+chunks = [(rng.normal(size=(30, 6)), rng.integers(0, 50, 30)) for _ in range(3)]
+write_datastore(sys.argv[1], chunks, dim=6, vocab_size=50, model="m", tokenizer="t", positions=8, documents=seed,
+                overwrite=True)
+"""
+
+
+def _run_writer(path: Path, seed: int, env: dict[str, str]) -> int:
+    return subprocess.run([sys.executable, "-c", _WRITER, str(path), str(seed)], env={**os.environ, **env},
+                          cwd=REPO, capture_output=True).returncode
+
+
+def test_a_kill_at_any_point_of_a_datastore_write_leaves_the_old_one_or_the_new_one(tmp_path):
+    path = tmp_path / "ds"
+    assert _run_writer(path, 1, {}) == 0
+    log = tmp_path / "points"
+    assert _run_writer(path, 2, {"GRAPHMAX_FAULT_LOG": str(log)}) == 0
+    points = list(dict.fromkeys(log.read_text().split()))
+    assert {"stage.created", "datastore.chunk", "datastore.written", "stage.filled", "stage.unmarked"} <= set(points)
+    before = 2
+    for seed, point in enumerate(points, start=10):
+        assert _run_writer(path, seed, {"GRAPHMAX_FAULT": point}) == 137, point
+        docs = open_datastore(path).meta["documents"]
+        assert docs in (before, seed), point
+        before = docs
+    assert _run_writer(path, 99, {}) == 0  # the next writer removes the debris of the killed ones
+    assert open_datastore(path).meta["documents"] == 99 and sorted(os.listdir(tmp_path)) == ["ds", "points"]
+
+
+# ---- the search ---------------------------------------------------------------------------------------------------
+
+@given(n=st.integers(1, 200), dim=st.integers(1, 12), rows=st.integers(1, 5), k=st.integers(1, 250),
+       block=st.sampled_from([1, 7, 64, 1 << 24]), seed=st.integers(0, 2**16))
+def test_the_search_finds_the_exact_nearest_keys_whatever_the_blocks(n, dim, rows, k, block, seed):
+    rng = np.random.default_rng(seed)
+    keys = rng.normal(size=(n, dim))
+    store = Datastore(keys, rng.integers(0, 9, n), vocab_size=9)
+    h = torch.tensor(rng.normal(size=(rows, dim)), dtype=torch.float32)
+    with mock.patch.object(dsmod, "_BLOCK", block):
+        dist, tokens = store.neighbours(h, k)
+    kk = min(k, n)
+    exact = ((h.double().numpy()[:, None, :] - store.keys.double().numpy()[None]) ** 2).sum(-1)
+    assert dist.shape == (rows, kk) and tokens.shape == (rows, kk)
+    assert np.allclose(dist.numpy(), np.sort(exact, 1)[:, :kk], atol=1e-3 * (1 + exact.max()))
+    assert (np.diff(dist.numpy(), axis=1) >= 0).all()
+    # the tokens are those of keys at those distances (ties may swap equal-distance keys)
+    chosen = np.take_along_axis(exact, np.argsort(exact, 1, kind="stable")[:, :kk], 1)
+    assert np.allclose(np.sort(chosen, 1), dist.numpy(), atol=1e-3 * (1 + exact.max()))
+    with mock.patch.object(dsmod, "_BLOCK", block):
+        tok, w = store.distribution(h, k, 2.0)
+    assert torch.allclose(w.sum(1), torch.ones(rows, dtype=torch.float64)) and torch.equal(tok, tokens)
+
+
+def test_a_datastore_refuses_bad_arrays_and_hidden_states_of_another_width():
+    with pytest.raises(DatastoreError):
+        Datastore(np.zeros((3, 2)), np.array([0, 1]), vocab_size=3)
+    with pytest.raises(DatastoreError):
+        Datastore(np.full((2, 2), np.inf), np.array([0, 1]), vocab_size=3)
+    with pytest.raises(DatastoreError):
+        Datastore(np.zeros((2, 2)), np.array([0, 3]), vocab_size=3)
+    store = Datastore(np.zeros((2, 2)), np.array([0, 1]), vocab_size=3)
+    with pytest.raises(ValueError, match="build the datastore with this model"):
+        store.neighbours(torch.zeros(1, 3), 1)
+
+
+# ---- the reference and the processor ------------------------------------------------------------------------------
+
+def _counts(n: int, seed: int) -> sp.csr_matrix:
+    rng = np.random.default_rng(seed)
+    return sp.random(n, n, density=0.2, random_state=seed, data_rvs=lambda m: rng.integers(1, 9, m)).tocsr()
+
+
+CONFIGS = [ContextConfig(), ContextConfig(order_weights=(1.0, 0.5, 0.2), divergence="l2", kl_share=0.3),
+           ContextConfig(smoothing="dirichlet", divergence="kl", kl_share=0.0, lam=3.0)]
+
+
+@given(config=st.sampled_from(CONFIGS), rows=st.integers(1, 4), k=st.integers(1, 9), extra=st.integers(0, 3),
+       share=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 2**16))
+def test_the_knn_reference_is_the_dense_mix_on_every_path(config, rows, k, extra, share, seed):
+    n = 30
+    rng = np.random.default_rng(seed)
+    ref = ContextReference(_counts(n, seed % 7), config)
+    ids = torch.tensor(rng.integers(0, n, (rows, 5)))
+    width = n + extra  # ids past the graph (padded vocabularies) may come from the datastore too
+    tokens = torch.tensor(rng.integers(0, width, (rows, k)))
+    weights = torch.softmax(torch.tensor(rng.normal(size=(rows, k))), 1)
+    knn = (tokens, weights, share)
+    dense = torch.zeros(rows, width, dtype=torch.float64).scatter_add_(1, tokens, weights)
+    want = (1 - share) * ref(ids, width=width) + share * dense
+    assert torch.allclose(ref(ids, width=width, knn=knn), want, atol=1e-15)
+    assert torch.allclose(ref._rows_torch(ids, width, ref._check_knn(knn, rows, width)), want, atol=1e-15)
+    z = torch.tensor(rng.normal(size=(rows, width)) * 3)
+    logx, info = ref.step(ids, z, knn=knn)
+    logt, _ = ref.step(ids, z, knn=knn, backend="torch", check_every=1)
+    q = want / want.sum(1, keepdim=True)
+    share_kl = 1.0 if config.divergence == "kl" else config.kl_share
+    logs, _ = solve_toward(z, q, config.lam, config.divergence, kl_share=share_kl)
+    finite = torch.isfinite(logx)
+    assert torch.equal(finite, torch.isfinite(logt)) and torch.equal(finite, torch.isfinite(logs))
+    assert torch.allclose(logx[finite], logt[finite], atol=1e-9) and torch.allclose(logx[finite], logs[finite], atol=1e-9)
+    assert float(info.gap.max()) <= 1e-6
+
+
+def test_bad_knn_rows_are_refused():
+    ref = ContextReference(_counts(10, 0))
+    ids, z = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 10)
+    good = (torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), 1 / 3, dtype=torch.float64))
+    for knn, match in [((good[0][:1], good[1][:1], 0.5), "rows"), ((good[0] + 10, good[1], 0.5), r"\[0, 10\)"),
+                       ((good[0], -good[1], 0.5), ">= 0"), ((good[0], good[1], 1.5), r"\[0, 1\]"),
+                       ((good[0].double(), good[1], 0.5), "rows")]:
+        with pytest.raises(ValueError, match=match):
+            ref.step(ids, z, knn=knn)
+
+
+def _processor(**kw):
+    counts = _counts(12, 3)
+    store = Datastore(np.random.default_rng(0).normal(size=(40, 4)), np.arange(40) % 12, vocab_size=12)
+    tap = HiddenStateTap()
+    tap.states = torch.tensor(np.random.default_rng(1).normal(size=(2, 4)), dtype=torch.float32)
+    return counts, store, tap, KnnContextGraphmaxLogitsProcessor(counts, store, tap, **kw)
+
+
+def test_the_knn_processor_at_weight_zero_is_the_context_decoder_and_otherwise_solves_toward_the_mix():
+    counts, store, tap, proc = _processor(knn_weight=0.0, lam=2.0)
+    ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.randn(2, 12)
+    assert torch.equal(proc(ids, z), ContextGraphmaxLogitsProcessor(counts, lam=2.0)(ids, z))
+    _, _, _, proc = _processor(knn_weight=0.4, knn_k=5, knn_temperature=3.0, lam=2.0)
+    tokens, weights = store.distribution(tap.last, 5, 3.0)
+    q = ContextReference(counts, ContextConfig(lam=2.0))(ids, knn=(tokens, weights, 0.4))
+    want, _ = solve_toward(z.double(), q, 2.0, "rkl", kl_share=0.15)
+    assert torch.allclose(proc(ids, z).double(), want, atol=1e-6) and float(proc.last_info.gap.max()) <= 1e-6
+
+
+@pytest.mark.parametrize("kw, match", [({"knn_weight": 1.5}, "knn_weight"), ({"knn_weight": "0.5"}, "knn_weight"),
+                                       ({"knn_k": 0}, "knn_k"), ({"knn_k": 2.5}, "knn_k"),
+                                       ({"knn_temperature": 0.0}, "knn_temperature"),
+                                       ({"knn_temperature": float("inf")}, "knn_temperature"),
+                                       ({"lam": -1.0}, "lam"), ({"ngram_order": 5}, "ngram_order")])
+def test_the_knn_processor_validates_every_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _processor(**kw)
+
+
+def test_the_knn_processor_refuses_a_wrong_datastore_tap_or_row_count():
+    counts, store, tap, proc = _processor()
+    with pytest.raises(TypeError, match="datastore"):
+        KnnContextGraphmaxLogitsProcessor(counts, "store", tap)
+    with pytest.raises(TypeError, match="tap"):
+        KnnContextGraphmaxLogitsProcessor(counts, store, object())
+    with pytest.raises(ValueError, match="vocabulary"):
+        KnnContextGraphmaxLogitsProcessor(counts, Datastore(np.zeros((2, 4)), [0, 20], vocab_size=21), tap)
+    with pytest.raises(ValueError, match="rows of scores"):
+        proc(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 12))
+    with pytest.raises(RuntimeError, match="no forward call"):
+        KnnContextGraphmaxLogitsProcessor(counts, store, HiddenStateTap())(torch.zeros(1, 2, dtype=torch.long),
+                                                                           torch.zeros(1, 12))
+
+
+# ---- the real model -----------------------------------------------------------------------------------------------
+
+def test_build_datastore_keys_are_the_models_final_hidden_states(smollm2, tmp_path):
+    model, tok = smollm2
+    texts = ["The film was great and I loved it.", "x", "Terrible acting and a boring, long plot."]
+    store = dsmod.build_datastore(model, tok, texts, tmp_path / "ds", positions=6, batch_docs=2, progress=False)
+    assert store.meta["documents"] == 2 and len(store) == 12 and store.dim == model.config.hidden_size
+    for i, text in enumerate((texts[0], texts[2])):
+        ids = tok(text, add_special_tokens=False)["input_ids"][:7]
+        with torch.no_grad():
+            h = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+        # float16 keys of a padded batch: equal to a lone forward pass to float16's rounding (and batch numerics)
+        assert torch.allclose(store.keys[6 * i:6 * i + 6], h, atol=1e-2, rtol=2e-3)
+        assert store.values[6 * i:6 * i + 6].tolist() == ids[1:]
+
+
+def test_inside_generate_the_tap_holds_each_rows_newest_hidden_state(smollm2, drug_graph):
+    model, tok = smollm2
+    batch = tok(["The pill", "I took it for"], return_tensors="pt", padding=True, padding_side="left")
+    seen = []
+
+    class Spy(KnnContextGraphmaxLogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen.append((input_ids.clone(), self.tap.last.clone()))
+            return super().__call__(input_ids, scores)
+
+    keys = np.random.default_rng(0).normal(size=(50, model.config.hidden_size))
+    store = Datastore(keys, np.arange(50), vocab_size=len(tok))
+    with HiddenStateTap(model) as tap:
+        out = model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id,
+                             logits_processor=[Spy(drug_graph, store, tap, knn_weight=0.5)])
+    assert len(seen) == 3 and out.shape[1] == batch["input_ids"].shape[1] + 3
+    for input_ids, hidden in seen:
+        mask = (input_ids != tok.pad_token_id).long()
+        with torch.no_grad():
+            full = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state[:, -1]
+        assert torch.allclose(hidden, full, atol=1e-3)
