@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from gm_graphs import Graph, GraphmaxError, load_graph
-from gm_solver import DIVERGENCES, ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
+from gm_solver import (
+    DIVERGENCES,
+    ContextGraphmaxLogitsProcessor,
+    GraphmaxLogitsProcessor,
+    HiddenStateTap,
+    KnnContextGraphmaxLogitsProcessor,
+    PaperGraphmaxLogitsProcessor,
+    load_datastore,
+)
 
 from .args import integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
@@ -26,6 +35,7 @@ OPTIONS = {
     "context": ("lam", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
                 "kappa", "alpha", "lam_decay"),
 }
+KNN_OPTIONS = ("knn_weight", "knn_k", "knn_temperature")  # with --datastore (the context decoder only)
 
 
 def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_tokens: int = 32,
@@ -114,6 +124,13 @@ def register(sub) -> None:
     p.add_argument("--discount", type=number(above=0, below=1), help="context: Kneser–Ney's D (default 0.75)")
     p.add_argument("--kappa", type=number(above=0), help="context: the Dirichlet prior κ (default 3)")
     p.add_argument("--alpha", type=number(above=0), help="context: add-α of the unigram (default 0.5)")
+    p.add_argument("--datastore", type=Path, metavar="DIR",
+                   help="context: also lean toward a kNN datastore of this model's hidden states (graphmax datastore)")
+    p.add_argument("--knn-weight", type=number(at_least=0),
+                   help="with --datastore: its share β in the reference (default 0.5)")
+    p.add_argument("--knn-k", type=integer(1), help="with --datastore: neighbours read (default 1024)")
+    p.add_argument("--knn-temperature", type=number(above=0),
+                   help="with --datastore: T of softmax(−d/T) over squared distances (default 50)")
     p.add_argument("--lam-decay", type=number(at_least=0),
                    help="context: γ in λ_t = λ·t^(−γ) after t tokens of context (default 0: λ constant)")
     p.set_defaults(run=run)
@@ -149,7 +166,19 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
         raise GraphmaxError(str(e)) from e
     if settings:
         origin += ", with " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in settings.items())
-    return graph, proc, origin
+    knn = {k: getattr(args, k) for k in KNN_OPTIONS if getattr(args, k) is not None}
+    if args.datastore is None:
+        if knn:
+            raise GraphmaxError(f"--{next(iter(knn)).replace('_', '-')} applies with --datastore DIR only")
+        return graph, proc, origin
+    if kind != "context":
+        raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
+    try:
+        proc = KnnContextGraphmaxLogitsProcessor.from_config(graph, proc.config, datastore=load_datastore(
+            args.datastore), tap=HiddenStateTap(), **knn)
+    except (TypeError, ValueError) as e:
+        raise GraphmaxError(str(e)) from e
+    return graph, proc, origin + f"; kNN datastore {args.datastore} ({len(proc.datastore):,} keys)"
 
 
 def _show(value) -> str:
@@ -162,6 +191,11 @@ def run(args) -> int:
     graph, proc, origin = build_decoder(args)  # the graph and every option are checked before the model loads
     model, tok = load_model(args.model)
     graph.check_tokenizer(tok)
+    if isinstance(proc, KnnContextGraphmaxLogitsProcessor):
+        if proc.datastore.dim != model.config.hidden_size:
+            raise GraphmaxError(f"the datastore's keys are {proc.datastore.dim}-wide, {args.model}'s hidden states "
+                                f"{model.config.hidden_size}: build it with this model (graphmax datastore --model)")
+        proc.tap.attach(model)  # each step's hidden states, for the datastore's search
     warm_up(model, tok, [proc])
     label = "paper graphmax" if isinstance(proc, PaperGraphmaxLogitsProcessor) else "context graphmax"
     print(f"graph: {graph!r}\ndecoder: {proc!r}\n  settings: {origin}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,3 +180,49 @@ def test_timed_processor_passes_scores_through_and_times_every_call():
     for _ in range(3):
         out = timed(torch.zeros(2, 1, dtype=torch.long), scores)
     assert torch.equal(out, scores * 2) and len(timed.calls) == 3 and all(t >= 0 for t in timed.calls)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--knn-weight", "0.3"], "--knn-weight applies with --datastore DIR only"),
+    (["--knn-k", "5"], "--knn-k applies with --datastore DIR only"),
+    (["--decoder", "paper", "--datastore", "ds"], "--datastore applies to the context decoder"),
+    (["--datastore", "nowhere"], "cannot open it"),
+    (["--datastore", "ds", "--knn-weight", "1.5"], "`knn_weight` must be a float in [0, 1]"),
+])
+def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model(graph_path, no_model, capsys,
+                                                                                  tmp_path, monkeypatch, argv, error):
+    from gm_graphs.datastore import write_datastore
+
+    monkeypatch.chdir(tmp_path)
+    write_datastore(tmp_path / "ds", [(np.zeros((3, 4)), np.array([1, 2, 3]))], dim=4, vocab_size=300, model="m",
+                    tokenizer="t", positions=2, documents=1)
+    assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphmax generate: error: ") and error in err and err.count("\n") == 1
+
+
+def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsys):
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("\n".join(make_docs(60, seed=5)) + "\n")
+    out = tmp_path / "ds"
+    assert main(["datastore", "--corpus", str(corpus), "--out", str(out), "--model", str(tiny_model),
+                 "--docs", "40", "--positions", "6"]) == 0
+    assert "keys of width 32 from 40 documents" in capsys.readouterr().out
+    assert main(["datastore", "--corpus", str(corpus), "--out", str(out), "--model", str(tiny_model)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["generate", "--path", str(graph_path), "--model", str(tiny_model), "--prompt", "the movie",
+                 "--datastore", str(out), "--knn-weight", "0.7", "--max-new-tokens", "4", "--compare"]) == 0
+    printed = capsys.readouterr().out
+    assert "KnnContextGraphmaxLogitsProcessor(" in printed and "knn_weight=0.7" in printed
+    assert "kNN datastore" in printed and "softmax" in printed
+
+
+def test_generate_refuses_a_datastore_of_another_models_width(home, drug_graph, tmp_path, capsys):
+    from gm_graphs.datastore import write_datastore
+
+    write_datastore(tmp_path / "ds", [(np.zeros((3, 32)), np.array([1, 2, 3]))], dim=32, vocab_size=49152,
+                    model="tiny", tokenizer="t", positions=2, documents=1)
+    assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication",
+                 "--datastore", str(tmp_path / "ds")]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the model's loading bars
+    assert last.startswith("graphmax generate: error: ") and "the datastore's keys are 32-wide" in last
