@@ -11,7 +11,9 @@ A datastore (Khandelwal et al., "Generalization through Memorization: Nearest Ne
 
 The folder is written as a temporary sibling and renamed into place (``folders.staged_folder``), so a kill leaves
 the old datastore or the new one. Opening one follows no symlink, checks sizes, ``.npy`` headers, dtypes, the
-values' range, the keys' finiteness and (``verify``) the SHA-256 of each file before handing out an array.
+values' range, the keys' finiteness and (``verify``) the SHA-256 of each file before handing out an array. meta.json
+identifies the tokenizer (its vocabulary's SHA-256, as a graph's manifest does) and the model (a SHA-256 of its LM
+head's weights), so that a datastore is never searched with another model's states or another vocabulary's ids.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ META = "meta.json"
 KEYS, VALUES = "keys.npy", "values.npy"
 KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")
 _MAX_META = 1 << 20
+_MAX_DIM = 1 << 16
 _FIX = "write it again with `graphmax datastore` (or gm_solver.build_datastore)"
 
 
 @dataclass(frozen=True)
 class DatastoreArrays:
-    """A checked datastore: ``keys`` (N, dim) float16 and ``values`` (N,) int32, read-only memory maps, and its
-    metadata (``vocab_size``, ``model``, ``tokenizer``, ``positions``, ``documents``)."""
+    """A checked datastore: ``keys`` (N, dim) float16 and ``values`` (N,) int32, read into memory, and its
+    metadata (``vocab_size``, ``tokenizer``, ``model``, ``model_sha256``, ``positions``, ``documents``)."""
 
     keys: np.ndarray
     values: np.ndarray
@@ -51,7 +54,7 @@ class DatastoreArrays:
 
 
 def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *, dim: int,
-                    vocab_size: int, model: str, tokenizer: str, positions: int, documents: int,
+                    tokenizer: dict, model: str, model_sha256: str, positions: int, documents: int,
                     overwrite: bool = False) -> Path:
     """Write (keys (n, dim), values (n,)) chunks as a datastore folder at ``path``, atomically.
 
@@ -60,9 +63,11 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
             only if graphmax wrote it as a datastore.
         chunks (iterable of (``np.ndarray``, ``np.ndarray``)): keys (n, dim), finite, stored as float16, and the
             token ids that followed them (n,), in [0, ``vocab_size``).
-        dim (``int``): the keys' width (the LM's hidden size).
-        vocab_size (``int``): the tokenizer's vocabulary size; every value is below it.
-        model, tokenizer (``str``): what computed the keys, recorded for the reader's checks.
+        dim (``int``): the keys' width (the LM head's input width), in [1, 65536].
+        tokenizer (``dict``): ``TokenizerIdentity.to_dict()`` of the tokenizer (name, vocab_size, vocab_sha256);
+            every value is below its ``vocab_size``, and a reader checks its vocabulary against the graph's.
+        model (``str``): the model's name, for messages; model_sha256 (``str``): a fingerprint of its weights
+            (``gm_solver.datastore.model_fingerprint``), which a reader checks against the model that decodes.
         positions (``int``): the positions kept per document; documents (``int``): how many were read.
         overwrite (``bool``, defaults to ``False``): replace a datastore graphmax wrote at ``path``.
 
@@ -78,14 +83,20 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         >>> import tempfile, numpy as np; from pathlib import Path
         >>> tmp = Path(tempfile.mkdtemp())
         >>> keys, values = np.eye(3, 4, dtype=np.float32), np.array([2, 0, 1])
-        >>> _ = write_datastore(tmp / "ds", [(keys, values)], dim=4, vocab_size=3, model="m", tokenizer="t",
+        >>> tok = {"name": "t", "vocab_size": 3, "vocab_sha256": "0" * 64}
+        >>> _ = write_datastore(tmp / "ds", [(keys, values)], dim=4, tokenizer=tok, model="m", model_sha256="1" * 64,
         ...                     positions=8, documents=1)
         >>> store = open_datastore(tmp / "ds")
         >>> store.keys.shape, store.values.tolist()
         ((3, 4), [2, 0, 1])
     """
-    if not (isinstance(dim, int) and dim >= 1 and isinstance(vocab_size, int) and vocab_size >= 1):
-        raise DatastoreError(f"dim and vocab_size must be ints >= 1, got dim={dim!r}, vocab_size={vocab_size!r}")
+    tokenizer = _checked_tokenizer(tokenizer)
+    if tokenizer is None or not (_int(dim) and 1 <= dim <= _MAX_DIM) or not _sha(model_sha256) \
+            or not (_int(positions) and positions >= 0 and _int(documents) and documents >= 0):
+        raise DatastoreError(f"write_datastore needs dim in [1, {_MAX_DIM}], a tokenizer identity (name, vocab_size "
+                             f"below 2**31, vocab_sha256), a model_sha256 and counts >= 0; got dim={dim!r}, "
+                             f"tokenizer={tokenizer!r}, positions={positions!r}, documents={documents!r}")
+    vocab_size = tokenizer["vocab_size"]
     path = Path(path)
     with staged_folder(path, overwrite=overwrite, kind="datastore") as tmp:
         (tmp / DATASTORE_MARKER).write_text("a kNN datastore written by graphmax\n")
@@ -99,6 +110,10 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
                 if keys.ndim != 2 or keys.shape[1] != dim or values.shape != (keys.shape[0],):
                     raise DatastoreError(f"a datastore chunk has keys {keys.shape} and values {values.shape}; "
                                          f"expected (n, {dim}) and (n,)")
+                if not (np.issubdtype(values.dtype, np.integer) or values.size == 0) \
+                        or not np.issubdtype(keys.dtype, np.number):
+                    raise DatastoreError(f"a datastore chunk has {keys.dtype} keys and {values.dtype} values; keys "
+                                         f"are numbers and values token ids (integers)")
                 half = keys.astype(KEY_DTYPE)
                 if not np.isfinite(half).all():
                     raise DatastoreError("a datastore chunk has keys that are not finite in float16 (NaN, inf, or "
@@ -120,8 +135,8 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
                  for name in (KEYS, VALUES)}
         meta = {"format": FORMAT, "version": VERSION, "keys": n, "dim": dim, "vocab_size": vocab_size,
-                "model": str(model), "tokenizer": str(tokenizer), "positions": int(positions),
-                "documents": int(documents), "files": files}
+                "tokenizer": tokenizer, "model": str(model), "model_sha256": model_sha256,
+                "positions": positions, "documents": documents, "files": files}
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
         fault_point("datastore.written")
     return path
@@ -172,9 +187,25 @@ def _bad(root: Path, what: str) -> DatastoreError:
     return DatastoreError(f"datastore {root}: {what}; {_FIX}")
 
 
+def _int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def _positive_int(meta: dict, key: str) -> bool:
     v = meta.get(key)
-    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2**40
+    return _int(v) and 1 <= v < 2**40
+
+
+def _sha(v: object) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def _checked_tokenizer(t: object) -> dict | None:
+    """A tokenizer identity (``TokenizerIdentity.to_dict()``) as plain values, or None if it is not one."""
+    if not isinstance(t, dict) or not _int(t.get("vocab_size")) or not 1 <= t["vocab_size"] < 2**31 \
+            or not _sha(t.get("vocab_sha256")):
+        return None
+    return {"name": str(t.get("name", "")), "vocab_size": int(t["vocab_size"]), "vocab_sha256": t["vocab_sha256"]}
 
 
 def _open_regular(root: Path, name: str):
@@ -201,17 +232,21 @@ def _read_meta(root: Path) -> dict:
         raise _bad(root, f"{META} is not a graphmax datastore's (format {FORMAT!r})")
     if meta.get("version") != VERSION:
         raise _bad(root, f"it is of format version {meta.get('version')!r}; this graphmax reads version {VERSION}")
-    if not all(_positive_int(meta, k) for k in ("keys", "dim", "vocab_size")) or meta["dim"] > 1 << 16:
+    if not all(_positive_int(meta, k) for k in ("keys", "dim", "vocab_size")) or meta["dim"] > _MAX_DIM \
+            or meta["vocab_size"] >= 2**31:
         raise _bad(root, f"{META} has no valid keys, dim and vocab_size (ints >= 1)")
     files = meta.get("files")
     if not isinstance(files, dict) or not all(
             isinstance(files.get(n), dict) and isinstance(files[n].get("bytes"), int)
             and isinstance(files[n].get("sha256"), str) for n in (KEYS, VALUES)):
         raise _bad(root, f"{META} does not record {KEYS} and {VALUES} (bytes and sha256)")
-    for key in ("model", "tokenizer"):
-        meta[key] = str(meta.get(key, ""))
+    tokenizer = _checked_tokenizer(meta.get("tokenizer"))
+    if tokenizer is None or tokenizer["vocab_size"] != meta["vocab_size"] or not _sha(meta.get("model_sha256")):
+        raise _bad(root, f"{META} does not identify its tokenizer (name, vocab_size, vocab_sha256) and model "
+                         f"(model_sha256)")
+    meta["tokenizer"], meta["model"] = tokenizer, str(meta.get("model", ""))
     for key in ("positions", "documents"):
-        meta[key] = meta.get(key) if isinstance(meta.get(key), int) else 0
+        meta[key] = meta[key] if _int(meta.get(key)) else 0
     return meta
 
 
@@ -231,8 +266,12 @@ def _open_array(root: Path, name: str, dtype: np.dtype, length: int, entry: dict
         offset = fh.tell()
         if offset + length * dtype.itemsize != st.st_size:
             raise _bad(root, f"{name}: {length} values do not fill its {st.st_size} bytes")
-        if verify:
-            fh.seek(0)
-            if hashlib.file_digest(fh, "sha256").hexdigest() != entry["sha256"]:
-                raise _bad(root, f"{name} fails its SHA-256 checksum (corrupted)")
-        return np.memmap(fh, dtype=dtype, mode="r", offset=offset, shape=(length,))
+        # read once into memory through the descriptor checked above, and hash and use those bytes: a file
+        # replaced or truncated afterwards cannot change what was checked (nor fault a memory map)
+        fh.seek(0)
+        raw = bytearray(st.st_size)
+        if fh.readinto(raw) != st.st_size:
+            raise _bad(root, f"{name} changed while it was read")
+        if verify and hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+            raise _bad(root, f"{name} fails its SHA-256 checksum (corrupted)")
+        return np.frombuffer(raw, dtype=dtype, count=length, offset=offset)

@@ -361,17 +361,24 @@ class ContextReference:
         """``knn`` = (tokens (B, k) ids below ``width``, weights (B, k) ≥ 0 summing to 1 per row, share in [0, 1])."""
         if knn is None:
             return None
+        if not (isinstance(knn, tuple) and len(knn) == 3):
+            raise ValueError("knn must be a tuple (tokens (B, k), weights (B, k), share)")
         tokens, weights, share = knn
         if not (torch.is_tensor(tokens) and torch.is_tensor(weights) and tokens.dim() == 2
-                and tokens.shape == weights.shape and tokens.shape[0] == rows and not tokens.is_floating_point()):
-            raise ValueError(f"knn must be (tokens (B, k), weights (B, k), share) with B = {rows} rows")
-        if not 0.0 <= float(share) <= 1.0:
-            raise ValueError(f"the kNN share must be in [0, 1], got {share!r}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= width):
+                and tokens.shape == weights.shape and tokens.shape[0] == rows and tokens.shape[1] >= 1
+                and not tokens.is_floating_point() and not tokens.is_complex()
+                and (weights.is_floating_point() or weights.dtype == torch.int64)):
+            raise ValueError(f"knn must be (tokens (B, k) integer, weights (B, k) real, share) with B = {rows} rows "
+                             f"and k >= 1")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"the kNN share must be a float in [0, 1], got {share!r}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= width:
             raise ValueError(f"kNN tokens must be ids in [0, {width})")
-        if not bool(torch.isfinite(weights).all() and (weights >= 0).all()):
-            raise ValueError("kNN weights must be finite and >= 0")
-        return tokens.long(), weights.double(), float(share)
+        weights = weights.detach().double()
+        if not bool(torch.isfinite(weights).all() and (weights >= 0).all()) \
+                or not bool(((weights.sum(1) - 1.0).abs() <= 1e-6).all()):
+            raise ValueError("kNN weights must be finite, >= 0 and sum to 1 in each row (a distribution)")
+        return tokens.detach().long(), weights, float(share)
 
     def _check_ids(self, input_ids: torch.Tensor, rows: int | None = None) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():

@@ -14,6 +14,7 @@ The folder's format is ``gm_graphs.datastore``'s.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from gm_graphs.datastore import open_datastore, write_datastore
 from gm_graphs.errors import DatastoreError
+from gm_graphs.tokenize import TokenizerIdentity
 
 _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of float32 distances)
 
@@ -60,21 +62,21 @@ class HiddenStateTap:
             self.attach(model)
 
     def attach(self, model: Any) -> HiddenStateTap:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if not isinstance(head, torch.nn.Module):
-            raise ValueError(f"`model` must have output embeddings (an LM head) to tap, got {type(model).__name__}")
         self.remove()
-        self._handle = head.register_forward_pre_hook(self._keep)
+        self._handle = _head(model).register_forward_pre_hook(self._keep, with_kwargs=True)
         return self
 
-    def _keep(self, module: torch.nn.Module, args: tuple) -> None:
-        self.states = args[0].detach()
+    def _keep(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        states = args[0] if args else next(iter(kwargs.values()))  # the head's one input, however it is passed
+        self.states = states.detach()
 
     @property
     def last(self) -> torch.Tensor:
         """(B, d): each row's state at its last position."""
         if self.states is None:
             raise RuntimeError("the tap has seen no forward call yet: run the model (generate) before the processor")
+        if self.states.dim() not in (2, 3):
+            raise ValueError(f"the tap holds states of shape {tuple(self.states.shape)}; expected (B, T, d) or (B, d)")
         return self.states[:, -1, :] if self.states.dim() == 3 else self.states
 
     def remove(self) -> None:
@@ -111,8 +113,11 @@ class Datastore:
                  meta: dict | None = None):
         keys = torch.as_tensor(np.asarray(keys, dtype=np.float32) if not torch.is_tensor(keys) else keys,
                                dtype=torch.float32, device=device)
-        values = torch.as_tensor(np.asarray(values, dtype=np.int64) if not torch.is_tensor(values) else values,
-                                 dtype=torch.int64, device=device)
+        values = np.asarray(values) if not torch.is_tensor(values) else values
+        if values.dtype not in (torch.int32, torch.int64) and not (isinstance(values, np.ndarray) and (
+                np.issubdtype(values.dtype, np.integer) or values.size == 0)):
+            raise DatastoreError(f"values must be token ids (integers), got {values.dtype}")
+        values = torch.as_tensor(values, device=device).to(torch.int64)
         if keys.dim() != 2 or values.shape != (keys.shape[0],) or keys.shape[0] == 0:
             raise DatastoreError(f"keys must be (N, d) and values (N,) with N >= 1, got {tuple(keys.shape)} and "
                                  f"{tuple(values.shape)}")
@@ -131,14 +136,40 @@ class Datastore:
     def __len__(self) -> int:
         return self.keys.shape[0]
 
+    def check_model(self, model: Any) -> None:
+        """Raise :class:`DatastoreError` unless ``model`` computed these keys: its LM head's input width, and (when
+        the datastore records one) the fingerprint of its weights."""
+        width = getattr(_head(model), "in_features", None)
+        recorded = self.meta.get("model_sha256")
+        if width != self.dim or (recorded is not None and recorded != model_fingerprint(model)):
+            what = f"{width}-wide states" if width != self.dim else "other weights"
+            raise DatastoreError(f"the datastore's keys ({self.dim}-wide) were computed by "
+                                 f"{self.meta.get('model') or 'another model'!r}, not by this model ({what}); "
+                                 f"build the datastore with the model that decodes (graphmax datastore --model)")
+
+    def check_tokenizer(self, vocab_sha256: str, vocab_size: int) -> None:
+        """Raise :class:`DatastoreError` unless the datastore's token ids are of this vocabulary (when it records
+        one; else its size must not exceed ``vocab_size``)."""
+        mine = self.meta.get("tokenizer")
+        if (mine is not None and (mine["vocab_sha256"] != vocab_sha256 or mine["vocab_size"] != vocab_size)) \
+                or self.vocab_size > vocab_size:
+            raise DatastoreError(f"the datastore's token ids are of another vocabulary ({self.vocab_size} tokens"
+                                 + (f", {mine['vocab_sha256'][:12]}…" if mine else "") + f") than the graph's "
+                                 f"({vocab_size} tokens, {vocab_sha256[:12]}…); build both with one tokenizer")
+
     def neighbours(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` nearest keys of each row of ``hidden`` (B, d): squared L2 distances (B, k), ascending, and
-        their values (B, k), on the datastore's device."""
+        their values (B, k), on the datastore's device. Exact up to float32 rounding of ‖k‖² − 2⟨h, k⟩ + ‖h‖²."""
         if not torch.is_tensor(hidden) or hidden.dim() != 2 or hidden.shape[1] != self.dim:
             raise ValueError(f"hidden states must be (B, {self.dim}) (the datastore's model), got "
                              f"{tuple(getattr(hidden, 'shape', ()))}; build the datastore with this model")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
         h = hidden.detach().to(self.keys.device, torch.float32)
-        k = min(int(k), len(self))
+        if not bool(torch.isfinite(h).all()):
+            raise DatastoreError("the model's hidden states are not finite (NaN or inf in float32); the datastore "
+                                 "cannot be searched with them: check the model and its dtype")
+        k = min(k, len(self))
         block = max(k, _BLOCK // max(h.shape[0], 1))
         best_d = best_i = None
         for lo in range(0, len(self), block):
@@ -151,13 +182,34 @@ class Datastore:
             best_d, best_i = dv, di
         order = torch.argsort(best_d, dim=1, stable=True)
         dist = (best_d.gather(1, order) + (h * h).sum(1, keepdim=True)).clamp_min(0.0)
+        if not bool(torch.isfinite(dist).all()):
+            raise DatastoreError("distances to the datastore's keys overflow float32: the model's hidden states are "
+                                 "far larger than the keys; check the model and its dtype")
         return dist, self.values[best_i.gather(1, order)]
 
     def distribution(self, hidden: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """p_knn of each row as (tokens (B, k), weights (B, k)) float64 weights summing to 1 per row (a token may
-        appear more than once: its weights add up)."""
+        appear more than once: its weights add up); ``temperature`` T > 0 (squared-distance units)."""
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not 0 < temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
         dist, tokens = self.neighbours(hidden, k)
-        return tokens, torch.softmax(-dist.double() / temperature, dim=1)
+        dist = dist.double()
+        # shifted by each row's nearest distance: the same softmax, without underflow to 0/0 at tiny T
+        return tokens, torch.softmax(-(dist - dist[:, :1]) / temperature, dim=1)
+
+
+def _head(model: Any) -> torch.nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(f"`model` must have output embeddings (an LM head) to tap, got {type(model).__name__}")
+    return head
+
+
+def model_fingerprint(model: Any) -> str:
+    """SHA-256 of the model's LM head weights (float32): what identifies the model a datastore's keys came from."""
+    weight = _head(model).weight.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()
 
 
 def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True) -> Datastore:
@@ -194,10 +246,11 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
     """
     if not (isinstance(positions, int) and positions >= 1 and isinstance(batch_docs, int) and batch_docs >= 1):
         raise ValueError(f"positions and batch_docs must be ints >= 1, got {positions!r} and {batch_docs!r}")
-    vocab = len(tokenizer)
+    identity = TokenizerIdentity.of(tokenizer).to_dict()
+    dim = _head(model).in_features
+    fingerprint = model_fingerprint(model)
     encoded = [e for e in (tokenizer(t, add_special_tokens=False)["input_ids"][:positions + 1] for t in texts)
                if len(e) >= 2]
-    dim = model.get_output_embeddings().in_features
 
     def chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         with HiddenStateTap(model) as tap, torch.no_grad():
@@ -215,7 +268,6 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
                 values = np.concatenate([np.asarray(e[1:], dtype=np.int64) for e in batch])
                 yield keys.numpy(), values
 
-    write_datastore(path, chunks(), dim=dim, vocab_size=vocab, model=model_name,
-                    tokenizer=getattr(tokenizer, "name_or_path", ""), positions=positions, documents=len(encoded),
-                    overwrite=overwrite)
+    write_datastore(path, chunks(), dim=dim, tokenizer=identity, model=model_name, model_sha256=fingerprint,
+                    positions=positions, documents=len(encoded), overwrite=overwrite)
     return load_datastore(Path(path))

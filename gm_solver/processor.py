@@ -450,9 +450,10 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         datastore (``gm_solver.datastore.Datastore``): keys from this model (``build_datastore``), values in the
             graph's vocabulary.
         tap (``gm_solver.datastore.HiddenStateTap``): attached to the model that decodes
-            (``HiddenStateTap(model)``), so that each step's hidden states are those of the scores' rows.
-        knn_weight (``float``, defaults to 0.5): β in [0, 1], the share of p_knn in the reference; 0 is the base
-            class's decoder (the datastore is then not searched).
+            (``HiddenStateTap(model)``), so that each step's hidden states are those of the scores' rows; one
+            ``generate()`` at a time per tap. ``datastore.check_model(model)`` checks the model is the datastore's.
+        knn_weight (``float``, defaults to 0.5): β in (0, 1], the share of p_knn in the reference (β = 0 would be
+            the base class's decoder: use that class).
         knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1 (at most the datastore's size).
         knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units (for
             SmolLM2-135M's final states, 50–100 fitted best on held-out text).
@@ -484,11 +485,14 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         if not isinstance(tap, HiddenStateTap):
             raise TypeError(f"`tap` must be a gm_solver.datastore.HiddenStateTap attached to the model, got "
                             f"{type(tap).__name__}")
-        if datastore.vocab_size > self.reference.n:
+        manifest = getattr(graph, "manifest", None)
+        if isinstance(manifest, dict) and "tokenizer" in manifest:  # a Graph: its vocabulary, by its SHA-256
+            datastore.check_tokenizer(manifest["tokenizer"]["vocab_sha256"], manifest["tokenizer"]["vocab_size"])
+        elif datastore.vocab_size > self.reference.n:
             raise ValueError(f"`datastore` holds token ids of a {datastore.vocab_size}-token vocabulary, the graph "
                              f"has {self.reference.n}; build both with one tokenizer")
-        self.knn_weight = _real("knn_weight", knn_weight, "a float in [0, 1] (the share of p_knn in q)",
-                                lambda v: 0 <= v <= 1)
+        self.knn_weight = _real("knn_weight", knn_weight, "a float in (0, 1] (the share of p_knn in q; without a "
+                                "datastore use ContextGraphmaxLogitsProcessor)", lambda v: 0 < v <= 1)
         self.knn_k = _integer("knn_k", knn_k, "an int >= 1", lambda v: v >= 1)
         self.knn_temperature = _real("knn_temperature", knn_temperature, "a finite float > 0", _finite_positive)
         self.datastore, self.tap = datastore, tap
@@ -512,7 +516,7 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         return proc
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.config.lam == 0 or self.knn_weight == 0:
+        if self.config.lam == 0:
             return super().__call__(input_ids, scores)
         hidden = self.tap.last
         if hidden.shape[0] != scores.shape[0]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gm_graphs import GraphmaxError
+from gm_graphs.folders import check_replaceable
 from gm_solver import build_datastore
 
 from .args import CorpusFiles, integer
@@ -33,6 +35,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # where the datastore goes is checked before the model loads and the corpus is read
+    parent = args.out.absolute().parent
+    if not parent.is_dir():
+        raise GraphmaxError(f"--out {args.out}: {parent} is not a folder; choose a path in an existing folder")
+    check_replaceable(args.out, args.overwrite, "datastore")
     model, tok = load_model(args.model)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
     store = build_datastore(model, tok, texts, args.out, positions=args.positions, overwrite=args.overwrite,

@@ -192,9 +192,7 @@ def run(args) -> int:
     model, tok = load_model(args.model)
     graph.check_tokenizer(tok)
     if isinstance(proc, KnnContextGraphmaxLogitsProcessor):
-        if proc.datastore.dim != model.config.hidden_size:
-            raise GraphmaxError(f"the datastore's keys are {proc.datastore.dim}-wide, {args.model}'s hidden states "
-                                f"{model.config.hidden_size}: build it with this model (graphmax datastore --model)")
+        proc.datastore.check_model(model)
         proc.tap.attach(model)  # each step's hidden states, for the datastore's search
     warm_up(model, tok, [proc])
     label = "paper graphmax" if isinstance(proc, PaperGraphmaxLogitsProcessor) else "context graphmax"

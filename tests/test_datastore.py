@@ -35,9 +35,13 @@ from gm_solver import (
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _tok(vocab: int) -> dict:
+    return {"name": "t", "vocab_size": vocab, "vocab_sha256": "ab" * 32}
+
+
 def _write(path: Path, keys: np.ndarray, values: np.ndarray, vocab: int = 50, **kw) -> Path:
-    return write_datastore(path, [(keys, values)], dim=keys.shape[1], vocab_size=vocab, model="m", tokenizer="t",
-                           positions=8, documents=1, **kw)
+    return write_datastore(path, [(keys, values)], dim=keys.shape[1], tokenizer=_tok(vocab), model="m",
+                           model_sha256="cd" * 32, positions=8, documents=1, **kw)
 
 
 def _random(rng: np.random.Generator, n: int = 40, dim: int = 6, vocab: int = 50):
@@ -53,7 +57,8 @@ def test_a_datastore_reads_back_what_was_written_in_float16(tmp_path_factory, n,
     cuts = np.sort(rng.integers(0, n + 1, chunks - 1))
     pieces = list(zip(np.split(keys, cuts), np.split(values, cuts)))
     path = tmp_path_factory.mktemp("ds") / "ds"
-    write_datastore(path, pieces, dim=dim, vocab_size=1000, model="m", tokenizer="t", positions=3, documents=2)
+    write_datastore(path, pieces, dim=dim, tokenizer=_tok(1000), model="m", model_sha256="cd" * 32, positions=3,
+                    documents=2)
     store = open_datastore(path)
     assert np.array_equal(store.keys, keys.astype(np.float16)) and np.array_equal(store.values, values)
     assert store.meta["keys"] == n and store.meta["dim"] == dim and store.meta["documents"] == 2
@@ -151,7 +156,8 @@ def test_bad_chunks_leave_the_old_datastore_and_nothing_else(tmp_path, bad):
         k2, v2 = k2[:0], v2[:0]
     with pytest.raises(DatastoreError) as err:
         write_datastore(path, [(keys, values), (k2, v2)] if bad != "no keys" else [(k2, v2)], dim=6,
-                        vocab_size=50, model="m", tokenizer="t", positions=8, documents=1, overwrite=True)
+                        tokenizer=_tok(50), model="m", model_sha256="cd" * 32, positions=8, documents=1,
+                        overwrite=True)
     assert "\n" not in str(err.value)
     assert np.array_equal(open_datastore(path).values, values) and sorted(os.listdir(tmp_path)) == ["ds"]
 
@@ -162,8 +168,8 @@ from gm_graphs.datastore import write_datastore
 seed = int(sys.argv[2])
 rng = np.random.default_rng(seed)
 chunks = [(rng.normal(size=(30, 6)), rng.integers(0, 50, 30)) for _ in range(3)]
-write_datastore(sys.argv[1], chunks, dim=6, vocab_size=50, model="m", tokenizer="t", positions=8, documents=seed,
-                overwrite=True)
+write_datastore(sys.argv[1], chunks, dim=6, tokenizer={"name": "t", "vocab_size": 50, "vocab_sha256": "ab" * 32},
+                model="m", model_sha256="cd" * 32, positions=8, documents=seed, overwrite=True)
 """
 
 
@@ -270,7 +276,10 @@ def test_bad_knn_rows_are_refused():
     good = (torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), 1 / 3, dtype=torch.float64))
     for knn, match in [((good[0][:1], good[1][:1], 0.5), "rows"), ((good[0] + 10, good[1], 0.5), r"\[0, 10\)"),
                        ((good[0], -good[1], 0.5), ">= 0"), ((good[0], good[1], 1.5), r"\[0, 1\]"),
-                       ((good[0].double(), good[1], 0.5), "rows")]:
+                       ((good[0].double(), good[1], 0.5), "rows"), ((good[0], 100 * good[1], 0.5), "sum to 1"),
+                       ((good[0], good[1] * torch.nan, 0.5), "finite"), ((good[0], good[1], True), "share"),
+                       ((good[0], good[1], "0.5"), "share"), ((good[0], good[1]), "tuple"),
+                       ((good[0][:, :0], good[1][:, :0], 0.5), "k >= 1")]:
         with pytest.raises(ValueError, match=match):
             ref.step(ids, z, knn=knn)
 
@@ -283,10 +292,10 @@ def _processor(**kw):
     return counts, store, tap, KnnContextGraphmaxLogitsProcessor(counts, store, tap, **kw)
 
 
-def test_the_knn_processor_at_weight_zero_is_the_context_decoder_and_otherwise_solves_toward_the_mix():
-    counts, store, tap, proc = _processor(knn_weight=0.0, lam=2.0)
+def test_the_knn_processor_solves_toward_the_mix_and_is_softmax_at_lambda_zero():
+    counts, store, tap, proc = _processor(lam=0.0)
     ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.randn(2, 12)
-    assert torch.equal(proc(ids, z), ContextGraphmaxLogitsProcessor(counts, lam=2.0)(ids, z))
+    assert torch.equal(proc(ids, z), ContextGraphmaxLogitsProcessor(counts, lam=0.0)(ids, z))
     _, _, _, proc = _processor(knn_weight=0.4, knn_k=5, knn_temperature=3.0, lam=2.0)
     tokens, weights = store.distribution(tap.last, 5, 3.0)
     q = ContextReference(counts, ContextConfig(lam=2.0))(ids, knn=(tokens, weights, 0.4))
@@ -295,6 +304,7 @@ def test_the_knn_processor_at_weight_zero_is_the_context_decoder_and_otherwise_s
 
 
 @pytest.mark.parametrize("kw, match", [({"knn_weight": 1.5}, "knn_weight"), ({"knn_weight": "0.5"}, "knn_weight"),
+                                       ({"knn_weight": 0.0}, "use ContextGraphmaxLogitsProcessor"),
                                        ({"knn_k": 0}, "knn_k"), ({"knn_k": 2.5}, "knn_k"),
                                        ({"knn_temperature": 0.0}, "knn_temperature"),
                                        ({"knn_temperature": float("inf")}, "knn_temperature"),
@@ -356,3 +366,73 @@ def test_inside_generate_the_tap_holds_each_rows_newest_hidden_state(smollm2, dr
         with torch.no_grad():
             full = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state[:, -1]
         assert torch.allclose(hidden, full, atol=1e-3)
+
+
+def test_the_datastore_checks_its_model_and_vocabulary(smollm2, drug_graph, tmp_path):
+    model, tok = smollm2
+    store = dsmod.build_datastore(model, tok, ["The pill worked well for me."], tmp_path / "ds", positions=4,
+                                  progress=False)
+    store.check_model(model)  # its own model passes
+    forged = Datastore(store.keys, store.values, store.vocab_size, meta={**store.meta, "model_sha256": "0" * 64})
+    with pytest.raises(DatastoreError, match="other weights"):
+        forged.check_model(model)
+    KnnContextGraphmaxLogitsProcessor(drug_graph, store, HiddenStateTap())  # the graph's vocabulary: accepted
+    other = {**store.meta["tokenizer"], "vocab_sha256": "0" * 64}
+    foreign = Datastore(store.keys, store.values, store.vocab_size, meta={**store.meta, "tokenizer": other})
+    with pytest.raises(DatastoreError, match="another vocabulary"):
+        KnnContextGraphmaxLogitsProcessor(drug_graph, foreign, HiddenStateTap())
+
+
+def test_hidden_states_that_are_not_finite_and_extreme_temperatures():
+    store = Datastore(np.eye(3, 4), np.array([2, 2, 1]), vocab_size=3)
+    with pytest.raises(DatastoreError, match="not finite"):
+        store.neighbours(torch.full((1, 4), torch.nan), 2)
+    with pytest.raises(DatastoreError, match="overflow"):
+        store.neighbours(torch.full((1, 4), 1e30), 2)
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="temperature"):
+            store.distribution(torch.zeros(1, 4), 2, bad)
+    for t in (1e-300, 1e300):
+        tokens, w = store.distribution(torch.tensor([[0.0, 0.9, 0.0, 0.0]]), 3, t)
+        assert torch.isfinite(w).all() and torch.allclose(w.sum(1), torch.ones(1, dtype=torch.float64))
+    assert store.distribution(torch.tensor([[0.0, 0.9, 0.0, 0.0]]), 3, 1e-300)[1][0].tolist() == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="k must be"):
+        store.neighbours(torch.zeros(1, 4), 0)
+
+
+def test_a_file_truncated_after_it_was_checked_changes_nothing(tmp_path):
+    keys, values = _random(np.random.default_rng(0))
+    path = _write(tmp_path / "ds", keys, values)
+    arrays = open_datastore(path)
+    os.truncate(path / KEYS, 0)  # a memory map would now fault the process on its next read
+    assert np.array_equal(arrays.keys, keys.astype(np.float16))
+
+
+def test_the_tap_reads_a_head_called_with_keywords_and_refuses_odd_states():
+    head = torch.nn.Linear(4, 3)
+
+    class LM(torch.nn.Module):
+        def get_output_embeddings(self):
+            return head
+
+    with HiddenStateTap(LM()) as tap:
+        head(input=torch.ones(2, 5, 4))
+        assert tap.last.shape == (2, 4)
+        tap.states = torch.tensor(1.0)
+        with pytest.raises(ValueError, match="shape"):
+            _ = tap.last
+    with pytest.raises(ValueError, match="LM head"):
+        HiddenStateTap(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("bad", [dict(dim=70000), dict(tokenizer={"vocab_size": 2**31, "vocab_sha256": "ab" * 32}),
+                                 dict(tokenizer={"vocab_size": True, "vocab_sha256": "ab" * 32}),
+                                 dict(model_sha256="x"), dict(positions="x"), dict(values=np.array([0.5] * 40))])
+def test_the_writer_refuses_what_the_reader_would(tmp_path, bad):
+    keys, values = _random(np.random.default_rng(0))
+    kw = dict(dim=6, tokenizer=_tok(50), model="m", model_sha256="cd" * 32, positions=8, documents=1)
+    values = bad.pop("values", values)
+    kw.update(bad)
+    with pytest.raises(DatastoreError):
+        write_datastore(tmp_path / "ds", [(keys, values)], **kw)
+    assert os.listdir(tmp_path) == []

@@ -187,15 +187,20 @@ def test_timed_processor_passes_scores_through_and_times_every_call():
     (["--knn-k", "5"], "--knn-k applies with --datastore DIR only"),
     (["--decoder", "paper", "--datastore", "ds"], "--datastore applies to the context decoder"),
     (["--datastore", "nowhere"], "cannot open it"),
-    (["--datastore", "ds", "--knn-weight", "1.5"], "`knn_weight` must be a float in [0, 1]"),
+    (["--datastore", "foreign"], "the datastore's token ids are of another vocabulary"),
+    (["--datastore", "ds", "--knn-weight", "1.5"], "`knn_weight` must be a float in (0, 1]"),
 ])
 def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model(graph_path, no_model, capsys,
                                                                                   tmp_path, monkeypatch, argv, error):
     from gm_graphs.datastore import write_datastore
 
     monkeypatch.chdir(tmp_path)
-    write_datastore(tmp_path / "ds", [(np.zeros((3, 4)), np.array([1, 2, 3]))], dim=4, vocab_size=300, model="m",
-                    tokenizer="t", positions=2, documents=1)
+    tokenizer = load_graph(graph_path).manifest["tokenizer"]
+    write_datastore(tmp_path / "ds", [(np.zeros((3, 4)), np.array([1, 2, 3]))], dim=4, tokenizer=tokenizer,
+                    model="m", model_sha256="cd" * 32, positions=2, documents=1)
+    write_datastore(tmp_path / "foreign", [(np.zeros((3, 4)), np.array([1, 2, 3]))], dim=4,
+                    tokenizer={**tokenizer, "vocab_sha256": "ab" * 32}, model="m", model_sha256="cd" * 32,
+                    positions=2, documents=1)
     assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("graphmax generate: error: ") and error in err and err.count("\n") == 1
@@ -217,12 +222,32 @@ def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsy
     assert "kNN datastore" in printed and "softmax" in printed
 
 
-def test_generate_refuses_a_datastore_of_another_models_width(home, drug_graph, tmp_path, capsys):
+def test_generate_refuses_a_datastore_of_another_model(home, drug_graph, tmp_path, capsys):
     from gm_graphs.datastore import write_datastore
 
-    write_datastore(tmp_path / "ds", [(np.zeros((3, 32)), np.array([1, 2, 3]))], dim=32, vocab_size=49152,
-                    model="tiny", tokenizer="t", positions=2, documents=1)
-    assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication",
-                 "--datastore", str(tmp_path / "ds")]) == 2
-    last = capsys.readouterr().err.splitlines()[-1]  # after the model's loading bars
-    assert last.startswith("graphmax generate: error: ") and "the datastore's keys are 32-wide" in last
+    tokenizer = drug_graph.manifest["tokenizer"]
+    for name, dim in (("narrow", 32), ("other-weights", 576)):
+        write_datastore(tmp_path / name, [(np.zeros((3, dim)), np.array([1, 2, 3]))], dim=dim, tokenizer=tokenizer,
+                        model="tiny", model_sha256="cd" * 32, positions=2, documents=1)
+        assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication",
+                     "--datastore", str(tmp_path / name)]) == 2
+        last = capsys.readouterr().err.splitlines()[-1]  # after the model's loading bars
+        assert last.startswith("graphmax generate: error: the datastore's keys (")
+        assert ("(576-wide states)" if dim == 32 else "(other weights)") in last and "'tiny'" in last
+
+
+def test_datastore_checks_its_out_folder_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    from pipelines import datastore
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+    monkeypatch.setattr(datastore, "load_model", fail)
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("a b c\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    for out, error in ((tmp_path / "mine", "graphmax did not write"), (corpus / "ds", "is not a folder")):
+        assert main(["datastore", "--corpus", str(corpus), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("graphmax datastore: error: ") and error in err and err.count("\n") == 1
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
