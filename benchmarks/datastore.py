@@ -2,16 +2,18 @@
 
     python3 benchmarks/datastore.py --graph-path DIR --datastore DIR [--sizes 50000,250000,1000000]
 
-1. The search alone: ms per ``Datastore.neighbours`` call (k = 1,024, exact) at batches of 1, 8 and 48, over
-   datastores of each size (random keys of the model's width: an exact search costs the same whatever they hold).
+1. The search alone: ms per ``Datastore.neighbours`` call (k = 1,024) at batches of 1, 8 and 48, over datastores
+   of each size, with the keys in float32 and in bfloat16 (random keys of the model's width: a search that reads
+   every key costs the same whatever they hold).
 2. ``generate()``: greedy, 24 new tokens, batch 1 (4 prompts one at a time) and batch 8: plain decoding, context
-   graphmax, and context graphmax with the given datastore; ms per token, their ratios to plain, and each
-   processor's median ms per call with the ratio that alone implies.
+   graphmax, and context graphmax with the given datastore (default precision, bfloat16); ms per token, their
+   ratios to plain, and each processor's median ms per call with the ratio that alone implies.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -34,10 +36,10 @@ PROMPTS = ["This medication", "I took this for", "The side effects were", "After
 
 
 def search_table(dim: int, sizes: list[int], repeat: int = 5) -> None:
-    print(f"1. exact search, k = 1,024, keys of width {dim}: ms per call (median of {repeat})")
-    print(f"{'keys':>10} {'batch 1':>9} {'batch 8':>9} {'batch 48':>9}")
-    for n in sizes:
-        store = Datastore(torch.randn(n, dim), torch.randint(0, 100, (n,)), vocab_size=100)
+    print(f"1. search, k = 1,024, keys of width {dim}: ms per call (median of {repeat})")
+    print(f"{'precision':>9} {'keys':>10} {'batch 1':>9} {'batch 8':>9} {'batch 48':>9}")
+    for precision, n in itertools.product(PRECISIONS, sizes):
+        store = Datastore(torch.randn(n, dim), torch.randint(0, 100, (n,)), vocab_size=100, precision=precision)
         cells = []
         for rows in (1, 8, 48):
             h = torch.randn(rows, dim)
@@ -48,7 +50,7 @@ def search_table(dim: int, sizes: list[int], repeat: int = 5) -> None:
                 store.neighbours(h, 1024)
                 times.append(time.perf_counter() - t0)
             cells.append(1e3 * statistics.median(times))
-        print(f"{n:>10,} " + " ".join(f"{c:>9.2f}" for c in cells), flush=True)
+        print(f"{precision:>9} {n:>10,} " + " ".join(f"{c:>9.2f}" for c in cells), flush=True)
 
 
 def generate_table(model, tok, graph, datastore: Datastore, new_tokens: int) -> None:

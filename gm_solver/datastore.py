@@ -8,7 +8,8 @@ decoding step the k keys nearest the current state (squared L2) give
 
 which :class:`KnnContextGraphmaxLogitsProcessor` mixes into q. The keys are the input of the model's output
 embeddings (the LM head), taken by a :class:`HiddenStateTap`, both when the datastore is built and when it is
-searched, so the two always see the same vectors. The search is exact (a matrix product per block of keys).
+searched, so the two always see the same vectors. The search reads every key (a matrix product per block of keys),
+its products in bfloat16 by default (``precision``).
 The folder's format is ``gm_graphs.datastore``'s.
 """
 
@@ -29,6 +30,9 @@ from gm_graphs.errors import DatastoreError
 from gm_graphs.tokenize import TokenizerIdentity
 
 _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of float32 distances)
+# the keys' type in memory and in the search's products: bfloat16 halves the memory and, on CPUs with bf16
+# instructions, ran the products 3.6× faster here (250k keys of 576: 9.8 vs 35.5 ms at batch 1)
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class HiddenStateTap:
@@ -92,7 +96,8 @@ class HiddenStateTap:
 
 
 class Datastore:
-    """Keys (N, d) and values (N,) in memory (float32 keys on ``device``), searched exactly.
+    """Keys (N, d) and values (N,) in memory on ``device``, searched by brute force (every key, one matrix product
+    per block).
 
     Args:
         keys (``np.ndarray`` or ``torch.Tensor`` (N, d)): finite keys.
@@ -100,17 +105,23 @@ class Datastore:
         vocab_size (``int``): the tokenizer's vocabulary size.
         device (``str`` or ``torch.device``, defaults to ``"cpu"``): where the keys live and the search runs.
         meta (``dict``, defaults to ``{}``): what the folder records (model, tokenizer, positions, documents).
+        precision (``str``, defaults to ``"bfloat16"``): the keys' type in the search's products: ``"float32"``
+            ranks exactly (to float32 rounding); ``"bfloat16"`` halves the memory and ran 3.6–9× faster on this
+            CPU, its distances within ~0.4 % of ‖h‖·‖k‖ (on drug reviews the same held-out perplexity to 0.0003).
 
     Example::
 
-        >>> store = Datastore(np.array([[0.0, 0.0], [1.0, 0.0], [5.0, 5.0]]), np.array([2, 1, 0]), vocab_size=3)
+        >>> store = Datastore(np.array([[0.0, 0.0], [1.0, 0.0], [5.0, 5.0]]), np.array([2, 1, 0]), vocab_size=3,
+        ...                   precision="float32")
         >>> d, tokens = store.neighbours(torch.tensor([[0.9, 0.0]]), k=2)
         >>> tokens.tolist(), [round(v, 2) for v in d[0].tolist()]
         ([[1, 2]], [0.01, 0.81])
     """
 
     def __init__(self, keys: Any, values: Any, vocab_size: int, device: str | torch.device = "cpu",
-                 meta: dict | None = None):
+                 meta: dict | None = None, precision: str = "bfloat16"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         keys = torch.as_tensor(np.asarray(keys, dtype=np.float32) if not torch.is_tensor(keys) else keys,
                                dtype=torch.float32, device=device)
         values = np.asarray(values) if not torch.is_tensor(values) else values
@@ -125,8 +136,9 @@ class Datastore:
             raise DatastoreError("keys must be finite")
         if int(values.min()) < 0 or int(values.max()) >= vocab_size:
             raise DatastoreError(f"values must be token ids in [0, {vocab_size})")
-        self.keys, self.values, self.vocab_size = keys, values, int(vocab_size)
-        self.norms = (keys * keys).sum(1)
+        self.norms = (keys * keys).sum(1)  # float32 whatever the precision: the products alone are rounded
+        self.keys, self.values, self.vocab_size = keys.to(PRECISIONS[precision]), values, int(vocab_size)
+        self.precision = precision
         self.meta = dict(meta or {})
 
     @property
@@ -159,7 +171,7 @@ class Datastore:
 
     def neighbours(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` nearest keys of each row of ``hidden`` (B, d): squared L2 distances (B, k), ascending, and
-        their values (B, k), on the datastore's device. Exact up to float32 rounding of ‖k‖² − 2⟨h, k⟩ + ‖h‖²."""
+        their values (B, k), on the datastore's device: ‖k‖² − 2⟨h, k⟩ + ‖h‖², the products in ``precision``."""
         if not torch.is_tensor(hidden) or hidden.dim() != 2 or hidden.shape[1] != self.dim:
             raise ValueError(f"hidden states must be (B, {self.dim}) (the datastore's model), got "
                              f"{tuple(getattr(hidden, 'shape', ()))}; build the datastore with this model")
@@ -170,10 +182,11 @@ class Datastore:
             raise DatastoreError("the model's hidden states are not finite (NaN or inf in float32); the datastore "
                                  "cannot be searched with them: check the model and its dtype")
         k = min(k, len(self))
+        hq = h.to(self.keys.dtype)
         block = max(k, _BLOCK // max(h.shape[0], 1))
         best_d = best_i = None
         for lo in range(0, len(self), block):
-            d = torch.addmm(self.norms[lo:lo + block], h, self.keys[lo:lo + block].T, alpha=-2.0)
+            d = torch.add(self.norms[lo:lo + block], (hq @ self.keys[lo:lo + block].T).float(), alpha=-2.0)
             dv, di = torch.topk(d, min(k, d.shape[1]), dim=1, largest=False)
             di = di + lo
             if best_d is not None:
@@ -212,14 +225,17 @@ def model_fingerprint(model: Any) -> str:
     return hashlib.sha256(weight.numpy().tobytes()).hexdigest()
 
 
-def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True) -> Datastore:
-    """The datastore folder at ``path`` (checked by ``gm_graphs.datastore.open_datastore``), its keys on ``device``.
+def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True,
+                   precision: str = "bfloat16") -> Datastore:
+    """The datastore folder at ``path`` (checked by ``gm_graphs.datastore.open_datastore``), its keys on ``device``
+    in ``precision`` (see :class:`Datastore`).
 
     Raises:
         DatastoreError: the folder is not a sound datastore; the message says what is wrong and how to fix it.
     """
     arrays = open_datastore(path, verify=verify)
-    return Datastore(arrays.keys, arrays.values, arrays.meta["vocab_size"], device=device, meta=arrays.meta)
+    return Datastore(arrays.keys, arrays.values, arrays.meta["vocab_size"], device=device, meta=arrays.meta,
+                     precision=precision)
 
 
 def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str | os.PathLike, *,

@@ -202,7 +202,7 @@ def test_a_kill_at_any_point_of_a_datastore_write_leaves_the_old_one_or_the_new_
 def test_the_search_finds_the_exact_nearest_keys_whatever_the_blocks(n, dim, rows, k, block, seed):
     rng = np.random.default_rng(seed)
     keys = rng.normal(size=(n, dim))
-    store = Datastore(keys, np.arange(n), vocab_size=n)  # each key its own token: a token names its key
+    store = Datastore(keys, np.arange(n), vocab_size=n, precision="float32")  # each key its own token
     h = torch.tensor(rng.normal(size=(rows, dim)), dtype=torch.float32)
     with mock.patch.object(dsmod, "_BLOCK", block):
         dist, tokens = store.neighbours(h, k)
@@ -219,6 +219,20 @@ def test_the_search_finds_the_exact_nearest_keys_whatever_the_blocks(n, dim, row
     assert torch.allclose(w.sum(1), torch.ones(rows, dtype=torch.float64)) and torch.equal(tok, tokens)
 
 
+@given(n=st.integers(1, 300), rows=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_the_bfloat16_search_returns_keys_at_their_distances_up_to_its_rounding(n, rows, seed):
+    rng = np.random.default_rng(seed)
+    keys = rng.normal(scale=3.0, size=(n, 32))
+    store = Datastore(keys, np.arange(n), vocab_size=n)
+    h = torch.tensor(rng.normal(scale=3.0, size=(rows, 32)), dtype=torch.float32)
+    dist, tokens = store.neighbours(h, 10)
+    exact = ((h.double().numpy()[:, None, :] - keys[None]) ** 2).sum(-1)
+    # each product is of bfloat16-rounded inputs (8 significant bits): off by at most ~2⁻⁷·‖h‖·‖k‖
+    scale = 2.0 ** -6 * np.linalg.norm(h.numpy(), axis=1)[:, None] * np.linalg.norm(keys, axis=1).max()
+    assert (np.abs(np.take_along_axis(exact, tokens.numpy(), 1) - dist.numpy()) <= scale + 1e-3).all()
+    assert (np.sort(exact, 1)[:, :min(10, n)] >= dist.numpy() - scale - 1e-3).all()
+
+
 def test_a_datastore_refuses_bad_arrays_and_hidden_states_of_another_width():
     with pytest.raises(DatastoreError):
         Datastore(np.zeros((3, 2)), np.array([0, 1]), vocab_size=3)
@@ -226,6 +240,8 @@ def test_a_datastore_refuses_bad_arrays_and_hidden_states_of_another_width():
         Datastore(np.full((2, 2), np.inf), np.array([0, 1]), vocab_size=3)
     with pytest.raises(DatastoreError):
         Datastore(np.zeros((2, 2)), np.array([0, 3]), vocab_size=3)
+    with pytest.raises(ValueError, match="precision"):
+        Datastore(np.zeros((2, 2)), np.array([0, 1]), vocab_size=3, precision="float16")
     store = Datastore(np.zeros((2, 2)), np.array([0, 1]), vocab_size=3)
     with pytest.raises(ValueError, match="build the datastore with this model"):
         store.neighbours(torch.zeros(1, 3), 1)
@@ -341,7 +357,8 @@ def test_build_datastore_keys_are_the_models_final_hidden_states(smollm2, tmp_pa
         with torch.no_grad():
             h = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
         # float16 keys of a padded batch: equal to a lone forward pass to float16's rounding (and batch numerics)
-        assert torch.allclose(store.keys[6 * i:6 * i + 6], h, atol=1e-2, rtol=2e-3)
+        stored = torch.from_numpy(open_datastore(tmp_path / "ds").keys[6 * i:6 * i + 6].astype(np.float32))
+        assert torch.allclose(stored, h, atol=1e-2, rtol=2e-3)
         assert store.values[6 * i:6 * i + 6].tolist() == ids[1:]
 
 
