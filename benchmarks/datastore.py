@@ -28,6 +28,7 @@ from gm_solver import (
     KnnContextGraphmaxLogitsProcessor,
     load_datastore,
 )
+from gm_solver.datastore import PRECISIONS
 from pipelines.generate import TimedLogitsProcessor, generate_texts, warm_up
 from pipelines.models import load_model
 
