@@ -9,8 +9,10 @@ from . import bundled
 from .build import ENGINES, CorpusCounts, add_ngrams, build_graph, count_corpus, load_counts, merge_graphs, write_graph
 from .corpus import ReadStats, expand_corpus, iter_documents
 from .counts import BigramCounts
+from .datastore import check_datastore_target, open_datastore, write_datastore
 from .errors import (
     CorpusError,
+    DatastoreError,
     GraphBusyError,
     GraphExistsError,
     GraphFormatError,
@@ -41,9 +43,11 @@ __all__ = [
     "CorpusSplit", "ReadStats", "bundled", "claim_folder", "expand_corpus", "iter_documents", "split_corpus",
     # tokenizers
     "TokenizerIdentity", "load_tokenizer", "word_tokenizer",
+    # kNN datastores' folders (gm_solver computes and searches them)
+    "check_datastore_target", "open_datastore", "write_datastore",
     # defaults and choices: the n-gram orders add_ngrams counts, n-grams buffered per sorted run, build engines
     "ENGINES", "NGRAM_ORDERS", "NGRAM_RUN_ENTRIES",
     # errors: every one a GraphmaxError
-    "CorpusError", "GraphBusyError", "GraphExistsError", "GraphFormatError", "GraphNameError", "GraphmaxError",
-    "MergeError", "NotOwnedError", "OptionError", "StorageError", "TokenizerError",
+    "CorpusError", "DatastoreError", "GraphBusyError", "GraphExistsError", "GraphFormatError", "GraphNameError",
+    "GraphmaxError", "MergeError", "NotOwnedError", "OptionError", "StorageError", "TokenizerError",
 ]

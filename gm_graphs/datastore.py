@@ -30,7 +30,7 @@ import numpy as np
 
 from .errors import DatastoreError
 from .faults import fault_point
-from .folders import DATASTORE_MARKER, staged_folder
+from .folders import DATASTORE_MARKER, check_replaceable, staged_folder
 from .writer import _header
 
 FORMAT = "graphmax-datastore"
@@ -66,9 +66,11 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         dim (``int``): the keys' width (the LM head's input width), in [1, 65536].
         tokenizer (``dict``): ``TokenizerIdentity.to_dict()`` of the tokenizer (name, vocab_size, vocab_sha256);
             every value is below its ``vocab_size``, and a reader checks its vocabulary against the graph's.
-        model (``str``): the model's name, for messages; model_sha256 (``str``): a fingerprint of its weights
-            (``gm_solver.datastore.model_fingerprint``), which a reader checks against the model that decodes.
-        positions (``int``): the positions kept per document; documents (``int``): how many were read.
+        model (``str``): the model's name, for messages.
+        model_sha256 (``str``): a fingerprint of its weights (``gm_solver.datastore.model_fingerprint``), which a
+            reader checks against the model that decodes.
+        positions (``int``): the positions kept per document.
+        documents (``int``): how many documents gave keys.
         overwrite (``bool``, defaults to ``False``): replace a datastore graphmax wrote at ``path``.
 
     Returns:
@@ -142,11 +144,60 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
     return path
 
 
+def check_datastore_target(path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse, before any work, a datastore target graphmax may not write: a missing parent folder, a file or folder
+    graphmax did not write as a datastore, or a datastore without ``overwrite``.
+
+    Args:
+        path (``str`` or ``os.PathLike``): the folder to write.
+        overwrite (``bool``, defaults to ``False``): whether a datastore graphmax wrote there may be replaced.
+
+    Returns:
+        ``pathlib.Path``: ``path``.
+
+    Raises:
+        DatastoreError, NotOwnedError, GraphExistsError: one line naming the problem and the fix.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> tmp = Path(tempfile.mkdtemp())
+        >>> check_datastore_target(tmp / "ds") == tmp / "ds"
+        True
+        >>> check_datastore_target(tmp / "nowhere" / "ds")
+        Traceback (most recent call last):
+        ...
+        gm_graphs.errors.DatastoreError: ...nowhere is not a folder; choose a path in an existing folder
+    """
+    path = Path(path)
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise DatastoreError(f"cannot write the datastore {path}: {parent} is not a folder; choose a path in an "
+                             f"existing folder")
+    check_replaceable(path, overwrite, "datastore")
+    return path
+
+
 def open_datastore(path: str | os.PathLike, verify: bool = True) -> DatastoreArrays:
     """The checked arrays of the datastore folder ``path`` (see the module's docstring for the checks).
 
+    Args:
+        path (``str`` or ``os.PathLike``): a folder written by :func:`write_datastore`.
+        verify (``bool``, defaults to ``True``): also check each file's SHA-256.
+
+    Returns:
+        ``DatastoreArrays``: keys, values and metadata, in memory.
+
     Raises:
         DatastoreError: one line naming what is wrong with the folder and how to get a good one.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> open_datastore(Path(tempfile.mkdtemp()))
+        Traceback (most recent call last):
+        ...
+        gm_graphs.errors.DatastoreError: ... is not a datastore folder (no .graphmax-datastore in it); ...
     """
     root = Path(path)
     try:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from gm_graphs.datastore import open_datastore, write_datastore
+from gm_graphs.datastore import check_datastore_target, open_datastore, write_datastore
 from gm_graphs.errors import DatastoreError
 from gm_graphs.tokenize import TokenizerIdentity
 
@@ -230,8 +230,28 @@ def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", 
     """The datastore folder at ``path`` (checked by ``gm_graphs.datastore.open_datastore``), its keys on ``device``
     in ``precision`` (see :class:`Datastore`).
 
+    Args:
+        path (``str`` or ``os.PathLike``): a folder written by :func:`build_datastore` (or ``graphmax datastore``).
+        device (``str`` or ``torch.device``, defaults to ``"cpu"``): where the keys live and the search runs.
+        verify (``bool``, defaults to ``True``): also check each file's SHA-256.
+        precision (``str``, defaults to ``"bfloat16"``): the keys' type in the search (``PRECISIONS``).
+
+    Returns:
+        ``Datastore``: with the folder's metadata (tokenizer, model fingerprint) in ``meta``.
+
     Raises:
         DatastoreError: the folder is not a sound datastore; the message says what is wrong and how to fix it.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from gm_graphs import write_datastore
+        >>> tok = {"name": "t", "vocab_size": 3, "vocab_sha256": "0" * 64}
+        >>> path = write_datastore(Path(tempfile.mkdtemp()) / "ds", [(np.eye(3, 4), np.array([2, 0, 1]))], dim=4,
+        ...                        tokenizer=tok, model="m", model_sha256="1" * 64, positions=8, documents=1)
+        >>> store = load_datastore(path)
+        >>> len(store), store.dim, store.precision
+        (3, 4, 'bfloat16')
     """
     arrays = open_datastore(path, verify=verify)
     return Datastore(arrays.keys, arrays.values, arrays.meta["vocab_size"], device=device, meta=arrays.meta,
@@ -248,7 +268,8 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
     costs one forward position (on 2 CPU cores ~700 positions/s for SmolLM2-135M).
 
     Args:
-        model: a causal LM with output embeddings; tokenizer: its tokenizer (``vocab_size`` ids).
+        model (``transformers.PreTrainedModel``): a causal LM with output embeddings (the model that will decode).
+        tokenizer (``transformers.PreTrainedTokenizerBase``): its tokenizer.
         texts (sequence of ``str``): the documents (a corpus' training split).
         path (``str`` or ``os.PathLike``): the folder to write (atomically; see ``gm_graphs.datastore``).
         positions (``int``, defaults to 64): the keys kept per document, ≥ 1.
@@ -259,9 +280,25 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
 
     Returns:
         ``Datastore``: the one written, loaded back (checked).
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+        >>> raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate("[UNK] the cat sat on mat".split())}, "[UNK]"))
+        >>> raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+        >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=6, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        ...                                   num_attention_heads=2, num_key_value_heads=1))
+        >>> store = build_datastore(lm, tok, ["the cat sat on the mat"], Path(tempfile.mkdtemp()) / "ds", positions=4,
+        ...                         progress=False)
+        >>> len(store), store.dim, store.values.tolist()     # keys after "the", "the cat", …; values: what followed
+        (4, 8, [2, 3, 4, 1])
     """
     if not (isinstance(positions, int) and positions >= 1 and isinstance(batch_docs, int) and batch_docs >= 1):
         raise ValueError(f"positions and batch_docs must be ints >= 1, got {positions!r} and {batch_docs!r}")
+    check_datastore_target(path, overwrite)  # before the model's forward passes
     identity = TokenizerIdentity.of(tokenizer).to_dict()
     dim = _head(model).in_features
     fingerprint = model_fingerprint(model)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gm_graphs import GraphmaxError
-from gm_graphs.folders import check_replaceable
+from gm_graphs import check_datastore_target
 from gm_solver import build_datastore
 
 from .args import CorpusFiles, integer
@@ -35,11 +34,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    # where the datastore goes is checked before the model loads and the corpus is read
-    parent = args.out.absolute().parent
-    if not parent.is_dir():
-        raise GraphmaxError(f"--out {args.out}: {parent} is not a folder; choose a path in an existing folder")
-    check_replaceable(args.out, args.overwrite, "datastore")
+    check_datastore_target(args.out, args.overwrite)  # before the model loads and the corpus is read
     model, tok = load_model(args.model)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
     store = build_datastore(model, tok, texts, args.out, positions=args.positions, overwrite=args.overwrite,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from gm_solver.datastore import HiddenStateTap
+from gm_solver import HiddenStateTap
 
 from .metrics import mean_and_standard_error
 
