@@ -172,7 +172,9 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
             f"(≤ 0.60: {'met' if met else 'missed'}); "
             f"interpolation at its optimum on the test tokens, w = {weight}: {interp[f'perplexity_{w}']:.2f} "
             f"({interp[f'ratio_{w}']:.3f}×), log ratio of ours to it {_nats(vs_interp)} (below it: "
-            f"{_label(_lower(vs_interp))})",
+            f"{_label(_lower(vs_interp))})"
+            + ("" if key == "ours" else
+               f"; log ratio to ours without the datastore {_nats(_paired(nll, key, 'ours', w))}"),
             _verdict(_lower(vs_interp) if met else False,
                      f"tuned on the validation half over the first {sizes['positions']} tokens, reported on the test "
                      "half; the interpolation's weight is fitted on the test tokens themselves (a bounded scalar "

@@ -201,7 +201,8 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     assert float(rows["softmax"]["ratio_2"]) == 1.0 and float(rows["softmax"]["ratio_4"]) == 1.0
     assert {"paper 1", "paper mixture 1", "interpolation 0.3", "interpolation optimum", "ours", "ours knn",
             "fine-tuned", "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
-    assert "with a kNN datastore" in report and (out / "work" / "datastore" / "meta.json").is_file()
+    assert "with a kNN datastore" in report and "log ratio to ours without the datastore" in report
+    assert (out / "work" / "datastore" / "meta.json").is_file()
     with open(out / "generation.csv") as fh:
         assert "ours knn" in {r["key"] for r in csv.DictReader(fh)}
     assert rows["paper 1"]["ratio_4"] == "" and rows["paper 1"]["ratio_2"] != ""  # scored over 2 tokens only
