@@ -31,6 +31,7 @@ import numpy as np
 from .errors import DatastoreError
 from .faults import fault_point
 from .folders import DATASTORE_MARKER, check_replaceable, staged_folder
+from .storage import sha256_file
 from .writer import _header
 
 FORMAT = "graphmax-datastore"
@@ -134,7 +135,7 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
             kf.write(_header(KEY_DTYPE, n * dim))
             vf.seek(0)
             vf.write(_header(VALUE_DTYPE, n))
-        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
                  for name in (KEYS, VALUES)}
         meta = {"format": FORMAT, "version": VERSION, "keys": n, "dim": dim, "vocab_size": vocab_size,
                 "tokenizer": tokenizer, "model": str(model), "model_sha256": model_sha256,
@@ -220,11 +221,6 @@ def open_datastore(path: str | os.PathLike, verify: bool = True) -> DatastoreArr
         if not np.isfinite(keys[lo:lo + (1 << 16)]).all():
             raise _bad(root, f"{KEYS} holds keys that are not finite")
     return DatastoreArrays(keys, values, meta)
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _lstat_mode(path: Path) -> int:

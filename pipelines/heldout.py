@@ -40,11 +40,15 @@ class HeldOut:
         order (position by position), those are the first entries of a ``token_nll`` vector."""
         return sum(min(len(x), position) for x in self.logits)
 
-    def steps(self):
-        """(input_ids (B, t), scores (B, V), targets (B,)) for t = 1, 2, …: every document with a t-th target."""
+    def _rows(self):
+        """(t, the documents with a t-th target) for t = 1, 2, …: the rows of every step, in one order."""
         longest = max(len(x) for x in self.logits)
         for t in range(1, longest + 1):
-            docs = [d for d in range(len(self.ids)) if len(self.logits[d]) >= t]
+            yield t, [d for d in range(len(self.ids)) if len(self.logits[d]) >= t]
+
+    def steps(self):
+        """(input_ids (B, t), scores (B, V), targets (B,)) for t = 1, 2, …: every document with a t-th target."""
+        for t, docs in self._rows():
             yield (torch.stack([self.ids[d][:t] for d in docs]), torch.stack([self.logits[d][t - 1] for d in docs]),
                    torch.stack([self.ids[d][t] for d in docs]))
 
@@ -53,9 +57,8 @@ class HeldOut:
         if self.hidden is None:
             raise ValueError("these held-out documents were scored without hidden states; score_documents(..., "
                              "hidden=True)")
-        longest = max(len(x) for x in self.logits)
-        for t in range(1, longest + 1):
-            yield torch.stack([self.hidden[d][t - 1] for d in range(len(self.ids)) if len(self.logits[d]) >= t])
+        for t, docs in self._rows():
+            yield torch.stack([self.hidden[d][t - 1] for d in docs])
 
 
 def score_documents(model, tok, texts: list[str], positions: int = 32, batch_docs: int = 8,
