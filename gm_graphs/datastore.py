@@ -35,7 +35,7 @@ from .storage import sha256_file
 from .writer import _header
 
 FORMAT = "graphmax-datastore"
-VERSION = 1
+VERSION = 2  # 2: model_sha256 covers every parameter, not the LM head alone
 META = "meta.json"
 KEYS, VALUES = "keys.npy", "values.npy"
 KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")

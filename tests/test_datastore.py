@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gm_solver.datastore as dsmod
@@ -202,12 +202,14 @@ def test_a_kill_at_any_point_of_a_datastore_write_leaves_the_old_one_or_the_new_
 def test_the_search_finds_the_exact_nearest_keys_whatever_the_blocks(n, dim, rows, k, block, seed):
     rng = np.random.default_rng(seed)
     keys = rng.normal(size=(n, dim))
-    store = Datastore(keys, np.arange(n), vocab_size=n, precision="float32")  # each key its own token
     h = torch.tensor(rng.normal(size=(rows, dim)), dtype=torch.float32)
-    with mock.patch.object(dsmod, "_BLOCK", block):
+    with mock.patch.object(dsmod, "_BLOCK", block):  # the keys are converted by blocks too
+        store = Datastore(keys.astype(np.float16), np.arange(n), vocab_size=n, precision="float32")  # own tokens
         dist, tokens = store.neighbours(h, k)
         tok, w = store.distribution(h, k, 2.0)
     kk = min(k, n)
+    assert torch.equal(store.keys, torch.from_numpy(keys.astype(np.float16)).float())
+    assert torch.allclose(store.norms, (store.keys.double() ** 2).sum(1).float())
     exact = ((h.double().numpy()[:, None, :] - store.keys.double().numpy()[None]) ** 2).sum(-1)
     tolerance = 1e-3 * (1 + exact.max())
     assert dist.shape == (rows, kk) and tokens.shape == (rows, kk)
@@ -238,6 +240,12 @@ def test_a_datastore_refuses_bad_arrays_and_hidden_states_of_another_width():
         Datastore(np.zeros((3, 2)), np.array([0, 1]), vocab_size=3)
     with pytest.raises(DatastoreError):
         Datastore(np.full((2, 2), np.inf), np.array([0, 1]), vocab_size=3)
+    late = np.zeros((9, 2))
+    late[8, 1] = np.nan
+    with mock.patch.object(dsmod, "_BLOCK", 4), pytest.raises(DatastoreError, match="finite"):
+        Datastore(late, np.zeros(9, dtype=int), vocab_size=3)  # in the last block of the conversion
+    with pytest.raises(DatastoreError, match="floats"):
+        Datastore(np.zeros((2, 2), dtype=np.int64), np.array([0, 1]), vocab_size=3)
     with pytest.raises(DatastoreError):
         Datastore(np.zeros((2, 2)), np.array([0, 3]), vocab_size=3)
     with pytest.raises(ValueError, match="precision"):
@@ -393,6 +401,17 @@ def test_the_datastore_checks_its_model_and_vocabulary(smollm2, drug_graph, tmp_
     forged = Datastore(store.keys, store.values, store.vocab_size, meta={**store.meta, "model_sha256": "0" * 64})
     with pytest.raises(DatastoreError, match="other weights"):
         forged.check_model(model)
+    # fine-tuning below the head (LoRA on the attention, merged) changes the states and not the head: refused too
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    with torch.no_grad():
+        weight[0, 0] += 1e-3
+    try:
+        with pytest.raises(DatastoreError, match="other weights"):
+            store.check_model(model)
+    finally:
+        with torch.no_grad():
+            weight[0, 0] -= 1e-3
+    store.check_model(model)
     KnnContextGraphmaxLogitsProcessor(drug_graph, store, HiddenStateTap())  # the graph's vocabulary: accepted
     other = {**store.meta["tokenizer"], "vocab_sha256": "0" * 64}
     foreign = Datastore(store.keys, store.values, store.vocab_size, meta={**store.meta, "tokenizer": other})
@@ -453,3 +472,19 @@ def test_the_writer_refuses_what_the_reader_would(tmp_path, bad):
     with pytest.raises(DatastoreError):
         write_datastore(tmp_path / "ds", [(keys, values)], **kw)
     assert os.listdir(tmp_path) == []
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 10**6))
+def test_the_model_fingerprint_changes_with_any_parameter(which, where):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1))
+    before = dsmod.model_fingerprint(lm)
+    assert before == dsmod.model_fingerprint(lm)
+    params = list(lm.parameters())
+    param = params[which % len(params)]
+    with torch.no_grad():
+        param.view(-1)[where % param.numel()] += 0.5
+    assert dsmod.model_fingerprint(lm) != before
