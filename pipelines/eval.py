@@ -140,13 +140,14 @@ class Knn:
 
 
 def datastore_decoder(model, tok, setup: Setup, tuned: ContextConfig, valid: HeldOut, docs: int, positions: int,
-                      work: Path) -> Knn:
-    """A datastore of the first ``positions`` tokens of ``docs`` training documents, and β, T, λ tuned on it."""
+                      folder: Path) -> Knn:
+    """A datastore of ``model``'s states over the first ``positions`` tokens of ``docs`` training documents, at
+    ``folder``, and β, T, λ tuned on it (``valid`` is ``model``'s, scored with ``hidden=True``)."""
     t0 = time.perf_counter()
     texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()[:docs]
-    datastore = build_datastore(model, tok, texts, work / "datastore", positions=positions, overwrite=True,
+    datastore = build_datastore(model, tok, texts, folder, positions=positions, overwrite=True,
                                 model_name=str(getattr(model, "name_or_path", "")))
-    print(f"datastore: {len(datastore):,} keys from {len(texts):,} training documents in "
+    print(f"datastore {folder.name}: {len(datastore):,} keys from {len(texts):,} training documents in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     config, settings, table = tune_knn(setup.graph, valid, tuned, datastore)
     return Knn(datastore, config, settings, table, len(texts), time.perf_counter() - t0)
@@ -161,11 +162,15 @@ class FineTuned:
     test: HeldOut
     retune_table: list[dict]
     summary: dict
+    knn: Knn | None  # a datastore of the fine-tuned LM's own states, when the base LM has one
 
 
 def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, valid_docs: list[str],
-                        test_docs: list[str], positions: int, tune_seconds: float) -> FineTuned | None:
-    """LoRA on the training side for as long as the graph's build and tuning took (or ``--finetune-budget-s``)."""
+                        test_docs: list[str], positions: int, tune_seconds: float, knn: Knn | None,
+                        work: Path) -> FineTuned | None:
+    """LoRA on the training side for as long as the graph's build and tuning took (or ``--finetune-budget-s``);
+    with ``knn``, graphmax with a datastore on top of it too (the datastore built again: its keys are the states
+    of the LM that decodes, which fine-tuning changed)."""
     given = args.finetune_budget_s is not None
     budget = args.finetune_budget_s if given else setup.build_seconds + tune_seconds
     if budget <= 0:
@@ -174,15 +179,24 @@ def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, va
     result = finetune_lora(model, tok, texts, budget_s=budget, seed=args.seed, seq_len=positions + 1)
     print(f"fine-tuned: {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
           f"(budget {budget:.0f} s)", flush=True)
-    tuned_ft, table = retune_lambda(setup.graph, score_documents(result.model, tok, valid_docs, positions), tuned)
+    hidden = knn is not None
+    valid = score_documents(result.model, tok, valid_docs, positions, hidden=hidden)
+    tuned_ft, table = retune_lambda(setup.graph, valid, tuned)
+    ft_knn = datastore_decoder(result.model, tok, setup, tuned_ft, valid, knn.documents, positions,
+                               work / "datastore-fine-tuned") if hidden else None
     losses, tenth = result.losses, max(1, len(result.losses) // 10)
     summary = {"budget_s": budget, "budget_given": given, "build_s": setup.build_seconds, "tune_s": tune_seconds,
                "seconds": result.seconds, "steps": result.steps, "tokens": result.tokens,
                "tokens_per_s": result.tokens_per_second, "tuned": tuned_ft, **result.settings,
                "loss_first": statistics.fmean(losses[:tenth]) if losses else float("nan"),
-               "loss_last": statistics.fmean(losses[-tenth:]) if losses else float("nan")}
-    return FineTuned(result, tuned_ft, score_documents(result.model, tok, test_docs, positions),
-                     [{**tuned.to_dict(), **row, "lm": "fine-tuned"} for row in table], summary)
+               "loss_last": statistics.fmean(losses[-tenth:]) if losses else float("nan"),
+               "knn": None if ft_knn is None else {"keys": len(ft_knn.datastore), "documents": ft_knn.documents,
+                                                   "seconds": ft_knn.seconds, "tuned": ft_knn.tuned,
+                                                   **ft_knn.settings}}
+    retune = [{**tuned.to_dict(), **row, "lm": "fine-tuned"} for row in table]
+    retune += [{**row, "lm": "fine-tuned"} for row in (ft_knn.table if ft_knn is not None else [])]
+    return FineTuned(result, tuned_ft, score_documents(result.model, tok, test_docs, positions, hidden=hidden),
+                     retune, summary, ft_knn)
 
 
 def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], mixture_lams: list[float],
@@ -215,6 +229,13 @@ def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], m
         decoders.append(Decoder("fine-tuned ours", "context graphmax on the fine-tuned LM (ours)", "ours",
                                 ContextGraphmaxLogitsProcessor.from_config(setup.graph, finetuned.tuned).warmup(),
                                 lm="fine-tuned"))
+    if finetuned is not None and finetuned.knn is not None:
+        ft_knn = finetuned.knn
+        decoders.append(Decoder("fine-tuned ours knn", f"context graphmax + kNN datastore ({len(ft_knn.datastore):,} "
+                                "keys of its own) on the fine-tuned LM (ours)", "ours",
+                                KnnContextGraphmaxLogitsProcessor.from_config(
+                                    setup.graph, ft_knn.tuned, datastore=ft_knn.datastore, tap=HiddenStateTap(),
+                                    **ft_knn.settings).warmup(), lm="fine-tuned"))
     return decoders
 
 
@@ -297,10 +318,11 @@ def run_eval(args) -> Path:
     valid = score_documents(model, tok, valid_docs, positions, hidden=hidden)
     tuned, tune_table = tune_config(setup.graph, valid)
     knn = datastore_decoder(model, tok, setup, tuned, valid, args.datastore_docs, positions,
-                            out / "work") if hidden else None
+                            out / "work" / "datastore") if hidden else None
     tune_seconds = time.perf_counter() - t0  # with the datastore's build and tuning: all graphmax's own compute
     # the baseline a user would pick: fine-tune the LM on the same training text, for as long as graphmax took
-    finetuned = fine_tuned_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, tune_seconds)
+    finetuned = fine_tuned_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, tune_seconds,
+                                    knn, out / "work")
     scored = {"base": score_documents(model, tok, test_docs, positions, hidden=hidden)}
     if knn is not None:
         tune_table += knn.table
@@ -326,14 +348,16 @@ def run_eval(args) -> Path:
     gen = {key: (by_key[key].label, lms[by_key[key].lm], by_key[key].processor)
            for key in ["softmax", *[f"paper {lam:g}" for lam in paper_lams], "interpolation optimum", "ours",
                        *(["ours knn"] if knn is not None else []),
-                       *(["fine-tuned", "fine-tuned ours"] if finetuned is not None else [])]}
+                       *(["fine-tuned", "fine-tuned ours"] if finetuned is not None else []),
+                       *(["fine-tuned ours knn"] if "fine-tuned ours knn" in by_key else [])]}
     openings = [" ".join(t.split()[:8]) for t in setup.test[-sizes["prompts"]:]]
     references = setup.test[:sizes["references"]]
-    if knn is not None:  # inside generate() the kNN decoder's tap reads the model's head
-        by_key["ours knn"].processor.tap.attach(model)
+    knn_keys = [key for key in gen if key.endswith("knn")]
+    for key in knn_keys:  # inside generate() a kNN decoder's tap reads its own LM's head
+        by_key[key].processor.tap.attach(lms[by_key[key].lm])
     gen_rows, samples = generation_rows(gen, model, tok, openings, references, sizes, args.seed)
-    if knn is not None:
-        by_key["ours knn"].processor.tap.remove()
+    for key in knn_keys:
+        by_key[key].processor.tap.remove()
 
     # the per-step cost goal is for batch 1: greedy, one opening at a time, plain vs ours
     cost = decode_cost(model, tok, openings[:4], by_key["ours"].processor, max_new_tokens=sizes["new_tokens"])

@@ -125,7 +125,6 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
              "2 standard errors is sampling noise")
     nll_noise = (f"teacher-forced on {len(nll['softmax'][short])} held-out test tokens; log ratio = mean "
                  "per-token NLL difference ± its standard error; within 2 standard errors is noise")
-    interp = ppl["interpolation optimum"]
     claims = [
         ("Graphmax raises BLEU of generated text over softmax (Tables 3–4).",
          f"best paper-graphmax BLEU-4 {best_bleu['BLEU-4']:.2f} ({best_bleu['decoder']}) vs softmax "
@@ -154,27 +153,35 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
         ("Human raters prefer graphmax (Table 7).", "no raters here",
          _verdict(None, "a blind A/B sheet is exported: ab_sheet.csv / ab_sheet.html, key in ab_key.csv")),
     ]
-    variants = [("ours", "context-aware graphmax")]
+    # (row, what it is, the interpolation it must beat (same LM), the row it adds to)
+    variants = [("ours", "context-aware graphmax", "interpolation optimum", None)]
     if knn is not None:
         variants.append(("ours knn", f"context-aware graphmax with a kNN datastore ({knn['keys']:,} keys from "
                                      f"{knn['documents']:,} training documents; built and tuned in "
                                      f"{knn['seconds']:.0f} s; β = {knn['knn_weight']:g}, T = "
-                                     f"{knn['knn_temperature']:g}, k = {knn['knn_k']})"))
-    for (key, what), w in itertools.product(variants, windows):
-        row = ppl[key]
-        vs_interp = _paired(nll, key, "interpolation optimum", w)
-        weight = interp["decoder"].split(f"{w}: ")[1].split(";")[0].rstrip(")")
+                                     f"{knn['knn_temperature']:g}, k = {knn['knn_k']})", "interpolation optimum",
+                         "ours"))
+    ft_knn = (finetune or {}).get("knn")
+    if ft_knn is not None:
+        variants.append(("fine-tuned ours knn", "context-aware graphmax with a kNN datastore of the fine-tuned LM's "
+                                                f"own states ({ft_knn['keys']:,} keys; β = {ft_knn['knn_weight']:g}, "
+                                                f"T = {ft_knn['knn_temperature']:g}) on the fine-tuned LM",
+                         "fine-tuned interpolation optimum", "fine-tuned ours"))
+    for (key, what, interp_key, base), w in itertools.product(variants, windows):
+        row, interp_row = ppl[key], ppl[interp_key]
+        vs_interp = _paired(nll, key, interp_key, w)
+        weight = interp_row["decoder"].split(f"{w}: ")[1].split(";")[0].rstrip(")")
         met = row[f"ratio_{w}"] <= 0.60
         claims.append((
             f"Ours: {what} lowers held-out perplexity over the first {w} tokens to ≤ 0.60× softmax, "
             "below the interpolation at its optimum.",
             f"{row[f'perplexity_{w}']:.2f} = {row[f'ratio_{w}']:.3f}× softmax "
             f"(≤ 0.60: {'met' if met else 'missed'}); "
-            f"interpolation at its optimum on the test tokens, w = {weight}: {interp[f'perplexity_{w}']:.2f} "
-            f"({interp[f'ratio_{w}']:.3f}×), log ratio of ours to it {_nats(vs_interp)} (below it: "
-            f"{_label(_lower(vs_interp))})"
-            + ("" if key == "ours" else
-               f"; log ratio to ours without the datastore {_nats(_paired(nll, key, 'ours', w))}"),
+            f"{interp_row['decoder'].split(', w')[0]} at its optimum on the test tokens, w = {weight}: "
+            f"{interp_row[f'perplexity_{w}']:.2f} ({interp_row[f'ratio_{w}']:.3f}×), log ratio of ours to it "
+            f"{_nats(vs_interp)} (below it: {_label(_lower(vs_interp))})"
+            + ("" if base is None else
+               f"; log ratio to {ppl[base]['decoder']} {_nats(_paired(nll, key, base, w))}"),
             _verdict(_lower(vs_interp) if met else False,
                      f"tuned on the validation half over the first {sizes['positions']} tokens, reported on the test "
                      "half; the interpolation's weight is fitted on the test tokens themselves (a bounded scalar "
@@ -234,7 +241,7 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
     for i, prompt in enumerate(openings[:4]):
         lines.append(f"**{prompt}**")
         lines.append("")
-        for key in ("softmax", "ours", "paper 1", "fine-tuned", "fine-tuned ours"):
+        for key in ("softmax", "ours", "ours knn", "paper 1", "fine-tuned", "fine-tuned ours", "fine-tuned ours knn"):
             if key in samples:
                 lines.append(f"- {gen[key]['decoder']}: {' '.join(samples[key][i].split())}")
         lines.append("")
@@ -286,5 +293,12 @@ def finetune_section(ft: dict) -> list[str]:
         f"{ft['loss_first']:.3f} → {ft['loss_last']:.3f} (mean of the first and last tenth of the steps).",
         f"Context graphmax on the fine-tuned LM uses the same graph and the tuned choice with λ tuned again on the "
         f"validation documents with the fine-tuned LM's logits: λ = {tuned.lam:g} (tuning.csv, rows with "
-        f"lm = fine-tuned).", "",
+        f"lm = fine-tuned).",
+        *([] if ft.get("knn") is None else [
+            f"With the datastore: the fine-tuned LM's states change, so it has a datastore of its own over the same "
+            f"training documents ({ft['knn']['keys']:,} keys), built and tuned (β, T, then λ's scale on its "
+            f"validation logits) in {ft['knn']['seconds']:.0f} s after the fine-tuning, outside its budget: "
+            f"β = {ft['knn']['knn_weight']:g}, T = {ft['knn']['knn_temperature']:g}, "
+            f"λ = {ft['knn']['tuned'].lam:g}."]),
+        "",
     ]

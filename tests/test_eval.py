@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 
 import numpy as np
@@ -201,10 +202,16 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     assert float(rows["softmax"]["ratio_2"]) == 1.0 and float(rows["softmax"]["ratio_4"]) == 1.0
     assert {"paper 1", "paper mixture 1", "interpolation 0.3", "interpolation optimum", "ours", "ours knn",
             "fine-tuned", "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
-    assert "with a kNN datastore" in report and "log ratio to ours without the datastore" in report
-    assert (out / "work" / "datastore" / "meta.json").is_file()
+    assert "fine-tuned ours knn" in rows and rows["fine-tuned ours knn"]["lm"] == "fine-tuned"
+    assert "with a kNN datastore" in report and "log ratio to context graphmax, tuned (ours)" in report
+    assert "own states" in report and "log ratio to context graphmax on the fine-tuned LM (ours)" in report
+    assert "fine-tuned interpolation at its optimum" in report and "has a datastore of its own" in report
+    # the fine-tuned LM's datastore holds its own states: the base LM's fingerprint does not match it
+    stores = [json.loads((out / "work" / name / "meta.json").read_text())
+              for name in ("datastore", "datastore-fine-tuned")]
+    assert stores[0]["keys"] == stores[1]["keys"] and stores[0]["model_sha256"] != stores[1]["model_sha256"]
     with open(out / "generation.csv") as fh:
-        assert "ours knn" in {r["key"] for r in csv.DictReader(fh)}
+        assert {"ours knn", "fine-tuned ours knn"} <= {r["key"] for r in csv.DictReader(fh)}
     assert rows["paper 1"]["ratio_4"] == "" and rows["paper 1"]["ratio_2"] != ""  # scored over 2 tokens only
     # the optimum is at least as good as every grid weight, over each window
     for w in ("2", "4"):
