@@ -357,8 +357,10 @@ class ContextReference:
                 self.unigram, self.log_unigram, self._tables, self.kneser_ney, self.config.discount, self.config.kappa,
                 *extra)
 
-    def _check_knn(self, knn: Any, rows: int, width: int) -> tuple | None:
-        """``knn`` = (tokens (B, k) ids below ``width``, weights (B, k) ≥ 0 summing to 1 per row, share in [0, 1])."""
+    def _check_knn(self, knn: Any, rows: int, width: int, sync: bool = True) -> tuple | None:
+        """``knn`` = (tokens (B, k) ids below ``width``, weights (B, k) ≥ 0 summing to 1 per row, share in [0, 1]);
+        the values checked with a host synchronisation, or asserted on the device when ``sync`` is False (as
+        ``check_inputs`` does)."""
         if knn is None:
             return None
         if not (isinstance(knn, tuple) and len(knn) == 3):
@@ -372,12 +374,15 @@ class ContextReference:
                              f"and k >= 1")
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             raise ValueError(f"the kNN share must be a float in [0, 1], got {share!r}")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= width:
-            raise ValueError(f"kNN tokens must be ids in [0, {width})")
         weights = weights.detach().double()
-        if not bool(torch.isfinite(weights).all() and (weights >= 0).all()) \
-                or not bool(((weights.sum(1) - 1.0).abs() <= 1e-6).all()):
-            raise ValueError("kNN weights must be finite, >= 0 and sum to 1 in each row (a distribution)")
+        checks = {f"kNN tokens must be ids in [0, {width})": ((tokens >= 0) & (tokens < width)).all(),
+                  "kNN weights must be finite, >= 0 and sum to 1 in each row (a distribution)":
+                      (torch.isfinite(weights) & (weights >= 0)).all() & ((weights.sum(1) - 1.0).abs() <= 1e-6).all()}
+        for message, ok in checks.items():
+            if not sync:
+                torch._assert_async(ok, message)
+            elif not bool(ok):
+                raise ValueError(message)
         return tokens.detach().long(), weights, float(share)
 
     def _check_ids(self, input_ids: torch.Tensor, rows: int | None = None) -> None:
@@ -460,7 +465,6 @@ class ContextReference:
         if scores.shape[-1] < self.n:
             raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.n} nodes; "
                              f"rebuild the graph with this model's tokenizer")
-        knn = self._check_knn(knn, scores.shape[0], scores.shape[-1])
         cpu = scores.device.type == "cpu"
         if backend == "numba" and not cpu:
             raise ValueError(f"the numba kernel runs on the CPU, the scores are on {scores.device}; "
@@ -468,6 +472,7 @@ class ContextReference:
         kernel = cpu and backend != "torch"
         if not cpu and check_every is None:
             check_every = 0
+        knn = self._check_knn(knn, scores.shape[0], scores.shape[-1], sync=kernel or check_every != 0)
         cfg = self.config
         share = 1.0 if cfg.divergence == "kl" else cfg.kl_share
         max_iter = max_iter if max_iter is not None else (60 if cpu else 8)

@@ -177,18 +177,20 @@ class Datastore:
                                  + (f", {mine['vocab_sha256'][:12]}…" if mine else "") + f") than the graph's "
                                  f"({vocab_size} tokens, {vocab_sha256[:12]}…); build both with one tokenizer")
 
-    def neighbours(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def neighbours(self, hidden: torch.Tensor, k: int, sync: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` nearest keys of each row of ``hidden`` (B, d): squared L2 distances (B, k), ascending, and
-        their values (B, k), on the datastore's device: ‖k‖² − 2⟨h, k⟩ + ‖h‖², the products in ``precision``."""
+        their values (B, k), on the datastore's device: ‖k‖² − 2⟨h, k⟩ + ‖h‖², the products in ``precision``.
+        ``sync``: check the states and distances are finite with a host synchronisation (a DatastoreError), or
+        assert it on the device (a device-side assert, no round trip per step); ``None``: sync on the CPU only."""
         if not torch.is_tensor(hidden) or hidden.dim() != 2 or hidden.shape[1] != self.dim:
             raise ValueError(f"hidden states must be (B, {self.dim}) (the datastore's model), got "
                              f"{tuple(getattr(hidden, 'shape', ()))}; build the datastore with this model")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         h = hidden.detach().to(self.keys.device, torch.float32)
-        if not bool(torch.isfinite(h).all()):
-            raise DatastoreError("the model's hidden states are not finite (NaN or inf in float32); the datastore "
-                                 "cannot be searched with them: check the model and its dtype")
+        sync = self.keys.device.type == "cpu" if sync is None else sync
+        _check(torch.isfinite(h).all(), sync, "the model's hidden states are not finite (NaN or inf in float32); the "
+               "datastore cannot be searched with them: check the model and its dtype")
         k = min(k, len(self))
         hq = h.to(self.keys.dtype)
         block = max(k, _BLOCK // max(h.shape[0], 1))
@@ -203,21 +205,29 @@ class Datastore:
             best_d, best_i = dv, di
         order = torch.argsort(best_d, dim=1, stable=True)
         dist = (best_d.gather(1, order) + (h * h).sum(1, keepdim=True)).clamp_min(0.0)
-        if not bool(torch.isfinite(dist).all()):
-            raise DatastoreError("distances to the datastore's keys overflow float32: the model's hidden states are "
-                                 "far larger than the keys; check the model and its dtype")
+        _check(torch.isfinite(dist).all(), sync, "distances to the datastore's keys overflow float32: the model's "
+               "hidden states are far larger than the keys; check the model and its dtype")
         return dist, self.values[best_i.gather(1, order)]
 
-    def distribution(self, hidden: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def distribution(self, hidden: torch.Tensor, k: int, temperature: float,
+                     sync: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """p_knn of each row as (tokens (B, k), weights (B, k)) float64 weights summing to 1 per row (a token may
-        appear more than once: its weights add up); ``temperature`` T > 0 (squared-distance units)."""
+        appear more than once: its weights add up); ``temperature`` T > 0 (squared-distance units); ``sync`` as
+        for :meth:`neighbours`."""
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not 0 < temperature < float("inf"):
             raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-        dist, tokens = self.neighbours(hidden, k)
+        dist, tokens = self.neighbours(hidden, k, sync)
         dist = dist.double()
         # shifted by each row's nearest distance: the same softmax, without underflow to 0/0 at tiny T
         return tokens, torch.softmax(-(dist - dist[:, :1]) / temperature, dim=1)
+
+
+def _check(ok: torch.Tensor, sync: bool, message: str) -> None:
+    if not sync:  # raised by the device when it gets there (at once on the CPU), without a host round trip
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise DatastoreError(message)
 
 
 def _head(model: Any) -> torch.nn.Module:

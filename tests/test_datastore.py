@@ -308,6 +308,56 @@ def test_bad_knn_rows_are_refused():
             ref.step(ids, z, knn=knn)
 
 
+def _refuse_host_reads(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host synchronisation on a GPU")
+
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(torch, "nonzero", refuse)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_the_knn_step_on_the_torch_path_reads_no_value_back_to_the_host(monkeypatch, config):
+    rng = np.random.default_rng(5)
+    ref = ContextReference(_counts(30, 2), config)
+    store = Datastore(rng.normal(size=(200, 6)), rng.integers(0, 33, 200), vocab_size=33)
+    ids, hidden = torch.tensor(rng.integers(0, 30, (3, 5))), torch.tensor(rng.normal(size=(3, 6)), dtype=torch.float32)
+    z = torch.tensor(rng.normal(size=(3, 33)) * 3)
+    tokens, weights = store.distribution(hidden, 16, 2.0)
+    expected, _ = ref.step(ids, z, knn=(tokens, weights, 0.4))  # the numba kernel, checked on the host
+    _refuse_host_reads(monkeypatch)
+    tokens_t, weights_t = store.distribution(hidden, 16, 2.0, sync=False)
+    logx, info = ref.step(ids, z, knn=(tokens_t, weights_t, 0.4), backend="torch", check_every=0, max_iter=20)
+    monkeypatch.undo()
+    assert torch.equal(tokens_t, tokens) and torch.equal(weights_t, weights) and info.converged.all()
+    torch.testing.assert_close(logx.exp(), expected.exp(), atol=1e-10, rtol=0)
+    # the checks still run, asserted on the device (on the CPU they raise at once)
+    for bad, match in [((tokens + 40, weights, 0.4), r"\[0, 33\)"), ((tokens, 2 * weights, 0.4), "sum to 1")]:
+        with pytest.raises(RuntimeError, match=match):
+            ref.step(ids, z, knn=bad, backend="torch", check_every=0)
+    with pytest.raises(RuntimeError, match="not finite"):
+        store.distribution(hidden * torch.nan, 16, 2.0, sync=False)
+    with pytest.raises(ValueError, match="sum to 1"):  # the numba kernel is handed only rows checked on the host
+        ref.step(ids, z, knn=(tokens, 2 * weights, 0.4), backend="numba", check_every=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the device tool lends one to some sessions)")
+def test_the_knn_processor_on_cuda_equals_the_cpu_kernel():
+    rng = np.random.default_rng(9)
+    keys, values = rng.normal(size=(500, 6)), rng.integers(0, 30, 500)
+    counts, ids = _counts(30, 4), torch.tensor(rng.integers(0, 30, (4, 5)))
+    z, hidden = torch.tensor(rng.normal(size=(4, 30)) * 3), torch.tensor(rng.normal(size=(4, 6)), dtype=torch.float32)
+    out = {}
+    for device in ("cpu", "cuda"):
+        tap = HiddenStateTap()
+        tap.states = hidden.to(device)
+        store = Datastore(keys, values, vocab_size=30, device=device, precision="float32")
+        proc = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_k=32, knn_temperature=2.0, lam=1.5)
+        out[device] = proc(ids.to(device), z.to(device)).cpu()
+    torch.testing.assert_close(out["cuda"].exp(), out["cpu"].exp(), atol=1e-10, rtol=0)
+
+
 def _processor(**kw):
     counts = _counts(12, 3)
     store = Datastore(np.random.default_rng(0).normal(size=(40, 4)), np.arange(40) % 12, vocab_size=12)
