@@ -348,14 +348,18 @@ def test_the_knn_processor_on_cuda_equals_the_cpu_kernel():
     keys, values = rng.normal(size=(500, 6)), rng.integers(0, 30, 500)
     counts, ids = _counts(30, 4), torch.tensor(rng.integers(0, 30, (4, 5)))
     z, hidden = torch.tensor(rng.normal(size=(4, 30)) * 3), torch.tensor(rng.normal(size=(4, 6)), dtype=torch.float32)
-    out = {}
-    for device in ("cpu", "cuda"):
-        tap = HiddenStateTap()
-        tap.states = hidden.to(device)
-        store = Datastore(keys, values, vocab_size=30, device=device, precision="float32")
-        proc = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_k=32, knn_temperature=2.0, lam=1.5)
-        out[device] = proc(ids.to(device), z.to(device)).cpu()
-    torch.testing.assert_close(out["cuda"].exp(), out["cpu"].exp(), atol=1e-10, rtol=0)
+    tap = HiddenStateTap()
+    tap.states = hidden.cuda()
+    store = Datastore(keys, values, vocab_size=30, device="cuda", precision="float32")
+    proc = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_k=32, knn_temperature=2.0, lam=1.5)
+    gpu = proc(ids.cuda(), z.cuda())
+    tokens, weights = store.distribution(hidden.cuda(), 32, 2.0)
+    cpu_tokens, cpu_weights = Datastore(keys, values, vocab_size=30, precision="float32").distribution(hidden, 32, 2.0)
+    assert torch.equal(tokens.cpu(), cpu_tokens)  # the same neighbours; their weights up to float32 rounding
+    torch.testing.assert_close(weights.cpu(), cpu_weights, atol=1e-5, rtol=0)
+    cpu, _ = ContextReference(counts, proc.config).step(ids, z, knn=(tokens.cpu(), weights.cpu(), 0.5))
+    assert gpu.device.type == "cuda" and bool(proc.last_info.converged.all())
+    torch.testing.assert_close(gpu.exp().cpu(), cpu.exp(), atol=1e-10, rtol=0)
 
 
 def _processor(**kw):
