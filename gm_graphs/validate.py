@@ -217,6 +217,14 @@ def check_decoder(root, d) -> None:
         w = d["order_weights"]
         s.need(isinstance(w, list) and 0 < len(w) <= 16 and all(_is_number(x) for x in w), "decoder.order_weights",
                "a list of numbers", w)
+    if "knn" in d:  # a kNN datastore's settings, tuned with the datastore whose keys have this SHA-256
+        knn = d["knn"]
+        s.need(isinstance(knn, dict), "decoder.knn", "an object", knn)
+        for key in ("knn_weight", "knn_temperature", "lam"):
+            s.need(_is_number(knn.get(key)), f"decoder.knn.{key}", "a finite number", knn.get(key))
+        s.need(_is_int(knn.get("knn_k")), "decoder.knn.knn_k", "an integer", knn.get("knn_k"))
+        sha = knn.get("datastore_sha256")
+        s.need(isinstance(sha, str) and len(sha) == 64, "decoder.knn.datastore_sha256", "64 hex digits", sha)
 
 
 # ---- the arrays ---------------------------------------------------------------------------------------------------

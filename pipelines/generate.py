@@ -6,6 +6,7 @@ defaults); ``--decoder paper|context`` picks one, and each takes only its own op
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from gm_solver import (
 from .args import integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
+from .tune import datastore_sha256
 
 DECODERS = {"paper": PaperGraphmaxLogitsProcessor, "context": ContextGraphmaxLogitsProcessor}
 # each decoder's options (argparse dest); --order/--mixture choose which operator of the graph the paper one uses
@@ -127,10 +129,12 @@ def register(sub) -> None:
     p.add_argument("--datastore", type=Path, metavar="DIR",
                    help="context: also lean toward a kNN datastore of this model's hidden states (graphmax datastore)")
     p.add_argument("--knn-weight", type=number(at_least=0),
-                   help="with --datastore: its share β in the reference (default 0.5)")
+                   help="with --datastore: its share β in the reference (default: what `graphmax tune --datastore` "
+                        "stored for this datastore, else 0.5)")
     p.add_argument("--knn-k", type=integer(1), help="with --datastore: neighbours read (default 1024)")
     p.add_argument("--knn-temperature", type=number(above=0),
-                   help="with --datastore: T of softmax(−d/T) over squared distances (default 50)")
+                   help="with --datastore: T of softmax(−d/T) over squared distances (default: as --knn-weight, "
+                        "else 50)")
     p.add_argument("--lam-decay", type=number(at_least=0),
                    help="context: γ in λ_t = λ·t^(−γ) after t tokens of context (default 0: λ constant)")
     p.set_defaults(run=run)
@@ -173,12 +177,22 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
         return graph, proc, origin
     if kind != "context":
         raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
+    datastore = load_datastore(args.datastore)
+    config, where = proc.config, "defaults"
+    tuned = graph.decoder.get("knn") if kind == stored else None  # `graphmax tune --datastore`'s choice
+    if tuned is not None and tuned["datastore_sha256"] == datastore_sha256(datastore):
+        knn = {**{k: tuned[k] for k in KNN_OPTIONS}, **knn}
+        if "lam" not in settings:  # λ was tuned again with the datastore
+            config = dataclasses.replace(config, lam=tuned["lam"])
+        where = "stored by graphmax tune --datastore"
+    elif tuned is not None:
+        where = "defaults (the graph's were tuned with another datastore)"
     try:
-        proc = KnnContextGraphmaxLogitsProcessor.from_config(graph, proc.config, datastore=load_datastore(
-            args.datastore), tap=HiddenStateTap(), **knn)
+        proc = KnnContextGraphmaxLogitsProcessor.from_config(graph, config, datastore=datastore, tap=HiddenStateTap(),
+                                                             **knn)
     except (TypeError, ValueError) as e:
         raise GraphmaxError(str(e)) from e
-    return graph, proc, origin + f"; kNN datastore {args.datastore} ({len(proc.datastore):,} keys)"
+    return graph, proc, origin + f"; kNN datastore {args.datastore} ({len(proc.datastore):,} keys), β, T: {where}"
 
 
 def _show(value) -> str:

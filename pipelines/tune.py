@@ -7,13 +7,17 @@ Dirichlet prior κ), how many of the graph's n-gram tables to use (when it has
 some), the order weights, how fast λ falls with the context's length
 (λ_t = λ·t^(−γ)), and finally λ and that share again around the best. The choice
 and the perplexities behind it go into the graph's manifest, where
-``GraphmaxLogitsProcessor.from_graph`` finds them.
+``GraphmaxLogitsProcessor.from_graph`` finds them. With ``--datastore DIR`` the
+kNN datastore's share β and temperature T are tuned on top, then λ's scale; they
+are stored beside the choice with the datastore's keys' SHA-256, and ``graphmax
+generate --datastore`` uses them with that datastore.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -24,6 +28,7 @@ from gm_solver import (
     Datastore,
     HiddenStateTap,
     KnnContextGraphmaxLogitsProcessor,
+    load_datastore,
 )
 
 from .args import CorpusFiles, integer
@@ -136,21 +141,40 @@ def register(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--docs", type=integer(1), default=48, help="validation documents (default 48)")
     p.add_argument("--positions", type=integer(1), default=64, help="scored tokens per document (default 64)")
+    p.add_argument("--datastore", type=Path, metavar="DIR",
+                   help="also tune a kNN datastore's β and T (graphmax datastore; of --model over training text)")
     p.set_defaults(run=run)
 
 
+def datastore_sha256(datastore: Datastore) -> str:
+    """What identifies a datastore's keys: their file's SHA-256, as its folder records it."""
+    return datastore.meta["files"]["keys.npy"]["sha256"]
+
+
 def run(args) -> int:
-    graph = load_graph(graph_arg(args))  # a missing or broken graph is refused before the model loads
+    graph = load_graph(graph_arg(args))  # a missing or broken graph (or datastore) is refused before the model loads
+    datastore = None
+    if args.datastore is not None:
+        datastore = load_datastore(args.datastore)
+        tokenizer = graph.manifest["tokenizer"]
+        datastore.check_tokenizer(tokenizer["vocab_sha256"], tokenizer["vocab_size"])
     model, tok = load_model(args.model)
     graph.check_tokenizer(tok)
+    if datastore is not None:
+        datastore.check_model(model)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
-    heldout = score_documents(model, tok, texts, args.positions)
+    heldout = score_documents(model, tok, texts, args.positions, hidden=datastore is not None)
     softmax = perplexity(heldout)
     best, table = tune_config(graph, heldout)
     source = {"tuned": True, "validation": [str(f) for f in expand_corpus(args.corpus)],
               "documents": len(heldout.ids), "positions": heldout.positions, "softmax_perplexity": softmax,
               "perplexity": table[0]["perplexity"], "model": str(args.model)}
-    graph.set_decoder({"mode": "context", **dataclasses.replace(best, source=source).to_dict()})
+    choice = {"mode": "context", **dataclasses.replace(best, source=source).to_dict()}
+    if datastore is not None:
+        with_knn, knn, knn_table = tune_knn(graph, heldout, best, datastore)
+        choice["knn"] = {**knn, "lam": with_knn.lam, "datastore_sha256": datastore_sha256(datastore),
+                         "datastore_keys": len(datastore), "perplexity": knn_table[0]["perplexity"]}
+    graph.set_decoder(choice)
     print(f"{'divergence':<20} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:
         cfg = ContextConfig.from_dict(row)
@@ -160,4 +184,9 @@ def run(args) -> int:
           f"order weights {list(best.order_weights)}, λ_t = λ·t^(−{best.lam_decay:g}) "
           f"({table[0]['perplexity'] / softmax:.3f}× softmax), "
           f"stored in {graph.path / 'manifest.json'}")
+    if datastore is not None:
+        knn = choice["knn"]
+        print(f"with the datastore ({len(datastore):,} keys): β = {knn['knn_weight']:g}, T = "
+              f"{knn['knn_temperature']:g}, λ = {knn['lam']:g} ({knn['perplexity'] / softmax:.3f}× softmax), stored "
+              f"for `graphmax generate --datastore {args.datastore}`")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -137,6 +138,47 @@ def test_tune_stores_its_choice_and_from_graph_uses_it(smollm2, drug_graph, tmp_
     proc = GraphmaxLogitsProcessor.from_graph(load_graph(path))
     assert proc.config.lam == stored["lam"] and proc.config.divergence == stored["divergence"]
     assert proc.config.kl_share == stored["kl_share"] and proc.config.lam_decay == stored["lam_decay"]
+
+
+@pytest.mark.slow
+def test_tune_with_a_datastore_stores_its_knn_settings_for_generate(smollm2, drug_graph, tmp_path, capsys,
+                                                                     monkeypatch):
+    import shutil
+
+    import pipelines.tune as tune_mod
+    from gm_solver import KnnContextGraphmaxLogitsProcessor, build_datastore
+    from pipelines import generate
+
+    path, valid = tmp_path / "drugs", tmp_path / "valid.txt"
+    shutil.copytree(drug_graph.path, path)
+    valid.write_text("\n".join(TEXTS) + "\n")
+    model, tok = smollm2
+    store = build_datastore(model, tok, TEXTS * 3, tmp_path / "ds", positions=8, progress=False)
+    monkeypatch.setattr(tune_mod, "load_model", lambda name: (model, tok))
+    assert main(["tune", "--path", str(path), "--corpus", str(valid), "--docs", "2", "--positions", "6",
+                 "--datastore", str(tmp_path / "ds")]) == 0
+    assert "with the datastore (" in capsys.readouterr().out
+    stored = load_graph(path).decoder
+    knn = stored["knn"]
+    assert knn["knn_weight"] in tune_mod.KNN_WEIGHTS and knn["knn_temperature"] in tune_mod.KNN_TEMPERATURES
+    assert knn["datastore_sha256"] == tune_mod.datastore_sha256(store) and knn["datastore_keys"] == len(store)
+    assert any(math.isclose(knn["lam"], stored["lam"] * f) for f in tune_mod.KNN_LAM_FACTORS)
+    parser = argparse.ArgumentParser()
+    generate.register(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--prompt", "x", "--path", str(path), "--datastore", str(tmp_path / "ds")])
+    _, proc, origin = generate.build_decoder(args)
+    assert isinstance(proc, KnnContextGraphmaxLogitsProcessor) and "stored by graphmax tune --datastore" in origin
+    assert (proc.knn_weight, proc.knn_temperature, proc.config.lam) == (knn["knn_weight"], knn["knn_temperature"],
+                                                                         knn["lam"])
+    # a datastore of another model is refused before anything is tuned or stored
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1e-3
+    try:
+        assert main(["tune", "--path", str(path), "--corpus", str(valid), "--datastore", str(tmp_path / "ds")]) == 2
+    finally:
+        with torch.no_grad():
+            model.model.norm.weight[0] -= 1e-3
+    assert "(other weights)" in capsys.readouterr().err and load_graph(path).decoder == stored
 
 
 def test_tune_tries_each_lambda_decay_and_keeps_lambda_t_at_the_median_position():

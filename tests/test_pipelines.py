@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gm_graphs import add_ngrams, count_corpus, load_graph, write_graph
-from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
+from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor, load_datastore
 from pipelines import generate
 from pipelines.cli import main
 
@@ -204,6 +204,57 @@ def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model
     assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("graphmax generate: error: ") and error in err and err.count("\n") == 1
+
+
+def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(graph_path, tmp_path):
+    from gm_graphs.datastore import write_datastore
+    from gm_graphs.errors import GraphmaxError
+    from pipelines.tune import datastore_sha256
+
+    tokenizer = load_graph(graph_path).manifest["tokenizer"]
+    for name, seed in (("ds", 0), ("other", 1)):
+        write_datastore(tmp_path / name, [(np.random.default_rng(seed).normal(size=(3, 4)), np.array([1, 2, 3]))],
+                        dim=4, tokenizer=tokenizer, model="m", model_sha256="cd" * 32, positions=2, documents=1)
+    tuned = ContextConfig(divergence="l2", lam=0.7, source={"tuned": True})
+    knn = {"knn_weight": 0.35, "knn_temperature": 100.0, "knn_k": 2, "lam": 0.9,
+           "datastore_sha256": datastore_sha256(load_datastore(tmp_path / "ds")), "datastore_keys": 3}
+    load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": knn})
+    _, proc, origin = generate.build_decoder(_args("--path", str(graph_path)))  # without it: the plain choice
+    assert type(proc) is ContextGraphmaxLogitsProcessor and proc.config.lam == 0.7
+    _, proc, origin = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds")))
+    assert (proc.knn_weight, proc.knn_temperature, proc.knn_k, proc.config.lam) == (0.35, 100.0, 2, 0.9)
+    assert proc.config.divergence == "l2" and origin.endswith("β, T: stored by graphmax tune --datastore")
+    _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds"),
+                                              "--knn-weight", "0.6", "--lam", "2"))
+    assert (proc.knn_weight, proc.knn_temperature, proc.config.lam) == (0.6, 100.0, 2.0)  # options come first
+    _, proc, origin = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "other")))
+    assert (proc.knn_weight, proc.knn_temperature, proc.config.lam) == (0.5, 50.0, 0.7)
+    assert origin.endswith("defaults (the graph's were tuned with another datastore)")
+    for bad, field in ((dict(knn_weight="0.3"), "decoder.knn.knn_weight"), (dict(knn_k=2.5), "decoder.knn.knn_k"),
+                       (dict(datastore_sha256="ab"), "decoder.knn.datastore_sha256")):
+        with pytest.raises(GraphmaxError, match=field.replace(".", r"\.")):
+            load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": {**knn, **bad}})
+
+
+def test_tune_refuses_a_datastore_in_one_line_before_loading_the_model(graph_path, tmp_path, monkeypatch, capsys):
+    from gm_graphs.datastore import write_datastore
+    from pipelines import tune
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the datastore was checked")
+    monkeypatch.setattr(tune, "load_model", fail)
+    tokenizer = load_graph(graph_path).manifest["tokenizer"]
+    write_datastore(tmp_path / "foreign", [(np.zeros((3, 4)), np.array([1, 2, 3]))], dim=4,
+                    tokenizer={**tokenizer, "vocab_sha256": "ab" * 32}, model="m", model_sha256="cd" * 32,
+                    positions=2, documents=1)
+    corpus = tmp_path / "valid.txt"
+    corpus.write_text("the movie was good\n")
+    for name, error in (("nowhere", "cannot open it"), ("foreign", "another vocabulary")):
+        assert main(["tune", "--path", str(graph_path), "--corpus", str(corpus),
+                     "--datastore", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("graphmax tune: error: ") and error in err and err.count("\n") == 1
+    assert "decoder" not in load_graph(graph_path).manifest or load_graph(graph_path).decoder is None
 
 
 def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsys):
