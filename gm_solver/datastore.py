@@ -15,6 +15,7 @@ The folder's format is ``gm_graphs.datastore``'s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
@@ -148,6 +149,28 @@ class Datastore:
         self.values, self.vocab_size = values, int(vocab_size)
         self.precision = precision
         self.meta = dict(meta or {})
+        self._memo: dict | None = None
+
+    @contextlib.contextmanager
+    def remembered(self) -> Iterator[Datastore]:
+        """Inside the block each search is kept and given again for the same states and ``k``: tuning decodes the
+        same held-out states with many β, T and λ, and the neighbours depend on none of them (each state's bytes
+        are read to the host to be recognised).
+
+        Example::
+
+            >>> store = Datastore(np.eye(3, 2), np.array([0, 1, 2]), vocab_size=3)
+            >>> with store.remembered():
+            ...     a = store.neighbours(torch.ones(1, 2), 2)
+            ...     b = store.neighbours(torch.ones(1, 2), 2)     # not searched again
+            >>> a[0] is b[0]
+            True
+        """
+        self._memo = {}
+        try:
+            yield self
+        finally:
+            self._memo = None
 
     @property
     def dim(self) -> int:
@@ -189,6 +212,14 @@ class Datastore:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         h = hidden.detach().to(self.keys.device, torch.float32)
         sync = self.keys.device.type == "cpu" if sync is None else sync
+        if self._memo is None:
+            return self._search(h, k, sync)
+        key = (k, tuple(h.shape), hashlib.blake2b(h.cpu().numpy().tobytes(), digest_size=16).digest())
+        if key not in self._memo:
+            self._memo[key] = self._search(h, k, sync)
+        return self._memo[key]
+
+    def _search(self, h: torch.Tensor, k: int, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
         _check(torch.isfinite(h).all(), sync, "the model's hidden states are not finite (NaN or inf in float32); the "
                "datastore cannot be searched with them: check the model and its dtype")
         k = min(k, len(self))

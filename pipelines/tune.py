@@ -110,8 +110,9 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
             bar.update(1)
         return tried[key]
 
-    best = min(((w, t, 1.0) for w in weights for t in temperatures), key=ppl)
-    best = min(((best[0], best[1], f) for f in lam_factors), key=ppl)
+    with datastore.remembered():  # one search per held-out step, whatever β, T and λ
+        best = min(((w, t, 1.0) for w in weights for t in temperatures), key=ppl)
+        best = min(((best[0], best[1], f) for f in lam_factors), key=ppl)
     bar.close()
     table = [{**dataclasses.replace(config, lam=config.lam * f).to_dict(), "knn_weight": w, "knn_temperature": t,
               "knn_k": k, "perplexity": p} for (w, t, f), p in sorted(tried.items(), key=lambda kv: kv[1])]

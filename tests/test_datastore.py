@@ -542,3 +542,35 @@ def test_the_model_fingerprint_changes_with_any_parameter(which, where):
     with torch.no_grad():
         param.view(-1)[where % param.numel()] += 0.5
     assert dsmod.model_fingerprint(lm) != before
+
+
+def test_a_remembered_datastore_searches_each_state_once_and_answers_the_same():
+    import scipy.sparse as sp
+
+    from pipelines.heldout import HeldOut
+    from pipelines.tune import tune_knn
+
+    rng = np.random.default_rng(3)
+    store = Datastore(rng.normal(size=(60, 4)), rng.integers(0, 6, 60), vocab_size=6)
+    h = torch.tensor(rng.normal(size=(3, 4)), dtype=torch.float32)
+    plain = store.neighbours(h, 5)
+    searches = []
+    real = store._search
+    with mock.patch.object(store, "_search", side_effect=lambda *a: searches.append(1) or real(*a)):
+        with store.remembered():
+            for _ in range(3):
+                again = store.neighbours(h.clone(), 5)
+                assert torch.equal(again[0], plain[0]) and torch.equal(again[1], plain[1])
+            store.neighbours(h, 6)  # another k: another search
+            store.neighbours(h[:2], 5)  # other states: another search
+        assert len(searches) == 3
+        store.neighbours(h, 5)  # outside the block: searched every time
+        assert len(searches) == 4 and store._memo is None
+        # tuning decodes each held-out step with 20 settings and searches it once
+        ids = [torch.tensor(rng.integers(0, 6, n + 1)) for n in (4, 3)]
+        held = HeldOut(ids, [torch.randn(len(i) - 1, 6) for i in ids],
+                       [torch.tensor(rng.normal(size=(len(i) - 1, 4)), dtype=torch.float32) for i in ids])
+        counts = sp.csr_matrix(rng.integers(0, 3, (6, 6)).astype(float))
+        searches.clear()
+        _, _, table = tune_knn(counts, held, ContextConfig(lam=1.0), store, k=8, progress=False)
+        assert len(table) >= 16 and len(searches) == 4  # 4 steps: positions 1–4, rows of both documents
