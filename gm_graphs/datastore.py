@@ -8,12 +8,17 @@ A datastore (Khandelwal et al., "Generalization through Memorization: Nearest Ne
     <datastore>/meta.json             format, version, sizes, the model and tokenizer, each file's bytes and SHA-256
     <datastore>/keys.npy              float16, 1-D, keys × dim values: the keys row after row
     <datastore>/values.npy            int32, 1-D, one token id per key, each below the vocabulary size
+    <datastore>/ivf_centroids.npy     optional (an inverted-file index): float32, 1-D, lists × dim: each list's centre
+    <datastore>/ivf_lists.npy         optional, with it: int64, lists + 1 offsets: list i holds the keys
+                                      offsets[i] … offsets[i + 1] − 1 (the keys are stored list after list)
 
 The folder is written as a temporary sibling and renamed into place (``folders.staged_folder``), so a kill leaves
 the old datastore or the new one. Opening one follows no symlink, checks sizes, ``.npy`` headers, dtypes, the
 values' range, the keys' finiteness and (``verify``) the SHA-256 of each file before handing out an array. meta.json
-identifies the tokenizer (its vocabulary's SHA-256, as a graph's manifest does) and the model (a SHA-256 of its LM
-head's weights), so that a datastore is never searched with another model's states or another vocabulary's ids.
+identifies the tokenizer (its vocabulary's SHA-256, as a graph's manifest does) and the model (a SHA-256 of all its
+weights), so that a datastore is never searched with another model's states or another vocabulary's ids. The
+index's offsets are checked to cover the keys exactly once, in order, and its centres to be finite; which list a key
+is in only affects what an approximate search finds, never what it reads.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ FORMAT = "graphmax-datastore"
 VERSION = 2  # 2: model_sha256 covers every parameter, not the LM head alone
 META = "meta.json"
 KEYS, VALUES = "keys.npy", "values.npy"
+CENTROIDS, LISTS = "ivf_centroids.npy", "ivf_lists.npy"
 KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")
+CENTROID_DTYPE, LIST_DTYPE = np.dtype("<f4"), np.dtype("<i8")
+_MAX_LISTS = 1 << 20
 _MAX_META = 1 << 20
 _MAX_DIM = 1 << 16
 _FIX = "write it again with `graphmax datastore` (or gm_solver.build_datastore)"
@@ -46,17 +54,19 @@ _FIX = "write it again with `graphmax datastore` (or gm_solver.build_datastore)"
 
 @dataclass(frozen=True)
 class DatastoreArrays:
-    """A checked datastore: ``keys`` (N, dim) float16 and ``values`` (N,) int32, read into memory, and its
-    metadata (``vocab_size``, ``tokenizer``, ``model``, ``model_sha256``, ``positions``, ``documents``)."""
+    """A checked datastore: ``keys`` (N, dim) float16 and ``values`` (N,) int32, read into memory, its metadata
+    (``vocab_size``, ``tokenizer``, ``model``, ``model_sha256``, ``positions``, ``documents``) and, when it has an
+    inverted-file index, ``ivf`` = (centroids (lists, dim) float32, offsets (lists + 1,) int64)."""
 
     keys: np.ndarray
     values: np.ndarray
     meta: dict
+    ivf: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *, dim: int,
                     tokenizer: dict, model: str, model_sha256: str, positions: int, documents: int,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, ivf: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
     """Write (keys (n, dim), values (n,)) chunks as a datastore folder at ``path``, atomically.
 
     Args:
@@ -73,13 +83,16 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         positions (``int``): the positions kept per document.
         documents (``int``): how many documents gave keys.
         overwrite (``bool``, defaults to ``False``): replace a datastore graphmax wrote at ``path``.
+        ivf (``(np.ndarray, np.ndarray)`` or ``None``): an inverted-file index of the keys as given: centroids
+            (lists, dim), finite, and offsets (lists + 1,) from 0 to the number of keys, non-decreasing (the chunks
+            then come list after list).
 
     Returns:
         ``pathlib.Path``: ``path``.
 
     Raises:
-        DatastoreError: a chunk of the wrong shape, with non-finite keys or out-of-range values, or no keys at all;
-            nothing is left at ``path`` (or the old datastore is).
+        DatastoreError: a chunk of the wrong shape, with non-finite keys or out-of-range values, no keys at all, or
+            an index that does not cover the keys; nothing is left at ``path`` (or the old datastore is).
 
     Example::
 
@@ -100,6 +113,8 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
                              f"below 2**31, vocab_sha256), a model_sha256 and counts >= 0; got dim={dim!r}, "
                              f"tokenizer={tokenizer!r}, positions={positions!r}, documents={documents!r}")
     vocab_size = tokenizer["vocab_size"]
+    if ivf is not None:
+        ivf = _checked_ivf(ivf, dim)
     path = Path(path)
     with staged_folder(path, overwrite=overwrite, kind="datastore") as tmp:
         (tmp / DATASTORE_MARKER).write_text("a kNN datastore written by graphmax\n")
@@ -135,14 +150,45 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
             kf.write(_header(KEY_DTYPE, n * dim))
             vf.seek(0)
             vf.write(_header(VALUE_DTYPE, n))
-        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-                 for name in (KEYS, VALUES)}
+        names = [KEYS, VALUES]
+        if ivf is not None:
+            centroids, offsets = ivf
+            if offsets[-1] != n:
+                raise DatastoreError(f"the index's offsets end at {offsets[-1]}, but there are {n} keys; index the "
+                                     f"keys that are written")
+            for name, array, dtype in ((CENTROIDS, centroids, CENTROID_DTYPE), (LISTS, offsets, LIST_DTYPE)):
+                with open(tmp / name, "wb") as fh:
+                    fh.write(_header(dtype, array.size))
+                    fh.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
+            names += [CENTROIDS, LISTS]
+        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in names}
         meta = {"format": FORMAT, "version": VERSION, "keys": n, "dim": dim, "vocab_size": vocab_size,
                 "tokenizer": tokenizer, "model": str(model), "model_sha256": model_sha256,
                 "positions": positions, "documents": documents, "files": files}
+        if ivf is not None:
+            meta["ivf_lists"] = int(ivf[0].shape[0])
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
         fault_point("datastore.written")
     return path
+
+
+def _checked_ivf(ivf: object, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(centroids (lists, dim) float32, offsets (lists + 1,) int64) if ``ivf`` is a sound index (its last offset
+    is checked against the keys by the caller)."""
+    if not (isinstance(ivf, tuple) and len(ivf) == 2):
+        raise DatastoreError("ivf must be (centroids (lists, dim), offsets (lists + 1,))")
+    centroids, offsets = np.asarray(ivf[0]), np.asarray(ivf[1])
+    if centroids.ndim != 2 or centroids.shape[1] != dim or not 1 <= centroids.shape[0] <= _MAX_LISTS \
+            or offsets.shape != (centroids.shape[0] + 1,) or not np.issubdtype(offsets.dtype, np.integer) \
+            or not np.issubdtype(centroids.dtype, np.number):
+        raise DatastoreError(f"the index must be centroids (lists, {dim}) with 1 to {_MAX_LISTS} lists and integer "
+                             f"offsets (lists + 1,); got {centroids.shape} and {offsets.shape}")
+    centroids = centroids.astype(CENTROID_DTYPE)
+    if not np.isfinite(centroids).all():
+        raise DatastoreError("the index's centroids are not finite (in float32)")
+    if offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        raise DatastoreError("the index's offsets must start at 0 and never decrease (lists stored one after another)")
+    return centroids, offsets.astype(LIST_DTYPE)
 
 
 def check_datastore_target(path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -220,7 +266,18 @@ def open_datastore(path: str | os.PathLike, verify: bool = True) -> DatastoreArr
     for lo in range(0, keys.shape[0], 1 << 16):  # in blocks: a float32 copy of a large datastore is not needed
         if not np.isfinite(keys[lo:lo + (1 << 16)]).all():
             raise _bad(root, f"{KEYS} holds keys that are not finite")
-    return DatastoreArrays(keys, values, meta)
+    ivf = None
+    if "ivf_lists" in meta:
+        lists = meta["ivf_lists"]
+        centroids = _open_array(root, CENTROIDS, CENTROID_DTYPE, lists * meta["dim"], meta["files"][CENTROIDS], verify)
+        offsets = _open_array(root, LISTS, LIST_DTYPE, lists + 1, meta["files"][LISTS], verify)
+        try:
+            ivf = _checked_ivf((centroids.reshape(lists, meta["dim"]), offsets), meta["dim"])
+        except DatastoreError as e:
+            raise _bad(root, str(e)) from None
+        if offsets[-1] != meta["keys"]:
+            raise _bad(root, f"the index's offsets end at {offsets[-1]}, not at the {meta['keys']} keys")
+    return DatastoreArrays(keys, values, meta, ivf)
 
 
 def _lstat_mode(path: Path) -> int:
@@ -282,11 +339,14 @@ def _read_meta(root: Path) -> dict:
     if not all(_positive_int(meta, k) for k in ("keys", "dim", "vocab_size")) or meta["dim"] > _MAX_DIM \
             or meta["vocab_size"] >= 2**31:
         raise _bad(root, f"{META} has no valid keys, dim and vocab_size (ints >= 1)")
+    if "ivf_lists" in meta and not (_positive_int(meta, "ivf_lists") and meta["ivf_lists"] <= _MAX_LISTS):
+        raise _bad(root, f"{META} has an ivf_lists that is not an int in [1, {_MAX_LISTS}]")
+    names = (KEYS, VALUES, *((CENTROIDS, LISTS) if "ivf_lists" in meta else ()))
     files = meta.get("files")
     if not isinstance(files, dict) or not all(
             isinstance(files.get(n), dict) and isinstance(files[n].get("bytes"), int)
-            and isinstance(files[n].get("sha256"), str) for n in (KEYS, VALUES)):
-        raise _bad(root, f"{META} does not record {KEYS} and {VALUES} (bytes and sha256)")
+            and isinstance(files[n].get("sha256"), str) for n in names):
+        raise _bad(root, f"{META} does not record {', '.join(names)} (bytes and sha256)")
     tokenizer = _checked_tokenizer(meta.get("tokenizer"))
     if tokenizer is None or tokenizer["vocab_size"] != meta["vocab_size"] or not _sha(meta.get("model_sha256")):
         raise _bad(root, f"{META} does not identify its tokenizer (name, vocab_size, vocab_sha256) and model "

@@ -20,7 +20,7 @@ import importlib
 from typing import Any
 
 from .context import ContextConfig, ContextReference
-from .datastore import Datastore, HiddenStateTap, build_datastore, load_datastore
+from .datastore import Datastore, HiddenStateTap, build_datastore, index_datastore, load_datastore
 from .divergences import DIVERGENCES, certificate_toward, solve_toward
 from .graphmax import Graphmax, LogGraphmax, graphmax, log_graphmax
 from .objective import certificate
@@ -40,8 +40,8 @@ __all__ = [
     # decoders for model.generate()
     "ContextGraphmaxLogitsProcessor", "GraphmaxLogitsProcessor", "InterpolationLogitsProcessor",
     "KnnContextGraphmaxLogitsProcessor", "PaperGraphmaxLogitsProcessor",
-    # the kNN datastore that KnnContextGraphmaxLogitsProcessor reads: build, load, and the tap on the model's head
-    "Datastore", "HiddenStateTap", "build_datastore", "load_datastore",
+    # the kNN datastore that KnnContextGraphmaxLogitsProcessor reads: build, index, load, and the tap on the head
+    "Datastore", "HiddenStateTap", "build_datastore", "index_datastore", "load_datastore",
     # the context decoder's settings, and its reference q(· | context) (what interpolation mixes in, too)
     "ContextConfig", "ContextReference",
     # the values `divergence` takes, for sweeps and command lines

@@ -29,6 +29,9 @@ def register(sub) -> None:
     p.add_argument("--docs", type=integer(1), default=10_000,
                    help="documents read, from the first (default 10,000; ~700 positions/s on 2 CPU cores)")
     p.add_argument("--positions", type=integer(1), default=64, help="keys per document, its first (default 64)")
+    p.add_argument("--ivf-lists", type=integer(0), default=0,
+                   help="an inverted-file index of N lists (faiss): each search reads --knn-nprobe lists instead of "
+                        "every key; worth it beyond ~100k keys, ~4·√keys lists (default 0: none)")
     p.add_argument("--overwrite", action="store_true", help="replace a datastore graphmax wrote at --out")
     p.set_defaults(run=run)
 
@@ -38,7 +41,8 @@ def run(args) -> int:
     model, tok = load_model(args.model)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
     store = build_datastore(model, tok, texts, args.out, positions=args.positions, overwrite=args.overwrite,
-                            model_name=str(args.model))
-    print(f"datastore: {len(store):,} keys of width {store.dim} from {store.meta['documents']:,} documents, "
+                            model_name=str(args.model), ivf_lists=args.ivf_lists)
+    index = f", an index of {store.meta['ivf_lists']:,} lists" if store.approximate else ""
+    print(f"datastore: {len(store):,} keys of width {store.dim} from {store.meta['documents']:,} documents{index}, "
           f"written to {args.out}")
     return 0

@@ -132,6 +132,8 @@ def register(sub) -> None:
                    help="with --datastore: its share β in the reference (default: what `graphmax tune --datastore` "
                         "stored for this datastore, else 0.5)")
     p.add_argument("--knn-k", type=integer(1), help="with --datastore: neighbours read (default 1024)")
+    p.add_argument("--knn-nprobe", type=integer(1),
+                   help="with --datastore that has an index (--ivf-lists): lists read per search (default 32)")
     p.add_argument("--knn-temperature", type=number(above=0),
                    help="with --datastore: T of softmax(−d/T) over squared distances (default: as --knn-weight, "
                         "else 50)")
@@ -172,12 +174,13 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
         origin += ", with " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in settings.items())
     knn = {k: getattr(args, k) for k in KNN_OPTIONS if getattr(args, k) is not None}
     if args.datastore is None:
-        if knn:
-            raise GraphmaxError(f"--{next(iter(knn)).replace('_', '-')} applies with --datastore DIR only")
+        if knn or args.knn_nprobe is not None:
+            name = next(iter(knn), "knn_nprobe")
+            raise GraphmaxError(f"--{name.replace('_', '-')} applies with --datastore DIR only")
         return graph, proc, origin
     if kind != "context":
         raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
-    datastore = load_datastore(args.datastore)
+    datastore = load_datastore(args.datastore, nprobe=args.knn_nprobe or 32)
     config, where = proc.config, "defaults"
     tuned = graph.decoder.get("knn") if kind == stored else None  # `graphmax tune --datastore`'s choice
     if tuned is not None and tuned["datastore_sha256"] == datastore_sha256(datastore):
@@ -192,7 +195,9 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
                                                              **knn)
     except (TypeError, ValueError) as e:
         raise GraphmaxError(str(e)) from e
-    return graph, proc, origin + f"; kNN datastore {args.datastore} ({len(proc.datastore):,} keys), β, T: {where}"
+    keys = f"{len(datastore):,} keys" + (f", {datastore.nprobe} of its {datastore.meta['ivf_lists']:,} lists a "
+                                          "search" if datastore.approximate else "")
+    return graph, proc, origin + f"; kNN datastore {args.datastore} ({keys}), β, T: {where}"
 
 
 def _show(value) -> str:

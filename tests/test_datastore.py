@@ -574,3 +574,141 @@ def test_a_remembered_datastore_searches_each_state_once_and_answers_the_same():
         searches.clear()
         _, _, table = tune_knn(counts, held, ContextConfig(lam=1.0), store, k=8, progress=False)
         assert len(table) >= 16 and len(searches) == 4  # 4 steps: positions 1–4, rows of both documents
+
+
+# ---- the inverted-file index ---------------------------------------------------------------------------------------
+
+def _indexed(path: Path, seed: int = 0, n: int = 40, lists: int = 4) -> Path:
+    keys, values = _random(np.random.default_rng(seed), n)
+    _write(path, keys, values)
+    dsmod.index_datastore(path, lists, seed=seed)
+    return path
+
+
+IVF_HOSTILE = {
+    "lists zero": lambda p: _rewrite_meta(p, ivf_lists=0),
+    "lists a string": lambda p: _rewrite_meta(p, ivf_lists="4"),
+    "lists without files": lambda p: _rewrite_meta(p, files={k: v for k, v in json.loads((p / META).read_text())[
+        "files"].items() if k != "ivf_lists.npy"}),
+    "offsets short": lambda p: (_npy(p / "ivf_lists.npy", np.array([0, 10, 20, 40], np.int64)),
+                                _resign(p, "ivf_lists.npy")),
+    "offsets past the keys": lambda p: (_npy(p / "ivf_lists.npy", np.array([0, 10, 20, 30, 41], np.int64)),
+                                        _resign(p, "ivf_lists.npy")),
+    "offsets decreasing": lambda p: (_npy(p / "ivf_lists.npy", np.array([0, 30, 20, 35, 40], np.int64)),
+                                     _resign(p, "ivf_lists.npy")),
+    "offsets from 1": lambda p: (_npy(p / "ivf_lists.npy", np.array([1, 10, 20, 30, 40], np.int64)),
+                                 _resign(p, "ivf_lists.npy")),
+    "offsets int32": lambda p: (_npy(p / "ivf_lists.npy", np.array([0, 10, 20, 30, 40], np.int32)),
+                                _resign(p, "ivf_lists.npy")),
+    "centroids nan": lambda p: (_npy(p / "ivf_centroids.npy", np.full(4 * 6, np.nan, np.float32)),
+                                _resign(p, "ivf_centroids.npy")),
+    "centroids short": lambda p: (_npy(p / "ivf_centroids.npy", np.zeros(3 * 6, np.float32)),
+                                  _resign(p, "ivf_centroids.npy")),
+    "centroids flipped": lambda p: (p / "ivf_centroids.npy").write_bytes(
+        (p / "ivf_centroids.npy").read_bytes()[:-1] + b"\x01"),
+    "centroids a symlink": lambda p: (os.rename(p / "ivf_centroids.npy", p / "c.npy"),
+                                      os.symlink("c.npy", p / "ivf_centroids.npy")),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(IVF_HOSTILE))
+def test_a_hostile_index_is_one_line_error(tmp_path, damage):
+    path = _indexed(tmp_path / "ds")
+    IVF_HOSTILE[damage](path)
+    with pytest.raises(DatastoreError) as err:
+        dsmod.load_datastore(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value), str(err.value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(8, 300), dim=st.integers(1, 10), lists=st.integers(1, 8), rows=st.integers(1, 4),
+       k=st.integers(1, 40), nprobe=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_an_indexed_datastore_keeps_its_keys_and_searches_within_its_lists(tmp_path_factory, n, dim, lists, rows, k,
+                                                                            nprobe, seed):
+    rng = np.random.default_rng(seed)
+    keys, values = rng.normal(size=(n, dim)), rng.integers(0, 50, n)
+    path = _write(tmp_path_factory.mktemp("ds") / "ds", keys, values)
+    lists = min(lists, n)
+    store = dsmod.index_datastore(path, lists, seed=seed)
+    arrays = open_datastore(path)
+    centroids, offsets = arrays.ivf
+    # the same (key, value) pairs, stored list after list, each key in the list of its nearest centroid
+    before = sorted(zip(map(bytes, keys.astype(np.float16)), values.tolist()))
+    assert sorted(zip(map(bytes, arrays.keys), arrays.values.tolist())) == before
+    near = ((arrays.keys.astype(np.float64)[:, None] - centroids.astype(np.float64)[None]) ** 2).sum(-1)
+    lists_of = np.repeat(np.arange(lists), np.diff(offsets))
+    assert np.allclose(near[np.arange(n), lists_of], near.min(1), rtol=1e-4, atol=1e-4)
+    h = torch.tensor(rng.normal(size=(rows, dim)), dtype=torch.float32)
+    exact = ((h.double().numpy()[:, None] - arrays.keys.astype(np.float64)[None]) ** 2).sum(-1)
+    # all the lists read: the exact search
+    full = dsmod.load_datastore(path, precision="float32", nprobe=lists)
+    dist, tokens = full.neighbours(h, k)
+    kk = min(k, n)
+    assert np.allclose(dist.numpy(), np.sort(exact, 1)[:, :kk], rtol=1e-4, atol=1e-4)
+    brute = Datastore(arrays.keys, arrays.values, 50, precision="float32").neighbours(h, k)
+    assert np.allclose(dist.numpy(), brute[0].numpy(), rtol=1e-4, atol=1e-4)
+    # fewer lists: the keys of the lists nearest each state, at their true distances; places left: +inf, weight 0
+    store = dsmod.load_datastore(path, nprobe=nprobe)
+    probed = np.argsort(((h.double().numpy()[:, None] - centroids.astype(np.float64)[None]) ** 2).sum(-1), 1)
+    for r in range(rows):
+        inside = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in probed[r, :min(nprobe, lists)]])
+        if len(inside) == 0:
+            continue
+        d, t = store.neighbours(h[r:r + 1], k)
+        found = torch.isfinite(d[0])
+        want = np.sort(exact[r, inside])[:kk]
+        assert int(found.sum()) == min(kk, len(inside))
+        assert np.allclose(d[0, found].numpy(), want[:int(found.sum())], rtol=1e-3, atol=1e-3)
+        tok, w = store.distribution(h[r:r + 1], k, 2.0)
+        assert torch.allclose(w.sum(1), torch.ones(1, dtype=torch.float64)) and (w[0, ~found] == 0).all()
+
+
+def test_an_index_that_finds_nothing_is_a_one_line_error_and_the_options_are_checked(tmp_path):
+    keys = np.concatenate([np.zeros((5, 2)), np.full((5, 2), 10.0)])
+    path = _write(tmp_path / "ds", keys, np.arange(10))
+    centroids = np.array([[0.0, 0.0], [10.0, 10.0], [-50.0, -50.0]])  # the third list is empty
+    _write(path, keys, np.arange(10), ivf=(centroids, np.array([0, 5, 10, 10])), overwrite=True)
+    store = dsmod.load_datastore(path, nprobe=1)
+    assert store.approximate and store.neighbours(torch.zeros(1, 2), 3)[1].tolist() == [[0, 1, 2]]
+    with pytest.raises(DatastoreError, match="raise nprobe"):
+        store.neighbours(torch.full((1, 2), -49.0), 3)
+    for bad in (0, -1, 11, 2.5, True):
+        with pytest.raises(ValueError, match="lists must be"):
+            dsmod.index_datastore(path, bad)
+    with pytest.raises(ValueError, match="nprobe"):
+        dsmod.load_datastore(path, nprobe=0)
+    for ivf, match in [((centroids, np.array([0, 5, 9, 9])), "end at 9, but there are 10 keys"),
+                       ((centroids[:, :1], np.array([0, 5, 10, 10])), "centroids"),
+                       ((centroids, np.array([0, 6, 5, 10])), "never decrease")]:
+        with pytest.raises(DatastoreError, match=match):
+            _write(path, keys, np.arange(10), ivf=ivf, overwrite=True)
+    assert dsmod.load_datastore(path).approximate  # the failed writes left the indexed datastore
+
+
+_INDEXER = """
+import sys
+from gm_solver.datastore import index_datastore
+index_datastore(sys.argv[1], 3)
+"""
+
+
+def test_a_kill_at_any_point_of_indexing_leaves_the_plain_datastore_or_the_indexed_one(tmp_path):
+    path = tmp_path / "ds"
+    _write(path, *_random(np.random.default_rng(0)))
+    log = tmp_path / "points"
+
+    def run(env: dict[str, str]) -> int:
+        return subprocess.run([sys.executable, "-c", _INDEXER, str(path)], env={**os.environ, **env}, cwd=REPO,
+                              capture_output=True).returncode
+
+    assert run({"GRAPHMAX_FAULT_LOG": str(log)}) == 0
+    points = list(dict.fromkeys(log.read_text().split()))
+    assert "datastore.written" in points
+    for point in points:
+        _write(path, *_random(np.random.default_rng(0)), overwrite=True)
+        assert run({"GRAPHMAX_FAULT": point}) == 137, point
+        arrays = open_datastore(path)
+        assert arrays.meta["keys"] == 40 and sorted(arrays.values.tolist()) == sorted(_random(
+            np.random.default_rng(0))[1].tolist()), point
+    assert run({}) == 0  # the next writer removes the debris of the killed ones
+    assert open_datastore(path).ivf is not None and sorted(os.listdir(tmp_path)) == ["ds", "points"]

@@ -185,6 +185,7 @@ def test_timed_processor_passes_scores_through_and_times_every_call():
 @pytest.mark.parametrize("argv, error", [
     (["--knn-weight", "0.3"], "--knn-weight applies with --datastore DIR only"),
     (["--knn-k", "5"], "--knn-k applies with --datastore DIR only"),
+    (["--knn-nprobe", "5"], "--knn-nprobe applies with --datastore DIR only"),
     (["--decoder", "paper", "--datastore", "ds"], "--datastore applies to the context decoder"),
     (["--datastore", "nowhere"], "cannot open it"),
     (["--datastore", "foreign"], "the datastore's token ids are of another vocabulary"),
@@ -271,6 +272,13 @@ def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "KnnContextGraphmaxLogitsProcessor(" in printed and "knn_weight=0.7" in printed
     assert "kNN datastore" in printed and "softmax" in printed
+    # with an inverted-file index: each search reads --knn-nprobe lists
+    assert main(["datastore", "--corpus", str(corpus), "--out", str(out), "--model", str(tiny_model), "--docs", "40",
+                 "--positions", "6", "--ivf-lists", "4", "--overwrite"]) == 0
+    assert "an index of 4 lists" in capsys.readouterr().out
+    assert main(["generate", "--path", str(graph_path), "--model", str(tiny_model), "--prompt", "the movie",
+                 "--datastore", str(out), "--knn-nprobe", "2", "--max-new-tokens", "4"]) == 0
+    assert "2 of its 4 lists a search" in capsys.readouterr().out
 
 
 def test_generate_refuses_a_datastore_of_another_model(home, drug_graph, tmp_path, capsys):
