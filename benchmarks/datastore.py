@@ -1,6 +1,6 @@
 """What a kNN datastore costs at decoding time: prints tables, not a test.
 
-    python3 benchmarks/datastore.py --graph-path DIR --datastore DIR [--sizes 50000,250000,1000000]
+    python3 benchmarks/datastore.py --graph-path DIR --datastore DIR [--sizes 50000,250000,1000000] [--ivf-lists N]
 
 1. The search alone: ms per ``Datastore.neighbours`` call (k = 1,024) at batches of 1, 8 and 48, over datastores
    of each size, with the keys in float32 and in bfloat16 (random keys of the model's width: a search that reads
@@ -8,13 +8,20 @@
 2. ``generate()``: greedy, 24 new tokens, batch 1 (4 prompts one at a time) and batch 8: plain decoding, context
    graphmax, and context graphmax with the given datastore (default precision, bfloat16); ms per token, their
    ratios to plain, and each processor's median ms per call with the ratio that alone implies.
+3. The inverted-file index (``index_datastore``, ``--ivf-lists``, default ~4·√keys) on a copy of the datastore:
+   the time to index it; per nprobe, ms per search at batch 1 and 8, the share of the exact 1,024 nearest keys
+   found, and the total variation between p_knn (T = 50) and the exact search's, over the model's own states along
+   greedy continuations of the prompts; then table 2 again with the indexed datastore (nprobe 32).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +33,7 @@ from gm_solver import (
     Datastore,
     HiddenStateTap,
     KnnContextGraphmaxLogitsProcessor,
+    index_datastore,
     load_datastore,
 )
 from gm_solver.datastore import PRECISIONS
@@ -79,17 +87,85 @@ def generate_table(model, tok, graph, datastore: Datastore, new_tokens: int) -> 
     tap.remove()
 
 
+def _median_ms(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def model_states(model, tok, new_tokens: int) -> torch.Tensor:
+    """The LM head's input at every position of greedy continuations of the prompts: queries as decoding makes."""
+    texts, _ = generate_texts(model, tok, PROMPTS, None, max_new_tokens=new_tokens)
+    with HiddenStateTap(model) as tap, torch.no_grad():
+        states = []
+        for text in texts:
+            model(**tok(text, return_tensors="pt"))
+            states.append(tap.states[0].float())
+    return torch.cat(states)
+
+
+def ivf_table(model, tok, datastore_path: Path, lists: int, new_tokens: int) -> Path:
+    exact = load_datastore(datastore_path)
+    lists = lists or 1 << round(math.log2(4 * math.sqrt(len(exact))))
+    copy = Path(tempfile.mkdtemp()) / "indexed"
+    shutil.copytree(datastore_path, copy)
+    t0 = time.perf_counter()
+    index_datastore(copy, lists)
+    print(f"3. inverted-file index: {lists:,} lists over {len(exact):,} keys, indexed in "
+          f"{time.perf_counter() - t0:.1f} s")
+    states = model_states(model, tok, new_tokens)
+    reference = load_datastore(datastore_path, precision="float32")  # recall and TV against float32 distances
+    p_exact = reference.distribution(states, 1024, 50.0)
+    print(f"{'nprobe':>8} {'batch 1 ms':>11} {'batch 8 ms':>11} {'recall@1024':>12} {'TV(p_knn)':>10}   "
+          f"({len(states)} states of the model along greedy continuations)")
+    for nprobe in (None, 8, 32, 128):
+        store = exact if nprobe is None else load_datastore(copy, nprobe=nprobe)
+        ms = [_median_ms(lambda rows=rows, store=store: store.neighbours(states[:rows], 1024)) for rows in (1, 8)]
+        tv = _total_variation(p_exact, store.distribution(states, 1024, 50.0), exact.vocab_size)
+        print(f"{'all keys' if nprobe is None else nprobe:>8} {ms[0]:>11.2f} {ms[1]:>11.2f} "
+              f"{_recall(reference, store, states):>12.3f} {tv:>10.4f}", flush=True)
+    return copy
+
+
+def _recall(exact: Datastore, store: Datastore, states: torch.Tensor) -> float:
+    """The share of the exact 1,024 nearest distances the index also returns (keys at equal distance count once)."""
+    want, _ = exact.neighbours(states, 1024)
+    got, _ = store.neighbours(states, 1024)
+    kth = want[:, -1:]
+    return float(((got <= kth * (1 + 1e-3)) & torch.isfinite(got)).sum() / want.numel())
+
+
+def _total_variation(p: tuple, q: tuple, vocab: int) -> float:
+    def dense(tokens, weights):
+        return torch.zeros(tokens.shape[0], vocab, dtype=torch.float64).scatter_add_(1, tokens, weights)
+    return float(0.5 * (dense(*p) - dense(*q)).abs().sum(1).mean())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graph-path", type=Path, required=True, help="a graph built with SmolLM2's tokenizer")
     p.add_argument("--datastore", type=Path, required=True, help="a datastore built with SmolLM2")
     p.add_argument("--sizes", default="50000,250000,1000000")
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--ivf-lists", type=int, default=0, help="lists of the index in table 3 (default ~4·√keys)")
+    p.add_argument("--sections", default="1,2,3")
     args = p.parse_args()
+    sections = {int(s) for s in args.sections.split(",")}
     torch.set_num_threads(2)
     model, tok = load_model("smollm2")
-    search_table(model.config.hidden_size, [int(s) for s in args.sizes.split(",")])
-    generate_table(model, tok, load_graph(args.graph_path), load_datastore(args.datastore), args.new_tokens)
+    graph = load_graph(args.graph_path)
+    if 1 in sections:
+        search_table(model.config.hidden_size, [int(s) for s in args.sizes.split(",")])
+    if 2 in sections:
+        generate_table(model, tok, graph, load_datastore(args.datastore), args.new_tokens)
+    if 3 in sections:
+        copy = ivf_table(model, tok, args.datastore, args.ivf_lists, args.new_tokens)
+        generate_table(model, tok, graph, load_datastore(copy, nprobe=32), args.new_tokens)
+        shutil.rmtree(copy.parent)
 
 
 if __name__ == "__main__":
