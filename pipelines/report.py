@@ -254,6 +254,7 @@ def finetune_claims(ppl: dict, nll: dict, windows: list[int], bleu4: dict, gen: 
     budget = (f"LoRA for {ft['seconds']:.0f} s ({'set by --finetune-budget-s; ' if ft['budget_given'] else ''}the "
               f"graph's build {ft['build_s']:.0f} s + tuning {ft['tune_s']:.0f} s), {ft['tokens']:,} training tokens")
     vs_ft = {w: _paired(nll, "ours", "fine-tuned", w) for w in windows}
+    knn_vs_ft = {w: _paired(nll, "ours knn", "fine-tuned", w) for w in windows} if "ours knn" in ppl else {}
     both_vs_ft = {w: _paired(nll, "fine-tuned ours", "fine-tuned", w) for w in windows}
     both_vs_ours = {w: _paired(nll, "fine-tuned ours", "ours", w) for w in windows}
     d_bleu, d_both = bleu4["ours − fine-tuned"], bleu4["fine-tuned ours − fine-tuned"]
@@ -261,7 +262,9 @@ def finetune_claims(ppl: dict, nll: dict, windows: list[int], bleu4: dict, gen: 
         ("Ours: context graphmax beats fine-tuning the LM for the same wall-clock time (held-out perplexity).",
          f"{budget}. Fine-tuned LM: " + "; ".join(
              f"first {w}: {ppl['fine-tuned'][f'ratio_{w}']:.3f}× softmax vs ours {ppl['ours'][f'ratio_{w}']:.3f}×, "
-             f"log ratio of ours to it {_nats(vs_ft[w])}" for w in windows),
+             f"log ratio of ours to it {_nats(vs_ft[w])}" for w in windows)
+         + "".join(f"; with the datastore, first {w}: {ppl['ours knn'][f'ratio_{w}']:.3f}×, log ratio to it "
+                   f"{_nats(d)}" for w, d in knn_vs_ft.items()),
          _verdict(_all_lower(list(vs_ft.values())), nll_noise)),
         ("Ours: context graphmax beats fine-tuning the LM for the same wall-clock time (BLEU-4 of continuations).",
          f"BLEU-4 ours {gen['ours']['BLEU-4']:.2f} vs fine-tuned {gen['fine-tuned']['BLEU-4']:.2f}: {_pm(d_bleu)}; "

@@ -246,6 +246,7 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
             "fine-tuned", "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
     assert "fine-tuned ours knn" in rows and rows["fine-tuned ours knn"]["lm"] == "fine-tuned"
     assert "with a kNN datastore" in report and "log ratio to context graphmax, tuned (ours)" in report
+    assert "with the datastore, first 4:" in report
     assert "own states" in report and "log ratio to context graphmax on the fine-tuned LM (ours)" in report
     assert "fine-tuned interpolation at its optimum" in report and "has a datastore of its own" in report
     # the fine-tuned LM's datastore holds its own states: the base LM's fingerprint does not match it
