@@ -114,7 +114,7 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
                              f"tokenizer={tokenizer!r}, positions={positions!r}, documents={documents!r}")
     vocab_size = tokenizer["vocab_size"]
     if ivf is not None:
-        ivf = _checked_ivf(ivf, dim)
+        ivf = checked_ivf(ivf, dim)
     path = Path(path)
     with staged_folder(path, overwrite=overwrite, kind="datastore") as tmp:
         (tmp / DATASTORE_MARKER).write_text("a kNN datastore written by graphmax\n")
@@ -153,9 +153,7 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         names = [KEYS, VALUES]
         if ivf is not None:
             centroids, offsets = ivf
-            if offsets[-1] != n:
-                raise DatastoreError(f"the index's offsets end at {offsets[-1]}, but there are {n} keys; index the "
-                                     f"keys that are written")
+            checked_ivf(ivf, dim, n)
             for name, array, dtype in ((CENTROIDS, centroids, CENTROID_DTYPE), (LISTS, offsets, LIST_DTYPE)):
                 with open(tmp / name, "wb") as fh:
                     fh.write(_header(dtype, array.size))
@@ -172,9 +170,16 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
     return path
 
 
-def _checked_ivf(ivf: object, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """(centroids (lists, dim) float32, offsets (lists + 1,) int64) if ``ivf`` is a sound index (its last offset
-    is checked against the keys by the caller)."""
+def checked_ivf(ivf: object, dim: int, keys: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(centroids (lists, dim) float32, offsets (lists + 1,) int64) if ``ivf`` is a sound inverted-file index of
+    ``keys`` keys (``None``: not known yet, the caller checks the last offset), else a DatastoreError.
+
+    Example::
+
+        >>> centroids, offsets = checked_ivf((np.zeros((2, 3)), [0, 4, 9]), dim=3, keys=9)
+        >>> centroids.dtype, offsets.tolist()
+        (dtype('float32'), [0, 4, 9])
+    """
     if not (isinstance(ivf, tuple) and len(ivf) == 2):
         raise DatastoreError("ivf must be (centroids (lists, dim), offsets (lists + 1,))")
     centroids, offsets = np.asarray(ivf[0]), np.asarray(ivf[1])
@@ -188,6 +193,9 @@ def _checked_ivf(ivf: object, dim: int) -> tuple[np.ndarray, np.ndarray]:
         raise DatastoreError("the index's centroids are not finite (in float32)")
     if offsets[0] != 0 or (np.diff(offsets) < 0).any():
         raise DatastoreError("the index's offsets must start at 0 and never decrease (lists stored one after another)")
+    if keys is not None and offsets[-1] != keys:
+        raise DatastoreError(f"the index's offsets end at {offsets[-1]}, but there are {keys} keys; index the keys "
+                             f"that are stored")
     return centroids, offsets.astype(LIST_DTYPE)
 
 
@@ -272,11 +280,9 @@ def open_datastore(path: str | os.PathLike, verify: bool = True) -> DatastoreArr
         centroids = _open_array(root, CENTROIDS, CENTROID_DTYPE, lists * meta["dim"], meta["files"][CENTROIDS], verify)
         offsets = _open_array(root, LISTS, LIST_DTYPE, lists + 1, meta["files"][LISTS], verify)
         try:
-            ivf = _checked_ivf((centroids.reshape(lists, meta["dim"]), offsets), meta["dim"])
+            ivf = checked_ivf((centroids.reshape(lists, meta["dim"]), offsets), meta["dim"], meta["keys"])
         except DatastoreError as e:
             raise _bad(root, str(e)) from None
-        if offsets[-1] != meta["keys"]:
-            raise _bad(root, f"the index's offsets end at {offsets[-1]}, not at the {meta['keys']} keys")
     return DatastoreArrays(keys, values, meta, ivf)
 
 

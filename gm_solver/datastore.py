@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from gm_graphs.datastore import _checked_ivf, check_datastore_target, open_datastore, write_datastore
+from gm_graphs.datastore import check_datastore_target, checked_ivf, open_datastore, write_datastore
 from gm_graphs.errors import DatastoreError
 from gm_graphs.tokenize import TokenizerIdentity
 
@@ -296,9 +296,7 @@ def _ivf_index(keys: Any, ivf: tuple) -> Any:
         keys = keys.detach().cpu()
         keys = (keys.float() if keys.dtype == torch.bfloat16 else keys).numpy()  # numpy has no bfloat16
     keys = np.asarray(keys)
-    centroids, offsets = _checked_ivf(ivf, keys.shape[1])
-    if offsets[-1] != keys.shape[0]:
-        raise DatastoreError(f"the index's offsets end at {offsets[-1]}, but there are {keys.shape[0]} keys")
+    centroids, offsets = checked_ivf(ivf, keys.shape[1], keys.shape[0])
     lists, dim = centroids.shape
     quantizer = faiss.IndexFlatL2(dim)
     quantizer.add(centroids)
