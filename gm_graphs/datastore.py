@@ -191,12 +191,16 @@ def checked_ivf(ivf: object, dim: int, keys: int | None = None) -> tuple[np.ndar
     centroids = centroids.astype(CENTROID_DTYPE)
     if not np.isfinite(centroids).all():
         raise DatastoreError("the index's centroids are not finite (in float32)")
-    if offsets[0] != 0 or (np.diff(offsets) < 0).any():
+    # compared, not differenced: a difference of int64 offsets can wrap around (and uint64 ones never go negative)
+    if offsets.min() < 0 or offsets.max() > 2**40:
+        raise DatastoreError("the index's offsets must lie in [0, 2**40]")
+    offsets = offsets.astype(LIST_DTYPE)
+    if offsets[0] != 0 or (offsets[1:] < offsets[:-1]).any():
         raise DatastoreError("the index's offsets must start at 0 and never decrease (lists stored one after another)")
     if keys is not None and offsets[-1] != keys:
         raise DatastoreError(f"the index's offsets end at {offsets[-1]}, but there are {keys} keys; index the keys "
                              f"that are stored")
-    return centroids, offsets.astype(LIST_DTYPE)
+    return centroids, offsets
 
 
 def check_datastore_target(path: str | os.PathLike, overwrite: bool = False) -> Path:

@@ -220,11 +220,16 @@ def check_decoder(root, d) -> None:
     if "knn" in d:  # a kNN datastore's settings, tuned with the datastore whose keys have this SHA-256
         knn = d["knn"]
         s.need(isinstance(knn, dict), "decoder.knn", "an object", knn)
-        for key in ("knn_weight", "knn_temperature", "lam"):
-            s.need(_is_number(knn.get(key)), f"decoder.knn.{key}", "a finite number", knn.get(key))
-        s.need(_is_int(knn.get("knn_k")), "decoder.knn.knn_k", "an integer", knn.get("knn_k"))
+        ranges = {"knn_weight": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                  "knn_temperature": (lambda v: v > 0, "a finite number > 0"),
+                  "lam": (lambda v: v >= 0, "a finite number >= 0")}
+        for key, (ok, what) in ranges.items():
+            s.need(_is_number(knn.get(key)) and ok(knn[key]), f"decoder.knn.{key}", what, knn.get(key))
+        s.need(_is_int(knn.get("knn_k")) and knn["knn_k"] >= 1, "decoder.knn.knn_k", "an integer >= 1",
+               knn.get("knn_k"))
         sha = knn.get("datastore_sha256")
-        s.need(isinstance(sha, str) and len(sha) == 64, "decoder.knn.datastore_sha256", "64 hex digits", sha)
+        s.need(isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha),
+               "decoder.knn.datastore_sha256", "64 hex digits", sha)
 
 
 # ---- the arrays ---------------------------------------------------------------------------------------------------

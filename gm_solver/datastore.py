@@ -307,7 +307,12 @@ def _ivf_index(keys: Any, ivf: tuple) -> Any:
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         for a in range(lo, hi, 1 << 16):  # float16 codes by blocks: the keys need not be float16 already
             b = min(hi, a + (1 << 16))
-            codes = np.ascontiguousarray(keys[a:b], dtype=np.float16).view(np.uint8)
+            with np.errstate(over="ignore"):
+                half = np.ascontiguousarray(keys[a:b], dtype=np.float16)
+            if not np.isfinite(half).all():
+                raise DatastoreError("keys beyond float16's range (±65504) cannot be indexed; index keys as "
+                                     "build_datastore stores them")
+            codes = half.view(np.uint8)
             ids = np.arange(a, b, dtype=np.int64)
             index.invlists.add_entries(i, b - a, faiss.swig_ptr(ids), faiss.swig_ptr(codes))
     index.ntotal = keys.shape[0]
@@ -422,8 +427,9 @@ def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0, point
     n, dim = keys.shape
     if isinstance(lists, bool) or not isinstance(lists, int) or not 1 <= lists <= n:
         raise ValueError(f"lists must be an int in [1, {n}] (the datastore's keys), got {lists!r}")
-    if isinstance(points_per_list, bool) or not isinstance(points_per_list, int) or points_per_list < 1:
-        raise ValueError(f"points_per_list must be an int >= 1, got {points_per_list!r}")
+    for name, value, low in (("points_per_list", points_per_list, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+            raise ValueError(f"{name} must be an int in [{low}, 2**31), got {value!r}")
     rng = np.random.default_rng(seed)
     sample = keys[np.sort(rng.choice(n, min(n, lists * points_per_list), replace=False))].astype(np.float32)
     kmeans = faiss.Kmeans(dim, lists, niter=20, seed=seed, max_points_per_centroid=points_per_list)

@@ -183,14 +183,14 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
     datastore = load_datastore(args.datastore, nprobe=args.knn_nprobe or 32)
     config, where = proc.config, "defaults"
     tuned = graph.decoder.get("knn") if kind == stored else None  # `graphmax tune --datastore`'s choice
-    if tuned is not None and tuned["datastore_sha256"] == datastore_sha256(datastore):
-        knn = {**{k: tuned[k] for k in KNN_OPTIONS}, **knn}
-        if "lam" not in settings:  # λ was tuned again with the datastore
-            config = dataclasses.replace(config, lam=tuned["lam"])
-        where = "stored by graphmax tune --datastore"
-    elif tuned is not None:
-        where = "defaults (the graph's were tuned with another datastore)"
     try:
+        if tuned is not None and tuned["datastore_sha256"] == datastore_sha256(datastore):
+            knn = {**{k: tuned[k] for k in KNN_OPTIONS}, **knn}
+            if "lam" not in settings:  # λ was tuned again with the datastore
+                config = dataclasses.replace(config, lam=tuned["lam"])
+            where = "stored by graphmax tune --datastore"
+        elif tuned is not None:
+            where = "defaults (the graph's were tuned with another datastore)"
         proc = KnnContextGraphmaxLogitsProcessor.from_config(graph, config, datastore=datastore, tap=HiddenStateTap(),
                                                              **knn)
     except (TypeError, ValueError) as e:

@@ -712,3 +712,46 @@ def test_a_kill_at_any_point_of_indexing_leaves_the_plain_datastore_or_the_index
             np.random.default_rng(0))[1].tolist()), point
     assert run({}) == 0  # the next writer removes the debris of the killed ones
     assert open_datastore(path).ivf is not None and sorted(os.listdir(tmp_path)) == ["ds", "points"]
+
+
+_WRAPPED = """
+import sys, numpy as np
+from pathlib import Path
+sys.path.insert(0, "tests")
+from test_datastore import _write, _random, _rewrite_meta, _resign
+from gm_graphs.errors import DatastoreError
+from gm_solver.datastore import load_datastore
+path = Path(sys.argv[1])
+keys, values = _random(np.random.default_rng(0), 40, 4096)
+_write(path, keys, values, ivf=(np.zeros((1, 4096)), np.array([0, 40])))
+np.save(path / "ivf_centroids.npy", np.zeros(3 * 4096, "<f4"))
+np.save(path / "ivf_lists.npy", np.array([0, 2**63 - 1, -2, 40], "<i8"))  # its differences wrap around in int64
+_rewrite_meta(path, ivf_lists=3)
+_resign(path, "ivf_centroids.npy")
+_resign(path, "ivf_lists.npy")
+try:
+    load_datastore(path)
+except DatastoreError as e:
+    print("refused:", e)
+"""
+
+
+def test_offsets_that_wrap_around_are_refused_before_faiss_reads_them(tmp_path):
+    run = subprocess.run([sys.executable, "-c", _WRAPPED, str(tmp_path / "ds")], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("refused:") and "offsets" in run.stdout, run.stderr[-2000:]
+
+
+def test_an_index_given_in_memory_is_checked_as_one_read_from_a_folder(tmp_path):
+    keys = np.random.default_rng(0).normal(size=(40, 6))
+    with pytest.raises(DatastoreError, match="offsets must lie"):  # uint64 never goes negative when differenced
+        Datastore(keys, np.zeros(40, dtype=int), 3, ivf=(np.zeros((2, 6)), np.array([0, 2**62, 40], np.uint64)))
+    with pytest.raises(DatastoreError, match="never decrease"):
+        Datastore(keys, np.zeros(40, dtype=int), 3, ivf=(np.zeros((2, 6)), np.array([0, 50, 40], np.uint64)))
+    with pytest.raises(DatastoreError, match="float16's range"):
+        Datastore(keys * 1e6, np.zeros(40, dtype=int), 3, ivf=(np.zeros((1, 6)), np.array([0, 40])))
+    path = _write(tmp_path / "ds", *_random(np.random.default_rng(1)))
+    for name, bad in (("seed", -1), ("seed", 2**40), ("seed", True), ("points_per_list", 0)):
+        with pytest.raises(ValueError, match=name):
+            dsmod.index_datastore(path, 2, **{name: bad})
+    assert not open_datastore(path).ivf

@@ -232,7 +232,11 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
     assert (proc.knn_weight, proc.knn_temperature, proc.config.lam) == (0.5, 50.0, 0.7)
     assert origin.endswith("defaults (the graph's were tuned with another datastore)")
     for bad, field in ((dict(knn_weight="0.3"), "decoder.knn.knn_weight"), (dict(knn_k=2.5), "decoder.knn.knn_k"),
-                       (dict(datastore_sha256="ab"), "decoder.knn.datastore_sha256")):
+                       (dict(datastore_sha256="ab"), "decoder.knn.datastore_sha256"),
+                       (dict(datastore_sha256="zz" * 32), "decoder.knn.datastore_sha256"),
+                       (dict(lam=-1.0), "decoder.knn.lam"), (dict(knn_weight=5.0), "decoder.knn.knn_weight"),
+                       (dict(knn_temperature=0.0), "decoder.knn.knn_temperature"),
+                       (dict(knn_k=0), "decoder.knn.knn_k")):
         with pytest.raises(GraphmaxError, match=field.replace(".", r"\.")):
             load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": {**knn, **bad}})
 
