@@ -37,6 +37,7 @@ from .errors import DatastoreError
 from .faults import fault_point
 from .folders import DATASTORE_MARKER, check_replaceable, staged_folder
 from .storage import sha256_file
+from .validate import is_sha256
 from .writer import _header
 
 FORMAT = "graphmax-datastore"
@@ -107,7 +108,7 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         ((3, 4), [2, 0, 1])
     """
     tokenizer = _checked_tokenizer(tokenizer)
-    if tokenizer is None or not (_int(dim) and 1 <= dim <= _MAX_DIM) or not _sha(model_sha256) \
+    if tokenizer is None or not (_int(dim) and 1 <= dim <= _MAX_DIM) or not is_sha256(model_sha256) \
             or not (_int(positions) and positions >= 0 and _int(documents) and documents >= 0):
         raise DatastoreError(f"write_datastore needs dim in [1, {_MAX_DIM}], a tokenizer identity (name, vocab_size "
                              f"below 2**31, vocab_sha256), a model_sha256 and counts >= 0; got dim={dim!r}, "
@@ -310,14 +311,10 @@ def _positive_int(meta: dict, key: str) -> bool:
     return _int(v) and 1 <= v < 2**40
 
 
-def _sha(v: object) -> bool:
-    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
-
-
 def _checked_tokenizer(t: object) -> dict | None:
     """A tokenizer identity (``TokenizerIdentity.to_dict()``) as plain values, or None if it is not one."""
     if not isinstance(t, dict) or not _int(t.get("vocab_size")) or not 1 <= t["vocab_size"] < 2**31 \
-            or not _sha(t.get("vocab_sha256")):
+            or not is_sha256(t.get("vocab_sha256")):
         return None
     return {"name": str(t.get("name", "")), "vocab_size": int(t["vocab_size"]), "vocab_sha256": t["vocab_sha256"]}
 
@@ -358,7 +355,7 @@ def _read_meta(root: Path) -> dict:
             and isinstance(files[n].get("sha256"), str) for n in names):
         raise _bad(root, f"{META} does not record {', '.join(names)} (bytes and sha256)")
     tokenizer = _checked_tokenizer(meta.get("tokenizer"))
-    if tokenizer is None or tokenizer["vocab_size"] != meta["vocab_size"] or not _sha(meta.get("model_sha256")):
+    if tokenizer is None or tokenizer["vocab_size"] != meta["vocab_size"] or not is_sha256(meta.get("model_sha256")):
         raise _bad(root, f"{META} does not identify its tokenizer (name, vocab_size, vocab_sha256) and model "
                          f"(model_sha256)")
     meta["tokenizer"], meta["model"] = tokenizer, str(meta.get("model", ""))

@@ -45,6 +45,11 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_sha256(v) -> bool:
+    """Whether ``v`` is a SHA-256 as graphmax records them: 64 lowercase hex digits."""
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
 def _is_number(v) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
@@ -228,8 +233,7 @@ def check_decoder(root, d) -> None:
         s.need(_is_int(knn.get("knn_k")) and knn["knn_k"] >= 1, "decoder.knn.knn_k", "an integer >= 1",
                knn.get("knn_k"))
         sha = knn.get("datastore_sha256")
-        s.need(isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha),
-               "decoder.knn.datastore_sha256", "64 hex digits", sha)
+        s.need(is_sha256(sha), "decoder.knn.datastore_sha256", "64 hex digits", sha)
 
 
 # ---- the arrays ---------------------------------------------------------------------------------------------------

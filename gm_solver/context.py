@@ -44,7 +44,14 @@ import torch
 from gm_graphs.operators import normalize
 
 from . import context_kernel, lambert_kernel
-from .divergences import DIVERGENCES, _solve_torch, check_inputs, raise_for_status, restrict_reference
+from .divergences import (
+    DIVERGENCES,
+    _solve_torch,
+    check_inputs,
+    raise_for_status,
+    raise_unless,
+    restrict_reference,
+)
 from .solvers import SolveInfo
 
 SMOOTHINGS = ("kneser-ney", "dirichlet")
@@ -378,11 +385,7 @@ class ContextReference:
         checks = {f"kNN tokens must be ids in [0, {width})": ((tokens >= 0) & (tokens < width)).all(),
                   "kNN weights must be finite, >= 0 and sum to 1 in each row (a distribution)":
                       (torch.isfinite(weights) & (weights >= 0)).all() & ((weights.sum(1) - 1.0).abs() <= 1e-6).all()}
-        for message, ok in checks.items():
-            if not sync:
-                torch._assert_async(ok, message)
-            elif not bool(ok):
-                raise ValueError(message)
+        raise_unless(checks, sync)
         return tokens.detach().long(), weights, float(share)
 
     def _check_ids(self, input_ids: torch.Tensor, rows: int | None = None) -> None:

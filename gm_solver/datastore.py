@@ -30,10 +30,17 @@ from gm_graphs.datastore import check_datastore_target, checked_ivf, open_datast
 from gm_graphs.errors import DatastoreError
 from gm_graphs.tokenize import TokenizerIdentity
 
+from .divergences import raise_unless
+
 _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of float32 distances)
 # the keys' type in memory and in the search's products: bfloat16 halves the memory and, on CPUs with bf16
 # instructions, ran the products 3.6× faster here (250k keys of 576: 9.8 vs 35.5 ms at batch 1)
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NPROBE = 32  # lists an index reads per search: on news, the held-out perplexity of reading every key
+_NOT_FINITE = ("the model's hidden states are not finite (NaN or inf in float32); the datastore cannot be searched "
+               "with them: check the model and its dtype")
+_OVERFLOW = ("distances to the datastore's keys overflow float32: the model's hidden states are far larger than the "
+             "keys; check the model and its dtype")
 
 
 class HiddenStateTap:
@@ -126,7 +133,8 @@ class Datastore:
     """
 
     def __init__(self, keys: Any, values: Any, vocab_size: int, device: str | torch.device = "cpu",
-                 meta: dict | None = None, precision: str = "bfloat16", ivf: tuple | None = None, nprobe: int = 32):
+                 meta: dict | None = None, precision: str = "bfloat16", ivf: tuple | None = None,
+                 nprobe: int = NPROBE):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if isinstance(nprobe, bool) or not isinstance(nprobe, int) or nprobe < 1:
@@ -237,8 +245,7 @@ class Datastore:
         return self._ivf is not None
 
     def _search(self, h: torch.Tensor, k: int, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        _check(torch.isfinite(h).all(), sync, "the model's hidden states are not finite (NaN or inf in float32); the "
-               "datastore cannot be searched with them: check the model and its dtype")
+        raise_unless({_NOT_FINITE: torch.isfinite(h).all()}, sync, DatastoreError)
         k = min(k, len(self))
         if self._ivf is not None:
             return self._search_ivf(h, k)
@@ -255,8 +262,7 @@ class Datastore:
             best_d, best_i = dv, di
         order = torch.argsort(best_d, dim=1, stable=True)
         dist = (best_d.gather(1, order) + (h * h).sum(1, keepdim=True)).clamp_min(0.0)
-        _check(torch.isfinite(dist).all(), sync, "distances to the datastore's keys overflow float32: the model's "
-               "hidden states are far larger than the keys; check the model and its dtype")
+        raise_unless({_OVERFLOW: torch.isfinite(dist).all()}, sync, DatastoreError)
         return dist, self.values[best_i.gather(1, order)]
 
     def _search_ivf(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,8 +272,7 @@ class Datastore:
         dist, ids = self._ivf.search(np.ascontiguousarray(h.numpy(), dtype=np.float32), k)
         found = torch.from_numpy(ids >= 0)
         dist = torch.where(found, torch.from_numpy(dist).clamp_min(0.0), torch.inf)
-        _check(torch.isfinite(dist[found]).all(), True, "distances to the datastore's keys overflow float32: the "
-               "model's hidden states are far larger than the keys; check the model and its dtype")
+        raise_unless({_OVERFLOW: torch.isfinite(dist[found]).all()}, True, DatastoreError)
         if not bool(found[:, 0].all()):  # an empty list read: no neighbour at all
             raise DatastoreError(f"the index found no key within {self.nprobe} lists of a state; raise nprobe")
         return dist, torch.where(found, self.values[torch.from_numpy(ids).clamp_min(0)], 0)
@@ -319,13 +324,6 @@ def _ivf_index(keys: Any, ivf: tuple) -> Any:
     return index
 
 
-def _check(ok: torch.Tensor, sync: bool, message: str) -> None:
-    if not sync:  # raised by the device when it gets there (at once on the CPU), without a host round trip
-        torch._assert_async(ok, message)
-    elif not bool(ok):
-        raise DatastoreError(message)
-
-
 def _head(model: Any) -> torch.nn.Module:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
@@ -361,7 +359,7 @@ def model_fingerprint(model: Any) -> str:
 
 
 def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True,
-                   precision: str = "bfloat16", nprobe: int = 32) -> Datastore:
+                   precision: str = "bfloat16", nprobe: int = NPROBE) -> Datastore:
     """The datastore folder at ``path`` (checked by ``gm_graphs.datastore.open_datastore``), its keys on ``device``
     in ``precision``, searched through its inverted-file index when it has one (see :class:`Datastore`).
 

@@ -243,17 +243,24 @@ def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Ten
         lam = float(lam)
     else:
         raise ValueError(f"lam must be a float or a (B,) tensor, got {type(lam).__name__}")
-    if not sync:  # asserted on the device, as graphmax's check_every=0 does
-        for message, bad in checks.items():
-            torch._assert_async(~bad.any(), message)
-        return lam
-    if not checks:
-        return lam
-    failed = torch.stack([bad.any() for bad in checks.values()]).tolist()  # one host synchronisation for all
-    for message, bad in zip(checks, failed):
-        if bad:
-            raise ValueError(message)
+    raise_unless({message: ~bad.any() for message, bad in checks.items()}, sync)
     return lam
+
+
+def raise_unless(checks: dict[str, torch.Tensor], sync: bool, error: type[Exception] = ValueError) -> None:
+    """Each message whose condition (a boolean tensor of one element) is False: raised as ``error`` after one host
+    synchronisation for all of them, or, when ``sync`` is False, asserted on the device (a device-side assert when
+    the device gets there, at once on the CPU, as graphmax's check_every=0 does)."""
+    if not sync:
+        for message, ok in checks.items():
+            torch._assert_async(ok, message)
+        return
+    if not checks:
+        return
+    passed = torch.stack([ok.reshape(()) for ok in checks.values()]).tolist()
+    for message, ok in zip(checks, passed):
+        if not ok:
+            raise error(message)
 
 
 def raise_for_status(status: int, name: str) -> None:

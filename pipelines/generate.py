@@ -180,7 +180,7 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
         return graph, proc, origin
     if kind != "context":
         raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
-    datastore = load_datastore(args.datastore, nprobe=args.knn_nprobe or 32)
+    datastore = load_datastore(args.datastore, **({} if args.knn_nprobe is None else {"nprobe": args.knn_nprobe}))
     config, where = proc.config, "defaults"
     tuned = graph.decoder.get("knn") if kind == stored else None  # `graphmax tune --datastore`'s choice
     try:
