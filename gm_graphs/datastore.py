@@ -125,24 +125,10 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
             kf.write(_header(KEY_DTYPE, 2**62))
             vf.write(_header(VALUE_DTYPE, 2**62))
             for keys, values in chunks:
-                keys, values = np.asarray(keys), np.asarray(values)
-                if keys.ndim != 2 or keys.shape[1] != dim or values.shape != (keys.shape[0],):
-                    raise DatastoreError(f"a datastore chunk has keys {keys.shape} and values {values.shape}; "
-                                         f"expected (n, {dim}) and (n,)")
-                if not (np.issubdtype(values.dtype, np.integer) or values.size == 0) \
-                        or not np.issubdtype(keys.dtype, np.number):
-                    raise DatastoreError(f"a datastore chunk has {keys.dtype} keys and {values.dtype} values; keys "
-                                         f"are numbers and values token ids (integers)")
-                half = keys.astype(KEY_DTYPE)
-                if not np.isfinite(half).all():
-                    raise DatastoreError("a datastore chunk has keys that are not finite in float16 (NaN, inf, or "
-                                         "beyond ±65504); check the model's hidden states")
-                if values.size and (values.min() < 0 or values.max() >= vocab_size):
-                    raise DatastoreError(f"a datastore chunk has token ids outside [0, {vocab_size}); use the "
-                                         f"tokenizer the datastore is for")
-                kf.write(np.ascontiguousarray(half).tobytes())
-                vf.write(np.ascontiguousarray(values, dtype=VALUE_DTYPE).tobytes())
-                n += values.size
+                half, ids = checked_chunk(keys, values, dim, vocab_size)
+                kf.write(half.tobytes())
+                vf.write(ids.tobytes())
+                n += ids.size
                 fault_point("datastore.chunk")
             if n == 0:
                 raise DatastoreError("no keys to store: every document was shorter than two tokens; give longer "
@@ -169,6 +155,34 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
         fault_point("datastore.written")
     return path
+
+
+def checked_chunk(keys: object, values: object, dim: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys (n, ``dim``) float16, values (n,) int32), contiguous, as a datastore stores them, if ``keys`` and
+    ``values`` are a sound chunk of :func:`write_datastore` (finite in float16, token ids in [0, ``vocab_size``)),
+    else a DatastoreError.
+
+    Example::
+
+        >>> half, ids = checked_chunk(np.ones((2, 3)), [4, 0], dim=3, vocab_size=5)
+        >>> half.dtype, half.shape, ids.dtype, ids.tolist()
+        (dtype('float16'), (2, 3), dtype('int32'), [4, 0])
+    """
+    keys, values = np.asarray(keys), np.asarray(values)
+    if keys.ndim != 2 or keys.shape[1] != dim or values.shape != (keys.shape[0],):
+        raise DatastoreError(f"a datastore chunk has keys {keys.shape} and values {values.shape}; expected (n, {dim}) "
+                             f"and (n,)")
+    if not (np.issubdtype(values.dtype, np.integer) or values.size == 0) or not np.issubdtype(keys.dtype, np.number):
+        raise DatastoreError(f"a datastore chunk has {keys.dtype} keys and {values.dtype} values; keys are numbers and "
+                             f"values token ids (integers)")
+    half = np.ascontiguousarray(keys, dtype=KEY_DTYPE)
+    if not np.isfinite(half).all():
+        raise DatastoreError("a datastore chunk has keys that are not finite in float16 (NaN, inf, or beyond ±65504); "
+                             "check the model's hidden states")
+    if values.size and (values.min() < 0 or values.max() >= vocab_size):
+        raise DatastoreError(f"a datastore chunk has token ids outside [0, {vocab_size}); use the tokenizer the "
+                             f"datastore is for")
+    return half, np.ascontiguousarray(values, dtype=VALUE_DTYPE)
 
 
 def checked_ivf(ivf: object, dim: int, keys: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,8 @@ decoding step the k keys nearest the current state (squared L2) give
 which :class:`KnnContextGraphmaxLogitsProcessor` mixes into q. The keys are the input of the model's output
 embeddings (the LM head), taken by a :class:`HiddenStateTap`, both when the datastore is built and when it is
 searched, so the two always see the same vectors. The search reads every key (a matrix product per block of keys),
-its products in bfloat16 by default (``precision``).
+its products in bfloat16 by default (``precision``), or, with an inverted-file index on the CPU, the keys of the lists
+nearest the state (faiss, which then holds the only copy of the keys, as float16 codes).
 The folder's format is ``gm_graphs.datastore``'s.
 """
 
@@ -26,7 +27,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from gm_graphs.datastore import check_datastore_target, checked_ivf, open_datastore, write_datastore
+from gm_graphs.datastore import (
+    KEY_DTYPE,
+    VALUE_DTYPE,
+    check_datastore_target,
+    checked_chunk,
+    checked_ivf,
+    open_datastore,
+    write_datastore,
+)
 from gm_graphs.errors import DatastoreError
 from gm_graphs.tokenize import TokenizerIdentity
 
@@ -37,6 +46,7 @@ _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of floa
 # instructions, ran the products 3.6× faster here (250k keys of 576: 9.8 vs 35.5 ms at batch 1)
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NPROBE = 32  # lists an index reads per search: on news, the held-out perplexity of reading every key
+POINTS_PER_LIST = 256  # the k-means sample's keys per list of an index
 _NOT_FINITE = ("the model's hidden states are not finite (NaN or inf in float32); the datastore cannot be searched "
                "with them: check the model and its dtype")
 _OVERFLOW = ("distances to the datastore's keys overflow float32: the model's hidden states are far larger than the "
@@ -105,7 +115,8 @@ class HiddenStateTap:
 
 class Datastore:
     """Keys (N, d) and values (N,) in memory on ``device``, searched by brute force (every key, one matrix product
-    per block), or on the CPU through an inverted-file index (faiss) when one is given.
+    per block), or on the CPU through an inverted-file index (faiss) when one is given: the keys are then held once,
+    as faiss' float16 codes, and ``keys`` and ``norms`` (the brute-force search's) are ``None``.
 
     Args:
         keys (``np.ndarray`` or ``torch.Tensor`` (N, d)): finite keys.
@@ -152,24 +163,20 @@ class Datastore:
                                  f"{tuple(values.shape)}")
         if int(values.min()) < 0 or int(values.max()) >= vocab_size:
             raise DatastoreError(f"values must be token ids in [0, {vocab_size})")
-        self.keys = torch.empty(keys.shape, dtype=PRECISIONS[precision], device=device)
-        self.norms = torch.empty(keys.shape[0], dtype=torch.float32, device=device)
-        # block by block: a float32 copy of all the keys would be 2.3 GB at 1M keys of 576 (float16 on disk)
-        step = max(1, _BLOCK // keys.shape[1])
-        for lo in range(0, keys.shape[0], step):
-            block = keys[lo:lo + step].to(device, torch.float32)
-            if not bool(torch.isfinite(block).all()):
-                raise DatastoreError("keys must be finite")
-            self.norms[lo:lo + step] = (block * block).sum(1)  # float32 whatever the precision: products alone round
-            self.keys[lo:lo + step] = block
-        self.values, self.vocab_size = values, int(vocab_size)
+        self.values, self.vocab_size, self._dim = values, int(vocab_size), int(keys.shape[1])
         self.precision = precision
         self.meta = dict(meta or {})
         self._memo: dict | None = None
         self.nprobe, self._ivf = nprobe, None
-        if ivf is not None and self.keys.device.type == "cpu":
+        self.keys: torch.Tensor | None = None
+        self.norms: torch.Tensor | None = None
+        if ivf is not None and values.device.type == "cpu":
+            # the index's float16 codes are the only copy: the brute-force tensor beside them would hold the keys
+            # twice (1.15 GB more at 1M keys of 576 in bfloat16, 2.3 GB in float32)
             self._ivf = _ivf_index(keys, ivf)
             self.nprobe = min(nprobe, self._ivf.nlist)
+        else:
+            self.keys, self.norms = _search_keys(keys, precision, device)
 
     @contextlib.contextmanager
     def remembered(self) -> Iterator[Datastore]:
@@ -194,10 +201,10 @@ class Datastore:
 
     @property
     def dim(self) -> int:
-        return self.keys.shape[1]
+        return self._dim
 
     def __len__(self) -> int:
-        return self.keys.shape[0]
+        return self.values.shape[0]
 
     def check_model(self, model: Any) -> None:
         """Raise :class:`DatastoreError` unless ``model`` computed these keys: its LM head's input width, and (when
@@ -230,8 +237,8 @@ class Datastore:
                              f"{tuple(getattr(hidden, 'shape', ()))}; build the datastore with this model")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
-        h = hidden.detach().to(self.keys.device, torch.float32)
-        sync = self.keys.device.type == "cpu" if sync is None else sync
+        h = hidden.detach().to(self.values.device, torch.float32)
+        sync = self.values.device.type == "cpu" if sync is None else sync
         if self._memo is None:
             return self._search(h, k, sync)
         key = (k, tuple(h.shape), hashlib.blake2b(h.cpu().numpy().tobytes(), digest_size=16).digest())
@@ -292,6 +299,22 @@ class Datastore:
         return tokens, torch.softmax(-(dist - dist[:, :1]) / temperature, dim=1)
 
 
+def _search_keys(keys: torch.Tensor, precision: str, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The brute-force search's keys (N, d) in ``precision`` and their squared norms (N,) in float32, on ``device``;
+    a DatastoreError if a key is not finite."""
+    out = torch.empty(keys.shape, dtype=PRECISIONS[precision], device=device)
+    norms = torch.empty(keys.shape[0], dtype=torch.float32, device=device)
+    # block by block: a float32 copy of all the keys would be 2.3 GB at 1M keys of 576 (float16 on disk)
+    step = max(1, _BLOCK // keys.shape[1])
+    for lo in range(0, keys.shape[0], step):
+        block = keys[lo:lo + step].to(device, torch.float32)
+        if not bool(torch.isfinite(block).all()):
+            raise DatastoreError("keys must be finite")
+        norms[lo:lo + step] = (block * block).sum(1)  # float32 whatever the precision: products alone round
+        out[lo:lo + step] = block
+    return out, norms
+
+
 def _ivf_index(keys: Any, ivf: tuple) -> Any:
     """A faiss IVF index over ``keys`` (float16 codes, by list, no residuals) from checked centroids and offsets:
     the lists are filled with the keys as stored, nothing is re-assigned or trained."""
@@ -312,6 +335,8 @@ def _ivf_index(keys: Any, ivf: tuple) -> Any:
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         for a in range(lo, hi, 1 << 16):  # float16 codes by blocks: the keys need not be float16 already
             b = min(hi, a + (1 << 16))
+            if not np.isfinite(keys[a:b]).all():  # the only check of the keys: no brute-force copy is made
+                raise DatastoreError("keys must be finite")
             with np.errstate(over="ignore"):
                 half = np.ascontiguousarray(keys[a:b], dtype=np.float16)
             if not np.isfinite(half).all():
@@ -392,7 +417,8 @@ def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", 
                      precision=precision, ivf=arrays.ivf, nprobe=nprobe)
 
 
-def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0, points_per_list: int = 256) -> Datastore:
+def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0,
+                    points_per_list: int = POINTS_PER_LIST) -> Datastore:
     """Give the datastore at ``path`` an inverted-file index of ``lists`` lists, rewriting it atomically with its
     keys stored list after list: k-means (faiss) on a sample of ``points_per_list`` keys per list, then each key in
     the list of its nearest centroid. A search then reads ``nprobe`` lists instead of every key.
@@ -418,32 +444,41 @@ def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0, point
         >>> store.approximate, len(store), store.meta["ivf_lists"]
         (True, 200, 4)
     """
-    import faiss  # only an indexed datastore needs it
-
     arrays = open_datastore(path)
-    keys, meta = arrays.keys, arrays.meta
-    n, dim = keys.shape
+    meta, n = arrays.meta, arrays.values.shape[0]
     if isinstance(lists, bool) or not isinstance(lists, int) or not 1 <= lists <= n:
         raise ValueError(f"lists must be an int in [1, {n}] (the datastore's keys), got {lists!r}")
     for name, value, low in (("points_per_list", points_per_list, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
             raise ValueError(f"{name} must be an int in [{low}, 2**31), got {value!r}")
+    _write_indexed(path, arrays.keys, arrays.values, lists, seed=seed, points_per_list=points_per_list,
+                   tokenizer=meta["tokenizer"], model=meta["model"], model_sha256=meta["model_sha256"],
+                   positions=meta["positions"], documents=meta["documents"], overwrite=True)
+    return load_datastore(path, verify=False)
+
+
+def _write_indexed(path: str | os.PathLike, keys: np.ndarray, values: np.ndarray, lists: int, *, seed: int = 0,
+                   points_per_list: int = POINTS_PER_LIST, **meta: Any) -> None:
+    """Write ``keys`` (N, d) and ``values`` (N,) at ``path`` in one atomic ``write_datastore`` with an inverted-file
+    index of ``lists`` lists (checked by the caller): k-means (faiss) on a sample of ``points_per_list`` keys per
+    list, each key in the list of its nearest centroid, the keys stored list after list. ``meta``: write_datastore's
+    other keyword arguments (tokenizer, model, model_sha256, positions, documents, overwrite)."""
+    import faiss  # only an indexed datastore needs it
+
+    n, dim = keys.shape
     rng = np.random.default_rng(seed)
     sample = keys[np.sort(rng.choice(n, min(n, lists * points_per_list), replace=False))].astype(np.float32)
     kmeans = faiss.Kmeans(dim, lists, niter=20, seed=seed, max_points_per_centroid=points_per_list)
     kmeans.train(sample)
     quantizer = faiss.IndexFlatL2(dim)
     quantizer.add(kmeans.centroids)
-    step = 1 << 16
+    step = 1 << 16  # float32 copies of 64k keys at a time, never of all of them
     assign = np.concatenate([quantizer.search(keys[lo:lo + step].astype(np.float32), 1)[1][:, 0]
                              for lo in range(0, n, step)])
     order = np.argsort(assign, kind="stable")
     offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=lists))])
-    chunks = ((keys[order[lo:lo + step]], arrays.values[order[lo:lo + step]]) for lo in range(0, n, step))
-    write_datastore(path, chunks, dim=dim, tokenizer=meta["tokenizer"], model=meta["model"],
-                    model_sha256=meta["model_sha256"], positions=meta["positions"], documents=meta["documents"],
-                    overwrite=True, ivf=(kmeans.centroids, offsets))
-    return load_datastore(path, verify=False)
+    chunks = ((keys[order[lo:lo + step]], values[order[lo:lo + step]]) for lo in range(0, n, step))
+    write_datastore(path, chunks, dim=dim, ivf=(kmeans.centroids, offsets), **meta)
 
 
 def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str | os.PathLike, *,
@@ -465,8 +500,10 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
         model_name (``str``, defaults to ``""``): recorded in the folder.
         overwrite (``bool``, defaults to ``False``): replace a datastore graphmax wrote at ``path``.
         progress (``bool``, defaults to ``True``): a progress bar.
-        ivf_lists (``int``, defaults to 0): with N > 0, an inverted-file index of N lists (:func:`index_datastore`);
-            0: none (every search reads every key).
+        ivf_lists (``int``, defaults to 0): with N > 0, the folder is written once, already indexed with N lists (at
+            most one per key; k-means as in :func:`index_datastore`): the keys are kept in memory until then, as
+            they are stored (float16: 1.15 GB at 1M keys of 576). 0: no index (every search reads every key), the
+            keys written as the model gives them.
 
     Returns:
         ``Datastore``: the one written, loaded back (checked).
@@ -513,8 +550,26 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
                 values = np.concatenate([np.asarray(e[1:], dtype=np.int64) for e in batch])
                 yield keys.numpy(), values
 
-    write_datastore(path, chunks(), dim=dim, tokenizer=identity, model=model_name, model_sha256=fingerprint,
-                    positions=positions, documents=len(encoded), overwrite=overwrite)
-    if ivf_lists:
-        return index_datastore(path, min(ivf_lists, sum(len(e) - 1 for e in encoded)))
+    meta = dict(tokenizer=identity, model=model_name, model_sha256=fingerprint, positions=positions,
+                documents=len(encoded), overwrite=overwrite)
+    n = sum(len(e) - 1 for e in encoded)
+    if ivf_lists and n:
+        # one write, already indexed: a flat datastore written first and indexed afterwards doubled the disk
+        # writes, and a kill between the two left it, unindexed, where an indexed one was asked for
+        _write_indexed(path, *_gathered(chunks(), n, dim, identity["vocab_size"]), min(ivf_lists, n), **meta)
+    else:  # (no keys at all: write_datastore says so)
+        write_datastore(path, chunks(), dim=dim, **meta)
     return load_datastore(Path(path), verify=False)  # its checksums were computed as it was written, just now
+
+
+def _gathered(chunks: Iterator[tuple[np.ndarray, np.ndarray]], n: int, dim: int,
+              vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` keys (n, dim) and values (n,) of ``chunks`` in memory as a datastore stores them (float16, int32),
+    each chunk checked as ``write_datastore`` checks it: k-means must not see a key the write would refuse."""
+    keys, values = np.empty((n, dim), KEY_DTYPE), np.empty(n, VALUE_DTYPE)
+    at = 0
+    for k, v in chunks:
+        k, v = checked_chunk(k, v, dim, vocab_size)
+        keys[at:at + v.shape[0]], values[at:at + v.shape[0]] = k, v
+        at += v.shape[0]
+    return keys, values

@@ -48,6 +48,24 @@ def _random(rng: np.random.Generator, n: int = 40, dim: int = 6, vocab: int = 50
     return rng.normal(size=(n, dim)).astype(np.float32), rng.integers(0, vocab, n)
 
 
+_WORDS = "[UNK] the cat sat on mat a dog ran".split()
+# 8 documents of 8 words (6 keys each at positions=6) and one of a single token, which gives none
+TEXTS = [" ".join(np.random.default_rng(i).choice(_WORDS[1:], 8)) for i in range(8)] + ["cat"]
+
+
+def _tiny_lm(seed: int = 0, hidden: int = 8):
+    """A 1-layer Llama and a word-level tokenizer over ``_WORDS``, as build_datastore's example makes them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)}, "[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(seed)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(_WORDS), hidden_size=hidden, intermediate_size=16,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    return lm.eval(), PreTrainedTokenizerFast(tokenizer_object=raw)
+
+
 # ---- the folder ---------------------------------------------------------------------------------------------------
 
 @given(n=st.integers(1, 300), dim=st.integers(1, 40), chunks=st.integers(1, 4), seed=st.integers(0, 2**16))
@@ -750,8 +768,177 @@ def test_an_index_given_in_memory_is_checked_as_one_read_from_a_folder(tmp_path)
         Datastore(keys, np.zeros(40, dtype=int), 3, ivf=(np.zeros((2, 6)), np.array([0, 50, 40], np.uint64)))
     with pytest.raises(DatastoreError, match="float16's range"):
         Datastore(keys * 1e6, np.zeros(40, dtype=int), 3, ivf=(np.zeros((1, 6)), np.array([0, 40])))
+    late = keys.copy()
+    late[39, 5] = np.nan  # the index is the keys' only copy, so it checks them: here in its last list
+    with pytest.raises(DatastoreError, match="keys must be finite"):
+        Datastore(late, np.zeros(40, dtype=int), 3, ivf=(np.zeros((2, 6)), np.array([0, 20, 40])))
     path = _write(tmp_path / "ds", *_random(np.random.default_rng(1)))
     for name, bad in (("seed", -1), ("seed", 2**40), ("seed", True), ("points_per_list", 0)):
         with pytest.raises(ValueError, match=name):
             dsmod.index_datastore(path, 2, **{name: bad})
     assert not open_datastore(path).ivf
+
+
+def _tensor_bytes(store: Datastore) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(store).values() if torch.is_tensor(t))
+
+
+def test_an_indexed_datastore_holds_its_keys_once_and_answers_as_the_exact_search(tmp_path):
+    arrays = open_datastore(_indexed(tmp_path / "ds", n=300, lists=4))
+    store = Datastore(arrays.keys, arrays.values, 50, meta=arrays.meta, ivf=arrays.ivf, nprobe=4)  # every list
+    exact = Datastore(arrays.keys, arrays.values, 50, meta=arrays.meta, precision="float32")  # the same keys
+    # faiss' float16 codes are the only copy of the keys: no brute-force tensor (nor its norms) beside them
+    assert store.approximate and store.keys is None and store.norms is None
+    assert _tensor_bytes(store) == store.values.numel() * 8 and _tensor_bytes(exact) == 300 * 8 + 300 * 6 * 4 + 300 * 4
+    assert store.dim == exact.dim == 6 and len(store) == len(exact) == 300
+    h = torch.tensor(np.random.default_rng(1).normal(size=(3, 6)), dtype=torch.float32)
+    (d, t), (de, te) = store.neighbours(h, 10), exact.neighbours(h, 10)
+    assert torch.equal(t, te) and torch.allclose(d, de, rtol=1e-4, atol=1e-4)
+    (tokens, w), (te, we) = store.distribution(h, 10, 2.0), exact.distribution(h, 10, 2.0)
+    assert torch.equal(tokens, te) and torch.allclose(w, we, atol=1e-5)
+    with store.remembered():
+        assert store.neighbours(h, 10)[0] is store.neighbours(h, 10)[0]
+    store.check_tokenizer("ab" * 32, 50)
+    with pytest.raises(DatastoreError, match="another vocabulary"):
+        store.check_tokenizer("0" * 64, 50)
+    with pytest.raises(ValueError, match=r"\(B, 6\)"):
+        store.neighbours(torch.zeros(1, 5), 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the device tool lends one to some sessions)")
+def test_off_the_cpu_an_indexed_datastore_reads_every_key(tmp_path):
+    path = _indexed(tmp_path / "ds", n=300, lists=4)
+    arrays = open_datastore(path)
+    gpu = dsmod.load_datastore(path, device="cuda", precision="float32", nprobe=1)
+    assert not gpu.approximate and gpu.keys.device.type == "cuda" and tuple(gpu.keys.shape) == (300, 6)
+    h = torch.tensor(np.random.default_rng(1).normal(size=(3, 6)), dtype=torch.float32)
+    d, t = gpu.neighbours(h.cuda(), 10)
+    de, te = Datastore(arrays.keys, arrays.values, 50, precision="float32").neighbours(h, 10)
+    assert torch.equal(t.cpu(), te) and torch.allclose(d.cpu(), de, rtol=1e-4, atol=1e-4)
+
+
+# ---- an indexed build ---------------------------------------------------------------------------------------------
+
+def test_an_indexed_build_writes_once_the_keys_of_a_plain_build_list_after_list(tmp_path, monkeypatch):
+    lm, tok = _tiny_lm()
+    plain = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "plain", positions=6, progress=False)
+    log = tmp_path / "points"
+    monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(log))
+    store = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "ds", positions=6, progress=False, ivf_lists=3)
+    monkeypatch.delenv("GRAPHMAX_FAULT_LOG")
+    points = log.read_text().split()
+    assert points.count("stage.created") == points.count("datastore.written") == 1  # one folder, written once
+    flat, arrays = open_datastore(tmp_path / "plain"), open_datastore(tmp_path / "ds")
+    assert sorted(zip(map(bytes, arrays.keys), arrays.values.tolist())) == \
+        sorted(zip(map(bytes, flat.keys), flat.values.tolist()))
+    assert arrays.meta["ivf_lists"] == 3 and arrays.meta["documents"] == flat.meta["documents"] == 8
+    assert store.approximate and store.keys is None and len(store) == len(plain) == 48 and store.dim == 8
+    store.check_model(lm)
+    with pytest.raises(DatastoreError, match="16-wide states"):
+        store.check_model(_tiny_lm(hidden=16)[0])
+    # the index index_datastore gives the plain datastore: one k-means and one order for both
+    dsmod.index_datastore(tmp_path / "plain", 3)
+    again = open_datastore(tmp_path / "plain")
+    assert np.array_equal(again.keys, arrays.keys) and np.array_equal(again.values, arrays.values)
+    assert all(np.array_equal(a, b) for a, b in zip(again.ivf, arrays.ivf))
+    # more lists than keys: one per key; no keys at all: refused, nothing written
+    many = dsmod.build_datastore(lm, tok, TEXTS[:2], tmp_path / "many", positions=6, progress=False, ivf_lists=100)
+    assert many.meta["ivf_lists"] == len(many) == 12
+    with pytest.raises(DatastoreError, match="no keys"):
+        dsmod.build_datastore(lm, tok, ["cat"], tmp_path / "none", positions=6, progress=False, ivf_lists=3)
+    assert sorted(os.listdir(tmp_path)) == ["ds", "many", "plain", "points"]
+
+
+_INDEXED_BUILDS = """
+import json, os, shutil, sys
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, "tests")
+import faiss, transformers.models.llama.modeling_llama  # imported once, not in each child
+import gm_graphs.faults as faults
+from gm_graphs.datastore import open_datastore
+from gm_solver.datastore import build_datastore
+from test_datastore import TEXTS, _random, _tiny_lm, _write
+path, log = Path(sys.argv[1]), Path(sys.argv[2])
+real = faults.fault_point
+
+def build(kill_at):
+    # in a forked child (the parent runs no torch op): the kill_at-th fault point reached kills it as GRAPHMAX_FAULT
+    # does, at every arrival of a point and not only its first (a flat write first reaches the same points twice);
+    # the exit code and the points reached
+    log.unlink(missing_ok=True)
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            os.environ["GRAPHMAX_FAULT_LOG"] = str(log)
+            reached = 0
+            def counted(name):
+                nonlocal reached
+                reached += 1
+                if reached == kill_at:
+                    os.environ["GRAPHMAX_FAULT"] = name
+                real(name)
+            for module in list(sys.modules.values()):
+                if getattr(module, "fault_point", None) is real:
+                    module.fault_point = counted
+            import torch
+            torch.set_num_threads(1)
+            lm, tok = _tiny_lm()
+            build_datastore(lm, tok, TEXTS, path, positions=6, model_name="new", overwrite=True, progress=False,
+                            ivf_lists=3)
+            code = 0
+        finally:
+            os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return code, log.read_text().split()
+
+def state():
+    if not os.path.lexists(path):
+        return None
+    arrays = open_datastore(path)
+    return [arrays.meta["model"], arrays.ivf is not None, sorted(arrays.values.tolist())]
+
+def nothing():  # nor a dead writer's debris, whose removal would reach points of its own
+    shutil.rmtree(path.parent)
+    path.parent.mkdir()
+
+def old():  # written in this process, which removes the debris
+    _write(path, *_random(np.random.default_rng(0)), overwrite=True)
+
+out = {}
+for name, start in (("nothing", nothing), ("old", old)):
+    start()
+    code, seen = build(0)
+    out[name] = {"clean": [code, state()], "points": seen, "runs": []}
+    for i in range(1, len(seen) + 1):
+        start()
+        before = state()
+        code, reached = build(i)
+        out[name]["runs"].append([seen[i - 1], code, reached[-1:], before, state()])
+out["last"] = [build(0)[0], state(), sorted(os.listdir(path.parent))]
+print(json.dumps(out))
+"""
+
+
+def test_a_kill_at_any_point_of_an_indexed_build_leaves_the_old_datastore_or_the_new_indexed_one(tmp_path):
+    run = subprocess.run([sys.executable, "-c", _INDEXED_BUILDS, str(tmp_path / "ds"), str(tmp_path / "points")],
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    new = ["new", True, sorted(v for t in TEXTS for v in _tiny_lm()[1](t, add_special_tokens=False)["input_ids"][1:7])]
+    old = ["m", False, sorted(_random(np.random.default_rng(0))[1].tolist())]
+    for start, before in (("nothing", None), ("old", old)):
+        code, after = out[start]["clean"]
+        points = out[start]["points"]
+        assert code == 0 and after == new, start
+        # the folder is written once: no flat datastore is ever committed, then rewritten indexed
+        assert {"stage.created", "datastore.chunk", "datastore.written", "stage.filled"} <= set(points), points
+        assert points.count("datastore.written") == points.count("stage.filled") == 1, points
+        assert len(out[start]["runs"]) == len(points)
+        for point, code, died_at, was, after in out[start]["runs"]:
+            assert code == 137 and died_at == [point] and was == before, (start, point, died_at)
+            assert after in (before, new), (start, point, after)
+    assert out["last"] == [0, new, ["ds", "points"]]  # the next writer removes the debris of the killed ones
