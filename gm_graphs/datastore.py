@@ -11,6 +11,9 @@ A datastore (Khandelwal et al., "Generalization through Memorization: Nearest Ne
     <datastore>/ivf_centroids.npy     optional (an inverted-file index): float32, 1-D, lists × dim: each list's centre
     <datastore>/ivf_lists.npy         optional, with it: int64, lists + 1 offsets: list i holds the keys
                                       offsets[i] … offsets[i + 1] − 1 (the keys are stored list after list)
+    <datastore>/marginals.npy         optional: float64, vocab_size values: the model's expected count of each token
+                                      over the keys' positions (the sum of its softmax there), beside which the
+                                      values' own counts say how the corpus' tokens differ from the model's habits
 
 The folder is written as a temporary sibling and renamed into place (``folders.staged_folder``), so a kill leaves
 the old datastore or the new one. Opening one follows no symlink, checks sizes, ``.npy`` headers, dtypes, the
@@ -18,7 +21,8 @@ values' range, the keys' finiteness and (``verify``) the SHA-256 of each file be
 identifies the tokenizer (its vocabulary's SHA-256, as a graph's manifest does) and the model (a SHA-256 of all its
 weights), so that a datastore is never searched with another model's states or another vocabulary's ids. The
 index's offsets are checked to cover the keys exactly once, in order, and its centres to be finite; which list a key
-is in only affects what an approximate search finds, never what it reads.
+is in only affects what an approximate search finds, never what it reads. The marginals are checked to be finite,
+non-negative and to sum to the number of keys (each position's softmax sums to 1).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ KEYS, VALUES = "keys.npy", "values.npy"
 CENTROIDS, LISTS = "ivf_centroids.npy", "ivf_lists.npy"
 KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")
 CENTROID_DTYPE, LIST_DTYPE = np.dtype("<f4"), np.dtype("<i8")
+MARGINALS, MARGINAL_DTYPE = "marginals.npy", np.dtype("<f8")
+_MARGINAL_SUM = 1e-6  # relative: float64 sums of float32 softmax rows stay far within it
 _MAX_LISTS = 1 << 20
 _MAX_META = 1 << 20
 _MAX_DIM = 1 << 16
@@ -56,18 +62,21 @@ _FIX = "write it again with `graphmax datastore` (or gm_solver.build_datastore)"
 @dataclass(frozen=True)
 class DatastoreArrays:
     """A checked datastore: ``keys`` (N, dim) float16 and ``values`` (N,) int32, read into memory, its metadata
-    (``vocab_size``, ``tokenizer``, ``model``, ``model_sha256``, ``positions``, ``documents``) and, when it has an
-    inverted-file index, ``ivf`` = (centroids (lists, dim) float32, offsets (lists + 1,) int64)."""
+    (``vocab_size``, ``tokenizer``, ``model``, ``model_sha256``, ``positions``, ``documents``), when it has an
+    inverted-file index, ``ivf`` = (centroids (lists, dim) float32, offsets (lists + 1,) int64), and when it has
+    them, ``marginals`` (vocab_size,) float64: the model's expected count of each token over the keys' positions."""
 
     keys: np.ndarray
     values: np.ndarray
     meta: dict
     ivf: tuple[np.ndarray, np.ndarray] | None = None
+    marginals: np.ndarray | None = None
 
 
 def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *, dim: int,
                     tokenizer: dict, model: str, model_sha256: str, positions: int, documents: int,
-                    overwrite: bool = False, ivf: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
+                    overwrite: bool = False, ivf: tuple[np.ndarray, np.ndarray] | None = None,
+                    marginals: np.ndarray | None = None) -> Path:
     """Write (keys (n, dim), values (n,)) chunks as a datastore folder at ``path``, atomically.
 
     Args:
@@ -87,6 +96,9 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         ivf (``(np.ndarray, np.ndarray)`` or ``None``): an inverted-file index of the keys as given: centroids
             (lists, dim), finite, and offsets (lists + 1,) from 0 to the number of keys, non-decreasing (the chunks
             then come list after list).
+        marginals (``np.ndarray`` (vocab_size,) or ``None``): the model's expected count of each token over the
+            keys' positions (finite, >= 0, summing to the number of keys); read once the chunks are consumed, so a
+            chunk generator may fill it as it goes.
 
     Returns:
         ``pathlib.Path``: ``path``.
@@ -146,6 +158,11 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
                     fh.write(_header(dtype, array.size))
                     fh.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
             names += [CENTROIDS, LISTS]
+        if marginals is not None:
+            with open(tmp / MARGINALS, "wb") as fh:
+                fh.write(_header(MARGINAL_DTYPE, vocab_size))
+                fh.write(checked_marginals(marginals, vocab_size, n).tobytes())
+            names.append(MARGINALS)
         files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in names}
         meta = {"format": FORMAT, "version": VERSION, "keys": n, "dim": dim, "vocab_size": vocab_size,
                 "tokenizer": tokenizer, "model": str(model), "model_sha256": model_sha256,
@@ -183,6 +200,28 @@ def checked_chunk(keys: object, values: object, dim: int, vocab_size: int) -> tu
         raise DatastoreError(f"a datastore chunk has token ids outside [0, {vocab_size}); use the tokenizer the "
                              f"datastore is for")
     return half, np.ascontiguousarray(values, dtype=VALUE_DTYPE)
+
+
+def checked_marginals(marginals: object, vocab_size: int, keys: int) -> np.ndarray:
+    """``marginals`` as float64 (vocab_size,) if they are a sound record of a model's expected token counts over
+    ``keys`` positions (finite, >= 0, summing to ``keys``), else a DatastoreError.
+
+    Example::
+
+        >>> checked_marginals([0.5, 1.5, 0.0], vocab_size=3, keys=2).tolist()
+        [0.5, 1.5, 0.0]
+    """
+    try:
+        array = np.ascontiguousarray(marginals, dtype=MARGINAL_DTYPE)
+    except (TypeError, ValueError):
+        raise DatastoreError(f"marginals must be {vocab_size} numbers, got {type(marginals).__name__}") from None
+    if array.shape != (vocab_size,):
+        raise DatastoreError(f"marginals must be {vocab_size} numbers (one per token), got shape {array.shape}")
+    total = float(array.sum()) if np.isfinite(array).all() and (array >= 0).all() else float("nan")
+    if not abs(total - keys) <= _MARGINAL_SUM * keys:
+        raise DatastoreError(f"marginals must be finite, >= 0 and sum to the {keys} keys (a softmax per position), "
+                             f"sum {total!r}")
+    return array
 
 
 def checked_ivf(ivf: object, dim: int, keys: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -302,7 +341,14 @@ def open_datastore(path: str | os.PathLike, verify: bool = True) -> DatastoreArr
             ivf = checked_ivf((centroids.reshape(lists, meta["dim"]), offsets), meta["dim"], meta["keys"])
         except DatastoreError as e:
             raise _bad(root, str(e)) from None
-    return DatastoreArrays(keys, values, meta, ivf)
+    marginals = None
+    if MARGINALS in meta["files"]:
+        marginals = _open_array(root, MARGINALS, MARGINAL_DTYPE, meta["vocab_size"], meta["files"][MARGINALS], verify)
+        try:
+            marginals = checked_marginals(marginals, meta["vocab_size"], meta["keys"])
+        except DatastoreError as e:
+            raise _bad(root, str(e)) from None
+    return DatastoreArrays(keys, values, meta, ivf, marginals)
 
 
 def _lstat_mode(path: Path) -> int:
@@ -362,8 +408,9 @@ def _read_meta(root: Path) -> dict:
         raise _bad(root, f"{META} has no valid keys, dim and vocab_size (ints >= 1)")
     if "ivf_lists" in meta and not (_positive_int(meta, "ivf_lists") and meta["ivf_lists"] <= _MAX_LISTS):
         raise _bad(root, f"{META} has an ivf_lists that is not an int in [1, {_MAX_LISTS}]")
-    names = (KEYS, VALUES, *((CENTROIDS, LISTS) if "ivf_lists" in meta else ()))
     files = meta.get("files")
+    names = (KEYS, VALUES, *((CENTROIDS, LISTS) if "ivf_lists" in meta else ()),
+             *((MARGINALS,) if isinstance(files, dict) and MARGINALS in files else ()))
     if not isinstance(files, dict) or not all(
             isinstance(files.get(n), dict) and isinstance(files[n].get("bytes"), int)
             and isinstance(files[n].get("sha256"), str) for n in names):

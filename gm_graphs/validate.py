@@ -232,6 +232,9 @@ def check_decoder(root, d) -> None:
             s.need(_is_number(knn.get(key)) and ok(knn[key]), f"decoder.knn.{key}", what, knn.get(key))
         s.need(_is_int(knn.get("knn_k")) and knn["knn_k"] >= 1, "decoder.knn.knn_k", "an integer >= 1",
                knn.get("knn_k"))
+        if "marginal_weight" in knn:  # graphs tuned before datastores kept marginals have none
+            s.need(_is_number(knn["marginal_weight"]) and knn["marginal_weight"] >= 0, "decoder.knn.marginal_weight",
+                   "a finite number >= 0", knn["marginal_weight"])
         sha = knn.get("datastore_sha256")
         s.need(is_sha256(sha), "decoder.knn.datastore_sha256", "64 hex digits", sha)
 

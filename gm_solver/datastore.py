@@ -11,6 +11,12 @@ embeddings (the LM head), taken by a :class:`HiddenStateTap`, both when the data
 searched, so the two always see the same vectors. The search reads every key (a matrix product per block of keys),
 its products in bfloat16 by default (``precision``), or, with an inverted-file index on the CPU, the keys of the lists
 nearest the state (faiss, which then holds the only copy of the keys, as float16 codes).
+
+The same pass over the corpus also records the model's marginals: its expected count of each token over the keys'
+positions, e(w) = Σ_i softmax(z_i)(w), beside the tokens' own counts c(w) there. Where the two differ the model's
+habits are not the corpus' (another register, other names, other punctuation), whatever the context; the log ratio
+b(w) = log((c(w) + δ)/(e(w) + δ)) added to the scores with a weight w (:meth:`Datastore.marginal_bias`) is the
+unigram marginal adaptation of Kneser, Peters & Klakow (1997), with the LM's own marginals as the background.
 The folder's format is ``gm_graphs.datastore``'s.
 """
 
@@ -33,6 +39,7 @@ from gm_graphs.datastore import (
     check_datastore_target,
     checked_chunk,
     checked_ivf,
+    checked_marginals,
     open_datastore,
     write_datastore,
 )
@@ -47,6 +54,9 @@ _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of floa
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NPROBE = 32  # lists an index reads per search: on news, the held-out perplexity of reading every key
 POINTS_PER_LIST = 256  # the k-means sample's keys per list of an index
+# δ of the marginal bias log((c + δ)/(e + δ)): a token the corpus never shows at these positions is pushed down by
+# log(δ/(e + δ)), not to −inf (on drug-review validation text δ = 0.5 did best of 0.1, 0.5 and 2)
+MARGINAL_SMOOTHING = 0.5
 _NOT_FINITE = ("the model's hidden states are not finite (NaN or inf in float32); the datastore cannot be searched "
                "with them: check the model and its dtype")
 _OVERFLOW = ("distances to the datastore's keys overflow float32: the model's hidden states are far larger than the "
@@ -133,6 +143,8 @@ class Datastore:
             distances in float32) instead of every key: approximate, far faster on large datastores. Off the CPU
             the brute-force search is used (a GPU reads every key fast).
         nprobe (``int``, defaults to 32): the lists read per search with ``ivf``, in [1, lists].
+        marginals (``np.ndarray`` (vocab_size,) or ``None``): the model's expected count of each token over the keys'
+            positions (``build_datastore`` records them); needed by :meth:`marginal_bias`.
 
     Example::
 
@@ -145,7 +157,7 @@ class Datastore:
 
     def __init__(self, keys: Any, values: Any, vocab_size: int, device: str | torch.device = "cpu",
                  meta: dict | None = None, precision: str = "bfloat16", ivf: tuple | None = None,
-                 nprobe: int = NPROBE):
+                 nprobe: int = NPROBE, marginals: Any = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if isinstance(nprobe, bool) or not isinstance(nprobe, int) or nprobe < 1:
@@ -164,6 +176,7 @@ class Datastore:
         if int(values.min()) < 0 or int(values.max()) >= vocab_size:
             raise DatastoreError(f"values must be token ids in [0, {vocab_size})")
         self.values, self.vocab_size, self._dim = values, int(vocab_size), int(keys.shape[1])
+        self.marginals = None if marginals is None else checked_marginals(marginals, self.vocab_size, len(self))
         self.precision = precision
         self.meta = dict(meta or {})
         self._memo: dict | None = None
@@ -205,6 +218,30 @@ class Datastore:
 
     def __len__(self) -> int:
         return self.values.shape[0]
+
+    def marginal_bias(self, weight: float, smoothing: float = MARGINAL_SMOOTHING) -> torch.Tensor:
+        """``weight``·log((c(w) + δ)/(e(w) + δ)) for each token w (vocab_size,) float32 on the datastore's device:
+        c the tokens' counts at the keys' positions (the values), e the model's expected counts there
+        (``marginals``), δ = ``smoothing``. Added to the model's scores, it moves each token's probability by
+        (c/e)^weight, then renormalises: the model's unigram habits toward the corpus'.
+
+        Example::
+
+            >>> store = Datastore(np.eye(4, 2), np.array([0, 0, 0, 1]), vocab_size=3, marginals=[1.0, 1.0, 2.0])
+            >>> [round(b, 3) for b in store.marginal_bias(1.0).tolist()]     # token 0 thrice, the model said once
+            [0.847, 0.0, -1.609]
+        """
+        if self.marginals is None:
+            raise DatastoreError("this datastore records no marginals (written before graphmax kept them); build it "
+                                 "again with `graphmax datastore`")
+        for name, value in (("weight", weight), ("smoothing", smoothing)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
+                    or (name == "smoothing" and value == 0):
+                raise ValueError(f"{name} must be a finite float {'> 0' if name == 'smoothing' else '>= 0'}, got "
+                                 f"{value!r}")
+        counts = np.bincount(self.values.cpu().numpy(), minlength=self.vocab_size)
+        bias = weight * np.log((counts + smoothing) / (self.marginals + smoothing))
+        return torch.as_tensor(bias, dtype=torch.float32, device=self.values.device)
 
     def check_model(self, model: Any) -> None:
         """Raise :class:`DatastoreError` unless ``model`` computed these keys: its LM head's input width, and (when
@@ -414,7 +451,7 @@ def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", 
     """
     arrays = open_datastore(path, verify=verify)
     return Datastore(arrays.keys, arrays.values, arrays.meta["vocab_size"], device=device, meta=arrays.meta,
-                     precision=precision, ivf=arrays.ivf, nprobe=nprobe)
+                     precision=precision, ivf=arrays.ivf, nprobe=nprobe, marginals=arrays.marginals)
 
 
 def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0,
@@ -453,7 +490,8 @@ def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0,
             raise ValueError(f"{name} must be an int in [{low}, 2**31), got {value!r}")
     _write_indexed(path, arrays.keys, arrays.values, lists, seed=seed, points_per_list=points_per_list,
                    tokenizer=meta["tokenizer"], model=meta["model"], model_sha256=meta["model_sha256"],
-                   positions=meta["positions"], documents=meta["documents"], overwrite=True)
+                   positions=meta["positions"], documents=meta["documents"], overwrite=True,
+                   marginals=arrays.marginals)
     return load_datastore(path, verify=False)
 
 
@@ -462,7 +500,7 @@ def _write_indexed(path: str | os.PathLike, keys: np.ndarray, values: np.ndarray
     """Write ``keys`` (N, d) and ``values`` (N,) at ``path`` in one atomic ``write_datastore`` with an inverted-file
     index of ``lists`` lists (checked by the caller): k-means (faiss) on a sample of ``points_per_list`` keys per
     list, each key in the list of its nearest centroid, the keys stored list after list. ``meta``: write_datastore's
-    other keyword arguments (tokenizer, model, model_sha256, positions, documents, overwrite)."""
+    other keyword arguments (tokenizer, model, model_sha256, positions, documents, overwrite, marginals)."""
     import faiss  # only an indexed datastore needs it
 
     n, dim = keys.shape
@@ -486,7 +524,9 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
                     progress: bool = True, ivf_lists: int = 0) -> Datastore:
     """Run ``model`` over the first ``positions + 1`` tokens of each text and write the datastore at ``path``.
 
-    Each document gives ``positions`` keys at most: the LM head's input after tokens 1…t and the token t + 1.
+    Each document gives ``positions`` keys at most: the LM head's input after tokens 1…t and the token t + 1. The
+    same forward passes give the model's marginals (the sum of its softmax over the kept positions), recorded
+    beside the keys for :meth:`Datastore.marginal_bias`.
     Only the first positions are kept because the decoder is asked most where the context is short, and a key
     costs one forward position (on 2 CPU cores ~700 positions/s for SmolLM2-135M).
 
@@ -534,6 +574,9 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
     encoded = [e for e in (tokenizer(t, add_special_tokens=False)["input_ids"][:positions + 1] for t in texts)
                if len(e) >= 2]
 
+    vocab = identity["vocab_size"]
+    marginals = np.zeros(vocab)  # filled as the chunks are written: write_datastore reads it after the last one
+
     def chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         with HiddenStateTap(model) as tap, torch.no_grad():
             for lo in tqdm(range(0, len(encoded), batch_docs), desc="datastore", disable=not progress):
@@ -544,19 +587,23 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
                 for j, e in enumerate(batch):  # right padding: the real positions are those of the text alone
                     ids[j, :len(e)] = torch.tensor(e)
                     mask[j, :len(e)] = 1
-                model(input_ids=ids, attention_mask=mask)
+                logits = model(input_ids=ids, attention_mask=mask).logits
+                # the softmax over the tokenizer's ids (a padded head's extra ids are never text)
+                cols = min(vocab, logits.shape[-1])
+                for j, e in enumerate(batch):
+                    marginals[:cols] += torch.softmax(logits[j, :len(e) - 1, :cols].double(), -1).sum(0).numpy()
                 states = tap.states.float()
                 keys = torch.cat([states[j, :len(e) - 1] for j, e in enumerate(batch)])
                 values = np.concatenate([np.asarray(e[1:], dtype=np.int64) for e in batch])
                 yield keys.numpy(), values
 
     meta = dict(tokenizer=identity, model=model_name, model_sha256=fingerprint, positions=positions,
-                documents=len(encoded), overwrite=overwrite)
+                documents=len(encoded), overwrite=overwrite, marginals=marginals)
     n = sum(len(e) - 1 for e in encoded)
     if ivf_lists and n:
         # one write, already indexed: a flat datastore written first and indexed afterwards doubled the disk
         # writes, and a kill between the two left it, unindexed, where an indexed one was asked for
-        _write_indexed(path, *_gathered(chunks(), n, dim, identity["vocab_size"]), min(ivf_lists, n), **meta)
+        _write_indexed(path, *_gathered(chunks(), n, dim, vocab), min(ivf_lists, n), **meta)
     else:  # (no keys at all: write_datastore says so)
         write_datastore(path, chunks(), dim=dim, **meta)
     return load_datastore(Path(path), verify=False)  # its checksums were computed as it was written, just now

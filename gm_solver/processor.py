@@ -441,9 +441,12 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     q the corpus' n-gram reference of :class:`ContextGraphmaxLogitsProcessor`, h the LM's last hidden state
     (taken by ``tap``) and p_knn the distribution of the tokens that followed its ``knn_k`` nearest keys in
-    ``datastore``, weighted by softmax(−d/T) of their squared distances d (Khandelwal et al., ICLR 2020). The
-    problem, its solve and its certificate are those of the base class with q′ for q. Each step searches the
-    datastore exactly (a matrix product over its keys): its cost grows with the datastore.
+    ``datastore``, weighted by softmax(−d/T) of their squared distances d (Khandelwal et al., ICLR 2020). With
+    ``marginal_weight`` w > 0 the scores are also z + b, b = ``datastore.marginal_bias(w)``: the model's
+    expected token counts over the datastore's positions moved toward the corpus' counts there (unigram marginal
+    adaptation). The problem, its solve and its certificate are those of the base class with q′ for q (and z + b
+    for z). Each step searches the datastore (every key, or the lists of its index): its cost grows with the
+    datastore; the bias costs one addition.
 
     Args:
         graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph, as for the base class.
@@ -457,6 +460,9 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1 (at most the datastore's size).
         knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units (for
             SmolLM2-135M's final states, 50–100 fitted best on held-out text).
+        marginal_weight (``float``, defaults to 0.0): w >= 0, finite, the weight of the datastore's marginal bias
+            on the scores (0: none; the datastore must record marginals otherwise; ``graphmax tune --datastore``
+            chooses it, 0.75–1.25 on drug reviews and news).
         **settings: the base class's arguments (``divergence``, ``lam``, ``kl_share``, ``lam_decay``, …,
             ``tokenizer``).
 
@@ -477,7 +483,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
     """
 
     def __init__(self, graph: Any, datastore: Datastore, tap: HiddenStateTap, *, knn_weight: float = 0.5,
-                 knn_k: int = 1024, knn_temperature: float = 50.0, **settings: Any):
+                 knn_k: int = 1024, knn_temperature: float = 50.0, marginal_weight: float = 0.0,
+                 **settings: Any):
         super().__init__(graph, **settings)
         if not isinstance(datastore, Datastore):
             raise TypeError(f"`datastore` must be a gm_solver.datastore.Datastore (load_datastore or "
@@ -495,7 +502,11 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
                                 "datastore use ContextGraphmaxLogitsProcessor)", lambda v: 0 < v <= 1)
         self.knn_k = _integer("knn_k", knn_k, "an int >= 1", lambda v: v >= 1)
         self.knn_temperature = _real("knn_temperature", knn_temperature, "a finite float > 0", _finite_positive)
+        self.marginal_weight = _real("marginal_weight", marginal_weight, "a finite float >= 0 (0: no marginal bias)",
+                                     _finite_nonnegative)
         self.datastore, self.tap = datastore, tap
+        # (V,) on the datastore's device, or None; scores wider than the vocabulary (a padded head) get 0 there
+        self._bias = datastore.marginal_bias(self.marginal_weight) if self.marginal_weight > 0 else None
 
     @classmethod
     def from_config(cls, graph: Any, config: ContextConfig, *, datastore: Datastore, tap: HiddenStateTap,
@@ -505,7 +516,7 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         Args:
             graph, datastore, tap, tokenizer: as for the constructor.
             config (``ContextConfig``): the base class's settings; its ``source`` is kept as ``self.config.source``.
-            **knn: ``knn_weight``, ``knn_k``, ``knn_temperature``.
+            **knn: ``knn_weight``, ``knn_k``, ``knn_temperature``, ``marginal_weight``.
         """
         if not isinstance(config, ContextConfig):
             raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
@@ -516,6 +527,10 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         return proc
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._bias is not None and torch.is_tensor(scores) and scores.dim() == 2:
+            cols = min(scores.shape[-1], self._bias.shape[0])
+            scores = scores.clone()
+            scores[:, :cols] += self._bias[:cols].to(scores.device, scores.dtype)
         if self.config.lam == 0:
             return super().__call__(input_ids, scores)
         hidden = self.tap.last
@@ -537,7 +552,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     def _settings(self) -> dict[str, Any]:
         return {**super()._settings(), "knn_weight": self.knn_weight, "knn_k": self.knn_k,
-                "knn_temperature": self.knn_temperature, "datastore_keys": len(self.datastore)}
+                "knn_temperature": self.knn_temperature, "marginal_weight": self.marginal_weight,
+                "datastore_keys": len(self.datastore)}
 
 
 def _order_weights(value: Any) -> tuple[float, ...]:

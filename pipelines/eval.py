@@ -136,7 +136,7 @@ class Knn:
     settings: dict  # knn_weight, knn_temperature, knn_k
     table: list[dict]
     documents: int
-    seconds: float  # building the datastore (the LM over its documents) and tuning β, T and λ
+    seconds: float  # building the datastore (the LM over its documents) and tuning β, T, λ and the marginal weight
 
 
 def datastore_decoder(model, tok, setup: Setup, tuned: ContextConfig, valid: HeldOut, docs: int, positions: int,

@@ -37,7 +37,7 @@ OPTIONS = {
     "context": ("lam", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
                 "kappa", "alpha", "lam_decay"),
 }
-KNN_OPTIONS = ("knn_weight", "knn_k", "knn_temperature")  # with --datastore (the context decoder only)
+KNN_OPTIONS = ("knn_weight", "knn_k", "knn_temperature", "marginal_weight")  # with --datastore (context only)
 
 
 def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_tokens: int = 32,
@@ -137,6 +137,9 @@ def register(sub) -> None:
     p.add_argument("--knn-temperature", type=number(above=0),
                    help="with --datastore: T of softmax(−d/T) over squared distances (default: as --knn-weight, "
                         "else 50)")
+    p.add_argument("--marginal-weight", type=number(at_least=0),
+                   help="with --datastore: the weight of its marginal bias on the LM's scores (default: as "
+                        "--knn-weight, else 0: none)")
     p.add_argument("--lam-decay", type=number(at_least=0),
                    help="context: γ in λ_t = λ·t^(−γ) after t tokens of context (default 0: λ constant)")
     p.set_defaults(run=run)
@@ -185,7 +188,7 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
     tuned = graph.decoder.get("knn") if kind == stored else None  # `graphmax tune --datastore`'s choice
     try:
         if tuned is not None and tuned["datastore_sha256"] == datastore_sha256(datastore):
-            knn = {**{k: tuned[k] for k in KNN_OPTIONS}, **knn}
+            knn = {**{k: tuned[k] for k in KNN_OPTIONS if k in tuned}, **knn}  # (older graphs: no marginals)
             if "lam" not in settings:  # λ was tuned again with the datastore
                 config = dataclasses.replace(config, lam=tuned["lam"])
             where = "stored by graphmax tune --datastore"
@@ -197,7 +200,7 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
         raise GraphmaxError(str(e)) from e
     keys = f"{len(datastore):,} keys" + (f", {datastore.nprobe} of its {datastore.meta['ivf_lists']:,} lists a "
                                           "search" if datastore.approximate else "")
-    return graph, proc, origin + f"; kNN datastore {args.datastore} ({keys}), β, T: {where}"
+    return graph, proc, origin + f"; kNN datastore {args.datastore} ({keys}), β, T, marginal weight: {where}"
 
 
 def _show(value) -> str:

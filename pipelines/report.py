@@ -159,13 +159,15 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
         variants.append(("ours knn", f"context-aware graphmax with a kNN datastore ({knn['keys']:,} keys from "
                                      f"{knn['documents']:,} training documents; built and tuned in "
                                      f"{knn['seconds']:.0f} s; β = {knn['knn_weight']:g}, T = "
-                                     f"{knn['knn_temperature']:g}, k = {knn['knn_k']})", "interpolation optimum",
+                                     f"{knn['knn_temperature']:g}, k = {knn['knn_k']}, marginal bias weight "
+                                     f"{knn.get('marginal_weight', 0):g})", "interpolation optimum",
                          "ours"))
     ft_knn = (finetune or {}).get("knn")
     if ft_knn is not None:
         variants.append(("fine-tuned ours knn", "context-aware graphmax with a kNN datastore of the fine-tuned LM's "
                                                 f"own states ({ft_knn['keys']:,} keys; β = {ft_knn['knn_weight']:g}, "
-                                                f"T = {ft_knn['knn_temperature']:g}) on the fine-tuned LM",
+                                                f"T = {ft_knn['knn_temperature']:g}, marginal bias weight "
+                                                f"{ft_knn.get('marginal_weight', 0):g}) on the fine-tuned LM",
                          "fine-tuned interpolation optimum", "fine-tuned ours"))
     for (key, what, interp_key, base), w in itertools.product(variants, windows):
         row, interp_row = ppl[key], ppl[interp_key]
@@ -299,9 +301,11 @@ def finetune_section(ft: dict) -> list[str]:
         f"lm = fine-tuned).",
         *([] if ft.get("knn") is None else [
             f"With the datastore: the fine-tuned LM's states change, so it has a datastore of its own over the same "
-            f"training documents ({ft['knn']['keys']:,} keys), built and tuned (β, T, then λ's scale on its "
-            f"validation logits) in {ft['knn']['seconds']:.0f} s after the fine-tuning, outside its budget: "
-            f"β = {ft['knn']['knn_weight']:g}, T = {ft['knn']['knn_temperature']:g}, "
+            f"training documents ({ft['knn']['keys']:,} keys), built and tuned (β, T, λ's scale, the marginal "
+            f"bias' weight and λ's scale again, on its validation logits) in {ft['knn']['seconds']:.0f} s after the "
+            f"fine-tuning, outside its budget: "
+            f"β = {ft['knn']['knn_weight']:g}, T = {ft['knn']['knn_temperature']:g}, marginal bias weight "
+            f"{ft['knn'].get('marginal_weight', 0):g}, "
             f"λ = {ft['knn']['tuned'].lam:g}."]),
         "",
     ]

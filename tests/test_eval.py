@@ -162,14 +162,16 @@ def test_tune_with_a_datastore_stores_its_knn_settings_for_generate(smollm2, dru
     knn = stored["knn"]
     assert knn["knn_weight"] in tune_mod.KNN_WEIGHTS and knn["knn_temperature"] in tune_mod.KNN_TEMPERATURES
     assert knn["datastore_sha256"] == tune_mod.datastore_sha256(store) and knn["datastore_keys"] == len(store)
-    assert any(math.isclose(knn["lam"], stored["lam"] * f) for f in tune_mod.KNN_LAM_FACTORS)
+    factors = tune_mod.KNN_LAM_FACTORS  # λ's scale after β and T, then again after the marginal weight
+    assert any(math.isclose(knn["lam"], stored["lam"] * f * g) for f in factors for g in factors)
+    assert knn["marginal_weight"] in tune_mod.MARGINAL_WEIGHTS and store.marginals is not None
     parser = argparse.ArgumentParser()
     generate.register(parser.add_subparsers())
     args = parser.parse_args(["generate", "--prompt", "x", "--path", str(path), "--datastore", str(tmp_path / "ds")])
     _, proc, origin = generate.build_decoder(args)
     assert isinstance(proc, KnnContextGraphmaxLogitsProcessor) and "stored by graphmax tune --datastore" in origin
-    assert (proc.knn_weight, proc.knn_temperature, proc.config.lam) == (knn["knn_weight"], knn["knn_temperature"],
-                                                                         knn["lam"])
+    assert (proc.knn_weight, proc.knn_temperature, proc.config.lam, proc.marginal_weight) == (
+        knn["knn_weight"], knn["knn_temperature"], knn["lam"], knn["marginal_weight"])
     # a datastore of another model is refused before anything is tuned or stored
     with torch.no_grad():
         model.model.norm.weight[0] += 1e-3

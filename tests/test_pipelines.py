@@ -213,9 +213,11 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
     from pipelines.tune import datastore_sha256
 
     tokenizer = load_graph(graph_path).manifest["tokenizer"]
+    vocab = tokenizer["vocab_size"]
     for name, seed in (("ds", 0), ("other", 1)):
         write_datastore(tmp_path / name, [(np.random.default_rng(seed).normal(size=(3, 4)), np.array([1, 2, 3]))],
-                        dim=4, tokenizer=tokenizer, model="m", model_sha256="cd" * 32, positions=2, documents=1)
+                        dim=4, tokenizer=tokenizer, model="m", model_sha256="cd" * 32, positions=2, documents=1,
+                        marginals=np.full(vocab, 3 / vocab))
     tuned = ContextConfig(divergence="l2", lam=0.7, source={"tuned": True})
     knn = {"knn_weight": 0.35, "knn_temperature": 100.0, "knn_k": 2, "lam": 0.9,
            "datastore_sha256": datastore_sha256(load_datastore(tmp_path / "ds")), "datastore_keys": 3}
@@ -224,7 +226,14 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
     assert type(proc) is ContextGraphmaxLogitsProcessor and proc.config.lam == 0.7
     _, proc, origin = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds")))
     assert (proc.knn_weight, proc.knn_temperature, proc.knn_k, proc.config.lam) == (0.35, 100.0, 2, 0.9)
-    assert proc.config.divergence == "l2" and origin.endswith("β, T: stored by graphmax tune --datastore")
+    assert proc.marginal_weight == 0.0  # a graph tuned before datastores kept marginals stores no weight
+    assert proc.config.divergence == "l2" and origin.endswith("marginal weight: stored by graphmax tune --datastore")
+    load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": {**knn, "marginal_weight": 0.8}})
+    _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds")))
+    assert proc.marginal_weight == 0.8
+    _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds"),
+                                              "--marginal-weight", "0"))
+    assert proc.marginal_weight == 0.0
     _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds"),
                                               "--knn-weight", "0.6", "--lam", "2"))
     assert (proc.knn_weight, proc.knn_temperature, proc.config.lam) == (0.6, 100.0, 2.0)  # options come first
@@ -236,7 +245,9 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
                        (dict(datastore_sha256="zz" * 32), "decoder.knn.datastore_sha256"),
                        (dict(lam=-1.0), "decoder.knn.lam"), (dict(knn_weight=5.0), "decoder.knn.knn_weight"),
                        (dict(knn_temperature=0.0), "decoder.knn.knn_temperature"),
-                       (dict(knn_k=0), "decoder.knn.knn_k")):
+                       (dict(knn_k=0), "decoder.knn.knn_k"),
+                       (dict(marginal_weight=-0.5), "decoder.knn.marginal_weight"),
+                       (dict(marginal_weight=float("inf")), "decoder.knn.marginal_weight")):
         with pytest.raises(GraphmaxError, match=field.replace(".", r"\.")):
             load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": {**knn, **bad}})
 
