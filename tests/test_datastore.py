@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gm_solver.datastore as dsmod
-from gm_graphs.datastore import KEYS, META, VALUES, open_datastore, write_datastore
+from gm_graphs.datastore import KEYS, MARGINALS, META, VALUES, open_datastore, write_datastore
 from gm_graphs.errors import DatastoreError, GraphExistsError, NotOwnedError
 from gm_graphs.folders import DATASTORE_MARKER
 from gm_solver import (
@@ -942,3 +942,129 @@ def test_a_kill_at_any_point_of_an_indexed_build_leaves_the_old_datastore_or_the
             assert code == 137 and died_at == [point] and was == before, (start, point, died_at)
             assert after in (before, new), (start, point, after)
     assert out["last"] == [0, new, ["ds", "points"]]  # the next writer removes the debris of the killed ones
+
+
+# ---- the model's marginals and the marginal bias ------------------------------------------------------------------
+
+def _marginals(vocab: int, n: int, seed: int = 0) -> np.ndarray:
+    """Expected counts of ``n`` positions over ``vocab`` tokens, as a model's softmax sums would be."""
+    p = np.random.default_rng(seed).dirichlet(np.ones(vocab), size=n)
+    return p.sum(0)
+
+
+def test_build_datastore_records_the_models_softmax_summed_over_the_keys_positions(tmp_path):
+    lm, tok = _tiny_lm()
+    plain = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "plain", positions=6, progress=False)
+    want = np.zeros(len(_WORDS))
+    with torch.no_grad():
+        for text in TEXTS:
+            ids = tok(text, add_special_tokens=False)["input_ids"][:7]
+            if len(ids) >= 2:  # the softmax at each kept position, summed independently of the builder
+                logits = lm(input_ids=torch.tensor([ids])).logits[0, :len(ids) - 1].double()
+                want += torch.softmax(logits, -1).sum(0).numpy()
+    assert plain.marginals is not None and np.allclose(plain.marginals, want, rtol=1e-9, atol=1e-12)
+    assert np.isclose(plain.marginals.sum(), len(plain))
+    indexed = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "indexed", positions=6, progress=False, ivf_lists=3)
+    assert np.array_equal(indexed.marginals, plain.marginals)  # the order of the keys does not change them
+    assert np.array_equal(dsmod.index_datastore(tmp_path / "plain", 2).marginals, plain.marginals)
+    assert np.array_equal(dsmod.load_datastore(tmp_path / "indexed").marginals, plain.marginals)
+
+
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 30), n=st.integers(1, 60), weight=st.floats(0, 3), smoothing=st.floats(0.01, 5),
+       seed=st.integers(0, 2**16))
+def test_the_marginal_bias_is_the_weighted_log_ratio_of_the_corpus_counts_to_the_models(vocab, n, weight, smoothing,
+                                                                                        seed):
+    rng = np.random.default_rng(seed)
+    values, expected = rng.integers(0, vocab, n), _marginals(vocab, n, seed)
+    store = Datastore(rng.normal(size=(n, 3)), values, vocab_size=vocab, marginals=expected)
+    counts = np.array([np.sum(values == w) for w in range(vocab)])
+    want = weight * np.log((counts + smoothing) / (expected + smoothing))
+    assert np.allclose(store.marginal_bias(weight, smoothing).numpy(), want, rtol=1e-5, atol=1e-5)
+    if weight == 0:  # no bias at all, whatever the counts
+        assert not store.marginal_bias(weight, smoothing).any()
+
+
+@pytest.mark.parametrize("kw, match", [(dict(weight=-1.0), "weight"), (dict(weight=float("nan")), "weight"),
+                                       (dict(weight="1"), "weight"), (dict(weight=1.0, smoothing=0.0), "smoothing"),
+                                       (dict(weight=1.0, smoothing=float("inf")), "smoothing")])
+def test_the_marginal_bias_checks_its_arguments(kw, match):
+    store = Datastore(np.eye(3, 2), np.array([0, 1, 1]), vocab_size=2, marginals=[1.5, 1.5])
+    with pytest.raises(ValueError, match=match):
+        store.marginal_bias(**kw)
+
+
+def test_a_datastore_without_marginals_refuses_a_marginal_bias_in_one_line():
+    store = Datastore(np.eye(3, 2), np.array([0, 1, 1]), vocab_size=2)
+    with pytest.raises(DatastoreError, match="no marginals") as err:
+        store.marginal_bias(1.0)
+    assert "\n" not in str(err.value)
+    tap = HiddenStateTap()
+    with pytest.raises(DatastoreError, match="no marginals"):
+        KnnContextGraphmaxLogitsProcessor(_counts(2, 0), store, tap, marginal_weight=0.5)
+    assert KnnContextGraphmaxLogitsProcessor(_counts(2, 0), store, tap).marginal_weight == 0.0
+
+
+@pytest.mark.parametrize("bad", [[1.0, 1.0], [np.nan, 1.0, 2.0], [-1.0, 2.0, 2.0], [1.0, 1.0, 1.5], "abc",
+                                 [[1.0, 1.0, 1.0]]])
+def test_bad_marginals_are_refused_by_the_writer_and_the_datastore(tmp_path, bad):
+    keys, values = np.eye(3, 2), np.array([0, 1, 2])
+    with pytest.raises(DatastoreError, match="marginals") as err:
+        _write(tmp_path / "ds", keys, values, vocab=3, marginals=bad)
+    assert "\n" not in str(err.value) and not (tmp_path / "ds").exists()
+    assert sorted(os.listdir(tmp_path)) == []
+    with pytest.raises(DatastoreError, match="marginals"):
+        Datastore(keys, values, vocab_size=3, marginals=bad)
+
+
+MARGINAL_HOSTILE = {
+    "missing": lambda p: os.unlink(p / MARGINALS),
+    "flipped": lambda p: (p / MARGINALS).write_bytes((p / MARGINALS).read_bytes()[:-1] + b"\x01"),
+    "nan": lambda p: (_npy(p / MARGINALS, np.full(50, np.nan)), _resign(p, MARGINALS)),
+    "negative": lambda p: (_npy(p / MARGINALS, np.r_[-1.0, np.full(49, 41 / 49)]), _resign(p, MARGINALS)),
+    "wrong sum": lambda p: (_npy(p / MARGINALS, np.full(50, 1.0)), _resign(p, MARGINALS)),
+    "too short": lambda p: (_npy(p / MARGINALS, np.full(40, 1.0)), _resign(p, MARGINALS)),
+    "float32": lambda p: (_npy(p / MARGINALS, np.full(50, 0.8, np.float32)), _resign(p, MARGINALS)),
+    "a symlink": lambda p: (os.rename(p / MARGINALS, p / "m.npy"), os.symlink("m.npy", p / MARGINALS)),
+    "record not an object": lambda p: _rewrite_meta(p, files={**json.loads((p / META).read_text())["files"],
+                                                               MARGINALS: "yes"}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(MARGINAL_HOSTILE))
+def test_hostile_marginals_are_a_one_line_error(tmp_path, damage):
+    path = _write(tmp_path / "ds", *_random(np.random.default_rng(0)), marginals=_marginals(50, 40))
+    assert dsmod.load_datastore(path).marginals is not None
+    MARGINAL_HOSTILE[damage](path)
+    with pytest.raises(DatastoreError) as err:
+        dsmod.load_datastore(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message, message
+
+
+@settings(max_examples=30, deadline=None)
+@given(config=st.sampled_from(CONFIGS), weight=st.floats(0.05, 2.0), lam=st.sampled_from([0.0, 0.5, 2.0]),
+       extra=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_the_marginal_weight_decodes_the_scores_plus_the_bias(config, weight, lam, extra, seed):
+    rng = np.random.default_rng(seed)
+    vocab = 12
+    store = Datastore(rng.normal(size=(40, 4)), rng.integers(0, vocab, 40), vocab_size=vocab,
+                      marginals=_marginals(vocab, 40, seed))
+    tap = HiddenStateTap()
+    tap.states = torch.tensor(rng.normal(size=(2, 4)), dtype=torch.float32)
+    counts = _counts(vocab + extra, seed)  # a graph (and scores) wider than the datastore's vocabulary: padded ids
+    kw = dict(config.to_dict(), lam=lam, knn_k=5, knn_temperature=3.0)
+    kw.pop("source")
+    ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor(rng.normal(size=(2, vocab + extra)))
+    biased = KnnContextGraphmaxLogitsProcessor(counts, store, tap, marginal_weight=weight, **kw)(ids, z.clone())
+    shifted = z.clone()
+    shifted[:, :vocab] += store.marginal_bias(weight).double()
+    plain = KnnContextGraphmaxLogitsProcessor(counts, store, tap, **kw)(ids, shifted)
+    assert torch.allclose(biased, plain, rtol=0, atol=1e-12)
+    assert torch.equal(z, z.clone())  # the caller's scores are not changed in place
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "1", True])
+def test_the_knn_processor_checks_its_marginal_weight(bad):
+    with pytest.raises(ValueError, match="marginal_weight"):
+        _processor(marginal_weight=bad)
