@@ -1,7 +1,8 @@
 """``graphmax datastore``: the LM's hidden states over a domain corpus, as a kNN datastore for ``generate
 --datastore`` (``gm_solver.KnnContextGraphmaxLogitsProcessor``).
 
-Each document gives its first ``--positions`` positions: the LM head's input there, and the token that followed.
+Each document gives its first ``--positions`` positions: the LM head's input there, and the token that followed;
+the model's softmax summed over the same positions is recorded beside them (its marginals, for the marginal bias).
 The folder is written atomically and only where graphmax may write (``gm_graphs.datastore``).
 """
 

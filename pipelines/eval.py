@@ -220,8 +220,8 @@ def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], m
     decoders.append(Decoder("ours", "context graphmax, tuned (ours)", "ours",
                             ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup()))
     if knn is not None:
-        decoders.append(Decoder("ours knn", f"context graphmax + kNN datastore ({len(knn.datastore):,} keys), tuned "
-                                "(ours)", "ours", KnnContextGraphmaxLogitsProcessor.from_config(
+        decoders.append(Decoder("ours knn", f"context graphmax + kNN datastore ({len(knn.datastore):,} keys) and its "
+                                "marginal bias, tuned (ours)", "ours", KnnContextGraphmaxLogitsProcessor.from_config(
                                     setup.graph, knn.tuned, datastore=knn.datastore, tap=HiddenStateTap(),
                                     **knn.settings).warmup()))
     if finetuned is not None:
