@@ -211,10 +211,10 @@ def checked_marginals(marginals: object, vocab_size: int, keys: int) -> np.ndarr
         >>> checked_marginals([0.5, 1.5, 0.0], vocab_size=3, keys=2).tolist()
         [0.5, 1.5, 0.0]
     """
-    try:
-        array = np.ascontiguousarray(marginals, dtype=MARGINAL_DTYPE)
-    except (TypeError, ValueError):
-        raise DatastoreError(f"marginals must be {vocab_size} numbers, got {type(marginals).__name__}") from None
+    given = np.asarray(marginals) if not isinstance(marginals, np.ndarray) else marginals
+    if given.dtype.kind not in "iuf":  # not strings, bools, complex or objects that numpy would convert
+        raise DatastoreError(f"marginals must be {vocab_size} real numbers, got {given.dtype}")
+    array = np.array(given, dtype=MARGINAL_DTYPE)  # a copy: the caller's array may change after the check
     if array.shape != (vocab_size,):
         raise DatastoreError(f"marginals must be {vocab_size} numbers (one per token), got shape {array.shape}")
     total = float(array.sum()) if np.isfinite(array).all() and (array >= 0).all() else float("nan")

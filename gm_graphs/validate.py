@@ -225,7 +225,7 @@ def check_decoder(root, d) -> None:
     if "knn" in d:  # a kNN datastore's settings, tuned with the datastore whose keys have this SHA-256
         knn = d["knn"]
         s.need(isinstance(knn, dict), "decoder.knn", "an object", knn)
-        ranges = {"knn_weight": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        ranges = {"knn_weight": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
                   "knn_temperature": (lambda v: v > 0, "a finite number > 0"),
                   "lam": (lambda v: v >= 0, "a finite number >= 0")}
         for key, (ok, what) in ranges.items():
@@ -233,8 +233,8 @@ def check_decoder(root, d) -> None:
         s.need(_is_int(knn.get("knn_k")) and knn["knn_k"] >= 1, "decoder.knn.knn_k", "an integer >= 1",
                knn.get("knn_k"))
         if "marginal_weight" in knn:  # graphs tuned before datastores kept marginals have none
-            s.need(_is_number(knn["marginal_weight"]) and knn["marginal_weight"] >= 0, "decoder.knn.marginal_weight",
-                   "a finite number >= 0", knn["marginal_weight"])
+            s.need(_is_number(knn["marginal_weight"]) and 0 <= knn["marginal_weight"] <= 10,
+                   "decoder.knn.marginal_weight", "a number in [0, 10]", knn["marginal_weight"])
         sha = knn.get("datastore_sha256")
         s.need(is_sha256(sha), "decoder.knn.datastore_sha256", "64 hex digits", sha)
 

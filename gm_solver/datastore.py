@@ -57,6 +57,9 @@ POINTS_PER_LIST = 256  # the k-means sample's keys per list of an index
 # δ of the marginal bias log((c + δ)/(e + δ)): a token the corpus never shows at these positions is pushed down by
 # log(δ/(e + δ)), not to −inf (on drug-review validation text δ = 0.5 did best of 0.1, 0.5 and 2)
 MARGINAL_SMOOTHING = 0.5
+# the bias' weight at most: log ratios of counts are within ±30 here, so the bias stays far inside float16 (tuned
+# weights are 0.5–1.5; a weight of 10 already multiplies a token's probability by (c/e)^10)
+MAX_MARGINAL_WEIGHT = 10.0
 _NOT_FINITE = ("the model's hidden states are not finite (NaN or inf in float32); the datastore cannot be searched "
                "with them: check the model and its dtype")
 _OVERFLOW = ("distances to the datastore's keys overflow float32: the model's hidden states are far larger than the "
@@ -234,11 +237,10 @@ class Datastore:
         if self.marginals is None:
             raise DatastoreError("this datastore records no marginals (written before graphmax kept them); build it "
                                  "again with `graphmax datastore`")
-        for name, value in (("weight", weight), ("smoothing", smoothing)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
-                    or (name == "smoothing" and value == 0):
-                raise ValueError(f"{name} must be a finite float {'> 0' if name == 'smoothing' else '>= 0'}, got "
-                                 f"{value!r}")
+        for name, value, low, high in (("weight", weight, 0.0, MAX_MARGINAL_WEIGHT),
+                                       ("smoothing", smoothing, 1e-6, 1e6)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"{name} must be a float in [{low:g}, {high:g}], got {value!r}")
         counts = np.bincount(self.values.cpu().numpy(), minlength=self.vocab_size)
         bias = weight * np.log((counts + smoothing) / (self.marginals + smoothing))
         return torch.as_tensor(bias, dtype=torch.float32, device=self.values.device)
@@ -591,7 +593,11 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
                 # the softmax over the tokenizer's ids (a padded head's extra ids are never text)
                 cols = min(vocab, logits.shape[-1])
                 for j, e in enumerate(batch):
-                    marginals[:cols] += torch.softmax(logits[j, :len(e) - 1, :cols].double(), -1).sum(0).numpy()
+                    row = logits[j, :len(e) - 1, :cols].double()
+                    if not bool(torch.isfinite(row).all()):  # before the corpus is done, with what to check
+                        raise DatastoreError("the model's logits are not finite (NaN or inf); its marginals cannot be "
+                                             "recorded: check the model and its dtype")
+                    marginals[:cols] += torch.softmax(row, -1).sum(0).numpy()
                 states = tap.states.float()
                 keys = torch.cat([states[j, :len(e) - 1] for j, e in enumerate(batch)])
                 values = np.concatenate([np.asarray(e[1:], dtype=np.int64) for e in batch])

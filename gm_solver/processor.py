@@ -19,7 +19,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .context import SMOOTHINGS, ContextConfig, ContextReference
-from .datastore import Datastore, HiddenStateTap
+from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
 from .graphmax import SOLVERS, get_operator, log_graphmax
 from .graphmax import _check as check_logits  # the paper decoder's input checks, so both refuse bad scores alike
@@ -455,12 +455,13 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         tap (``gm_solver.datastore.HiddenStateTap``): attached to the model that decodes
             (``HiddenStateTap(model)``), so that each step's hidden states are those of the scores' rows; one
             ``generate()`` at a time per tap. ``datastore.check_model(model)`` checks the model is the datastore's.
-        knn_weight (``float``, defaults to 0.5): β in (0, 1], the share of p_knn in the reference (β = 0 would be
-            the base class's decoder: use that class).
+        knn_weight (``float``, defaults to 0.5): β in [0, 1], the share of p_knn in the reference; 0: no search at
+            all, the datastore's marginal bias alone (``marginal_weight``; with both 0 this is the base class's
+            decoder).
         knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1 (at most the datastore's size).
         knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units (for
             SmolLM2-135M's final states, 50–100 fitted best on held-out text).
-        marginal_weight (``float``, defaults to 0.0): w >= 0, finite, the weight of the datastore's marginal bias
+        marginal_weight (``float``, defaults to 0.0): w in [0, 10], the weight of the datastore's marginal bias
             on the scores (0: none; the datastore must record marginals otherwise; ``graphmax tune --datastore``
             chooses it, 0.75–1.25 on drug reviews and news).
         **settings: the base class's arguments (``divergence``, ``lam``, ``kl_share``, ``lam_decay``, …,
@@ -498,12 +499,12 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         elif datastore.vocab_size > self.reference.n:
             raise ValueError(f"`datastore` holds token ids of a {datastore.vocab_size}-token vocabulary, the graph "
                              f"has {self.reference.n}; build both with one tokenizer")
-        self.knn_weight = _real("knn_weight", knn_weight, "a float in (0, 1] (the share of p_knn in q; without a "
-                                "datastore use ContextGraphmaxLogitsProcessor)", lambda v: 0 < v <= 1)
+        self.knn_weight = _real("knn_weight", knn_weight, "a float in [0, 1] (the share of p_knn in q; 0: no "
+                                "search, the marginal bias alone)", lambda v: 0 <= v <= 1)
         self.knn_k = _integer("knn_k", knn_k, "an int >= 1", lambda v: v >= 1)
         self.knn_temperature = _real("knn_temperature", knn_temperature, "a finite float > 0", _finite_positive)
-        self.marginal_weight = _real("marginal_weight", marginal_weight, "a finite float >= 0 (0: no marginal bias)",
-                                     _finite_nonnegative)
+        self.marginal_weight = _real("marginal_weight", marginal_weight, f"a float in [0, {MAX_MARGINAL_WEIGHT:g}] (0: "
+                                     "no marginal bias)", lambda v: 0 <= v <= MAX_MARGINAL_WEIGHT)
         self.datastore, self.tap = datastore, tap
         # (V,) on the datastore's device, or None; scores wider than the vocabulary (a padded head) get 0 there
         self._bias = datastore.marginal_bias(self.marginal_weight) if self.marginal_weight > 0 else None
@@ -527,11 +528,11 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         return proc
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._bias is not None and torch.is_tensor(scores) and scores.dim() == 2:
+        if self._bias is not None and torch.is_tensor(scores) and scores.dim() >= 1:
             cols = min(scores.shape[-1], self._bias.shape[0])
-            scores = scores.clone()
-            scores[:, :cols] += self._bias[:cols].to(scores.device, scores.dtype)
-        if self.config.lam == 0:
+            scores = scores.clone()  # the caller's scores stay as they were
+            scores[..., :cols] += self._bias[:cols].to(scores.device, scores.dtype)
+        if self.config.lam == 0 or self.knn_weight == 0:  # (no search: the tap is not read)
             return super().__call__(input_ids, scores)
         hidden = self.tap.last
         if hidden.shape[0] != scores.shape[0]:
@@ -543,6 +544,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     def warmup(self) -> KnnContextGraphmaxLogitsProcessor:
         """As the base class's, with a neighbour in each row's reference (the tap is left as it was)."""
+        if self.knn_weight == 0:
+            return super().warmup()
         width, _ = self._shape()
         for rows in (1, 2):
             one = (torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1, dtype=torch.float64), self.knn_weight)

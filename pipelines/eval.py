@@ -48,7 +48,7 @@ from .heldout import (
 )
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
-from .tune import tune_config, tune_knn
+from .tune import KNN_TEMPERATURES, tune_config, tune_knn
 
 PAPER_CONTEXT = "I was so disappointed by this, and at this stage I was going to"
 SIZES = {  # documents and tokens per step; --full uses the second set
@@ -137,6 +137,9 @@ class Knn:
     table: list[dict]
     documents: int
     seconds: float  # building the datastore (the LM over its documents) and tuning β, T, λ and the marginal weight
+    # the datastore's marginal bias alone (β = 0: no search), its weight and λ tuned the same way; None without
+    # marginals
+    bias_only: tuple[ContextConfig, dict] | None = None
 
 
 def datastore_decoder(model, tok, setup: Setup, tuned: ContextConfig, valid: HeldOut, docs: int, positions: int,
@@ -150,7 +153,12 @@ def datastore_decoder(model, tok, setup: Setup, tuned: ContextConfig, valid: Hel
     print(f"datastore {folder.name}: {len(datastore):,} keys from {len(texts):,} training documents in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     config, settings, table = tune_knn(setup.graph, valid, tuned, datastore)
-    return Knn(datastore, config, settings, table, len(texts), time.perf_counter() - t0)
+    bias_only = None
+    if datastore.marginals is not None:
+        bias_config, bias_settings, bias_table = tune_knn(setup.graph, valid, tuned, datastore, weights=(0.0,),
+                                                          temperatures=(KNN_TEMPERATURES[1],))
+        bias_only, table = (bias_config, bias_settings), table + bias_table
+    return Knn(datastore, config, settings, table, len(texts), time.perf_counter() - t0, bias_only)
 
 
 @dataclasses.dataclass
@@ -219,6 +227,11 @@ def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], m
                             ContextGraphmaxLogitsProcessor(setup.graph).warmup()))
     decoders.append(Decoder("ours", "context graphmax, tuned (ours)", "ours",
                             ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup()))
+    if knn is not None and knn.bias_only is not None:
+        decoders.append(Decoder("ours marginals", "context graphmax + the datastore's marginal bias alone (no search), "
+                                "tuned (ours)", "ours", KnnContextGraphmaxLogitsProcessor.from_config(
+                                    setup.graph, knn.bias_only[0], datastore=knn.datastore, tap=HiddenStateTap(),
+                                    **knn.bias_only[1]).warmup()))
     if knn is not None:
         decoders.append(Decoder("ours knn", f"context graphmax + kNN datastore ({len(knn.datastore):,} keys) and its "
                                 "marginal bias, tuned (ours)", "ours", KnnContextGraphmaxLogitsProcessor.from_config(

@@ -194,6 +194,10 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
             where = "stored by graphmax tune --datastore"
         elif tuned is not None:
             where = "defaults (the graph's were tuned with another datastore)"
+        if knn.get("marginal_weight", 0) > 0 and datastore.marginals is None:
+            raise GraphmaxError(f"the datastore {args.datastore} records no marginals (written before graphmax kept "
+                                f"them), so it has no marginal bias: build it again with `graphmax datastore`, or "
+                                f"pass --marginal-weight 0")
         proc = KnnContextGraphmaxLogitsProcessor.from_config(graph, config, datastore=datastore, tap=HiddenStateTap(),
                                                              **knn)
     except (TypeError, ValueError) as e:

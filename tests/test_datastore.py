@@ -400,7 +400,7 @@ def test_the_knn_processor_solves_toward_the_mix_and_is_softmax_at_lambda_zero()
 
 
 @pytest.mark.parametrize("kw, match", [({"knn_weight": 1.5}, "knn_weight"), ({"knn_weight": "0.5"}, "knn_weight"),
-                                       ({"knn_weight": 0.0}, "use ContextGraphmaxLogitsProcessor"),
+                                       ({"knn_weight": -0.1}, "knn_weight"),
                                        ({"knn_k": 0}, "knn_k"), ({"knn_k": 2.5}, "knn_k"),
                                        ({"knn_temperature": 0.0}, "knn_temperature"),
                                        ({"knn_temperature": float("inf")}, "knn_temperature"),
@@ -987,7 +987,10 @@ def test_the_marginal_bias_is_the_weighted_log_ratio_of_the_corpus_counts_to_the
 
 @pytest.mark.parametrize("kw, match", [(dict(weight=-1.0), "weight"), (dict(weight=float("nan")), "weight"),
                                        (dict(weight="1"), "weight"), (dict(weight=1.0, smoothing=0.0), "smoothing"),
-                                       (dict(weight=1.0, smoothing=float("inf")), "smoothing")])
+                                       (dict(weight=1.0, smoothing=float("inf")), "smoothing"),
+                                       (dict(weight=1.0, smoothing=1e-320), "smoothing"),
+                                       (dict(weight=11.0), "weight"), (dict(weight=1e308), "weight"),
+                                       (dict(weight=10**400), "weight")])
 def test_the_marginal_bias_checks_its_arguments(kw, match):
     store = Datastore(np.eye(3, 2), np.array([0, 1, 1]), vocab_size=2, marginals=[1.5, 1.5])
     with pytest.raises(ValueError, match=match):
@@ -1006,7 +1009,8 @@ def test_a_datastore_without_marginals_refuses_a_marginal_bias_in_one_line():
 
 
 @pytest.mark.parametrize("bad", [[1.0, 1.0], [np.nan, 1.0, 2.0], [-1.0, 2.0, 2.0], [1.0, 1.0, 1.5], "abc",
-                                 [[1.0, 1.0, 1.0]]])
+                                 [[1.0, 1.0, 1.0]], ["1", "1", "1"], [True, True, True], [1 + 0j, 1.0, 1.0],
+                                 [10**400, 0, 0]])
 def test_bad_marginals_are_refused_by_the_writer_and_the_datastore(tmp_path, bad):
     keys, values = np.eye(3, 2), np.array([0, 1, 2])
     with pytest.raises(DatastoreError, match="marginals") as err:
@@ -1026,6 +1030,8 @@ MARGINAL_HOSTILE = {
     "too short": lambda p: (_npy(p / MARGINALS, np.full(40, 1.0)), _resign(p, MARGINALS)),
     "float32": lambda p: (_npy(p / MARGINALS, np.full(50, 0.8, np.float32)), _resign(p, MARGINALS)),
     "a symlink": lambda p: (os.rename(p / MARGINALS, p / "m.npy"), os.symlink("m.npy", p / MARGINALS)),
+    "permuted (the same sum: the checksum alone tells)": lambda p: _npy(p / MARGINALS,
+                                                                       np.load(p / MARGINALS)[::-1].copy()),
     "record not an object": lambda p: _rewrite_meta(p, files={**json.loads((p / META).read_text())["files"],
                                                                MARGINALS: "yes"}),
 }
@@ -1056,15 +1062,45 @@ def test_the_marginal_weight_decodes_the_scores_plus_the_bias(config, weight, la
     kw = dict(config.to_dict(), lam=lam, knn_k=5, knn_temperature=3.0)
     kw.pop("source")
     ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor(rng.normal(size=(2, vocab + extra)))
-    biased = KnnContextGraphmaxLogitsProcessor(counts, store, tap, marginal_weight=weight, **kw)(ids, z.clone())
+    before = z.clone()
+    biased = KnnContextGraphmaxLogitsProcessor(counts, store, tap, marginal_weight=weight, **kw)(ids, z)
+    assert torch.equal(z, before)  # the caller's scores are not changed in place
     shifted = z.clone()
     shifted[:, :vocab] += store.marginal_bias(weight).double()
     plain = KnnContextGraphmaxLogitsProcessor(counts, store, tap, **kw)(ids, shifted)
     assert torch.allclose(biased, plain, rtol=0, atol=1e-12)
-    assert torch.equal(z, z.clone())  # the caller's scores are not changed in place
+    if lam == 0:  # one row of scores (as the base class takes at λ = 0) gets the bias too
+        assert torch.equal(KnnContextGraphmaxLogitsProcessor(counts, store, tap, marginal_weight=weight, **kw)(
+            ids[0], z[0]), plain[0])
 
 
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "1", True])
 def test_the_knn_processor_checks_its_marginal_weight(bad):
     with pytest.raises(ValueError, match="marginal_weight"):
         _processor(marginal_weight=bad)
+
+
+def test_at_knn_weight_zero_nothing_is_searched_and_the_bias_alone_moves_the_base_decoder(monkeypatch):
+    rng = np.random.default_rng(5)
+    store = Datastore(rng.normal(size=(40, 4)), rng.integers(0, 12, 40), vocab_size=12, marginals=_marginals(12, 40))
+    counts, tap = _counts(12, 3), HiddenStateTap()  # the tap holds nothing: reading it would raise
+    monkeypatch.setattr(Datastore, "neighbours", lambda *a, **k: pytest.fail("searched at knn_weight=0"))
+    proc = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=0.0, marginal_weight=0.8, lam=1.5).warmup()
+    ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.randn(2, 12, dtype=torch.float64)
+    want = ContextGraphmaxLogitsProcessor(counts, lam=1.5)(ids, z + store.marginal_bias(0.8).double())
+    assert torch.equal(proc(ids, z), want)
+    plain = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=0.0, lam=1.5)
+    assert torch.equal(plain(ids, z), ContextGraphmaxLogitsProcessor(counts, lam=1.5)(ids, z))
+
+
+def test_marginals_are_copied_when_checked_and_logits_that_are_not_finite_stop_the_build(tmp_path):
+    given = np.array([1.0, 1.0, 1.0])
+    store = Datastore(np.eye(3, 2), np.array([0, 1, 2]), vocab_size=3, marginals=given)
+    given[0] = np.nan  # after the check: the datastore keeps what was checked
+    assert np.isfinite(store.marginal_bias(1.0).numpy()).all()
+    lm, tok = _tiny_lm()
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(1e39)  # finite states (the head is not tied here), logits beyond float32
+    with pytest.raises(DatastoreError, match="logits are not finite") as err:
+        dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "ds", positions=6, progress=False)
+    assert "\n" not in str(err.value) and os.listdir(tmp_path) == []

@@ -247,6 +247,10 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     assert {"paper 1", "paper mixture 1", "interpolation 0.3", "interpolation optimum", "ours", "ours knn",
             "fine-tuned", "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
     assert "fine-tuned ours knn" in rows and rows["fine-tuned ours knn"]["lm"] == "fine-tuned"
+    assert "ours marginals" in rows and rows["ours marginals"]["lm"] == "base"  # the bias alone, no search
+    with open(out / "tuning.csv") as fh:  # its weight tuned at β = 0, beside the searched rows
+        tuning = list(csv.DictReader(fh))
+    assert any(r.get("knn_weight") == "0.0" and float(r["marginal_weight"]) > 0 for r in tuning)
     assert "with a kNN datastore" in report and "log ratio to context graphmax, tuned (ours)" in report
     assert "with the datastore, first 4:" in report
     assert "own states" in report and "log ratio to context graphmax on the fine-tuned LM (ours)" in report

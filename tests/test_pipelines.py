@@ -189,7 +189,7 @@ def test_timed_processor_passes_scores_through_and_times_every_call():
     (["--decoder", "paper", "--datastore", "ds"], "--datastore applies to the context decoder"),
     (["--datastore", "nowhere"], "cannot open it"),
     (["--datastore", "foreign"], "the datastore's token ids are of another vocabulary"),
-    (["--datastore", "ds", "--knn-weight", "1.5"], "`knn_weight` must be a float in (0, 1]"),
+    (["--datastore", "ds", "--knn-weight", "1.5"], "`knn_weight` must be a float in [0, 1]"),
 ])
 def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model(graph_path, no_model, capsys,
                                                                                   tmp_path, monkeypatch, argv, error):
@@ -214,10 +214,10 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
 
     tokenizer = load_graph(graph_path).manifest["tokenizer"]
     vocab = tokenizer["vocab_size"]
-    for name, seed in (("ds", 0), ("other", 1)):
+    for name, seed, marginals in (("ds", 0, np.full(vocab, 3 / vocab)), ("other", 1, None), ("old", 1, None)):
         write_datastore(tmp_path / name, [(np.random.default_rng(seed).normal(size=(3, 4)), np.array([1, 2, 3]))],
                         dim=4, tokenizer=tokenizer, model="m", model_sha256="cd" * 32, positions=2, documents=1,
-                        marginals=np.full(vocab, 3 / vocab))
+                        marginals=marginals)
     tuned = ContextConfig(divergence="l2", lam=0.7, source={"tuned": True})
     knn = {"knn_weight": 0.35, "knn_temperature": 100.0, "knn_k": 2, "lam": 0.9,
            "datastore_sha256": datastore_sha256(load_datastore(tmp_path / "ds")), "datastore_keys": 3}
@@ -234,6 +234,13 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
     _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds"),
                                               "--marginal-weight", "0"))
     assert proc.marginal_weight == 0.0
+    with pytest.raises(GraphmaxError, match="records no marginals.*--marginal-weight 0") as err:
+        generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "old"),
+                                     "--marginal-weight", "0.5"))
+    assert str(tmp_path / "old") in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(GraphmaxError, match="marginal_weight"):
+        generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds"),
+                                     "--marginal-weight", "1e39"))
     _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds"),
                                               "--knn-weight", "0.6", "--lam", "2"))
     assert (proc.knn_weight, proc.knn_temperature, proc.config.lam) == (0.6, 100.0, 2.0)  # options come first
@@ -244,10 +251,12 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
                        (dict(datastore_sha256="ab"), "decoder.knn.datastore_sha256"),
                        (dict(datastore_sha256="zz" * 32), "decoder.knn.datastore_sha256"),
                        (dict(lam=-1.0), "decoder.knn.lam"), (dict(knn_weight=5.0), "decoder.knn.knn_weight"),
+                       (dict(knn_weight=-0.1), "decoder.knn.knn_weight"),
                        (dict(knn_temperature=0.0), "decoder.knn.knn_temperature"),
                        (dict(knn_k=0), "decoder.knn.knn_k"),
                        (dict(marginal_weight=-0.5), "decoder.knn.marginal_weight"),
-                       (dict(marginal_weight=float("inf")), "decoder.knn.marginal_weight")):
+                       (dict(marginal_weight=float("inf")), "decoder.knn.marginal_weight"),
+                       (dict(marginal_weight=11.0), "decoder.knn.marginal_weight")):
         with pytest.raises(GraphmaxError, match=field.replace(".", r"\.")):
             load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": {**knn, **bad}})
 
