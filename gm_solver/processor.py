@@ -463,7 +463,7 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
             SmolLM2-135M's final states, 50–100 fitted best on held-out text).
         marginal_weight (``float``, defaults to 0.0): w in [0, 10], the weight of the datastore's marginal bias
             on the scores (0: none; the datastore must record marginals otherwise; ``graphmax tune --datastore``
-            chooses it, 0.75–1.25 on drug reviews and news).
+            chooses it: 0.75 on drug reviews and news).
         **settings: the base class's arguments (``divergence``, ``lam``, ``kl_share``, ``lam_decay``, …,
             ``tokenizer``).
 
