@@ -48,6 +48,7 @@ from .heldout import (
 )
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
+from .prompt import FewShotPrompt, few_shot_prompt
 from .tune import KNN_TEMPERATURES, tune_config, tune_knn
 
 PAPER_CONTEXT = "I was so disappointed by this, and at this stage I was going to"
@@ -61,6 +62,9 @@ SHORT_WINDOW = 32  # reported beside --positions: the window of earlier rounds
 # which is enough to show them far above softmax, and keeps the default eval within 15 minutes
 PAPER_POSITIONS = 32
 RETUNE_FACTORS = (0.5, 0.7, 0.85, 1.0)  # λ scales tried for the fine-tuned LM, which needs less of the corpus
+# and for the prompted LM, which has read the domain's documents (on drug reviews 0.5 did best of these: the edge)
+PROMPT_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0)
+PROMPT_DOC_TOKENS = 160  # the longest training document a few-shot prompt takes: 4 shots stay under 650 tokens
 
 
 @dataclasses.dataclass
@@ -207,8 +211,47 @@ def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, va
                      retune, summary, ft_knn)
 
 
+@dataclasses.dataclass
+class Prompted:
+    """The few-shot baseline: the prompt, graphmax's λ re-tuned on the prompted LM's logits, its test logits."""
+
+    prompt: FewShotPrompt
+    tuned: ContextConfig
+    test: HeldOut
+    retune_table: list[dict]
+    knn: Knn | None  # the base LM's datastore under the prompted LM's states, β, T, λ, w tuned again
+    seconds: float  # scoring the validation documents with the prompt and tuning on them
+
+
+def prompted_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, valid_docs: list[str],
+                      test_docs: list[str], positions: int, knn: Knn | None) -> Prompted | None:
+    """The LM reading ``--shots`` training documents before each held-out one (no training), and graphmax on top
+    of it: λ's scale tuned again on the prompted validation logits, and with ``knn`` its β, T, λ and marginal
+    weight too (the keys stay the base LM's states without a prompt)."""
+    if args.shots == 0:
+        return None
+    t0 = time.perf_counter()
+    texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
+    prompt = few_shot_prompt(texts, tok, args.shots, max_doc_tokens=PROMPT_DOC_TOKENS, seed=args.seed)
+    hidden = knn is not None
+    valid = score_documents(model, tok, valid_docs, positions, hidden=hidden, prefix=prompt.ids)
+    tuned_p, table = retune_lambda(setup.graph, valid, tuned, PROMPT_FACTORS)
+    retune = [{**tuned.to_dict(), **row, "lm": "prompted"} for row in table]
+    p_knn = None
+    if hidden:
+        t1 = time.perf_counter()
+        config, settings, knn_table = tune_knn(setup.graph, valid, tuned_p, knn.datastore)
+        p_knn = Knn(knn.datastore, config, settings, knn_table, knn.documents, time.perf_counter() - t1)
+        retune += [{**row, "lm": "prompted"} for row in knn_table]
+    print(f"prompted: {len(prompt.documents)} training documents, {len(prompt.ids)} tokens; λ = {tuned_p.lam:g}",
+          flush=True)
+    return Prompted(prompt, tuned_p, score_documents(model, tok, test_docs, positions, hidden=hidden,
+                                                     prefix=prompt.ids), retune, p_knn, time.perf_counter() - t0)
+
+
 def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], mixture_lams: list[float],
-                  positions: int, finetuned: FineTuned | None, knn: Knn | None = None) -> list[Decoder]:
+                  positions: int, finetuned: FineTuned | None, knn: Knn | None = None,
+                  prompted: Prompted | None = None) -> list[Decoder]:
     """Every decoder scored by a processor; the interpolation rows come from ``interpolation_rows``."""
     paper_positions = min(PAPER_POSITIONS, positions)
     decoders = [Decoder("softmax", "softmax", "baseline")]
@@ -249,6 +292,19 @@ def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], m
                                 KnnContextGraphmaxLogitsProcessor.from_config(
                                     setup.graph, ft_knn.tuned, datastore=ft_knn.datastore, tap=HiddenStateTap(),
                                     **ft_knn.settings).warmup(), lm="fine-tuned"))
+    if prompted is not None:
+        shots = f"{len(prompted.prompt.documents)}-shot prompt"
+        decoders.append(Decoder("prompted", f"LM with a {shots}, softmax", "prompted", lm="prompted"))
+        decoders.append(Decoder("prompted ours", f"context graphmax on the LM with a {shots} (ours)", "ours",
+                                ContextGraphmaxLogitsProcessor.from_config(setup.graph, prompted.tuned).warmup(),
+                                lm="prompted"))
+    if prompted is not None and prompted.knn is not None:
+        p_knn = prompted.knn
+        decoders.append(Decoder("prompted ours knn", f"context graphmax + kNN datastore ({len(p_knn.datastore):,} "
+                                f"keys) and its marginal bias on the LM with a {shots} (ours)", "ours",
+                                KnnContextGraphmaxLogitsProcessor.from_config(
+                                    setup.graph, p_knn.tuned, datastore=p_knn.datastore, tap=HiddenStateTap(),
+                                    **p_knn.settings).warmup(), lm="prompted"))
     return decoders
 
 
@@ -282,14 +338,14 @@ def interpolation_rows(graph: Graph, scored: dict[str, HeldOut], windows: list[i
             for w in INTERP_WEIGHTS:
                 rows.append(Decoder(f"interpolation {w:g}", f"interpolation w={w:g}", "baseline"))
                 nll[rows[-1].key] = {c: interpolation_nll(p_lm[:n], p_ref[:n], w) for c, n in cut.items()}
-        prefix = "" if lm == "base" else "fine-tuned "
+        prefix = "" if lm == "base" else f"{lm} "
         key = prefix + "interpolation optimum"
         fits = {c: optimal_interpolation(p_lm[:n], p_ref[:n]) for c, n in cut.items()}
         weights[key] = {c: w for c, (w, _) in fits.items()}
         nll[key] = {c: v for c, (_, v) in fits.items()}
         rows.append(Decoder(key, f"{prefix}interpolation, w optimised on the test tokens ("
                             + "; ".join(f"{c}: {w:.3f}" for c, w in weights[key].items()) + ")",
-                            "baseline" if lm == "base" else "fine-tuned", lm=lm))
+                            "baseline" if lm == "base" else lm, lm=lm))
     return rows, weights
 
 
@@ -336,14 +392,19 @@ def run_eval(args) -> Path:
     # the baseline a user would pick: fine-tune the LM on the same training text, for as long as graphmax took
     finetuned = fine_tuned_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, tune_seconds,
                                     knn, out / "work")
+    # the baseline that needs no training at all: training documents in the prompt
+    prompted = prompted_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, knn)
     scored = {"base": score_documents(model, tok, test_docs, positions, hidden=hidden)}
     if knn is not None:
         tune_table += knn.table
     if finetuned is not None:
         scored["fine-tuned"] = finetuned.test
         tune_table += finetuned.retune_table
+    if prompted is not None:
+        scored["prompted"] = prompted.test
+        tune_table += prompted.retune_table
 
-    decoders = make_decoders(setup, tuned, paper_lams, args.mixture_lams, positions, finetuned, knn)
+    decoders = make_decoders(setup, tuned, paper_lams, args.mixture_lams, positions, finetuned, knn, prompted)
     nll, ms = score_decoders(decoders, scored, windows)
     interpolations, weights = interpolation_rows(setup.graph, scored, windows, nll)
     decoders += interpolations
@@ -402,9 +463,19 @@ def run_eval(args) -> Path:
                         nll=nll, windows=windows, gen_rows=gen_rows, bleu4_vs_softmax=bleu4,
                         traces=traces, samples=samples, openings=openings, cost=cost,
                         finetune=finetuned.summary if finetuned is not None else None,
+                        prompted=None if prompted is None else prompt_summary(prompted),
                         knn=None if knn is None else {"keys": len(knn.datastore), "documents": knn.documents,
                                                       "seconds": knn.seconds, **knn.settings})
     return out
+
+
+def prompt_summary(prompted: Prompted) -> dict:
+    """What the report says of the few-shot baseline."""
+    p_knn = prompted.knn
+    return {"documents": len(prompted.prompt.documents), "tokens": len(prompted.prompt.ids),
+            "max_doc_tokens": PROMPT_DOC_TOKENS,
+            "seconds": prompted.seconds, "tuned": prompted.tuned,
+            "knn": None if p_knn is None else {"tuned": p_knn.tuned, **p_knn.settings}}
 
 
 def perplexity_rows(decoders: list[Decoder], nll: dict[str, dict[int, torch.Tensor]], ms: dict[str, float],
@@ -504,6 +575,9 @@ def register(sub) -> None:
                    help="also evaluate context graphmax with a kNN datastore of the LM's hidden states over the "
                         "first --positions tokens of this many training documents (0: not; ~700 positions/s "
                         "on 2 CPU cores)")
+    p.add_argument("--shots", type=integer(0), default=4,
+                   help="training documents in the prompt of the few-shot baseline (default 4; each of 8 to "
+                        f"{PROMPT_DOC_TOKENS} tokens; 0: no prompted rows)")
     p.add_argument("--finetune-budget-s", type=float, default=None,
                    help="seconds of LoRA fine-tuning for the fine-tuned baseline (default: as long as the graph's "
                         "build and tuning took in the same run; 0: no fine-tuned rows)")

@@ -62,30 +62,35 @@ class HeldOut:
 
 
 def score_documents(model, tok, texts: list[str], positions: int = 32, batch_docs: int = 8,
-                    progress: bool = True, hidden: bool = False) -> HeldOut:
+                    progress: bool = True, hidden: bool = False, prefix: list[int] | None = None) -> HeldOut:
     """Run the LM once over the first ``positions + 1`` tokens of each text (texts shorter than 2 tokens skipped);
-    ``hidden`` also keeps the LM head's input at each scored position (what a kNN datastore is searched with)."""
+    ``hidden`` also keeps the LM head's input at each scored position (what a kNN datastore is searched with).
+    ``prefix``: token ids the LM reads before each text (a prompt); the logits and states kept are the text's
+    only, and ``ids`` hold the text's tokens alone (what a decoder of the text sees)."""
     encoded = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"][:positions + 1]) for t in texts]
     encoded = [e for e in encoded if len(e) >= 2]
     if not encoded:
         raise ValueError("no held-out document has two tokens or more; give longer texts")
+    head = torch.tensor(list(prefix or ()), dtype=torch.long)
+    p = len(head)
     ids, logits, states = [], [], []
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     with torch.no_grad(), HiddenStateTap(model if hidden else None) as tap:
         for i in tqdm(range(0, len(encoded), batch_docs), desc="LM on held-out", disable=not progress):
             chunk = encoded[i:i + batch_docs]
-            width = max(len(e) for e in chunk)
+            width = p + max(len(e) for e in chunk)
             batch = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros_like(batch)
             for j, e in enumerate(chunk):  # right padding: positions of real tokens are unchanged
-                batch[j, :len(e)] = e
-                mask[j, :len(e)] = 1
+                batch[j, :p] = head
+                batch[j, p:p + len(e)] = e
+                mask[j, :p + len(e)] = 1
             out = model(input_ids=batch, attention_mask=mask).logits.float()
             for j, e in enumerate(chunk):
                 ids.append(e)
-                logits.append(out[j, :len(e) - 1].clone())
+                logits.append(out[j, p:p + len(e) - 1].clone())
                 if hidden:
-                    states.append(tap.states[j, :len(e) - 1].float().clone())
+                    states.append(tap.states[j, p:p + len(e) - 1].float().clone())
     return HeldOut(ids, logits, states if hidden else None)
 
 

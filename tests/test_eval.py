@@ -124,6 +124,24 @@ def test_heldout_perplexity_at_lambda_zero_is_the_plain_lms(smollm2, drug_graph)
 
 
 @pytest.mark.slow
+def test_a_prompt_is_read_before_each_document_and_only_the_document_is_scored(smollm2):
+    model, tok = smollm2
+    prompt = tok("I took it for a month.\n\n", add_special_tokens=False)["input_ids"]
+    held = score_documents(model, tok, TEXTS, positions=9, progress=False, hidden=True, prefix=prompt)
+    plain = score_documents(model, tok, TEXTS, positions=9, progress=False)
+    for text, ids, logits, states in zip(TEXTS, held.ids, held.logits, held.hidden):
+        doc = tok(text, add_special_tokens=False)["input_ids"][:10]
+        assert ids.tolist() == doc and logits.shape[0] == len(doc) - 1 == states.shape[0]
+        with torch.no_grad():  # the same document after the prompt, alone and unpadded
+            alone = model(input_ids=torch.tensor([prompt + doc])).logits[0, len(prompt):-1].float()
+        assert torch.allclose(logits, alone, atol=1e-4)
+    # the prompt changes what the LM predicts; without one the scoring is as before
+    assert not torch.allclose(held.logits[0], plain.logits[0], atol=1e-2)
+    again = score_documents(model, tok, TEXTS, positions=9, progress=False, prefix=[])
+    assert all(torch.equal(a, b) for a, b in zip(again.logits, plain.logits))
+
+
+@pytest.mark.slow
 def test_tune_stores_its_choice_and_from_graph_uses_it(smollm2, drug_graph, tmp_path, capsys):
     import shutil
 
@@ -232,7 +250,8 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     assert main(["eval", "--corpus", "drug-reviews",  # a bundled corpus by name: its file, column and cleaning
                  "--out", str(out), "--heldout-fraction", "0.2", "--lams", "0,1", "--mixture-lams", "1",
                  "--ppl-docs", "2", "--positions", "4", "--tune-docs", "2", "--prompts", "2",
-                 "--new-tokens", "3", "--references", "40", "--finetune-budget-s", "3", "--datastore-docs", "20"]) == 0
+                 "--new-tokens", "3", "--references", "40", "--finetune-budget-s", "3", "--datastore-docs", "20",
+                 "--shots", "2"]) == 0
     for name in ("report.md", "perplexity.csv", "generation.csv", "tuning.csv", "ab_sheet.csv", "ab_sheet.html",
                  "ab_key.csv", "lambda_bleu.png", "lambda_perplexity.png", "solver_convergence.png",
                  "top10_tokens.png"):
@@ -248,6 +267,11 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
             "fine-tuned", "fine-tuned ours", "fine-tuned interpolation optimum"} <= set(rows)
     assert "fine-tuned ours knn" in rows and rows["fine-tuned ours knn"]["lm"] == "fine-tuned"
     assert "ours marginals" in rows and rows["ours marginals"]["lm"] == "base"  # the bias alone, no search
+    # the few-shot baseline: the prompted LM, graphmax on it (with the datastore too) and its interpolation
+    assert {rows[k]["lm"] for k in ("prompted", "prompted ours", "prompted ours knn",
+                                    "prompted interpolation optimum")} == {"prompted"}
+    assert "## The few-shot baseline" in report and "2-shot prompt" in report
+    assert "beats prompting the LM with 2 training documents" in report
     with open(out / "tuning.csv") as fh:  # its weight tuned at β = 0, beside the searched rows
         tuning = list(csv.DictReader(fh))
     assert any(r.get("knn_weight") == "0.0" and float(r["marginal_weight"]) > 0 for r in tuning)
