@@ -223,16 +223,23 @@ class Prompted:
     seconds: float  # scoring the validation documents with the prompt and tuning on them
 
 
-def prompted_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, valid_docs: list[str],
-                      test_docs: list[str], positions: int, knn: Knn | None) -> Prompted | None:
-    """The LM reading ``--shots`` training documents before each held-out one (no training), and graphmax on top
-    of it: λ's scale tuned again on the prompted validation logits, and with ``knn`` its β, T, λ and marginal
-    weight too (the keys stay the base LM's states without a prompt)."""
+def draw_prompt(args, tok, setup: Setup) -> FewShotPrompt | None:
+    """``--shots`` training documents for the few-shot baseline (None for 0); drawn right after the graph, before
+    the tuning, the datastore and fine-tuning, so that a corpus without enough short documents is refused early."""
     if args.shots == 0:
         return None
-    t0 = time.perf_counter()
     texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
-    prompt = few_shot_prompt(texts, tok, args.shots, max_doc_tokens=PROMPT_DOC_TOKENS, seed=args.seed)
+    return few_shot_prompt(texts, tok, args.shots, max_doc_tokens=PROMPT_DOC_TOKENS, seed=args.seed)
+
+
+def prompted_baseline(model, tok, setup: Setup, prompt: FewShotPrompt | None, tuned: ContextConfig,
+                      valid_docs: list[str], test_docs: list[str], positions: int, knn: Knn | None) -> Prompted | None:
+    """The LM reading ``prompt`` before each held-out document (no training), and graphmax on top of it: λ's
+    scale tuned again on the prompted validation logits, and with ``knn`` its β, T, λ and marginal weight too (the
+    keys stay the base LM's states without a prompt)."""
+    if prompt is None:
+        return None
+    t0 = time.perf_counter()
     hidden = knn is not None
     valid = score_documents(model, tok, valid_docs, positions, hidden=hidden, prefix=prompt.ids)
     tuned_p, table = retune_lambda(setup.graph, valid, tuned, PROMPT_FACTORS)
@@ -375,6 +382,7 @@ def run_eval(args) -> Path:
     out = claim_folder(Path(args.out))  # absent, empty or a report graphmax wrote: never a user's folder
     model, tok = load_model(args.model)
     setup = prepare(args, tok, out / "work")
+    prompt = draw_prompt(args, tok, setup)
     lams = args.lams
     paper_lams = [lam for lam in lams if lam > 0]
     positions = sizes["positions"]
@@ -393,7 +401,7 @@ def run_eval(args) -> Path:
     finetuned = fine_tuned_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, tune_seconds,
                                     knn, out / "work")
     # the baseline that needs no training at all: training documents in the prompt
-    prompted = prompted_baseline(args, model, tok, setup, tuned, valid_docs, test_docs, positions, knn)
+    prompted = prompted_baseline(model, tok, setup, prompt, tuned, valid_docs, test_docs, positions, knn)
     scored = {"base": score_documents(model, tok, test_docs, positions, hidden=hidden)}
     if knn is not None:
         tune_table += knn.table

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from gm_graphs import OptionError
+
 SEPARATOR = "\n\n"
 
 
@@ -29,7 +31,8 @@ def few_shot_prompt(texts: list[str], tok, shots: int, *, max_doc_tokens: int, s
     order, as one prompt (each followed by a blank line).
 
     Raises:
-        ValueError: ``shots`` < 1, or fewer than ``shots`` documents of that length (the message says how many).
+        ValueError: ``shots`` < 1 or the bounds out of order.
+        OptionError: fewer than ``shots`` documents of that length (the message says how many and the fix).
 
     Example::
 
@@ -56,7 +59,7 @@ def few_shot_prompt(texts: list[str], tok, shots: int, *, max_doc_tokens: int, s
             if len(chosen) == shots:
                 break
     if len(chosen) < shots:
-        raise ValueError(f"only {len(chosen)} distinct training documents have {min_doc_tokens}–{max_doc_tokens} "
+        raise OptionError(f"only {len(chosen)} distinct training documents have {min_doc_tokens}–{max_doc_tokens} "
                          f"tokens, {shots} asked for; lower --shots (0: no prompted rows)")
     ids = tok(SEPARATOR.join(chosen) + SEPARATOR, add_special_tokens=False)["input_ids"]
     return FewShotPrompt(list(ids), chosen)

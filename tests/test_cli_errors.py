@@ -80,6 +80,7 @@ BAD_ARGUMENTS = [  # argv, what the message says
     (["eval", "--lams", ""], "argument --lams: must be finite numbers >= 0"),
     (["eval", "--mixture-lams", "x"], "argument --mixture-lams: must be finite numbers >= 0"),
     (["eval", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["eval", "--shots", "-1"], "argument --shots: must be an integer >= 0"),
     *((["eval", f"--{size}", "0"], f"argument --{size}: must be an integer >= 1, got '0'")
       for size in ("ppl-docs", "positions", "tune-docs", "prompts", "new-tokens", "references")),
     (["demo", "--lam", "-1"], "argument --lam: must be a finite number >= 0, got '-1'"),

@@ -240,6 +240,20 @@ def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path
 
 
 @pytest.mark.slow
+def test_more_shots_than_short_training_documents_is_refused_before_the_long_jobs(smollm2, tmp_path, capsys):
+    corpus = tmp_path / "reviews.txt"
+    corpus.write_text("\n".join(f"Review {i}: this medication helped with my pain after a week." for i in range(30))
+                      + "\n")
+    out = tmp_path / "report"
+    assert main(["eval", "--corpus", str(corpus), "--out", str(out), "--shots", "40"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # beside progress bars
+    assert len(err) == 1 and err[0].startswith("graphmax eval: error: only ")
+    assert "distinct training documents have 8–160 tokens, 40 asked for; lower --shots" in err[0]
+    # refused after the split and the graph, before the tuning, the datastore and the report
+    assert not (out / "report.md").exists() and not (out / "tuning.csv").exists()
+
+
+@pytest.mark.slow
 def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     import pipelines.eval as ev
 
