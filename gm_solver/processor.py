@@ -318,6 +318,10 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
             length, left padding included) uses λ_t = λ·t^(−γ), since the more of a document the LM has seen, the
             less it needs the corpus (held-out perplexity over 64 tokens: ``graphmax tune`` chooses γ); 0 keeps λ
             constant.
+        prompt_length (``int``, defaults to 0): leading columns of ``input_ids`` that are read before the text
+            being written (few-shot examples put before each prompt): λ_t's t counts the columns after them (at
+            least 1), as ``graphmax tune`` and ``graphmax eval`` count a document's own tokens. No effect at
+            ``lam_decay=0``.
         tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused
             (``graph`` must then be a ``gm_graphs.Graph``).
 
@@ -344,7 +348,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
     def __init__(self, graph: Any, *, divergence: str = "rkl", lam: float = 1.2, kl_share: float = 0.15,
                  ngram_order: int = 4, order_weights: tuple[float, ...] = (1.0,), smoothing: str = "kneser-ney",
                  discount: float = 0.75, kappa: float = 3.0, alpha: float = 0.5, lam_decay: float = 0.0,
-                 tokenizer: Any = None):
+                 prompt_length: int = 0, tokenizer: Any = None):
         divergence = _choice("divergence", divergence, DIVERGENCES)
         lam = _real("lam", lam, "a finite float >= 0 (0 gives softmax)", _finite_nonnegative)
         kl_share = _real("kl_share", kl_share, "a float in [0, 1] (the share of λ on KL(x‖q))", lambda v: 0 <= v <= 1)
@@ -356,6 +360,8 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         alpha = _real("alpha", alpha, "a finite float > 0 (add-α on the unigram)", _finite_positive)
         lam_decay = _real("lam_decay", lam_decay, "a finite float >= 0 (λ_t = λ·t^(−lam_decay); 0: constant)",
                           _finite_nonnegative)
+        self.prompt_length = _integer("prompt_length", prompt_length, "an int >= 0 (columns of input_ids before "
+                                      "the text being written; 0: none)", lambda v: v >= 0)
         tables = _ngram_tables(graph)
         in_use = [n for n in tables if n <= ngram_order]
         if ngram_order > max(tables, default=2):
@@ -385,13 +391,14 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         self.last_info = None
 
     @classmethod
-    def from_config(cls, graph: Any, config: ContextConfig, *, tokenizer: Any = None) -> ContextGraphmaxLogitsProcessor:
+    def from_config(cls, graph: Any, config: ContextConfig, *, tokenizer: Any = None,
+                    prompt_length: int = 0) -> ContextGraphmaxLogitsProcessor:
         """The decoder with the settings of ``config`` (what ``graphmax tune`` chooses and stores).
 
         Args:
             graph (``gm_graphs.Graph`` or scipy sparse matrix): as for the constructor.
             config (``ContextConfig``): the settings; its ``source`` is kept as ``self.config.source``.
-            tokenizer (defaults to ``None``): as for the constructor.
+            tokenizer, prompt_length: as for the constructor.
 
         Returns:
             ``ContextGraphmaxLogitsProcessor`` whose ``config`` equals ``config``.
@@ -408,7 +415,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
             raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
         settings = config.to_dict()
         source = settings.pop("source")
-        proc = cls(graph, **settings, tokenizer=tokenizer)
+        proc = cls(graph, **settings, tokenizer=tokenizer, prompt_length=prompt_length)
         proc._set_source(source)
         return proc
 
@@ -421,8 +428,14 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
             check_logits(scores, 0.0, 1e-6, "auto", sync=True)
             return torch.log_softmax(scores, -1)
         # reference rows, solve and certificate for the whole batch in one call, on the scores' device
-        logp, self.last_info = self.reference.step(input_ids, scores)
+        logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids))
         return logp
+
+    def _lam_at(self, input_ids: Any) -> float | None:
+        """λ_t after the prompt (None: the reference's own, from the whole input's length)."""
+        if self.prompt_length == 0 or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+            return None  # (malformed ids are the reference's to refuse)
+        return self.config.lam_at(input_ids.shape[1] - self.prompt_length)
 
     def _shape(self) -> tuple[int, torch.device]:
         return self.reference.n, torch.device("cpu")
@@ -431,7 +444,8 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         c = self.config
         return {"divergence": c.divergence, "lam": c.lam, "kl_share": c.kl_share, "ngram_order": c.ngram_order,
                 "order_weights": c.order_weights, "smoothing": c.smoothing, "discount": c.discount,
-                "kappa": c.kappa, "alpha": c.alpha, "lam_decay": c.lam_decay}
+                "kappa": c.kappa, "alpha": c.alpha, "lam_decay": c.lam_decay,
+                **({"prompt_length": self.prompt_length} if self.prompt_length else {})}
 
 
 class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
@@ -511,11 +525,11 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     @classmethod
     def from_config(cls, graph: Any, config: ContextConfig, *, datastore: Datastore, tap: HiddenStateTap,
-                    tokenizer: Any = None, **knn: Any) -> KnnContextGraphmaxLogitsProcessor:
+                    tokenizer: Any = None, prompt_length: int = 0, **knn: Any) -> KnnContextGraphmaxLogitsProcessor:
         """The decoder with the settings of ``config`` (``graphmax tune``'s choice) and a datastore.
 
         Args:
-            graph, datastore, tap, tokenizer: as for the constructor.
+            graph, datastore, tap, tokenizer, prompt_length: as for the constructor.
             config (``ContextConfig``): the base class's settings; its ``source`` is kept as ``self.config.source``.
             **knn: ``knn_weight``, ``knn_k``, ``knn_temperature``, ``marginal_weight``.
         """
@@ -523,7 +537,7 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
             raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
         settings = config.to_dict()
         source = settings.pop("source")
-        proc = cls(graph, datastore, tap, **knn, **settings, tokenizer=tokenizer)
+        proc = cls(graph, datastore, tap, **knn, **settings, tokenizer=tokenizer, prompt_length=prompt_length)
         proc._set_source(source)
         return proc
 
@@ -539,7 +553,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
             raise ValueError(f"the tap holds {hidden.shape[0]} hidden states for {scores.shape[0]} rows of scores; "
                              f"attach the tap to the model that produces these scores")
         tokens, weights = self.datastore.distribution(hidden, self.knn_k, self.knn_temperature)
-        logp, self.last_info = self.reference.step(input_ids, scores, knn=(tokens, weights, self.knn_weight))
+        logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids),
+                                                   knn=(tokens, weights, self.knn_weight))
         return logp
 
     def warmup(self) -> KnnContextGraphmaxLogitsProcessor:

@@ -1,7 +1,9 @@
 """``graphmax generate``: continue prompts with a causal LM, decoding with a graph's graphmax decoder.
 
 By default the decoder is the one ``graphmax tune`` stored in the graph (else context-aware graphmax with its
-defaults); ``--decoder paper|context`` picks one, and each takes only its own options.
+defaults); ``--decoder paper|context`` picks one, and each takes only its own options. ``--examples FILE`` puts
+text from the domain (a few documents) before every prompt: the LM reads it, the context decoder's λ_t does not
+count it.
 """
 
 from __future__ import annotations
@@ -37,14 +39,21 @@ OPTIONS = {
     "context": ("lam", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
                 "kappa", "alpha", "lam_decay"),
 }
+MAX_EXAMPLES_BYTES = 2**20  # --examples: the LM reads a few thousand tokens at most
 KNN_OPTIONS = ("knn_weight", "knn_k", "knn_temperature", "marginal_weight")  # with --datastore (context only)
 
 
 def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_tokens: int = 32,
-                   do_sample: bool = False, seed: int = 0, top_k: int = 50) -> tuple[list[str], float]:
-    """Continuations of ``prompts`` (one left-padded batch) and the wall time per generated token in ms."""
+                   do_sample: bool = False, seed: int = 0, top_k: int = 50,
+                   prefix: list[int] | None = None) -> tuple[list[str], float]:
+    """Continuations of ``prompts`` (one left-padded batch) and the wall time per generated token in ms;
+    ``prefix``: token ids before each prompt (after the padding), e.g. few-shot examples."""
     tok.padding_side = "left"
-    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if prefix:
+        rows = [list(prefix) + tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        batch = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+    else:
+        batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     extra = {"do_sample": True, "top_k": top_k, "temperature": 1.0} if do_sample else {"do_sample": False}
     t0 = time.perf_counter()
@@ -104,6 +113,9 @@ def register(sub) -> None:
     p.add_argument("--sample", action="store_true", help="sample (top-k 50) instead of greedy")
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--compare", action="store_true", help="also print the plain softmax continuation")
+    p.add_argument("--examples", type=Path, metavar="FILE",
+                   help="UTF-8 text the LM reads before every prompt, e.g. a few documents of your corpus separated "
+                        "by blank lines (few-shot); the context decoder's λ_t counts the prompt's tokens only")
     # the graph, and its decoder: each decoder's options are refused with the other (defaults: the stored choice)
     add_graph_arguments(p, "--graph")
     p.add_argument("--decoder", choices=tuple(DECODERS),
@@ -145,11 +157,12 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
+def build_decoder(args, prompt_length: int = 0) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
     """The graph, the decoder ``args`` ask for and where its settings come from; all checked before any model loads.
 
     The graph's stored choice (``graphmax tune``) is the starting point when it is of the kind asked for (or no
     kind is asked for); the options given override it. An option of the other decoder is an error.
+    ``prompt_length``: the tokens of ``--examples`` before each prompt (the context decoder's λ_t skips them).
     """
     source = graph_arg(args)
     graph = load_graph(source)
@@ -165,11 +178,12 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
     if kind == "paper" and (args.order is not None or args.mixture is not None):
         graph = load_graph(source, order=args.order or 1, mixture=args.mixture)
     settings = {k: v for k, v in given.items() if k not in ("order", "mixture")}
+    extra = {"prompt_length": prompt_length} if kind == "context" and prompt_length else {}
     try:
         if kind == stored:
-            proc, origin = GraphmaxLogitsProcessor.from_graph(graph, **settings), "stored by graphmax tune"
+            proc, origin = GraphmaxLogitsProcessor.from_graph(graph, **settings, **extra), "stored by graphmax tune"
         else:
-            proc = DECODERS[kind](graph, **settings)
+            proc = DECODERS[kind](graph, **settings, **extra)
             origin = "defaults" + (f" (the graph stores a {stored} decoder)" if stored else "")
     except (TypeError, ValueError) as e:
         raise GraphmaxError(str(e)) from e
@@ -199,7 +213,7 @@ def build_decoder(args) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
                                 f"them), so it has no marginal bias: build it again with `graphmax datastore`, or "
                                 f"pass --marginal-weight 0")
         proc = KnnContextGraphmaxLogitsProcessor.from_config(graph, config, datastore=datastore, tap=HiddenStateTap(),
-                                                             **knn)
+                                                             **extra, **knn)
     except (TypeError, ValueError) as e:
         raise GraphmaxError(str(e)) from e
     keys = f"{len(datastore):,} keys" + (f", {datastore.nprobe} of its {datastore.meta['ivf_lists']:,} lists a "
@@ -213,17 +227,43 @@ def _show(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def read_examples(path: Path) -> str:
+    """The text of ``--examples``, ending in a blank line so that a prompt reads as the next document."""
+    if path.is_file() and path.stat().st_size > MAX_EXAMPLES_BYTES:  # (a folder or a missing file: read_bytes says)
+        raise GraphmaxError(f"--examples {path} is larger than {MAX_EXAMPLES_BYTES // 2**20} MiB, far more than the "
+                            f"model reads; give a few documents")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GraphmaxError(f"--examples {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    if not text.strip() or "\x00" in text:
+        raise GraphmaxError(f"--examples {path} holds no text (empty, blank or binary); give a few documents of your "
+                            f"corpus separated by blank lines")
+    return text.strip() + "\n\n"
+
+
 def run(args) -> int:
+    examples = read_examples(args.examples) if args.examples is not None else None
     graph, proc, origin = build_decoder(args)  # the graph and every option are checked before the model loads
     model, tok = load_model(args.model)
     graph.check_tokenizer(tok)
+    prefix = tok(examples, add_special_tokens=False)["input_ids"] if examples else None
+    if prefix:
+        longest = len(prefix) + max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in args.prompt)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and longest + args.max_new_tokens > limit:
+            raise GraphmaxError(f"--examples {args.examples} ({len(prefix):,} tokens), the longest prompt and "
+                                f"--max-new-tokens make {longest + args.max_new_tokens:,} tokens, more than the "
+                                f"model reads ({limit:,}); give fewer or shorter examples")
+        graph, proc, origin = build_decoder(args, len(prefix))  # λ_t counted from the prompt
+        origin += f"; after {len(prefix):,} tokens of --examples"
     if isinstance(proc, KnnContextGraphmaxLogitsProcessor):
         proc.datastore.check_model(model)
         proc.tap.attach(model)  # each step's hidden states, for the datastore's search
     warm_up(model, tok, [proc])
     label = "paper graphmax" if isinstance(proc, PaperGraphmaxLogitsProcessor) else "context graphmax"
     print(f"graph: {graph!r}\ndecoder: {proc!r}\n  settings: {origin}")
-    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed)
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed, prefix=prefix)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)
     plain, plain_ms = generate_texts(model, tok, args.prompt, None, **kw) if args.compare else (None, None)
     for i, prompt in enumerate(args.prompt):

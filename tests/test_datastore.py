@@ -399,6 +399,16 @@ def test_the_knn_processor_solves_toward_the_mix_and_is_softmax_at_lambda_zero()
     assert torch.allclose(proc(ids, z).double(), want, atol=1e-6) and float(proc.last_info.gap.max()) <= 1e-6
 
 
+def test_the_knn_processor_counts_lambda_t_after_its_prompt_length():
+    kw = dict(knn_weight=0.4, knn_k=5, knn_temperature=3.0, lam=2.0, lam_decay=0.5, marginal_weight=0.0)
+    ids, z = torch.tensor([[7, 8, 9, 1, 2, 3], [7, 8, 9, 4, 5, 6]]), torch.randn(2, 12)
+    _, _, _, after = _processor(prompt_length=3, **kw)
+    _, _, _, alone = _processor(**kw)
+    assert torch.allclose(after(ids, z), alone(ids[:, 3:], z), atol=1e-12, rtol=0)
+    assert not torch.allclose(alone(ids, z), alone(ids[:, 3:], z), atol=1e-9, rtol=0)  # (the whole input: another λ_t)
+    assert "prompt_length=3" in repr(after) and "prompt_length" not in repr(alone)
+
+
 @pytest.mark.parametrize("kw, match", [({"knn_weight": 1.5}, "knn_weight"), ({"knn_weight": "0.5"}, "knn_weight"),
                                        ({"knn_weight": -0.1}, "knn_weight"),
                                        ({"knn_k": 0}, "knn_k"), ({"knn_k": 2.5}, "knn_k"),

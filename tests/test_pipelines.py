@@ -154,6 +154,54 @@ def test_generate_prints_the_decoder_its_settings_and_softmax_beside_it(graph_pa
     assert len(paper) == 2 and paper == plain
 
 
+def test_generate_with_examples_reads_them_first_and_counts_lambda_after_them(graph_path, tiny_model, tmp_path,
+                                                                           capsys, bpe_tokenizer):
+    examples = tmp_path / "examples.txt"
+    examples.write_text("the movie was fine.\n\nI loved the film and the cast.\n")
+    argv = ["generate", "--path", str(graph_path), "--model", str(tiny_model), "--prompt", "the movie was",
+            "--prompt", "I loved", "--max-new-tokens", "3", "--compare", "--lam-decay", "0.5"]
+    assert main([*argv, "--examples", str(examples)]) == 0
+    out = capsys.readouterr().out
+    n = len(bpe_tokenizer(examples.read_text().strip() + "\n\n", add_special_tokens=False)["input_ids"])
+    assert f"prompt_length={n}" in out and f"after {n} tokens of --examples" in out
+    assert out.count("  context graphmax : ") == 2
+    # the continuation is the model's after the examples' tokens and then the prompt's
+    model, tok = generate.load_model(str(tiny_model))  # as the command loads it
+    ids = tok(examples.read_text().strip() + "\n\n", add_special_tokens=False)["input_ids"]
+    texts, _ = generate.generate_texts(model, tok, ["the movie was", "I loved"], None, max_new_tokens=3, prefix=ids)
+    for prompt, text in zip(["the movie was", "I loved"], texts):  # each as if alone, unpadded
+        joint = torch.tensor([ids + tok(prompt, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            greedy = model.generate(joint, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                    pad_token_id=tok.pad_token_id)[0, joint.shape[1]:]
+        assert text == tok.decode(greedy, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("content, error", [
+    (b"", "holds no text (empty, blank or binary)"),
+    (b"  \n\n ", "holds no text (empty, blank or binary)"),
+    (b"ok\x00\x01", "holds no text (empty, blank or binary)"),
+    (b"caf\xe9 review", "is not UTF-8 text (byte 3); save it as UTF-8"),
+    (b"a review. " * 110_000, "is larger than 1 MiB, far more than the model reads"),
+])
+def test_generate_refuses_bad_examples_in_one_line_before_loading_the_model(graph_path, no_model, tmp_path, capsys,
+                                                                          content, error):
+    examples = tmp_path / "examples.txt"
+    examples.write_bytes(content)
+    assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", "--examples", str(examples)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphmax generate: error: --examples ") and error in err and err.count("\n") == 1
+
+
+def test_generate_refuses_examples_longer_than_the_model_reads(graph_path, tiny_model, tmp_path, capsys):
+    examples = tmp_path / "examples.txt"
+    examples.write_text(" ".join(["the movie was fine"] * 60))  # the tiny model reads 128 positions
+    assert main(["generate", "--path", str(graph_path), "--model", str(tiny_model), "--prompt", "the movie",
+                 "--examples", str(examples)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("graphmax generate: error: --examples ") and "more than the model reads (128)" in err
+
+
 @pytest.mark.slow
 def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
     assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",

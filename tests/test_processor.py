@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -225,6 +227,8 @@ def test_every_paper_argument_changes_the_output_or_reaches_the_solver(graph, sm
     ({"kappa": 0.0}, "`kappa` must be a finite float > 0.*got 0.0"), ({"alpha": -1}, "`alpha`.*got -1"),
     ({"lam_decay": -0.1}, "`lam_decay` must be a finite float >= 0 .*got -0.1"),
     ({"lam_decay": math.inf}, "`lam_decay`.*got inf"), ({"lam_decay": "0.5"}, "`lam_decay`.*got '0.5'"),
+    ({"prompt_length": -1}, "`prompt_length` must be an int >= 0.*got -1"),
+    ({"prompt_length": 2.0}, "`prompt_length`.*got 2.0"), ({"prompt_length": True}, "`prompt_length`.*got True"),
     ({"tokenizer": "smollm2"}, "`tokenizer` can only be checked against a gm_graphs.Graph"),
     # a setting that another one switches off
     ({"kappa": 10.0}, "`kappa`=10.0 has no effect with smoothing='kneser-ney' and one order"),
@@ -236,6 +240,21 @@ def test_every_paper_argument_changes_the_output_or_reaches_the_solver(graph, sm
 def test_context_arguments_are_validated_in_init(kwargs, error):
     with pytest.raises(ValueError, match=error):
         ContextGraphmaxLogitsProcessor(COUNTS, **kwargs)
+
+
+@given(st.integers(0, 12), st.integers(1, 9), st.integers(1, 3), st.sampled_from([0.0, 0.5, 1.0]),
+       st.integers(0, 2**16))
+def test_a_prompt_length_counts_lambda_t_from_the_text_after_it(prompt, text, rows, decay, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 5, (rows, prompt + text), generator=g)
+    scores = torch.randn(rows, 5, generator=g, dtype=torch.float64)
+    settings = dict(lam=2.0, lam_decay=decay, order_weights=(1.0,))  # q reads the last token only
+    after = ContextGraphmaxLogitsProcessor(COUNTS, prompt_length=prompt, **settings)(ids, scores)
+    alone = ContextGraphmaxLogitsProcessor(COUNTS, **settings)(ids[:, prompt:], scores)
+    assert torch.allclose(after, alone, atol=1e-12, rtol=0)
+    if decay > 0 and prompt > 0:  # counted from the first column, λ_t is another
+        whole = ContextGraphmaxLogitsProcessor(COUNTS, **settings)(ids, scores)
+        assert not torch.allclose(whole, alone, atol=1e-9, rtol=0)
 
 
 def test_context_takes_the_graphs_counts_at_order_one_only(small_graph):
