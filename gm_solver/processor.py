@@ -320,8 +320,9 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
             constant.
         prompt_length (``int``, defaults to 0): leading columns of ``input_ids`` that are read before the text
             being written (few-shot examples put before each prompt): λ_t's t counts the columns after them (at
-            least 1), as ``graphmax tune`` and ``graphmax eval`` count a document's own tokens. No effect at
-            ``lam_decay=0``.
+            least 1), as ``graphmax tune`` and ``graphmax eval`` count a document's own tokens. Accepted at
+            ``lam_decay=0``, where it has no effect (unlike the settings below): a caller who puts examples before
+            a prompt need not know whether the stored decoder's λ falls.
         tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused
             (``graph`` must then be a ``gm_graphs.Graph``).
 

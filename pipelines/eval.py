@@ -64,7 +64,7 @@ PAPER_POSITIONS = 32
 RETUNE_FACTORS = (0.5, 0.7, 0.85, 1.0)  # λ scales tried for the fine-tuned LM, which needs less of the corpus
 # and for the prompted LM, which has read the domain's documents (on drug reviews 0.5 did best of these: the edge)
 PROMPT_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0)
-PROMPT_DOC_TOKENS = 160  # the longest training document a few-shot prompt takes: 4 shots stay under 650 tokens
+PROMPT_DOC_TOKENS = (8, 160)  # the training documents a few-shot prompt takes, in tokens: 4 shots stay under 650
 
 
 @dataclasses.dataclass
@@ -103,6 +103,11 @@ def prepare(args, tok, work: Path) -> Setup:
     # held-out documents alternate between validation (tuning) and test (reporting)
     return Setup(graph, Graph(graph.path, order=1, mixture=2), heldout[1::2], heldout[0::2], split.documents,
                  split.path("train"), build_seconds)
+
+
+def train_texts(setup: Setup) -> list[str]:
+    """The training side's documents (the graph's text), in corpus order."""
+    return pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
 
 
 def lm_perplexity_of(model, tok, prompts: list[str], texts: list[str]) -> float:
@@ -151,7 +156,7 @@ def datastore_decoder(model, tok, setup: Setup, tuned: ContextConfig, valid: Hel
     """A datastore of ``model``'s states over the first ``positions`` tokens of ``docs`` training documents, at
     ``folder``, and β, T, λ tuned on it (``valid`` is ``model``'s, scored with ``hidden=True``)."""
     t0 = time.perf_counter()
-    texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()[:docs]
+    texts = train_texts(setup)[:docs]
     datastore = build_datastore(model, tok, texts, folder, positions=positions, overwrite=True,
                                 model_name=str(getattr(model, "name_or_path", "")))
     print(f"datastore {folder.name}: {len(datastore):,} keys from {len(texts):,} training documents in "
@@ -187,7 +192,7 @@ def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, va
     budget = args.finetune_budget_s if given else setup.build_seconds + tune_seconds
     if budget <= 0:
         return None
-    texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
+    texts = train_texts(setup)
     result = finetune_lora(model, tok, texts, budget_s=budget, seed=args.seed, seq_len=positions + 1)
     print(f"fine-tuned: {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
           f"(budget {budget:.0f} s)", flush=True)
@@ -220,7 +225,7 @@ class Prompted:
     test: HeldOut
     retune_table: list[dict]
     knn: Knn | None  # the base LM's datastore under the prompted LM's states, β, T, λ, w tuned again
-    seconds: float  # scoring the validation documents with the prompt and tuning on them
+    seconds: float  # scoring the validation documents with the prompt and tuning on them (not the test's scoring)
 
 
 def draw_prompt(args, tok, setup: Setup) -> FewShotPrompt | None:
@@ -228,8 +233,9 @@ def draw_prompt(args, tok, setup: Setup) -> FewShotPrompt | None:
     the tuning, the datastore and fine-tuning, so that a corpus without enough short documents is refused early."""
     if args.shots == 0:
         return None
-    texts = pq.read_table(setup.train_path, columns=["text"]).column("text").to_pylist()
-    return few_shot_prompt(texts, tok, args.shots, max_doc_tokens=PROMPT_DOC_TOKENS, seed=args.seed)
+    low, high = PROMPT_DOC_TOKENS
+    return few_shot_prompt(train_texts(setup), tok, args.shots, min_doc_tokens=low, max_doc_tokens=high,
+                           seed=args.seed)
 
 
 def prompted_baseline(model, tok, setup: Setup, prompt: FewShotPrompt | None, tuned: ContextConfig,
@@ -250,10 +256,11 @@ def prompted_baseline(model, tok, setup: Setup, prompt: FewShotPrompt | None, tu
         config, settings, knn_table = tune_knn(setup.graph, valid, tuned_p, knn.datastore)
         p_knn = Knn(knn.datastore, config, settings, knn_table, knn.documents, time.perf_counter() - t1)
         retune += [{**row, "lm": "prompted"} for row in knn_table]
+    seconds = time.perf_counter() - t0
     print(f"prompted: {len(prompt.documents)} training documents, {len(prompt.ids)} tokens; λ = {tuned_p.lam:g}",
           flush=True)
-    return Prompted(prompt, tuned_p, score_documents(model, tok, test_docs, positions, hidden=hidden,
-                                                     prefix=prompt.ids), retune, p_knn, time.perf_counter() - t0)
+    test = score_documents(model, tok, test_docs, positions, hidden=hidden, prefix=prompt.ids)
+    return Prompted(prompt, tuned_p, test, retune, p_knn, seconds)
 
 
 def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], mixture_lams: list[float],
@@ -356,14 +363,15 @@ def interpolation_rows(graph: Graph, scored: dict[str, HeldOut], windows: list[i
     return rows, weights
 
 
-def generation_rows(gen: dict[str, tuple[str, object, object]], model, tok, openings: list[str],
+def generation_rows(gen: dict[str, tuple[str, object, object, list[int] | None]], model, tok, openings: list[str],
                     references: list[str], sizes: dict, seed: int) -> tuple[list[dict], dict[str, list[str]]]:
-    """Continuations of ``openings`` by each (label, LM, processor) in ``gen`` (sampled, fixed seed), with BLEU
-    against the held-out ``references``, diversity, and perplexity under the base LM."""
+    """Continuations of ``openings`` by each (label, LM, processor, prompt ids before each opening or None) in
+    ``gen`` (sampled, fixed seed), with BLEU against the held-out ``references``, diversity, and perplexity under
+    the base LM (without the prompt)."""
     rows, samples = [], {}
-    for key, (label, lm, proc) in gen.items():
+    for key, (label, lm, proc, prefix) in gen.items():
         texts, ms_token = generate_texts(lm, tok, openings, proc, max_new_tokens=sizes["new_tokens"],
-                                         do_sample=True, seed=seed)
+                                         do_sample=True, seed=seed, prefix=prefix)
         samples[key] = texts
         bleu = corpus_bleu_scores(texts, references)
         rows.append({"key": key, "decoder": label, **{f"BLEU-{n}": 100 * b for n, b in bleu.items()},
@@ -427,19 +435,21 @@ def run_eval(args) -> Path:
     by_key["interpolation optimum"].processor = InterpolationLogitsProcessor(setup.graph, best_w)
     lms = {"base": model, "fine-tuned": finetuned.result.model if finetuned is not None else None}
     by_key["interpolation optimum"].label = f"interpolation w={best_w:.3f} (optimum on test)"
-    gen = {key: (by_key[key].label, lms[by_key[key].lm], by_key[key].processor)
+    gen = {key: (by_key[key].label, lms[by_key[key].lm], by_key[key].processor, None)
            for key in ["softmax", *[f"paper {lam:g}" for lam in paper_lams], "interpolation optimum", "ours",
                        *(["ours knn"] if knn is not None else []),
                        *(["fine-tuned", "fine-tuned ours"] if finetuned is not None else []),
                        *(["fine-tuned ours knn"] if "fine-tuned ours knn" in by_key else [])]}
+    if prompted is not None:
+        gen.update(prompted_generators(setup, prompted, by_key, model))
     openings = [" ".join(t.split()[:8]) for t in setup.test[-sizes["prompts"]:]]
     references = setup.test[:sizes["references"]]
     knn_keys = [key for key in gen if key.endswith("knn")]
     for key in knn_keys:  # inside generate() a kNN decoder's tap reads its own LM's head
-        by_key[key].processor.tap.attach(lms[by_key[key].lm])
+        gen[key][2].tap.attach(gen[key][1])
     gen_rows, samples = generation_rows(gen, model, tok, openings, references, sizes, args.seed)
     for key in knn_keys:
-        by_key[key].processor.tap.remove()
+        gen[key][2].tap.remove()
 
     # the per-step cost goal is for batch 1: greedy, one opening at a time, plain vs ours
     cost = decode_cost(model, tok, openings[:4], by_key["ours"].processor, max_new_tokens=sizes["new_tokens"])
@@ -451,6 +461,9 @@ def run_eval(args) -> Path:
     for row in gen_rows:
         mean, se = bleu4.get(row["key"], (0.0, 0.0))
         row["BLEU-4 − softmax"], row["± SE"] = 100 * mean, 100 * se
+    if prompted is not None:  # graphmax on the prompted LM against the prompt alone
+        best = "prompted ours knn" if "prompted ours knn" in samples else "prompted ours"
+        bleu4[f"{best} − prompted"] = paired_bleu_difference(samples[best], samples["prompted"], refs, 4)
     if finetuned is not None:  # the comparisons fine-tuning asks for: ours vs it, and ours on it vs it alone
         bleu4["ours − fine-tuned"] = paired_bleu_difference(samples["ours"], samples["fine-tuned"], refs, 4)
         bleu4["fine-tuned ours − fine-tuned"] = paired_bleu_difference(samples["fine-tuned ours"],
@@ -477,11 +490,29 @@ def run_eval(args) -> Path:
     return out
 
 
+def prompted_generators(setup: Setup, prompted: Prompted, by_key: dict[str, Decoder],
+                        model) -> dict[str, tuple[str, object, object, list[int]]]:
+    """The prompted rows for ``generate()``: the prompt's ids before each opening, and graphmax's decoders again
+    with ``prompt_length`` (inside ``generate()`` they see the prompt, which λ_t must not count; the scoring ones
+    see the document alone)."""
+    ids, n = prompted.prompt.ids, len(prompted.prompt.ids)
+    gen = {"prompted": (by_key["prompted"].label, model, None, ids),
+           "prompted ours": (by_key["prompted ours"].label, model, ContextGraphmaxLogitsProcessor.from_config(
+               setup.graph, prompted.tuned, prompt_length=n), ids)}
+    if prompted.knn is not None:
+        p_knn = prompted.knn
+        gen["prompted ours knn"] = (by_key["prompted ours knn"].label, model,
+                                    KnnContextGraphmaxLogitsProcessor.from_config(
+                                        setup.graph, p_knn.tuned, datastore=p_knn.datastore, tap=HiddenStateTap(),
+                                        prompt_length=n, **p_knn.settings), ids)
+    return gen
+
+
 def prompt_summary(prompted: Prompted) -> dict:
     """What the report says of the few-shot baseline."""
     p_knn = prompted.knn
     return {"documents": len(prompted.prompt.documents), "tokens": len(prompted.prompt.ids),
-            "max_doc_tokens": PROMPT_DOC_TOKENS,
+            "doc_tokens": PROMPT_DOC_TOKENS,
             "seconds": prompted.seconds, "tuned": prompted.tuned,
             "knn": None if p_knn is None else {"tuned": p_knn.tuned, **p_knn.settings}}
 
@@ -584,8 +615,8 @@ def register(sub) -> None:
                         "first --positions tokens of this many training documents (0: not; ~700 positions/s "
                         "on 2 CPU cores)")
     p.add_argument("--shots", type=integer(0), default=4,
-                   help="training documents in the prompt of the few-shot baseline (default 4; each of 8 to "
-                        f"{PROMPT_DOC_TOKENS} tokens; 0: no prompted rows)")
+                   help="training documents in the prompt of the few-shot baseline (default 4; each of "
+                        f"{PROMPT_DOC_TOKENS[0]} to {PROMPT_DOC_TOKENS[1]} tokens; 0: no prompted rows)")
     p.add_argument("--finetune-budget-s", type=float, default=None,
                    help="seconds of LoRA fine-tuning for the fine-tuned baseline (default: as long as the graph's "
                         "build and tuning took in the same run; 0: no fine-tuned rows)")

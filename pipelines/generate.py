@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from gm_graphs import Graph, GraphmaxError, load_graph
+from gm_graphs import Graph, GraphmaxError, load_graph, load_tokenizer
 from gm_solver import (
     DIVERGENCES,
     ContextGraphmaxLogitsProcessor,
@@ -229,11 +229,13 @@ def _show(value) -> str:
 
 def read_examples(path: Path) -> str:
     """The text of ``--examples``, ending in a blank line so that a prompt reads as the next document."""
-    if path.is_file() and path.stat().st_size > MAX_EXAMPLES_BYTES:  # (a folder or a missing file: read_bytes says)
+    with open(path, "rb") as fh:  # read to the cap only (a pipe has no size to look at first)
+        data = fh.read(MAX_EXAMPLES_BYTES + 1)
+    if len(data) > MAX_EXAMPLES_BYTES:
         raise GraphmaxError(f"--examples {path} is larger than {MAX_EXAMPLES_BYTES // 2**20} MiB, far more than the "
                             f"model reads; give a few documents")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8-sig")  # (an editor's byte-order mark is no text)
     except UnicodeDecodeError as e:
         raise GraphmaxError(f"--examples {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     if not text.strip() or "\x00" in text:
@@ -243,11 +245,13 @@ def read_examples(path: Path) -> str:
 
 
 def run(args) -> int:
-    examples = read_examples(args.examples) if args.examples is not None else None
-    graph, proc, origin = build_decoder(args)  # the graph and every option are checked before the model loads
+    prefix = None
+    if args.examples is not None:  # its tokens, for the decoder's λ_t, from the model's tokenizer alone
+        prefix = load_tokenizer(args.model)(read_examples(args.examples), add_special_tokens=False)["input_ids"]
+    # the graph and every option are checked before the model loads
+    graph, proc, origin = build_decoder(args, len(prefix or ()))
     model, tok = load_model(args.model)
     graph.check_tokenizer(tok)
-    prefix = tok(examples, add_special_tokens=False)["input_ids"] if examples else None
     if prefix:
         longest = len(prefix) + max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in args.prompt)
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -255,7 +259,6 @@ def run(args) -> int:
             raise GraphmaxError(f"--examples {args.examples} ({len(prefix):,} tokens), the longest prompt and "
                                 f"--max-new-tokens make {longest + args.max_new_tokens:,} tokens, more than the "
                                 f"model reads ({limit:,}); give fewer or shorter examples")
-        graph, proc, origin = build_decoder(args, len(prefix))  # λ_t counted from the prompt
         origin += f"; after {len(prefix):,} tokens of --examples"
     if isinstance(proc, KnnContextGraphmaxLogitsProcessor):
         proc.datastore.check_model(model)

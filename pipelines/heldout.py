@@ -85,12 +85,14 @@ def score_documents(model, tok, texts: list[str], positions: int = 32, batch_doc
                 batch[j, :p] = head
                 batch[j, p:p + len(e)] = e
                 mask[j, :p + len(e)] = 1
-            out = model(input_ids=batch, attention_mask=mask).logits.float()
-            for j, e in enumerate(chunk):
+            # after a prompt, the head runs on the texts' positions only (its logits are most of the memory)
+            out = model(input_ids=batch, attention_mask=mask, **({"logits_to_keep": width - p} if p else {}))
+            out = out.logits.float()
+            for j, e in enumerate(chunk):  # the kept positions (and the tap's states) start at the text's first
                 ids.append(e)
-                logits.append(out[j, p:p + len(e) - 1].clone())
+                logits.append(out[j, :len(e) - 1].clone())
                 if hidden:
-                    states.append(tap.states[j, p:p + len(e) - 1].float().clone())
+                    states.append(tap.states[j, :len(e) - 1].float().clone())
     return HeldOut(ids, logits, states if hidden else None)
 
 

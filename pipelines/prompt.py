@@ -46,8 +46,10 @@ def few_shot_prompt(texts: list[str], tok, shots: int, *, max_doc_tokens: int, s
     """
     if isinstance(shots, bool) or not isinstance(shots, int) or shots < 1:
         raise ValueError(f"shots must be an int >= 1, got {shots!r}")
-    if not 1 <= min_doc_tokens <= max_doc_tokens:
-        raise ValueError(f"need 1 <= min_doc_tokens <= max_doc_tokens, got {min_doc_tokens} and {max_doc_tokens}")
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (min_doc_tokens, max_doc_tokens)) \
+            or not 1 <= min_doc_tokens <= max_doc_tokens:
+        raise ValueError(f"need ints 1 <= min_doc_tokens <= max_doc_tokens, got {min_doc_tokens!r} and "
+                         f"{max_doc_tokens!r}")
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)
     chosen: list[str] = []

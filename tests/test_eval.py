@@ -17,6 +17,7 @@ from gm_graphs import bundled, load_graph
 from gm_solver import (
     ContextGraphmaxLogitsProcessor,
     GraphmaxLogitsProcessor,
+    HiddenStateTap,
     InterpolationLogitsProcessor,
     PaperGraphmaxLogitsProcessor,
 )
@@ -132,9 +133,10 @@ def test_a_prompt_is_read_before_each_document_and_only_the_document_is_scored(s
     for text, ids, logits, states in zip(TEXTS, held.ids, held.logits, held.hidden):
         doc = tok(text, add_special_tokens=False)["input_ids"][:10]
         assert ids.tolist() == doc and logits.shape[0] == len(doc) - 1 == states.shape[0]
-        with torch.no_grad():  # the same document after the prompt, alone and unpadded
+        with torch.no_grad(), HiddenStateTap(model) as tap:  # the same document after the prompt, alone, unpadded
             alone = model(input_ids=torch.tensor([prompt + doc])).logits[0, len(prompt):-1].float()
-        assert torch.allclose(logits, alone, atol=1e-4)
+            alone_states = tap.states[0, len(prompt):-1].float()
+        assert torch.allclose(logits, alone, atol=1e-4) and torch.allclose(states, alone_states, atol=1e-4)
     # the prompt changes what the LM predicts; without one the scoring is as before
     assert not torch.allclose(held.logits[0], plain.logits[0], atol=1e-2)
     again = score_documents(model, tok, TEXTS, positions=9, progress=False, prefix=[])
@@ -240,7 +242,13 @@ def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path
 
 
 @pytest.mark.slow
-def test_more_shots_than_short_training_documents_is_refused_before_the_long_jobs(smollm2, tmp_path, capsys):
+def test_more_shots_than_short_training_documents_is_refused_before_the_long_jobs(smollm2, tmp_path, capsys,
+                                                                                 monkeypatch):
+    import pipelines.eval as ev
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the prompt was drawn after the tuning began")
+    monkeypatch.setattr(ev, "tune_config", too_late)
     corpus = tmp_path / "reviews.txt"
     corpus.write_text("\n".join(f"Review {i}: this medication helped with my pain after a week." for i in range(30))
                       + "\n")
@@ -249,8 +257,7 @@ def test_more_shots_than_short_training_documents_is_refused_before_the_long_job
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # beside progress bars
     assert len(err) == 1 and err[0].startswith("graphmax eval: error: only ")
     assert "distinct training documents have 8–160 tokens, 40 asked for; lower --shots" in err[0]
-    # refused after the split and the graph, before the tuning, the datastore and the report
-    assert not (out / "report.md").exists() and not (out / "tuning.csv").exists()
+    assert not (out / "report.md").exists()
 
 
 @pytest.mark.slow
@@ -298,7 +305,9 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
               for name in ("datastore", "datastore-fine-tuned")]
     assert stores[0]["keys"] == stores[1]["keys"] and stores[0]["model_sha256"] != stores[1]["model_sha256"]
     with open(out / "generation.csv") as fh:
-        assert {"ours knn", "fine-tuned ours knn"} <= {r["key"] for r in csv.DictReader(fh)}
+        assert {"ours knn", "fine-tuned ours knn", "prompted", "prompted ours", "prompted ours knn"} <= {
+            r["key"] for r in csv.DictReader(fh)}
+    assert "BLEU-4" in report.split("beats the prompt alone and graphmax on the base LM")[1].split("|")[2]
     assert rows["paper 1"]["ratio_4"] == "" and rows["paper 1"]["ratio_2"] != ""  # scored over 2 tokens only
     # the optimum is at least as good as every grid weight, over each window
     for w in ("2", "4"):

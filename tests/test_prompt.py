@@ -48,6 +48,7 @@ def test_shots_must_be_a_positive_int(shots):
         few_shot_prompt(["a b c"], Words(), shots, max_doc_tokens=5)
 
 
-def test_bounds_must_be_ordered():
-    with pytest.raises(ValueError, match="min_doc_tokens <= max_doc_tokens"):
-        few_shot_prompt(["a b c"], Words(), 1, max_doc_tokens=2, min_doc_tokens=3)
+@pytest.mark.parametrize("low, high", [(3, 2), (0, 2), (True, True), (1, 2.5), ("1", 4)])
+def test_bounds_must_be_ordered_ints(low, high):
+    with pytest.raises(ValueError, match="need ints 1 <= min_doc_tokens <= max_doc_tokens"):
+        few_shot_prompt(["a b c"], Words(), 1, max_doc_tokens=high, min_doc_tokens=low)
