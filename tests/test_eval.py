@@ -307,7 +307,7 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     with open(out / "generation.csv") as fh:
         assert {"ours knn", "fine-tuned ours knn", "prompted", "prompted ours", "prompted ours knn"} <= {
             r["key"] for r in csv.DictReader(fh)}
-    assert "BLEU-4" in report.split("beats the prompt alone and graphmax on the base LM")[1].split("|")[2]
+    assert "vs the prompted LM's" in report.split("beats the prompt alone and graphmax on the base LM")[1].split("|")[1]
     assert rows["paper 1"]["ratio_4"] == "" and rows["paper 1"]["ratio_2"] != ""  # scored over 2 tokens only
     # the optimum is at least as good as every grid weight, over each window
     for w in ("2", "4"):
