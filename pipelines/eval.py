@@ -309,17 +309,26 @@ def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], m
     if prompted is not None:
         shots = f"{len(prompted.prompt.documents)}-shot prompt"
         decoders.append(Decoder("prompted", f"LM with a {shots}, softmax", "prompted", lm="prompted"))
-        decoders.append(Decoder("prompted ours", f"context graphmax on the LM with a {shots} (ours)", "ours",
-                                ContextGraphmaxLogitsProcessor.from_config(setup.graph, prompted.tuned).warmup(),
-                                lm="prompted"))
-    if prompted is not None and prompted.knn is not None:
-        p_knn = prompted.knn
-        decoders.append(Decoder("prompted ours knn", f"context graphmax + kNN datastore ({len(p_knn.datastore):,} "
-                                f"keys) and its marginal bias on the LM with a {shots} (ours)", "ours",
-                                KnnContextGraphmaxLogitsProcessor.from_config(
-                                    setup.graph, p_knn.tuned, datastore=p_knn.datastore, tap=HiddenStateTap(),
-                                    **p_knn.settings).warmup(), lm="prompted"))
+        for key, proc in prompted_processors(setup, prompted, prompt_length=0).items():
+            what = ("context graphmax" if key == "prompted ours" else
+                    f"context graphmax + kNN datastore ({len(proc.datastore):,} keys) and its marginal bias")
+            decoders.append(Decoder(key, f"{what} on the LM with a {shots} (ours)", "ours", proc.warmup(),
+                                    lm="prompted"))
     return decoders
+
+
+def prompted_processors(setup: Setup, prompted: Prompted, prompt_length: int) -> dict[str, object]:
+    """Graphmax's decoders tuned for the prompted LM (with the datastore too, when it has one): ``prompt_length``
+    0 for scoring, where they see the document alone; the prompt's length inside ``generate()``, where they see it
+    too and λ_t must not count it."""
+    procs = {"prompted ours": ContextGraphmaxLogitsProcessor.from_config(setup.graph, prompted.tuned,
+                                                                          prompt_length=prompt_length)}
+    if prompted.knn is not None:
+        p_knn = prompted.knn
+        procs["prompted ours knn"] = KnnContextGraphmaxLogitsProcessor.from_config(
+            setup.graph, p_knn.tuned, datastore=p_knn.datastore, tap=HiddenStateTap(), prompt_length=prompt_length,
+            **p_knn.settings)
+    return procs
 
 
 def score_decoders(decoders: list[Decoder], scored: dict[str, HeldOut], windows: list[int]):
@@ -492,19 +501,12 @@ def run_eval(args) -> Path:
 
 def prompted_generators(setup: Setup, prompted: Prompted, by_key: dict[str, Decoder],
                         model) -> dict[str, tuple[str, object, object, list[int]]]:
-    """The prompted rows for ``generate()``: the prompt's ids before each opening, and graphmax's decoders again
-    with ``prompt_length`` (inside ``generate()`` they see the prompt, which λ_t must not count; the scoring ones
-    see the document alone)."""
-    ids, n = prompted.prompt.ids, len(prompted.prompt.ids)
-    gen = {"prompted": (by_key["prompted"].label, model, None, ids),
-           "prompted ours": (by_key["prompted ours"].label, model, ContextGraphmaxLogitsProcessor.from_config(
-               setup.graph, prompted.tuned, prompt_length=n), ids)}
-    if prompted.knn is not None:
-        p_knn = prompted.knn
-        gen["prompted ours knn"] = (by_key["prompted ours knn"].label, model,
-                                    KnnContextGraphmaxLogitsProcessor.from_config(
-                                        setup.graph, p_knn.tuned, datastore=p_knn.datastore, tap=HiddenStateTap(),
-                                        prompt_length=n, **p_knn.settings), ids)
+    """The prompted rows for ``generate()``: the prompt's ids before each opening, and graphmax's decoders again,
+    counting λ_t after the prompt."""
+    ids = prompted.prompt.ids
+    gen = {"prompted": (by_key["prompted"].label, model, None, ids)}
+    for key, proc in prompted_processors(setup, prompted, prompt_length=len(ids)).items():
+        gen[key] = (by_key[key].label, model, proc, ids)
     return gen
 
 

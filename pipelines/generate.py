@@ -30,6 +30,7 @@ from gm_solver import (
 from .args import integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
+from .prompt import SEPARATOR
 from .tune import datastore_sha256
 
 DECODERS = {"paper": PaperGraphmaxLogitsProcessor, "context": ContextGraphmaxLogitsProcessor}
@@ -241,7 +242,7 @@ def read_examples(path: Path) -> str:
     if not text.strip() or "\x00" in text:
         raise GraphmaxError(f"--examples {path} holds no text (empty, blank or binary); give a few documents of your "
                             f"corpus separated by blank lines")
-    return text.strip() + "\n\n"
+    return text.strip() + SEPARATOR
 
 
 def run(args) -> int:
