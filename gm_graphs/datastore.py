@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import npy
 from .errors import DatastoreError
 from .faults import fault_point
 from .folders import DATASTORE_MARKER, check_replaceable, staged_folder
@@ -243,8 +244,9 @@ def checked_ivf(ivf: object, dim: int, keys: int | None = None) -> tuple[np.ndar
         raise DatastoreError(f"the index must be centroids (lists, {dim}) with 1 to {_MAX_LISTS} lists and integer "
                              f"offsets (lists + 1,); got {centroids.shape} and {offsets.shape}")
     centroids = centroids.astype(CENTROID_DTYPE)
-    if not np.isfinite(centroids).all():
-        raise DatastoreError("the index's centroids are not finite (in float32)")
+    # a centre is a mean of float16 keys: beyond float16's range its squared distances overflow float32 in faiss
+    if not (np.abs(centroids) <= np.finfo(np.float16).max).all():
+        raise DatastoreError("the index's centroids are not finite numbers within float16's range (the keys')")
     # compared, not differenced: a difference of int64 offsets can wrap around (and uint64 ones never go negative)
     if offsets.min() < 0 or offsets.max() > 2**40:
         raise DatastoreError("the index's offsets must lie in [0, 2**40]")
@@ -381,6 +383,12 @@ def _checked_tokenizer(t: object) -> dict | None:
 
 def _open_regular(root: Path, name: str):
     """``root/name`` opened for reading if it is a regular file (a symlink, folder or device is refused)."""
+    # lstat first: opening a device node can act on the device (a tape rewinds); fstat below catches a swap
+    try:
+        if not stat.S_ISREG(os.lstat(root / name).st_mode):
+            raise _bad(root, f"{name} is not a regular file")
+    except OSError as e:
+        raise _bad(root, f"cannot open {name} ({e.strerror})") from None
     try:
         fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
@@ -396,7 +404,7 @@ def _read_meta(root: Path) -> dict:
         if os.fstat(fh.fileno()).st_size > _MAX_META:
             raise _bad(root, f"{META} is larger than {_MAX_META} bytes")
         try:
-            meta = json.loads(fh.read().decode("utf-8"))
+            meta = json.loads(fh.read(_MAX_META + 1).decode("utf-8"))
         except (ValueError, RecursionError):
             raise _bad(root, f"{META} is not JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -421,8 +429,20 @@ def _read_meta(root: Path) -> dict:
                          f"(model_sha256)")
     meta["tokenizer"], meta["model"] = tokenizer, str(meta.get("model", ""))
     for key in ("positions", "documents"):
-        meta[key] = meta[key] if _int(meta.get(key)) else 0
+        meta[key] = meta[key] if _int(meta.get(key)) and meta[key] >= 0 else 0
     return meta
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel can give without swapping (Linux' MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _open_array(root: Path, name: str, dtype: np.dtype, length: int, entry: dict, verify: bool) -> np.ndarray:
@@ -431,11 +451,9 @@ def _open_array(root: Path, name: str, dtype: np.dtype, length: int, entry: dict
         if st.st_size != entry["bytes"]:
             raise _bad(root, f"{name} has {st.st_size} bytes, {META} says {entry['bytes']} (truncated or replaced)")
         try:
-            version = np.lib.format.read_magic(fh)
-            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
-            shape, fortran, found = read(fh, max_header_size=10000)
-        except (ValueError, KeyError, SyntaxError, TypeError, OSError, EOFError):
-            raise _bad(root, f"{name} is not a .npy array") from None
+            found, shape, fortran = npy.read_header(fh)
+        except ValueError as e:
+            raise _bad(root, f"{name} is not a .npy array ({e})") from None
         if found != dtype or fortran or shape != (length,):
             raise _bad(root, f"{name} holds {found.str} of shape {shape}; expected {dtype.str} of shape ({length},)")
         offset = fh.tell()
@@ -444,7 +462,16 @@ def _open_array(root: Path, name: str, dtype: np.dtype, length: int, entry: dict
         # read once into memory through the descriptor checked above, and hash and use those bytes: a file
         # replaced or truncated afterwards cannot change what was checked (nor fault a memory map)
         fh.seek(0)
-        raw = bytearray(st.st_size)
+        available = _available_memory()
+        if available is not None and st.st_size > available:
+            raise _bad(root, f"{name} needs {st.st_size / 1e9:.2f} GB of memory to load, and {available / 1e9:.2f} GB "
+                             f"is available (sizes as {META} declares them); free memory or load it on a larger "
+                             f"machine")
+        try:
+            raw = bytearray(st.st_size)
+        except MemoryError:
+            raise _bad(root, f"{name} needs {st.st_size / 1e9:.2f} GB of memory to load, more than this process "
+                             f"can allocate; free memory or load it on a larger machine") from None
         if fh.readinto(raw) != st.st_size:
             raise _bad(root, f"{name} changed while it was read")
         if verify and hashlib.sha256(raw).hexdigest() != entry["sha256"]:

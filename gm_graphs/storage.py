@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from . import pagecache, validate, verified
+from . import npy, pagecache, validate, verified
 from .errors import GraphFormatError
 from .faults import fault_point
 from .folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, fsync_dir
@@ -212,12 +212,9 @@ class _Opened:
 
     def _read_header(self, root: Path, dtypes: tuple, size: int) -> None:
         try:
-            version = np.lib.format.read_magic(self.fh)
-            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
-            shape, fortran, dtype = read(self.fh, max_header_size=10000)
-        except (ValueError, KeyError, SyntaxError, TypeError, OSError, EOFError) as e:
-            raise _fail(root, f"{self.rel} is not a .npy array ({str(e).splitlines()[0][:80] if str(e) else e!r})") \
-                from None
+            dtype, shape, fortran = npy.read_header(self.fh)
+        except ValueError as e:
+            raise _fail(root, f"{self.rel} is not a .npy array ({e})") from None
         if dtype not in dtypes:
             raise _fail(root, f"{self.rel} holds {dtype.str} values, expected {' or '.join(d.str for d in dtypes)}")
         if fortran or not isinstance(shape, tuple) or len(shape) != 1:

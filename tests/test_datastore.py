@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gm_graphs.datastore
 import gm_solver.datastore as dsmod
 from gm_graphs.datastore import KEYS, MARGINALS, META, VALUES, open_datastore, write_datastore
 from gm_graphs.errors import DatastoreError, GraphExistsError, NotOwnedError
@@ -102,6 +103,14 @@ def _npy(path: Path, array: np.ndarray) -> None:
     np.save(path, array)
 
 
+def _raw_npy(path: Path, header: str, version: int = 1) -> None:
+    """A .npy file of any header at all (numpy would refuse to write most of these)."""
+    import struct
+
+    h = header.encode("latin1") + b"\n"
+    path.write_bytes(b"\x93NUMPY" + bytes([version, 0]) + struct.pack("<H" if version == 1 else "<I", len(h)) + h)
+
+
 HOSTILE = {
     "no marker": lambda p: os.unlink(p / DATASTORE_MARKER),
     "meta not json": lambda p: (p / META).write_text("{nope"),
@@ -125,6 +134,13 @@ HOSTILE = {
     "keys nan": lambda p: (_npy(p / KEYS, np.full(40 * 6, np.nan, np.float16)), _resign(p, KEYS)),
     "keys pickled objects": lambda p: (np.save(p / KEYS, np.array([{}] * 240, dtype=object), allow_pickle=True),
                                        _resign(p, KEYS)),
+    # headers that make numpy's own parser raise what no caller expects, or read 4 GiB before it checks the size
+    "keys header unclosed": lambda p: (_raw_npy(p / KEYS, "{"), _resign(p, KEYS)),
+    "keys header nested": lambda p: (_raw_npy(p / KEYS, "-" * 9000 + "1"), _resign(p, KEYS)),
+    "keys header huge shape": lambda p: (_raw_npy(p / KEYS, "{'descr': '<f2', 'fortran_order': False, 'shape': (0x"
+                                                          + "f" * 3600 + ",), }"), _resign(p, KEYS)),
+    "keys header 4 GiB": lambda p: ((p / KEYS).write_bytes(b"\x93NUMPY\x02\x00\xff\xff\xff\xff"), _resign(p, KEYS)),
+    "keys a fifo": lambda p: (os.unlink(p / KEYS), os.mkfifo(p / KEYS)),
     "values out of range": lambda p: (_npy(p / VALUES, np.full(40, 50, np.int32)), _resign(p, VALUES)),
     "values negative": lambda p: (_npy(p / VALUES, np.full(40, -1, np.int32)), _resign(p, VALUES)),
     "values int64": lambda p: (_npy(p / VALUES, np.zeros(40, np.int64)), _resign(p, VALUES)),
@@ -140,6 +156,15 @@ def test_a_hostile_datastore_folder_is_one_line_error(tmp_path, damage):
         dsmod.load_datastore(path)
     message = str(err.value)
     assert "\n" not in message and str(path) in message, message
+
+
+def test_a_datastore_larger_than_the_memory_left_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    path = _write(tmp_path / "ds", *_random(np.random.default_rng(0)))
+    monkeypatch.setattr(gm_graphs.datastore, "_available_memory", lambda: 100)  # keys.npy holds 608 bytes
+    with pytest.raises(DatastoreError, match=r"keys.npy needs 0.00 GB of memory to load, and 0.00 GB is available"):
+        dsmod.load_datastore(path)
+    monkeypatch.setattr(gm_graphs.datastore, "_available_memory", lambda: None)  # unknown: read it
+    assert len(dsmod.load_datastore(path)) == 40
 
 
 def test_a_datastore_is_never_written_over_a_folder_graphmax_did_not_write(tmp_path):
@@ -630,6 +655,8 @@ IVF_HOSTILE = {
                                 _resign(p, "ivf_lists.npy")),
     "centroids nan": lambda p: (_npy(p / "ivf_centroids.npy", np.full(4 * 6, np.nan, np.float32)),
                                 _resign(p, "ivf_centroids.npy")),
+    "centroids beyond float16": lambda p: (_npy(p / "ivf_centroids.npy", np.full(4 * 6, 1e20, np.float32)),
+                                           _resign(p, "ivf_centroids.npy")),
     "centroids short": lambda p: (_npy(p / "ivf_centroids.npy", np.zeros(3 * 6, np.float32)),
                                   _resign(p, "ivf_centroids.npy")),
     "centroids flipped": lambda p: (p / "ivf_centroids.npy").write_bytes(

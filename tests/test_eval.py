@@ -241,6 +241,19 @@ def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path
     assert args.corpus == ["news-articles"] and args.text_column == "text" and args.clean is False
 
 
+def test_the_paper_grids_are_the_options_given_else_the_default_or_full_ones():
+    from pipelines.cli import make_parser
+    from pipelines.eval import PAPER_GRIDS, paper_grids
+
+    def parse(argv):
+        return make_parser(argv)[0].parse_args(argv)
+
+    assert paper_grids(parse(["eval"])) == (PAPER_GRIDS["default"]["lams"], PAPER_GRIDS["default"]["mixture_lams"])
+    assert paper_grids(parse(["eval", "--full"])) == (PAPER_GRIDS["full"]["lams"], PAPER_GRIDS["full"]["mixture_lams"])
+    assert paper_grids(parse(["eval", "--full", "--lams", "0,2", "--mixture-lams", "2"])) == ([0.0, 2.0], [2.0])
+    assert len(PAPER_GRIDS["default"]["lams"]) < len(PAPER_GRIDS["full"]["lams"])  # the default fits 15 minutes
+
+
 @pytest.mark.slow
 def test_more_shots_than_short_training_documents_is_refused_before_the_long_jobs(smollm2, tmp_path, capsys,
                                                                                  monkeypatch):

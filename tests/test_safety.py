@@ -637,6 +637,15 @@ def _fifo(folder: Path) -> None:
     os.mkfifo(f)
 
 
+def _header(rel: str, header: bytes):
+    """``rel`` with a crafted .npy header: numpy's own parser raises TokenError, MemoryError or a 4300-digit
+    ValueError on these, and reads a declared 4 GiB header before it checks the size."""
+    def craft(folder: Path) -> None:
+        h = header + b"\n"
+        (folder / rel).write_bytes(b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h)
+    return craft
+
+
 N_ = 300  # the bpe fixture's vocabulary
 IDX = "order1/shard-00000/indices.npy"
 PTR = "order1/shard-00000/indptr.npy"
@@ -680,6 +689,11 @@ CRAFTS = {
     "n-gram counts unsigned": _edit_array("ngrams/4/counts.npy", lambda a: a.astype(np.uint32)),
     "n-gram indptr of floats": _edit_array("ngrams/4/indptr.npy", lambda a: a.astype(np.float32)),
     "n-gram order 2": _edit_manifest(lambda m, f: m["ngrams"]["orders"].update({"2": m["ngrams"]["orders"]["3"]})),
+    "npy header unclosed": _header(IDX, b"{"),
+    "npy header nested": _header(IDX, b"-" * 9000 + b"1"),
+    "npy header huge shape": _header(PTR, b"{'descr': '<i8', 'fortran_order': False, 'shape': (0x" + b"f" * 3600
+                                     + b",), }"),
+    "npy header of 4 GiB": lambda f: (f / IDX).write_bytes(b"\x93NUMPY\x02\x00\xff\xff\xff\xff"),
     "stats negative": _edit_array("stats/row_counts.npy", _set(0, -1)),
     "stats short": _edit_array("stats/successors.npy", lambda a: a[:-1]),
 }
