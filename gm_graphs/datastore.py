@@ -53,6 +53,7 @@ CENTROIDS, LISTS = "ivf_centroids.npy", "ivf_lists.npy"
 KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")
 CENTROID_DTYPE, LIST_DTYPE = np.dtype("<f4"), np.dtype("<i8")
 MARGINALS, MARGINAL_DTYPE = "marginals.npy", np.dtype("<f8")
+DATASTORE_FILES = (META, KEYS, VALUES, MARGINALS, CENTROIDS, LISTS)  # all a datastore folder holds, beside its marker
 _MARGINAL_SUM = 1e-6  # relative: float64 sums of float32 softmax rows stay far within it
 _MAX_LISTS = 1 << 20
 _MAX_META = 1 << 20

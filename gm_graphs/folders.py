@@ -149,6 +149,52 @@ def is_owned(path: Path, kind: str) -> bool:
     return _is_marked(path, {"split": SPLIT_MARKER, "report": REPORT_MARKER, "datastore": DATASTORE_MARKER}[kind])
 
 
+def _written_names(path: Path, kind: str) -> tuple[set[str], re.Pattern | None] | None:
+    """The paths (relative to ``path``) a ``kind`` folder of graphmax's holds, and a pattern of names graphmax's
+    own writers leave behind there; None for kinds whose folders are never replaced whole."""
+    if kind == "graph":
+        from .storage import NGRAMS, file_entries  # storage imports this module
+
+        try:
+            files = {e["file"] for e in file_entries(json.loads((path / MANIFEST).read_bytes().decode("utf-8")))}
+        except (OSError, ValueError, RecursionError):
+            files = set()  # a manifest that changed since is_owned read it: it names nothing else as graphmax's
+        # n-gram tables a replaced or dead add_ngrams left, and its manifest's temporary files (remove_unreferenced)
+        debris = re.compile(rf"({re.escape(NGRAMS)}(-[0-9a-f]{{12}})?|\.{re.escape(MANIFEST)}\.tmp-[0-9a-f]{{12}})"
+                            rf"(/.*)?")
+        return {MANIFEST, *files}, debris
+    if kind == "datastore":
+        from .datastore import DATASTORE_FILES
+
+        return {DATASTORE_MARKER, *DATASTORE_FILES}, None
+    if kind == "split":
+        from .split import SIDES
+
+        return {SPLIT_MARKER, *(f"{side}.parquet" for side in SIDES)}, None
+    return None
+
+
+def foreign_entry(path: Path, kind: str) -> str | None:
+    """The first file or folder inside ``path``, a ``kind`` folder graphmax wrote, that graphmax did not put there
+    (a user's notes, a licence), as a path relative to ``path``; None if there is none. Replacing the folder would
+    delete it."""
+    written = _written_names(path, kind)
+    if written is None:
+        return None
+    files, debris = written
+    folders = {str(Path(f).parent) for f in files} - {"."}
+    folders |= {str(p) for f in folders for p in Path(f).parents if str(p) != "."}
+    for folder, dirs, names in os.walk(path):
+        rel = os.path.relpath(folder, path)
+        for name in sorted(dirs) + sorted(names):
+            entry = name if rel == "." else f"{rel}/{name}"
+            if debris is not None and debris.fullmatch(entry):
+                continue
+            if entry not in (folders if name in dirs and not os.path.islink(os.path.join(folder, name)) else files):
+                return entry
+    return None
+
+
 def _describe(path: Path, kind: str) -> str:
     if kind == "graph" and path.parent == graphs_root():
         return f"graph {path.name!r} ({path})"
@@ -166,6 +212,10 @@ def check_replaceable(target: Path, overwrite: bool, kind: str = "graph") -> Non
                             f"choose another {'name or --path' if kind == 'graph' else 'folder'}")
     if not overwrite:
         raise GraphExistsError(f"{_describe(target, kind)} already exists; choose another name or pass --overwrite")
+    foreign = foreign_entry(target, kind)
+    if foreign is not None:
+        raise NotOwnedError(f"{_describe(target, kind)} holds {foreign!r}, which graphmax did not write; replacing the "
+                            f"folder would delete it, and graphmax never does: move it out, then run again")
 
 
 def claim_folder(path: Path, marker: str = REPORT_MARKER) -> Path:

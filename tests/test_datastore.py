@@ -167,6 +167,19 @@ def test_a_datastore_larger_than_the_memory_left_is_refused_before_it_is_read(tm
     assert len(dsmod.load_datastore(path)) == 40
 
 
+def test_a_file_a_user_put_into_a_datastore_is_never_deleted(tmp_path):
+    path = _write(tmp_path / "ds", *_random(np.random.default_rng(0)))
+    (path / "LICENSE").write_text("the user's")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    for replace in (lambda: dsmod.index_datastore(path, 4), lambda: _write(path, *_random(np.random.default_rng(1)),
+                                                                          overwrite=True)):
+        with pytest.raises(NotOwnedError, match="holds 'LICENSE', which graphmax did not write.*move it out"):
+            replace()
+        assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    (path / "LICENSE").unlink()
+    assert dsmod.index_datastore(path, 4).approximate
+
+
 def test_a_datastore_is_never_written_over_a_folder_graphmax_did_not_write(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -435,6 +435,29 @@ def test_overwrite_replaces_only_a_graph_graphmax_wrote(home, tmp_path, csv_corp
     assert build_graph(path, bpe_tokenizer, path=g.path, overwrite=True, progress=False).path == g.path
 
 
+def test_overwrite_never_deletes_a_file_a_user_put_into_a_graph(home, tmp_path, csv_corpus, bpe_tokenizer):
+    path, _ = csv_corpus
+    g = build_graph(path, bpe_tokenizer, path=tmp_path / "g", ngrams=(3,), progress=False)
+    before = {p: p.read_bytes() for p in g.path.rglob("*") if p.is_file()}
+    cases = (("NOTES.md", "NOTES.md"), ("counts/mine.txt", "counts/mine.txt"), ("elsewhere/x", "elsewhere"))
+    for extra, named in cases:
+        (g.path / extra).parent.mkdir(exist_ok=True)
+        (g.path / extra).write_text("the user's")
+        with pytest.raises(NotOwnedError, match=f"holds {named!r}, which graphmax did not write.*move it out"):
+            build_graph(path, bpe_tokenizer, path=g.path, overwrite=True, progress=False)
+        assert (g.path / extra).read_text() == "the user's"
+        assert {p: p.read_bytes() for p in g.path.rglob("*") if p.is_file() and p not in before} \
+            == {g.path / extra: b"the user's"}
+        assert all(p.read_bytes() == b for p, b in before.items())
+        shutil.rmtree(g.path / "elsewhere") if extra.startswith("elsewhere") else (g.path / extra).unlink()
+    # what graphmax's own writers leave there (tables a dead add_ngrams left, a manifest's temporary) is its own
+    (g.path / "ngrams-0123456789ab" / "3").mkdir(parents=True)
+    (g.path / "ngrams-0123456789ab" / "3" / "next.npy").write_bytes(b"")
+    (g.path / ".manifest.json.tmp-0123456789ab").write_text("{")
+    assert build_graph(path, bpe_tokenizer, path=g.path, overwrite=True, progress=False).path == g.path
+    assert not (g.path / "ngrams-0123456789ab").exists()
+
+
 def test_temporary_folders_of_dead_builds_are_removed_by_the_next_build(home, csv_corpus, bpe_tokenizer):
     path, _ = csv_corpus
     graphs = home / "graphs"

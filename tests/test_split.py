@@ -42,3 +42,15 @@ def test_bad_arguments_and_existing_folders(csv_corpus, tmp_path):
     with pytest.raises(ValueError, match="split is empty"):
         split_corpus(path, tmp_path / "z", heldout_fraction=1e-9)
     assert not (tmp_path / "z").exists()
+
+
+def test_a_split_is_never_written_over_a_file_a_user_put_into_it(csv_corpus, tmp_path):
+    from gm_graphs.errors import NotOwnedError
+
+    path, _ = csv_corpus
+    a = split_corpus(path, tmp_path / "a", heldout_fraction=0.3, seed=1)
+    (tmp_path / "a" / "notes.txt").write_text("the user's")
+    with pytest.raises(NotOwnedError, match="holds 'notes.txt', which graphmax did not write"):
+        split_corpus(path, tmp_path / "a", heldout_fraction=0.3, seed=2, overwrite=True)
+    assert (tmp_path / "a" / "notes.txt").read_text() == "the user's" and a.texts("heldout") == split_corpus(
+        path, tmp_path / "b", heldout_fraction=0.3, seed=1).texts("heldout")
