@@ -321,6 +321,8 @@ def open_datastore(path: str | os.PathLike, verify: bool = True) -> DatastoreArr
     except OSError as e:
         raise DatastoreError(f"datastore {root}: cannot open it ({e.strerror}); give a folder written by "
                              f"`graphmax datastore`") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise DatastoreError(f"{root} is a symlink; give the datastore folder itself ({os.path.realpath(root)!r})")
     if not stat.S_ISDIR(st.st_mode) or not stat.S_ISREG(_lstat_mode(root / DATASTORE_MARKER)):
         raise DatastoreError(f"{root} is not a datastore folder (no {DATASTORE_MARKER} in it); give a folder written "
                              f"by `graphmax datastore`")

@@ -123,6 +123,7 @@ HOSTILE = {
     "dim zero": lambda p: _rewrite_meta(p, dim=0),
     "no file records": lambda p: _rewrite_meta(p, files={}),
     "keys missing": lambda p: os.unlink(p / KEYS),
+    "the folder a symlink": lambda p: (os.rename(p, p.with_name("real")), os.symlink(p.with_name("real"), p)),
     "keys a symlink": lambda p: (os.rename(p / KEYS, p / "elsewhere.npy"), os.symlink("elsewhere.npy", p / KEYS)),
     "keys a folder": lambda p: (os.unlink(p / KEYS), os.mkdir(p / KEYS)),
     "keys truncated": lambda p: os.truncate(p / KEYS, 100),
