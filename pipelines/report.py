@@ -163,6 +163,9 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
                                      f"{knn['knn_temperature']:g}, k = {knn['knn_k']}, marginal bias weight "
                                      f"{knn.get('marginal_weight', 0):g})", "interpolation optimum",
                          "ours"))
+    if "fine-tuned ours" in ppl:
+        variants.append(("fine-tuned ours", "context-aware graphmax on the fine-tuned LM",
+                         "fine-tuned interpolation optimum", "fine-tuned"))
     ft_knn = (finetune or {}).get("knn")
     if ft_knn is not None:
         variants.append(("fine-tuned ours knn", "context-aware graphmax with a kNN datastore of the fine-tuned LM's "

@@ -313,6 +313,8 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     assert "with the datastore, first 4:" in report
     assert "own states" in report and "log ratio to context graphmax on the fine-tuned LM (ours)" in report
     assert "fine-tuned interpolation at its optimum" in report and "has a datastore of its own" in report
+    assert "Ours: context-aware graphmax on the fine-tuned LM lowers held-out perplexity over the first 4 tokens" \
+        in report  # its own claim against the fine-tuned LM's interpolation, as the prompted one has
     # the fine-tuned LM's datastore holds its own states: the base LM's fingerprint does not match it
     stores = [json.loads((out / "work" / name / "meta.json").read_text())
               for name in ("datastore", "datastore-fine-tuned")]
