@@ -78,7 +78,7 @@ class DatastoreArrays:
 def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *, dim: int,
                     tokenizer: dict, model: str, model_sha256: str, positions: int, documents: int,
                     overwrite: bool = False, ivf: tuple[np.ndarray, np.ndarray] | None = None,
-                    marginals: np.ndarray | None = None) -> Path:
+                    marginals: np.ndarray | None = None, buffers_sha256: str | None = None) -> Path:
     """Write (keys (n, dim), values (n,)) chunks as a datastore folder at ``path``, atomically.
 
     Args:
@@ -101,6 +101,9 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         marginals (``np.ndarray`` (vocab_size,) or ``None``): the model's expected count of each token over the
             keys' positions (finite, >= 0, summing to the number of keys); read once the chunks are consumed, so a
             chunk generator may fill it as it goes.
+        buffers_sha256 (``str`` or ``None``): a fingerprint of the model's buffers
+            (``gm_solver.datastore.buffers_fingerprint``: its rotary frequencies, which the config sets and no
+            parameter shows), checked like ``model_sha256`` when recorded.
 
     Returns:
         ``pathlib.Path``: ``path``.
@@ -123,9 +126,11 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
     """
     tokenizer = _checked_tokenizer(tokenizer)
     if tokenizer is None or not (_int(dim) and 1 <= dim <= _MAX_DIM) or not is_sha256(model_sha256) \
-            or not (_int(positions) and positions >= 0 and _int(documents) and documents >= 0):
+            or not (_int(positions) and positions >= 0 and _int(documents) and documents >= 0) \
+            or not (buffers_sha256 is None or is_sha256(buffers_sha256)):
         raise DatastoreError(f"write_datastore needs dim in [1, {_MAX_DIM}], a tokenizer identity (name, vocab_size "
-                             f"below 2**31, vocab_sha256), a model_sha256 and counts >= 0; got dim={dim!r}, "
+                             f"below 2**31, vocab_sha256), a model_sha256 (and buffers_sha256, if any) and counts "
+                             f">= 0; got dim={dim!r}, "
                              f"tokenizer={tokenizer!r}, positions={positions!r}, documents={documents!r}")
     vocab_size = tokenizer["vocab_size"]
     if ivf is not None:
@@ -171,6 +176,8 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
                 "positions": positions, "documents": documents, "files": files}
         if ivf is not None:
             meta["ivf_lists"] = int(ivf[0].shape[0])
+        if buffers_sha256 is not None:
+            meta["buffers_sha256"] = buffers_sha256
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
         fault_point("datastore.written")
     return path
@@ -430,6 +437,8 @@ def _read_meta(root: Path) -> dict:
     if tokenizer is None or tokenizer["vocab_size"] != meta["vocab_size"] or not is_sha256(meta.get("model_sha256")):
         raise _bad(root, f"{META} does not identify its tokenizer (name, vocab_size, vocab_sha256) and model "
                          f"(model_sha256)")
+    if "buffers_sha256" in meta and not is_sha256(meta["buffers_sha256"]):
+        raise _bad(root, f"{META} has a buffers_sha256 that is not 64 lowercase hex digits")
     meta["tokenizer"], meta["model"] = tokenizer, str(meta.get("model", ""))
     for key in ("positions", "documents"):
         meta[key] = meta[key] if _int(meta.get(key)) and meta[key] >= 0 else 0

@@ -247,11 +247,15 @@ class Datastore:
 
     def check_model(self, model: Any) -> None:
         """Raise :class:`DatastoreError` unless ``model`` computed these keys: its LM head's input width, and (when
-        the datastore records one) the fingerprint of its weights."""
+        the datastore records them) the fingerprints of its weights and of its buffers."""
         width = getattr(_head(model), "in_features", None)
-        recorded = self.meta.get("model_sha256")
-        if width != self.dim or (recorded is not None and recorded != model_fingerprint(model)):
-            what = f"{width}-wide states" if width != self.dim else "other weights"
+        recorded, buffers = self.meta.get("model_sha256"), self.meta.get("buffers_sha256")
+        weights_differ = recorded is not None and recorded != model_fingerprint(model)
+        # datastores written before graphmax recorded the buffers are checked by their weights alone
+        buffers_differ = buffers is not None and buffers != buffers_fingerprint(model)
+        if width != self.dim or weights_differ or buffers_differ:
+            what = f"{width}-wide states" if width != self.dim else "other weights" if weights_differ else \
+                "other buffers: the same weights under another configuration, e.g. its rotary base"
             raise DatastoreError(f"the datastore's keys ({self.dim}-wide) were computed by "
                                  f"{self.meta.get('model') or 'another model'!r}, not by this model ({what}); "
                                  f"build the datastore with the model that decodes (graphmax datastore --model)")
@@ -422,6 +426,34 @@ def model_fingerprint(model: Any) -> str:
     return digest.hexdigest()
 
 
+def buffers_fingerprint(model: Any) -> str:
+    """SHA-256 of every buffer of ``model`` (names, dtypes, shapes, values), persistent or not: the rotary
+    frequencies a Llama computes from its config (``rope_theta``, ``rope_scaling``) are buffers, not parameters, so
+    the same weights under another configuration give other hidden states and the same
+    :func:`model_fingerprint`.
+
+    Args:
+        model (``torch.nn.Module``): the model.
+
+    Returns:
+        ``str``: 64 hex digits.
+
+    Example::
+
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> before = buffers_fingerprint(norm)
+        >>> norm.running_mean += 1
+        >>> before == buffers_fingerprint(norm)
+        False
+    """
+    digest = hashlib.sha256()
+    for name, buffer in model.named_buffers():
+        value = buffer.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True,
                    precision: str = "bfloat16", nprobe: int = NPROBE) -> Datastore:
     """The datastore folder at ``path`` (checked by ``gm_graphs.datastore.open_datastore``), its keys on ``device``
@@ -493,7 +525,7 @@ def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0,
     _write_indexed(path, arrays.keys, arrays.values, lists, seed=seed, points_per_list=points_per_list,
                    tokenizer=meta["tokenizer"], model=meta["model"], model_sha256=meta["model_sha256"],
                    positions=meta["positions"], documents=meta["documents"], overwrite=True,
-                   marginals=arrays.marginals)
+                   marginals=arrays.marginals, buffers_sha256=meta.get("buffers_sha256"))
     return load_datastore(path, verify=False)
 
 
@@ -502,7 +534,8 @@ def _write_indexed(path: str | os.PathLike, keys: np.ndarray, values: np.ndarray
     """Write ``keys`` (N, d) and ``values`` (N,) at ``path`` in one atomic ``write_datastore`` with an inverted-file
     index of ``lists`` lists (checked by the caller): k-means (faiss) on a sample of ``points_per_list`` keys per
     list, each key in the list of its nearest centroid, the keys stored list after list. ``meta``: write_datastore's
-    other keyword arguments (tokenizer, model, model_sha256, positions, documents, overwrite, marginals)."""
+    other keyword arguments (tokenizer, model, model_sha256, buffers_sha256, positions, documents, overwrite,
+    marginals)."""
     import faiss  # only an indexed datastore needs it
 
     n, dim = keys.shape
@@ -603,7 +636,8 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
                 values = np.concatenate([np.asarray(e[1:], dtype=np.int64) for e in batch])
                 yield keys.numpy(), values
 
-    meta = dict(tokenizer=identity, model=model_name, model_sha256=fingerprint, positions=positions,
+    meta = dict(tokenizer=identity, model=model_name, model_sha256=fingerprint,
+                buffers_sha256=buffers_fingerprint(model), positions=positions,
                 documents=len(encoded), overwrite=overwrite, marginals=marginals)
     n = sum(len(e) - 1 for e in encoded)
     if ivf_lists and n:

@@ -611,6 +611,34 @@ def test_the_model_fingerprint_changes_with_any_parameter(which, where):
     assert dsmod.model_fingerprint(lm) != before
 
 
+def test_the_same_weights_under_another_rotary_base_are_another_model(tmp_path):
+    """The rotary frequencies are buffers, set by the config: same parameters, other hidden states."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    lm, tok = _tiny_lm()
+    store = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "ds", positions=6, progress=False)
+    config = LlamaConfig(**{**lm.config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}})
+    other = LlamaForCausalLM(config).eval()
+    other.load_state_dict(lm.state_dict())
+    assert dsmod.model_fingerprint(other) == dsmod.model_fingerprint(lm)  # what the weights alone cannot tell
+    with torch.no_grad():
+        ids = torch.tensor([tok(TEXTS[0], add_special_tokens=False)["input_ids"][:6]])
+        states = [m.model(input_ids=ids).last_hidden_state for m in (lm, other)]
+        assert not torch.allclose(*states)
+    store.check_model(lm)
+    with pytest.raises(DatastoreError, match="other buffers: the same weights under another configuration"):
+        store.check_model(other)
+    assert dsmod.index_datastore(tmp_path / "ds", 2).meta["buffers_sha256"] == store.meta["buffers_sha256"]
+    # a datastore written before graphmax recorded the buffers: checked by its weights alone
+    meta = json.loads((tmp_path / "ds" / META).read_text())
+    del meta["buffers_sha256"]
+    (tmp_path / "ds" / META).write_text(json.dumps(meta))
+    dsmod.load_datastore(tmp_path / "ds").check_model(other)
+    _rewrite_meta(tmp_path / "ds", buffers_sha256="XY" * 32)
+    with pytest.raises(DatastoreError, match="buffers_sha256 that is not 64 lowercase hex digits"):
+        dsmod.load_datastore(tmp_path / "ds")
+
+
 def test_a_remembered_datastore_searches_each_state_once_and_answers_the_same():
     import scipy.sparse as sp
 
