@@ -217,7 +217,7 @@ class _Opened:
             raise _fail(root, f"{self.rel} is not a .npy array ({e})") from None
         if dtype not in dtypes:
             raise _fail(root, f"{self.rel} holds {dtype.str} values, expected {' or '.join(d.str for d in dtypes)}")
-        if fortran or not isinstance(shape, tuple) or len(shape) != 1:
+        if fortran or len(shape) != 1:  # npy.read_header gives a tuple of ints
             raise _fail(root, f"{self.rel} has shape {shape}, the format stores 1-D arrays")
         self.offset, self.dtype, self.length = self.fh.tell(), dtype, int(shape[0])
         if self.offset + self.length * dtype.itemsize != size:
