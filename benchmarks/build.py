@@ -6,9 +6,9 @@
 The corpus is the first shards of ``--corpus`` (``benchmarks/synth_corpus.py`` writes it: Parquet shards of 250,000
 documents, column ``text``); each size builds ``graphmax build <shards> --tokenizer smollm2 --orders 1,2 --ngrams
 3,4`` in a fresh subprocess, so that its peak RSS is its own. Beside each build, in the same run, two baselines
-that read the same shards with the same reader (``gm_graphs.onepass.encoded_batches``), ids materialised, nothing
+that read the same shards with the same reader (``gm_graphs.count.onepass.encoded_batches``), ids materialised, nothing
 counted: the tokenizer alone (``BatchEncoder(tok, word_cache=False)``: the LM's fast tokenizer, ``encode_batch_fast``
-on all cores) and graphmax's own encoder alone (``BatchEncoder``: the word cache of ``gm_graphs.bytelevel``, same
+on all cores) and graphmax's own encoder alone (``BatchEncoder``: the word cache of ``gm_graphs.tokenize.bytelevel``, same
 ids).
 Printed per size: tokens/s of each and the build's ratio to both, seconds per stage, CPU seconds (user/sys) of each
 process, peak RSS, peak and final disk use of the graph folder and its temporary folders, distinct 2-/3-/4-grams,
@@ -81,9 +81,9 @@ def _child(job: str, files: list[str], out: str) -> dict:
     """One measurement in this (fresh) process."""
     sys.path.insert(0, str(REPO))
     from gm_graphs import build_graph, load_tokenizer
-    from gm_graphs.corpus import ReadStats
-    from gm_graphs.onepass import encoded_batches
-    from gm_graphs.tokenize import BatchEncoder
+    from gm_graphs.corpus.read import ReadStats
+    from gm_graphs.count.onepass import encoded_batches
+    from gm_graphs.tokenize.encoder import BatchEncoder
 
     load = [os.getloadavg()[0]]
     tok = load_tokenizer("smollm2")

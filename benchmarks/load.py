@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 def _child(folder: str, verify: str) -> dict:
     import numpy as np
 
-    from gm_graphs import load_graph, validate
+    from gm_graphs import load_graph
+    from gm_graphs.format import validate
 
     t0 = time.perf_counter()
     for index in (np.int32, np.int64):  # the checks' signatures, loaded from numba's cache

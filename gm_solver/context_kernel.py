@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from gm_graphs.numba_cache import ensure_cache_dir
+from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 from .lambert_kernel import CHUNK, FINE, LOCKSTEP, LOOP, ROWS, TOTAL, jit, solve_batch, solve_row
 

@@ -17,7 +17,7 @@ positions, e(w) = Σ_i softmax(z_i)(w), beside the tokens' own counts c(w) there
 habits are not the corpus' (another register, other names, other punctuation), whatever the context; the log ratio
 b(w) = log((c(w) + δ)/(e(w) + δ)) added to the scores with a weight w (:meth:`Datastore.marginal_bias`) is the
 unigram marginal adaptation of Kneser, Peters & Klakow (1997), with the LM's own marginals as the background.
-The folder's format is ``gm_graphs.datastore``'s.
+The folder's format is ``gm_graphs.format.datastore``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from gm_graphs.datastore import (
+from gm_graphs.format.datastore import (
     KEY_DTYPE,
     VALUE_DTYPE,
     check_datastore_target,
@@ -44,7 +44,7 @@ from gm_graphs.datastore import (
     write_datastore,
 )
 from gm_graphs.errors import DatastoreError
-from gm_graphs.tokenize import TokenizerIdentity
+from gm_graphs.tokenize.encoder import TokenizerIdentity
 
 from .divergences import raise_unless
 
@@ -456,7 +456,7 @@ def buffers_fingerprint(model: Any) -> str:
 
 def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True,
                    precision: str = "bfloat16", nprobe: int = NPROBE) -> Datastore:
-    """The datastore folder at ``path`` (checked by ``gm_graphs.datastore.open_datastore``), its keys on ``device``
+    """The datastore folder at ``path`` (checked by ``gm_graphs.format.datastore.open_datastore``), its keys on ``device``
     in ``precision``, searched through its inverted-file index when it has one (see :class:`Datastore`).
 
     Args:
@@ -569,7 +569,7 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
         model (``transformers.PreTrainedModel``): a causal LM with output embeddings (the model that will decode).
         tokenizer (``transformers.PreTrainedTokenizerBase``): its tokenizer.
         texts (sequence of ``str``): the documents (a corpus' training split).
-        path (``str`` or ``os.PathLike``): the folder to write (atomically; see ``gm_graphs.datastore``).
+        path (``str`` or ``os.PathLike``): the folder to write (atomically; see ``gm_graphs.format.datastore``).
         positions (``int``, defaults to 64): the keys kept per document, ≥ 1.
         batch_docs (``int``, defaults to 16): documents per forward call.
         model_name (``str``, defaults to ``""``): recorded in the folder.

@@ -37,7 +37,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from gm_graphs.numba_cache import ensure_cache_dir
+from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

@@ -19,7 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from gm_graphs.numba_cache import ensure_cache_dir
+from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

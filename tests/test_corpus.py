@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -19,8 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs import CorpusError, corpus_polars
-from gm_graphs.corpus import JSONL_READERS, ReadStats, clean_review_text, expand_corpus, iter_documents
+from gm_graphs import CorpusError
+from gm_graphs.corpus import jsonl as corpus_jsonl
+from gm_graphs.corpus.read import ReadStats, clean_review_text, expand_corpus, iter_documents
 
 from .conftest import make_docs, write_jsonl
 
@@ -60,8 +63,20 @@ def _write(tmp_path, fmt: str, docs: list[str]):
     return path
 
 
-def _read(path, **kw) -> list[str]:
-    return [d for batch in iter_documents(expand_corpus(path), batch_docs=5, **kw) for d in batch]
+# a plain JSONL file goes to Polars; "json" reads it as a compressed or archived one is read, line by line
+JSONL_READERS = ("polars", "json")
+
+
+def jsonl_reader(name: str):
+    """Read plain JSONL files with the reader ``name`` inside this context."""
+    if name == "polars":
+        return contextlib.nullcontext()
+    return mock.patch.object(corpus_jsonl, "polars_jsonl_rows", corpus_jsonl.jsonl_rows)
+
+
+def _read(path, jsonl_reader: str = "polars", **kw) -> list[str]:
+    with globals()["jsonl_reader"](jsonl_reader):
+        return [d for batch in iter_documents(expand_corpus(path), batch_docs=5, **kw) for d in batch]
 
 
 @pytest.mark.parametrize("fmt,jsonl_reader", [("csv", "polars"), ("tsv", "polars"), ("parquet", "polars"),
@@ -162,7 +177,7 @@ def test_corpus_with_no_documents(tmp_path):
 
 
 def test_real_drug_reviews_zip_reads_all_979_reviews():
-    from gm_graphs import bundled
+    from gm_graphs.corpus import bundled
 
     stats = ReadStats()
     docs = _read(bundled.drug_reviews_zip(), text_column="review", clean=True, stats=stats)
@@ -171,7 +186,7 @@ def test_real_drug_reviews_zip_reads_all_979_reviews():
 
 
 def test_real_news_articles_zip_reads_the_3788_articles_with_text():
-    from gm_graphs import bundled
+    from gm_graphs.corpus import bundled
 
     stats = ReadStats()
     docs = _read(bundled.news_articles_zip(), stats=stats)
@@ -195,7 +210,7 @@ def _refused(path, match: str, **kw) -> str:
 _READER = """
 import json, sys
 from gm_graphs import CorpusError
-from gm_graphs.corpus import expand_corpus, iter_documents
+from gm_graphs.corpus.read import expand_corpus, iter_documents
 try:
     docs = [d for batch in iter_documents(expand_corpus(sys.argv[1]), sys.argv[2]) for d in batch]
     print(json.dumps({"documents": len(docs)}))
@@ -350,7 +365,7 @@ def test_gz_members_inside_a_zip_are_decompressed(tmp_path):
 
 
 def test_zip_metadata_hidden_and_unknown_members_are_skipped_and_listed(tmp_path, bpe_tokenizer):
-    from gm_graphs.build import count_corpus
+    from gm_graphs.build.graphs import count_corpus
 
     docs = make_docs(30)
     path = tmp_path / "c.zip"
@@ -508,15 +523,15 @@ def test_polars_jsonl_reader_reads_what_json_reads(tmp_path_factory, lines, bad,
         lines.insert(at, bad)
     path = tmp_path_factory.mktemp("jsonl") / "c.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" * bom + newline.join(lines) + newline * last_break)
-    saved, corpus_polars.BLOCK_BYTES = corpus_polars.BLOCK_BYTES, block
+    saved, corpus_jsonl.BLOCK_BYTES = corpus_jsonl.BLOCK_BYTES, block
     try:
         assert _outcome(path, "polars") == _outcome(path, "json")
     finally:
-        corpus_polars.BLOCK_BYTES = saved
+        corpus_jsonl.BLOCK_BYTES = saved
 
 
 def test_polars_jsonl_blocks_keep_line_numbers_and_hand_long_lines_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus_polars, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(corpus_jsonl, "BLOCK_BYTES", 64)
     lines = [json.dumps({"text": f"doc {i}"}) for i in range(60)]
     lines[10] = json.dumps({"text": "long " * 100})  # longer than a block: from there on, read line by line
     path = tmp_path / "c.jsonl"
@@ -530,7 +545,7 @@ def test_polars_jsonl_blocks_keep_line_numbers_and_hand_long_lines_over(tmp_path
 
 
 def test_reading_csv_or_parquet_does_not_import_polars(csv_corpus):
-    code = ("import sys; from gm_graphs.corpus import expand_corpus, iter_documents; "
+    code = ("import sys; from gm_graphs.corpus.read import expand_corpus, iter_documents; "
             f"sum(map(len, iter_documents(expand_corpus({str(csv_corpus[0])!r})))); print('polars' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -562,7 +577,7 @@ def test_fifo_folder_named_like_a_file_and_broken_link_are_refused(tmp_path):
     code = f"""
 import os, sys
 from gm_graphs import CorpusError
-from gm_graphs.corpus import expand_corpus
+from gm_graphs.corpus.read import expand_corpus
 t = {str(tmp_path)!r}
 os.mkfifo(os.path.join(t, "pipe.csv"))
 os.mkdir(os.path.join(t, "folder.csv"))
@@ -630,7 +645,10 @@ _FUZZ = """
 import gzip, io, json, random, sys, zipfile
 from pathlib import Path
 from gm_graphs import CorpusError
-from gm_graphs.corpus import JSONL_READERS, ReadStats, expand_corpus, iter_documents
+from unittest import mock
+from gm_graphs.corpus import jsonl
+from gm_graphs.corpus.read import ReadStats, expand_corpus, iter_documents
+JSONL_READERS = ("polars", "json")
 folder = Path(sys.argv[1])
 rng = random.Random(int(sys.argv[2]))
 outcomes, unexpected = {}, []
@@ -656,7 +674,9 @@ for good in sorted(folder.iterdir()):
         for reader in (JSONL_READERS if good.suffix == ".jsonl" else JSONL_READERS[:1]):
             stats = ReadStats()
             try:
-                docs = [d for b in iter_documents(expand_corpus(path), stats=stats, jsonl_reader=reader) for d in b]
+                with mock.patch.object(jsonl, "polars_jsonl_rows", jsonl.jsonl_rows if reader == "json" else
+                                       jsonl.polars_jsonl_rows):
+                    docs = [d for b in iter_documents(expand_corpus(path), stats=stats) for d in b]
                 outcome, seen[reader] = "read", (docs, stats)
             except CorpusError as e:
                 outcome, seen[reader] = "refused", str(e)

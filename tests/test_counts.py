@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs.counts import BigramCounts, CountAccumulator
+from gm_graphs.count.bigrams import BigramCounts, CountAccumulator
 
 docs_strategy = st.lists(st.lists(st.integers(0, 11), min_size=0, max_size=12), min_size=1, max_size=12)
 
@@ -70,7 +70,7 @@ def test_csr_round_trip_and_wide_vocabulary_keys():
 
 @given(keys=st.lists(st.integers(0, 40), max_size=80), bits=st.integers(1, 6))
 def test_packed_entries_split_large_counts_and_sum_back(keys, bits):
-    from gm_graphs.counts import pack_keys, unpack
+    from gm_graphs.count.bigrams import pack_keys, unpack
 
     packed = pack_keys(np.array(keys, dtype=np.uint64), bits)
     assert np.all(np.diff(packed.astype(np.float64)) >= 0)
@@ -92,7 +92,7 @@ def _windows(docs, order, inset=0):
 def test_sorted_runs_merge_to_an_independent_count_in_ranges_of_whole_contexts(tmp_path_factory, docs, order,
                                                                               run_entries, on_disk, max_entries,
                                                                               inset):
-    from gm_graphs.runs import SortedRuns
+    from gm_graphs.count.runs import SortedRuns
 
     folder = tmp_path_factory.mktemp("runs") if on_disk else None
     runs = SortedRuns(order, 12, run_entries, folder, inset=inset)
@@ -127,7 +127,7 @@ def test_ranges_hold_about_max_entries_whatever_the_number_of_runs(tmp_path_fact
                                                                   max_entries, sample):
     """Ranges are cut every max_entries entries of all runs together, not of each run: with r runs, cutting per run
     made r times more ranges than asked for, each read from every run in r small pieces."""
-    from gm_graphs import runs as runs_module
+    from gm_graphs.count import runs as runs_module
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 1000, tokens).astype(np.int32)
@@ -151,7 +151,7 @@ def test_nested_runs_count_every_order_as_its_own_sorted_runs_do(tmp_path_factor
                                                                  on_disk, inset, cuts):
     """Orders low..high from one sort of the longest windows: the same counts and windows as a SortedRuns per
     order, whatever the batches, the buffer (batches larger than it included) and the documents' lengths."""
-    from gm_graphs.runs import NestedRuns, SortedRuns, feeders
+    from gm_graphs.count.runs import NestedRuns, SortedRuns, feeders
 
     high = max(low + 1, high)
 
@@ -179,7 +179,7 @@ def test_nested_runs_count_every_order_as_its_own_sorted_runs_do(tmp_path_factor
 def test_nested_runs_split_a_count_above_the_shorter_orders_cap():
     """Over SmolLM2's 49,152 tokens a 4-gram entry holds a count of 1 and a 3-gram entry up to 2¹⁷ − 1: a trigram
     seen 140,000 times in one run is two entries, and sums back."""
-    from gm_graphs.runs import SortedRuns, feeders
+    from gm_graphs.count.runs import SortedRuns, feeders
 
     docs = [[5, 6, 7, 8]] * 70_000 + [[5, 6, 7]] * 70_000 + [[9, 5, 6, 7, 8, 1]] * 3
     ids, offsets = _encode(docs)
@@ -198,7 +198,7 @@ def test_nested_runs_split_a_count_above_the_shorter_orders_cap():
 
 
 def test_feeders_nest_consecutive_orders_with_one_inset():
-    from gm_graphs.runs import NestedRuns, SortedRuns, feeders
+    from gm_graphs.count.runs import NestedRuns, SortedRuns, feeders
 
     def kinds(specs):
         return sorted((type(f).__name__, tuple(r.order for r in f.runs) if isinstance(f, NestedRuns) else f.order)

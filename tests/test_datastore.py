@@ -18,11 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gm_graphs.datastore
+import gm_graphs.format.datastore
 import gm_solver.datastore as dsmod
-from gm_graphs.datastore import KEYS, MARGINALS, META, VALUES, open_datastore, write_datastore
+from gm_graphs.format.datastore import KEYS, MARGINALS, META, VALUES, open_datastore, write_datastore
 from gm_graphs.errors import DatastoreError, GraphExistsError, NotOwnedError
-from gm_graphs.folders import DATASTORE_MARKER
+from gm_graphs.store.folders import DATASTORE_MARKER
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
@@ -161,10 +161,10 @@ def test_a_hostile_datastore_folder_is_one_line_error(tmp_path, damage):
 
 def test_a_datastore_larger_than_the_memory_left_is_refused_before_it_is_read(tmp_path, monkeypatch):
     path = _write(tmp_path / "ds", *_random(np.random.default_rng(0)))
-    monkeypatch.setattr(gm_graphs.datastore, "_available_memory", lambda: 100)  # keys.npy holds 608 bytes
+    monkeypatch.setattr(gm_graphs.format.datastore, "_available_memory", lambda: 100)  # keys.npy holds 608 bytes
     with pytest.raises(DatastoreError, match=r"keys.npy needs 0.00 GB of memory to load, and 0.00 GB is available"):
         dsmod.load_datastore(path)
-    monkeypatch.setattr(gm_graphs.datastore, "_available_memory", lambda: None)  # unknown: read it
+    monkeypatch.setattr(gm_graphs.format.datastore, "_available_memory", lambda: None)  # unknown: read it
     assert len(dsmod.load_datastore(path)) == 40
 
 
@@ -221,7 +221,7 @@ def test_bad_chunks_leave_the_old_datastore_and_nothing_else(tmp_path, bad):
 
 _WRITER = """
 import sys, numpy as np
-from gm_graphs.datastore import write_datastore
+from gm_graphs.format.datastore import write_datastore
 seed = int(sys.argv[2])
 rng = np.random.default_rng(seed)
 chunks = [(rng.normal(size=(30, 6)), rng.integers(0, 50, 30)) for _ in range(3)]
@@ -934,8 +934,8 @@ from pathlib import Path
 import numpy as np
 sys.path.insert(0, "tests")
 import faiss, transformers.models.llama.modeling_llama  # imported once, not in each child
-import gm_graphs.faults as faults
-from gm_graphs.datastore import open_datastore
+import gm_graphs.store.faults as faults
+from gm_graphs.format.datastore import open_datastore
 from gm_solver.datastore import build_datastore
 from test_datastore import TEXTS, _random, _tiny_lm, _write
 path, log = Path(sys.argv[1]), Path(sys.argv[2])

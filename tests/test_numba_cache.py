@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from numba.core.dispatcher import Dispatcher
 
-from gm_graphs import numba_cache
+from gm_graphs.store import kernel_cache as numba_cache
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("gm_graphs", "gm_solver")
@@ -53,7 +53,7 @@ def test_every_graphmax_kernel_is_stamped_with_all_sources():
         for kernel in vars(importlib.import_module(name)).values():
             if isinstance(kernel, Dispatcher) and kernel.py_func.__module__ == name and kernel._cache.cache_path:
                 kernels[f"{name}.{kernel.__name__}"] = type(kernel._cache._impl.locator).__module__
-    assert len(kernels) > 50 and kernels == dict.fromkeys(kernels, "gm_graphs.numba_cache")
+    assert len(kernels) > 50 and kernels == dict.fromkeys(kernels, "gm_graphs.store.kernel_cache")
 
 
 def test_a_change_to_any_kernel_module_recompiles_the_kernels_that_call_it(tmp_path):

@@ -1,4 +1,4 @@
-"""Files written through the page cache without growing it (``gm_graphs.pagecache``): the same bytes whatever the
+"""Files written through the page cache without growing it (``gm_graphs.store.pagecache``): the same bytes whatever the
 chunking, pages gone once written, write-back errors raised, and a whole build unchanged."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs import build_graph, pagecache
-from gm_graphs.pagecache import DropBehind
-from gm_graphs.runs import SortedRuns
-from gm_graphs.storage import file_entries, sha256_file
-from gm_graphs.writer import NpyWriter
+from gm_graphs import build_graph
+from gm_graphs.store import pagecache
+from gm_graphs.store.pagecache import DropBehind
+from gm_graphs.count.runs import SortedRuns
+from gm_graphs.format.graph_files import file_entries, sha256_file
+from gm_graphs.format.writer import NpyWriter
 
 from .conftest import make_docs
 

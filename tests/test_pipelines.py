@@ -241,7 +241,7 @@ def test_timed_processor_passes_scores_through_and_times_every_call():
 ])
 def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model(graph_path, no_model, capsys,
                                                                                   tmp_path, monkeypatch, argv, error):
-    from gm_graphs.datastore import write_datastore
+    from gm_graphs.format.datastore import write_datastore
 
     monkeypatch.chdir(tmp_path)
     tokenizer = load_graph(graph_path).manifest["tokenizer"]
@@ -256,7 +256,7 @@ def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model
 
 
 def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(graph_path, tmp_path):
-    from gm_graphs.datastore import write_datastore
+    from gm_graphs.format.datastore import write_datastore
     from gm_graphs.errors import GraphmaxError
     from pipelines.tune import datastore_sha256
 
@@ -310,7 +310,7 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
 
 
 def test_tune_refuses_a_datastore_in_one_line_before_loading_the_model(graph_path, tmp_path, monkeypatch, capsys):
-    from gm_graphs.datastore import write_datastore
+    from gm_graphs.format.datastore import write_datastore
     from pipelines import tune
 
     def fail(*args, **kwargs):
@@ -354,7 +354,7 @@ def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsy
 
 
 def test_generate_refuses_a_datastore_of_another_model(home, drug_graph, tmp_path, capsys):
-    from gm_graphs.datastore import write_datastore
+    from gm_graphs.format.datastore import write_datastore
 
     tokenizer = drug_graph.manifest["tokenizer"]
     for name, dim in (("narrow", 32), ("other-weights", 576)):

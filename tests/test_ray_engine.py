@@ -19,8 +19,9 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from gm_graphs import CorpusError, OptionError, build_graph, bundled
-from gm_graphs.ray_engine import EngineError
+from gm_graphs import CorpusError, OptionError, build_graph
+from gm_graphs.corpus import bundled
+from gm_graphs.build.ray_engine import EngineError
 
 from .conftest import make_docs, write_jsonl
 
@@ -173,7 +174,7 @@ def test_merged_rows_asked_for_out_of_order_raise_instead_of_coming_back_empty()
     """The merged rows arrive by order (2, 3, 4): asking for order 4 first would silently skip the 3-grams."""
     import numpy as np
 
-    from gm_graphs.ray_engine import _Stream
+    from gm_graphs.build.ray_engine import _Stream
 
     def row(order, key):
         return {"order": order, "meta": "{}", "keys": np.array([key], np.int64).tobytes(),

@@ -40,7 +40,7 @@ from gm_graphs import (
     merge_graphs,
     pagecache,
 )
-from gm_graphs.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
+from gm_graphs.store.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main
 
 from .conftest import make_docs
@@ -85,7 +85,7 @@ def _tree(folder: Path, referenced_only: bool) -> dict[str, str] | None:
 
     keep = None
     if referenced_only:
-        from gm_graphs.storage import referenced_folders
+        from gm_graphs.format.graph_files import referenced_folders
 
         try:
             keep = referenced_folders(json.loads((folder / "manifest.json").read_text())) | {"manifest.json"}
@@ -133,7 +133,8 @@ def _jobs(tok, corpora: dict[str, str]):
 
 def _run_faults(spec: dict) -> dict:
     """Every fault point of one job: fail there, record what is on disk, then run the job again cleanly."""
-    from gm_graphs import folders, load_tokenizer
+    from gm_graphs import load_tokenizer
+    from gm_graphs.store import folders
 
     home, work = Path(spec["home"]), Path(spec["work"])
     os.environ["GRAPHMAX_HOME"] = str(home)
@@ -204,7 +205,7 @@ def _run_crafted(spec: dict) -> dict:
 
 
 def _hold(target: str) -> None:
-    from gm_graphs.folders import locked
+    from gm_graphs.store.folders import locked
 
     with locked(Path(target)):
         print("held", flush=True)
@@ -599,7 +600,7 @@ def decodable(tmp_path_factory, bpe_tokenizer):
 
 def _rehash(folder: Path) -> None:
     """Recompute every listed file's size and SHA-256, as a crafted folder's author would."""
-    from gm_graphs.storage import file_entries, sha256_file
+    from gm_graphs.format.graph_files import file_entries, sha256_file
 
     m = json.loads((folder / "manifest.json").read_text())
     for entry in file_entries(m):

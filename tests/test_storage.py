@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import GraphFormatError, build_graph, load_graph, storage
-from gm_graphs.folders import GRAPH_FORMAT, is_graph_folder
-from gm_graphs.writer import Hasher, NpyWriter
+from gm_graphs import GraphFormatError, build_graph, load_graph
+from gm_graphs.format import graph_files as storage
+from gm_graphs.store.folders import GRAPH_FORMAT, is_graph_folder
+from gm_graphs.format.writer import Hasher, NpyWriter
 
 from .conftest import make_docs
 

@@ -90,7 +90,7 @@ def test_a_document_depends_only_on_seed_and_index(model, seed, first, n, split)
 
 
 def test_shard_layout_and_manifest(model, tmp_path):
-    from gm_graphs.corpus import ReadStats, expand_corpus, iter_documents
+    from gm_graphs.corpus.read import ReadStats, expand_corpus, iter_documents
 
     out = tmp_path / "corpus"
     m = synth.write_corpus(out, 2300, seed=1, shard_docs=1000, model=model, log=lambda *_: None)

@@ -1,7 +1,7 @@
 """Writing graphs: corpus → counts → operators (and n-gram tables) → a graph folder, committed atomically;
 merging partial builds; adding n-gram tables to a built graph.
 
-Every writer holds the target's lock and commits in one atomic step (``gm_graphs.folders``): a build, overwrite
+Every writer holds the target's lock and commits in one atomic step (``gm_graphs.store.folders``): a build, overwrite
 or merge fills a temporary folder that replaces the target at once; ``add_ngrams`` writes its tables into a new
 sub-folder and commits by replacing the manifest. A kill at any point leaves the old graph or the new one.
 """
@@ -21,17 +21,17 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from .corpus import CorpusSpec, expand_corpus, fingerprint
-from .counts import BigramCounts, key_dtype
-from .errors import CorpusError, GraphmaxError, MergeError, OptionError
-from .faults import fault_point
-from .folders import check_replaceable, disk_errors, locked, remove_tree, staged_folder, sync_tree, target_folder
-from .graph import Graph, load_graph
-from .ngrams import ORDERS, RUN_ENTRIES, NgramCounts, check_orders, merge_ngrams, write_table
-from .onepass import PassResult, count_pass
-from .operators import OperatorSpec, PruneRule, build_operators, square_blocks
-from .runs import SortedRuns
-from .storage import (
+from gm_graphs.corpus.read import CorpusSpec, expand_corpus, fingerprint
+from gm_graphs.count.bigrams import BigramCounts, key_dtype
+from gm_graphs.errors import CorpusError, GraphmaxError, MergeError, OptionError
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import check_replaceable, disk_errors, locked, remove_tree, staged_folder, sync_tree, target_folder
+from gm_graphs.graph import Graph, load_graph
+from gm_graphs.count.ngrams import ORDERS, RUN_ENTRIES, NgramCounts, check_orders, merge_ngrams, write_table
+from gm_graphs.count.onepass import PassResult, count_pass
+from gm_graphs.operators import OperatorSpec, PruneRule, build_operators, square_blocks
+from gm_graphs.count.runs import SortedRuns
+from gm_graphs.format.graph_files import (
     DEFAULT_SHARD_NNZ,
     NGRAMS,
     GraphFiles,
@@ -41,8 +41,8 @@ from .storage import (
     remove_unreferenced,
     write_manifest,
 )
-from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
-from .writer import BigramWriter, Hasher, resolve, write_ngrams, write_operator
+from gm_graphs.tokenize.encoder import BatchEncoder, TokenizerIdentity, load_tokenizer
+from gm_graphs.format.writer import BigramWriter, Hasher, resolve, write_ngrams, write_operator
 
 ENGINES = ("local", "ray")
 
@@ -173,7 +173,7 @@ def _specs(orders: Iterable[int], mixture: int | None) -> list[OperatorSpec]:
     return specs
 
 
-MAX_ORDER = 999  # operator names have at most three digits (gm_graphs.validate)
+MAX_ORDER = 999  # operator names have at most three digits (gm_graphs.format.validate)
 
 
 def check_options(*, orders: Sequence[int] = (1,), mixture: int | None = None, eps: float = 1e-8,
@@ -446,7 +446,7 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
     target = target_folder(name, path)
     _check_build(orders, mixture, eps, prune, shard_nnz, ngrams, ngram_run_entries, engine)
     if engine == "ray":
-        from .ray_engine import build_on_ray
+        from gm_graphs.build.ray_engine import build_on_ray
 
         return build_on_ray(corpus, tokenizer, target, text_column=text_column, orders=orders, mixture=mixture,
                             eps=eps, clean=clean, bos_eos=bos_eos, prune=prune, shard_nnz=shard_nnz,

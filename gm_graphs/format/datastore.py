@@ -37,13 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import npy
-from .errors import DatastoreError
-from .faults import fault_point
-from .folders import DATASTORE_MARKER, check_replaceable, staged_folder
-from .storage import sha256_file
-from .validate import is_sha256
-from .writer import _header
+from gm_graphs.store import npy
+from gm_graphs.errors import DatastoreError
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import DATASTORE_MARKER, check_replaceable, staged_folder
+from gm_graphs.format.graph_files import sha256_file
+from gm_graphs.format.validate import is_sha256
+from gm_graphs.format.writer import _header
 
 FORMAT = "graphmax-datastore"
 VERSION = 2  # 2: model_sha256 covers every parameter, not the LM head alone

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import GraphBusyError, GraphExistsError, GraphNameError, NotOwnedError, StorageError
-from .faults import fault_point
+from gm_graphs.errors import GraphBusyError, GraphExistsError, GraphNameError, NotOwnedError, StorageError
+from gm_graphs.store.faults import fault_point
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")  # ≤ 200 characters: room for ".<name>.tmp-<hex>"
 MANIFEST = "manifest.json"
@@ -153,7 +153,7 @@ def _written_names(path: Path, kind: str) -> tuple[set[str], re.Pattern | None] 
     """The paths (relative to ``path``) a ``kind`` folder of graphmax's holds, and a pattern of names graphmax's
     own writers leave behind there; None for kinds whose folders are never replaced whole."""
     if kind == "graph":
-        from .storage import NGRAMS, file_entries  # storage imports this module
+        from gm_graphs.format.graph_files import NGRAMS, file_entries  # storage imports this module
 
         try:
             files = {e["file"] for e in file_entries(json.loads((path / MANIFEST).read_bytes().decode("utf-8")))}
@@ -164,11 +164,11 @@ def _written_names(path: Path, kind: str) -> tuple[set[str], re.Pattern | None] 
                             rf"(/.*)?")
         return {MANIFEST, *files}, debris
     if kind == "datastore":
-        from .datastore import DATASTORE_FILES
+        from gm_graphs.format.datastore import DATASTORE_FILES
 
         return {DATASTORE_MARKER, *DATASTORE_FILES}, None
     if kind == "split":
-        from .split import SIDES
+        from gm_graphs.corpus.split import SIDES
 
         return {SPLIT_MARKER, *(f"{side}.parquet" for side in SIDES)}, None
     return None

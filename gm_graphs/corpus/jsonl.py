@@ -1,6 +1,7 @@
-"""The Polars reader of plain JSONL corpus files, the default: 5-7× faster than Python's ``json`` (RESULTS.md).
+"""JSONL corpus files: Python's ``json`` line by line (compressed and archived files, and what Polars cannot vouch
+for), and Polars in blocks of lines for a plain file: 5-7× faster (benchmarks/RESULTS.md).
 
-It reads what ``gm_graphs.corpus``'s line-by-line reader reads: the same documents in the same order, the same
+The Polars reader reads what the line-by-line reader reads: the same documents in the same order, the same
 ``ReadStats``, the same one-line errors with the same line numbers. The file is read in blocks of whole lines,
 each parsed by ``read_ndjson`` (``scan_ndjson`` would keep every page of the file it maps resident, so memory
 would grow with the file). Polars is stricter than Python's ``json`` in some ways (invalid UTF-8, raw control
@@ -13,11 +14,23 @@ difference is left: where a line names the field twice, Polars keeps the first v
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import json
+from collections.abc import Iterable, Iterator
 
 import polars as pl
 
-from .corpus import _UTF8_BOM, ReadStats, _check_encoding, _jsonl_rows, _jsonl_values, _Source
+from gm_graphs.corpus.source import (
+    UTF8_BOM,
+    ReadStats,
+    Source,
+    brief,
+    check_encoding,
+    decode,
+    no_surrogates,
+    source_lines,
+)
+from gm_graphs.errors import CorpusError
 
 # What Polars raises on input it cannot read; a Rust panic is a BaseException, so it is named too.
 _POLARS_ERRORS = (pl.exceptions.PolarsError, pl.exceptions.PanicException)
@@ -26,7 +39,43 @@ BLOCK_BYTES = 8 << 20  # read per Polars call; a line longer than this goes to t
 _NOT_A_JSON_STRING = r"(?s)^(?:-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|\[.*\]|\{.*\})$"
 
 
-def polars_jsonl_rows(source: _Source, column: str, batch_docs: int,
+
+def jsonl_rows(source: Source, column: str, batch_docs: int, stats: ReadStats,
+                first_line: int = 1) -> Iterator[list[str | None]]:
+    """The text field of each JSON line from line ``first_line`` on."""
+    lines = itertools.dropwhile(lambda numbered: numbered[0] < first_line, source_lines(source))
+    values = jsonl_values(lines, source.where, column, stats)
+    while rows := list(itertools.islice(values, batch_docs)):
+        yield rows
+
+
+def jsonl_values(lines: Iterable[tuple[int, bytes]], where: str, column: str,
+                  stats: ReadStats) -> Iterator[str | None]:
+    """The text field of each numbered line that is not blank; anything else is a CorpusError naming the line."""
+    for lineno, line in lines:
+        if not line.strip():
+            continue
+        text = decode([line], stats)[0]
+        try:
+            record = json.loads(text, strict=False)  # strict=False: raw tabs and control bytes inside strings
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{where}: line {lineno} is not JSON ({e.msg}); "
+                              f"write one JSON object per line") from None
+        except RecursionError:
+            raise CorpusError(f"{where}: line {lineno} nests too deeply to be a record; "
+                              f"write one flat JSON object per line") from None
+        if not isinstance(record, dict) or column not in record:
+            keys = brief(list(record), 120) if isinstance(record, dict) else type(record).__name__
+            raise CorpusError(f"{where}: line {lineno} has no field {column!r} (it has {keys}); "
+                              f"pass the text field with --text-column")
+        value = record[column]
+        if value is not None and not isinstance(value, str):
+            raise CorpusError(f"{where}: line {lineno}: field {column!r} holds "
+                              f"{type(value).__name__}, not text; pass the text field with --text-column")
+        yield no_surrogates(value, stats) if value else value
+
+
+def polars_jsonl_rows(source: Source, column: str, batch_docs: int,
                       stats: ReadStats) -> Iterator[list[str | None]]:
     """The text field of each line of a plain JSONL file, in batches of at most ``batch_docs``."""
     path, where = source.path, source.where
@@ -34,13 +83,13 @@ def polars_jsonl_rows(source: _Source, column: str, batch_docs: int,
     lineno, carry = 1, b""  # carry: the start of a line whose end is not read yet; lineno: its number
     with open(path, "rb") as fh:
         data = fh.read(BLOCK_BYTES)
-        _check_encoding(data, where)
-        data = data[len(_UTF8_BOM):] if data.startswith(_UTF8_BOM) else data
+        check_encoding(data, where)
+        data = data[len(UTF8_BOM):] if data.startswith(UTF8_BOM) else data
         while data:
             block = carry + data if carry else data
             cut = block.rfind(b"\n") + 1
             if cut == 0 and len(block) > BLOCK_BYTES:  # a line this long is rare: that reader bounds it
-                yield from _jsonl_rows(source, column, batch_docs, stats, first_line=lineno)
+                yield from jsonl_rows(source, column, batch_docs, stats, first_line=lineno)
                 return
             if cut:
                 yield from _block_rows(block[:cut], lineno, where, column, batch_docs, stats)
@@ -56,7 +105,7 @@ def _block_rows(block: bytes, first_line: int, where: str, column: str, batch_do
     values = _polars_values(block, column)
     if values is None:
         lines = _numbered_lines(block, first_line)
-        rows: list[str | None] = list(_jsonl_values(lines, where, column, stats))
+        rows: list[str | None] = list(jsonl_values(lines, where, column, stats))
         for i in range(0, len(rows), batch_docs):
             yield rows[i:i + batch_docs]
     else:

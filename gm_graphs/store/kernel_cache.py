@@ -34,7 +34,9 @@ except ImportError:  # checked in _stamp_with_all_sources
     caching = None
 
 # the folders of graphmax's kernel modules, and of the modules whose constants and functions they compile in
-_PACKAGES = tuple(Path(__file__).resolve().parents[1] / package for package in ("gm_graphs", "gm_solver"))
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGES = tuple(sorted({path.parent for package in ("gm_graphs", "gm_solver") for path in (_ROOT / package).rglob("*.py")
+                          if "__pycache__" not in path.parts}))
 # numba's locators, in numba's order: NUMBA_CACHE_DIR, then the sources' __pycache__, then the user's cache folder
 # (named with a leading underscore in older numba, e.g. 0.59)
 _NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
@@ -55,7 +57,7 @@ def _sources_digest() -> str:
     # SHA-256 over the name and bytes of every module of gm_graphs and gm_solver: read once per process, < 1 ms
     digest = hashlib.sha256()
     for path in sorted(path for folder in _PACKAGES for path in folder.glob("*.py")):
-        digest.update(f"{path.parent.name}/{path.name}\0".encode())
+        digest.update(f"{path.relative_to(_ROOT)}\0".encode())
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
 

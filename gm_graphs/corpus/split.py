@@ -16,9 +16,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .corpus import CorpusSpec, ReadStats, expand_corpus, iter_documents
-from .errors import CorpusError, OptionError
-from .folders import SPLIT_MARKER, staged_folder
+from gm_graphs.corpus.read import CorpusSpec, ReadStats, expand_corpus, iter_documents
+from gm_graphs.errors import CorpusError, OptionError
+from gm_graphs.store.folders import SPLIT_MARKER, staged_folder
 
 SIDES = ("train", "heldout")
 

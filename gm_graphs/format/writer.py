@@ -1,6 +1,6 @@
 """Writing a graph's arrays as they stream in, so that no array of the graph is ever held whole in memory.
 
-Counts arrive as sorted (key, count) ranges (``gm_graphs.runs``, or the Ray engine's merged partitions): the bigram
+Counts arrive as sorted (key, count) ranges (``gm_graphs.count.runs``, or the Ray engine's merged partitions): the bigram
 counts a range of whole rows at a time, the n-gram tables a range of whole contexts at a time. Each array is one
 ``.npy`` file written in pieces; its header (whose shape is only known at the end) is written first with the same
 length and filled in at close, then the file is read back and hashed (by a thread pool, beside the next work).
@@ -20,11 +20,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .faults import fault_point
-from .numba_cache import ensure_cache_dir
-from .pagecache import DropBehind
-from .storage import ngram_dtypes, sha256_file
-from .validate import ngram_range_problem
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.kernel_cache import ensure_cache_dir
+from gm_graphs.store.pagecache import DropBehind
+from gm_graphs.format.graph_files import ngram_dtypes, sha256_file
+from gm_graphs.format.validate import ngram_range_problem
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

@@ -5,7 +5,7 @@ ends in a one-line :class:`GraphFormatError`, never in an out-of-bounds read: CS
 decreases and ends at nnz, every column index is in [0, N), shards cover [0, N) contiguously; n-gram contexts
 ascend strictly below N^(n−1), successors are in [0, N), counts ≥ 1; the stats are N long and ≥ 0. The array
 scans are numba loops (one pass, no temporaries) over windows of a file, whose pages are dropped as the scan moves
-on (so checking a graph of any size holds a window of it), run once per file identity (``gm_graphs.verified``).
+on (so checking a graph of any size holds a window of it), run once per file identity (``gm_graphs.store.verified``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import re
 import numba
 import numpy as np
 
-from .errors import GraphFormatError
-from .folders import GRAPH_FORMAT
-from .numba_cache import ensure_cache_dir
+from gm_graphs.errors import GraphFormatError
+from gm_graphs.store.folders import GRAPH_FORMAT
+from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import astuple, dataclass
 
-from .folders import graphmax_home
+from gm_graphs.store.folders import graphmax_home
 
 CHECKS_VERSION = 1  # bump when the checks change, so that older entries no longer count
 

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import BinaryIO
 
-from .faults import fault_point
+from gm_graphs.store.faults import fault_point
 
 CHUNK = 32 << 20  # bytes whose writeback starts at once; the chunk before is then waited for and dropped
 

@@ -8,7 +8,7 @@ of chunks merge by concatenating, sorting and summing equal keys, so a corpus ca
 merged into the same result.
 
 :class:`BigramCounts` holds the merged bigrams of a corpus in memory (sorted keys, int64 counts); graph building
-streams them instead (``gm_graphs.runs``).
+streams them instead (``gm_graphs.count.runs``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import scipy.sparse as sp
 
-from .numba_cache import ensure_cache_dir
+from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
@@ -284,7 +284,7 @@ class BigramCounts:
 
     def ranges(self, max_entries: int = 1 << 22):
         """(int64 keys, counts) in ascending row ranges of about ``max_entries``, each ending at a row boundary:
-        what a graph writer consumes (``gm_graphs.writer``)."""
+        what a graph writer consumes (``gm_graphs.format.writer``)."""
         src = self.keys.astype(np.int64) // self.vocab_size
         start = 0
         while start < self.keys.size:
@@ -296,10 +296,10 @@ class BigramCounts:
 
 
 class CountAccumulator:
-    """Counts the bigrams of encoded batches in memory (``gm_graphs.runs.SortedRuns`` without a folder)."""
+    """Counts the bigrams of encoded batches in memory (``gm_graphs.count.runs.SortedRuns`` without a folder)."""
 
     def __init__(self, vocab_size: int, buffer_pairs: int = 1 << 24):
-        from .runs import SortedRuns  # runs builds on this module's kernels
+        from gm_graphs.count.runs import SortedRuns  # runs builds on this module's kernels
 
         self.vocab_size = vocab_size
         self._runs = SortedRuns(2, vocab_size, buffer_pairs)

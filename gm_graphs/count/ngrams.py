@@ -2,8 +2,8 @@
 
 A bigram graph conditions on one token; its powers Ãᵏ marginalise over the
 tokens in between instead of conditioning on them. This module counts; the
-tables are stored beside the operators (``gm_graphs.storage`` writes and checks
-them, ``gm_graphs.build.add_ngrams`` adds them to a built graph) as four
+tables are stored beside the operators (``gm_graphs.format.graph_files`` writes and checks
+them, ``gm_graphs.build.graphs.add_ngrams`` adds them to a built graph) as four
 memory-mappable arrays per order, sorted by context:
 
 - ``contexts.npy``  int64, the distinct contexts in base N (N = vocabulary size): for n = 3,
@@ -17,7 +17,7 @@ memory-mappable arrays per order, sorted by context:
 Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
 (N⁴ < 2⁶³).
 
-Counting (``gm_graphs.runs``) buffers ``run_entries`` n-grams of an order at a
+Counting (``gm_graphs.count.runs``) buffers ``run_entries`` n-grams of an order at a
 time; given a work folder, each full buffer is sorted into a run there, and the
 runs are merged range by range of contexts into the final arrays (an external
 merge sort), so memory does not grow with the corpus' distinct n-grams.
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus import CorpusSpec, expand_corpus
-from .counts import count_bits, unpack
-from .errors import OptionError
-from .onepass import count_pass
-from .runs import SortedRuns, repack
-from .tokenize import BatchEncoder, load_tokenizer
-from .writer import Hasher, write_ngrams
+from gm_graphs.corpus.read import CorpusSpec, expand_corpus
+from gm_graphs.count.bigrams import count_bits, unpack
+from gm_graphs.errors import OptionError
+from gm_graphs.count.onepass import count_pass
+from gm_graphs.count.runs import SortedRuns, repack
+from gm_graphs.tokenize.encoder import BatchEncoder, load_tokenizer
+from gm_graphs.format.writer import Hasher, write_ngrams
 
 FOLDER = "ngrams"
 ORDERS = (3, 4)

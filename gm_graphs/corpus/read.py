@@ -2,7 +2,7 @@
 
 Every reader yields batches of document strings and never holds a whole file:
 Parquet and CSV go through pyarrow's batch readers; a plain JSONL file goes
-through Polars in blocks of lines (``gm_graphs.corpus_polars``), which hands
+through Polars in blocks of lines (``gm_graphs.corpus.jsonl``), which hands
 Python's ``json`` every block it cannot vouch for; compressed or archived JSONL
 and text are read line by line, a line at most ``MAX_DOCUMENT_BYTES`` long.
 Files may be gzip'd (``.gz``) or members of a ``.zip`` archive (members gzip'd
@@ -23,8 +23,6 @@ import gzip
 import hashlib
 import html
 import io
-import itertools
-import json
 import lzma
 import os
 import re
@@ -32,9 +30,8 @@ import stat
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -42,8 +39,20 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from .errors import CorpusError
-from .folders import graphs_root, is_graph_folder
+from gm_graphs.corpus.source import (
+    MAX_DOCUMENT_BYTES,
+    MB,
+    REPLACEMENT,
+    ReadStats,
+    Source,
+    brief,
+    check_encoding,
+    decode,
+    read_first_line,
+    source_lines,
+)
+from gm_graphs.errors import CorpusError
+from gm_graphs.store.folders import graphs_root, is_graph_folder
 
 PathLike = str | os.PathLike
 CorpusSpec = PathLike | Iterable[PathLike]
@@ -58,51 +67,10 @@ _SUFFIX_FORMAT = {
 # Compressions and archives people try, with what to do instead.
 _UNSUPPORTED = {".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".lz4": "lz4", ".tar": "tar", ".tgz": "tar",
                 ".7z": "7-Zip", ".rar": "RAR"}
-MAX_DOCUMENT_BYTES = 32 << 20  # a longer line is not a document but a damaged file or a decompression bomb
 CSV_BLOCK_BYTES = 8 << 20  # pyarrow's block; a row must fit in one, so it grows (×4) up to a document's limit
 _ZIP_METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 _BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
-_FFFD = "\ufffd"
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_UTF8_BOM = b"\xef\xbb\xbf"
 _COLUMN_COUNT = re.compile(r"Expected (\d+) columns, got (\d+): (.*)", re.DOTALL)
-_MB = 1 << 20
-JSONL_READERS = ("polars", "json")
-
-
-@dataclass
-class ReadStats:
-    """What reading a corpus saw, filled in by :func:`iter_documents` (a build records it in the manifest).
-
-    Args:
-        documents (``int``, defaults to 0): non-empty documents yielded.
-        empty_skipped (``int``, defaults to 0): empty documents skipped.
-        undecodable_documents (``int``, defaults to 0): documents with bytes that are not UTF-8.
-        replaced_sequences (``int``, defaults to 0): undecodable byte sequences replaced by U+FFFD.
-        per_file (``dict[str, int]``, defaults to ``{}``): documents yielded by each file.
-        nul_replaced (``int``, defaults to 0): NUL characters replaced by U+FFFD.
-        skipped_members (``list[str]``, defaults to ``[]``): ``"archive.zip!member"`` of archive members in no
-            corpus format (README, LICENSE), not read.
-
-    Example::
-
-        >>> import tempfile; from pathlib import Path
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> corpus = Path(tmp.name) / "reviews.txt"
-        >>> _ = corpus.write_text("great film\\n\\ndull\\n")
-        >>> stats = ReadStats()
-        >>> batches = list(iter_documents([corpus], stats=stats))
-        >>> stats.documents, stats.empty_skipped
-        (2, 1)
-    """
-
-    documents: int = 0
-    empty_skipped: int = 0
-    undecodable_documents: int = 0
-    replaced_sequences: int = 0
-    per_file: dict[str, int] = field(default_factory=dict)
-    nul_replaced: int = 0
-    skipped_members: list[str] = field(default_factory=list)  # "archive.zip!member" of no corpus format
 
 
 def clean_review_text(text: str) -> str:
@@ -269,16 +237,10 @@ def _check_header(fh: IO[bytes], f: Path, fmt: str, size: int) -> None:
             try:  # the footer: schema and row groups, a small read at the end
                 _ = pq.ParquetFile(str(f)).schema_arrow
             except (pa.ArrowException, OSError) as e:
-                raise CorpusError(f"{where!r} is not a readable Parquet file ({_brief(e)}); copy it again if it "
+                raise CorpusError(f"{where!r} is not a readable Parquet file ({brief(e)}); copy it again if it "
                                   f"was truncated, or rename it to its real format") from None
     if fmt != "parquet":
-        _check_encoding(head, where)
-
-
-def _check_encoding(head: bytes, where: str) -> None:
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise CorpusError(f"{where!r} is UTF-16 text; convert it to UTF-8 "
-                          f"(e.g. iconv -f UTF-16 -t UTF-8 IN > OUT) and pass that")
+        check_encoding(head, where)
 
 
 @contextmanager
@@ -286,7 +248,7 @@ def _open_zip(fh: IO[bytes] | Path, where: str) -> Iterator[zipfile.ZipFile]:
     try:
         zf = zipfile.ZipFile(fh)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, struct.error) as e:
-        raise CorpusError(f"{where!r} is not a readable zip archive ({_brief(e)}); copy it again if it was "
+        raise CorpusError(f"{where!r} is not a readable zip archive ({brief(e)}); copy it again if it was "
                           f"truncated, or rename it to its real format") from None
     with zf:
         yield zf
@@ -335,25 +297,6 @@ def fingerprint(files: list[Path]) -> list[dict]:
     return out
 
 
-@dataclass(frozen=True)
-class _Source:
-    """One stream of corpus text, a file or an archive member, and how to (re)open it decompressed."""
-
-    name: str  # its suffixes give the format
-    where: str  # for messages: the path, or archive!member
-    opener: Callable[[], IO[bytes]]
-    path: Path | None = None  # an uncompressed file, which pyarrow opens itself
-
-    @contextmanager
-    def open(self) -> Iterator[IO[bytes]]:
-        with self.opener() as raw:
-            if self.name.lower().endswith(".gz"):
-                with gzip.GzipFile(fileobj=raw) as fh:
-                    yield fh
-            else:
-                yield raw
-
-
 def iter_documents(
     files: list[Path],
     text_column: str = "text",
@@ -361,7 +304,6 @@ def iter_documents(
     clean: bool = False,
     batch_docs: int = 4096,
     stats: ReadStats | None = None,
-    jsonl_reader: str = "polars",
 ) -> Iterator[list[str]]:
     """Yield batches of non-empty documents from ``files``, in order, never holding a whole file.
 
@@ -372,9 +314,6 @@ def iter_documents(
         clean (``bool``, defaults to ``False``): unescape HTML entities and turn ``<br />`` tags into spaces.
         batch_docs (``int``, defaults to 4096): documents per batch (a Parquet batch may differ).
         stats (``ReadStats`` or ``None``, defaults to ``None``): filled in with what reading saw.
-        jsonl_reader (``str``, defaults to ``"polars"``): ``"polars"`` reads plain JSONL files with Polars,
-            ``"json"`` line by line with Python's ``json`` (as compressed and archived ones always are); both
-            yield the same documents, ``stats`` and errors.
 
     Returns:
         ``Iterator[list[str]]``: batches of documents; empty documents are skipped and counted.
@@ -391,8 +330,6 @@ def iter_documents(
         >>> list(iter_documents(expand_corpus(corpus), "text", clean=True))
         [['great film', 'dull & long ']]
     """
-    if jsonl_reader not in JSONL_READERS:
-        raise ValueError(f"jsonl_reader must be one of {JSONL_READERS}, not {jsonl_reader!r}")
     stats = stats if stats is not None else ReadStats()
     for f in files:
         before = stats.documents
@@ -401,12 +338,12 @@ def iter_documents(
                 members, skipped = _zip_members(zf, str(f))
                 stats.skipped_members.extend(f"{f}!{m}" for m in skipped)
                 for info in members:
-                    source = _Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info))
-                    yield from _read(source, text_column, clean, batch_docs, stats, "json")
+                    source = Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info))
+                    yield from _read(source, text_column, clean, batch_docs, stats)
         else:
             plain = f if not f.name.lower().endswith(".gz") else None
-            source = _Source(f.name, str(f), lambda f=f: open(f, "rb"), path=plain)
-            yield from _read(source, text_column, clean, batch_docs, stats, jsonl_reader)
+            source = Source(f.name, str(f), lambda f=f: open(f, "rb"), path=plain)
+            yield from _read(source, text_column, clean, batch_docs, stats)
         stats.per_file[str(f)] = stats.documents - before
     if stats.documents == 0:
         raise CorpusError(
@@ -426,24 +363,17 @@ def _decompression_errors(where: str) -> Iterator[None]:
         raise CorpusError(f"{where}: the compressed data ends early (the file is truncated); "
                           f"copy or download it again") from None
     except gzip.BadGzipFile as e:
-        raise CorpusError(f"{where}: not valid gzip data ({_brief(e)}); copy or download it again, "
+        raise CorpusError(f"{where}: not valid gzip data ({brief(e)}); copy or download it again, "
                           f"or remove the .gz suffix if it is not compressed") from None
     except (zlib.error, zipfile.BadZipFile, lzma.LZMAError, struct.error, UnicodeDecodeError) as e:
-        raise CorpusError(f"{where}: corrupt compressed data ({_brief(e)}); copy or download it again") from None
+        raise CorpusError(f"{where}: corrupt compressed data ({brief(e)}); copy or download it again") from None
     except PermissionError:
         raise CorpusError(f"{where}: cannot be read (permission denied); make it readable (chmod u+r)") from None
     except OSError as e:
-        raise CorpusError(f"{where}: cannot be read ({_brief(e)}); check the file") from None
+        raise CorpusError(f"{where}: cannot be read ({brief(e)}); check the file") from None
 
 
-def _brief(e: BaseException, limit: int = 160) -> str:
-    """An exception's message as one short line (pyarrow's can quote whole rows of data)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _read(source: _Source, column: str, clean: bool, batch_docs: int, stats: ReadStats,
-          jsonl_reader: str) -> Iterator[list[str]]:
+def _read(source: Source, column: str, clean: bool, batch_docs: int, stats: ReadStats) -> Iterator[list[str]]:
     fmt = detect_format(source.name)
     where = source.where
     raw: Iterator[list[str | None]]
@@ -452,12 +382,14 @@ def _read(source: _Source, column: str, clean: bool, batch_docs: int, stats: Rea
             raw = _parquet_rows(source, column, batch_docs, stats)
         elif fmt in ("csv", "tsv"):
             raw = _csv_rows(source, column, "\t" if fmt == "tsv" else ",", stats)
-        elif fmt == "jsonl" and jsonl_reader == "polars" and source.path is not None:
-            from .corpus_polars import polars_jsonl_rows  # imports polars, which only these files need
+        elif fmt == "jsonl" and source.path is not None:
+            from gm_graphs.corpus.jsonl import polars_jsonl_rows  # imports polars, which only these files need
 
             raw = polars_jsonl_rows(source, column, batch_docs, stats)
         elif fmt == "jsonl":
-            raw = _jsonl_rows(source, column, batch_docs, stats)
+            from gm_graphs.corpus.jsonl import jsonl_rows
+
+            raw = jsonl_rows(source, column, batch_docs, stats)
         else:
             raw = _text_rows(source, batch_docs, stats)
         for rows in raw:
@@ -468,30 +400,14 @@ def _read(source: _Source, column: str, clean: bool, batch_docs: int, stats: Rea
                     continue
                 if "\x00" in d:  # not text, and C code downstream may stop at it
                     stats.nul_replaced += d.count("\x00")
-                    d = d.replace("\x00", _FFFD)
+                    d = d.replace("\x00", REPLACEMENT)
                 docs.append(clean_review_text(d) if clean else d)
             stats.documents += len(docs)
             for i in range(0, len(docs), batch_docs):
                 yield docs[i:i + batch_docs]
 
 
-def _decode(values: list[bytes | None], stats: ReadStats) -> list[str | None]:
-    out: list[str | None] = []
-    for v in values:
-        if v is None:
-            out.append(None)
-            continue
-        try:
-            out.append(v.decode("utf-8"))
-        except UnicodeDecodeError:
-            s = v.decode("utf-8", errors="replace")
-            stats.undecodable_documents += 1
-            stats.replaced_sequences += s.count(_FFFD) - v.count(b"\xef\xbf\xbd")
-            out.append(s)
-    return out
-
-
-def _arrow_text(arr: pa.Array, stats: ReadStats) -> list[str | None]:
+def arrow_text(arr: pa.Array, stats: ReadStats) -> list[str | None]:
     # Fast path: a valid UTF-8 column converts in C; only a bad batch is decoded row by row.
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
@@ -500,7 +416,7 @@ def _arrow_text(arr: pa.Array, stats: ReadStats) -> list[str | None]:
             arr = arr.cast(pa.large_string())  # binary and views; validates UTF-8
         return arr.to_pylist()
     except (pa.ArrowInvalid, UnicodeDecodeError):  # a string column's bytes are not checked by pyarrow
-        return _decode(arr.cast(pa.large_binary()).to_pylist(), stats)
+        return decode(arr.cast(pa.large_binary()).to_pylist(), stats)
 
 
 def _is_text_type(typ: pa.DataType) -> bool:
@@ -524,7 +440,7 @@ def _missing_column(where: str, column: str, names: list[str]) -> CorpusError:
     )
 
 
-def _parquet_rows(source: _Source, column: str, batch_docs: int,
+def _parquet_rows(source: Source, column: str, batch_docs: int,
                   stats: ReadStats) -> Iterator[list[str | None]]:
     where = source.where
     with (source.open() if source.path is None else _nothing()) as fh:
@@ -534,18 +450,18 @@ def _parquet_rows(source: _Source, column: str, batch_docs: int,
         except (pa.ArrowException, OSError) as e:
             if isinstance(e, gzip.BadGzipFile):
                 raise
-            raise CorpusError(f"{where}: not a readable Parquet file ({_brief(e)}); copy it again if it was "
+            raise CorpusError(f"{where}: not a readable Parquet file ({brief(e)}); copy it again if it was "
                               f"truncated, or rename it to its real format") from None
         if column not in names:
             raise _missing_column(where, column, names)
         _check_column_type(pf.schema_arrow.field(column).type, where, column)
         try:
             for batch in pf.iter_batches(batch_size=batch_docs, columns=[column]):
-                yield _arrow_text(batch.column(0), stats)
+                yield arrow_text(batch.column(0), stats)
         except (pa.ArrowException, OSError) as e:
             if isinstance(e, gzip.BadGzipFile):
                 raise
-            raise CorpusError(f"{where}: damaged Parquet data ({_brief(e)}); copy the file again or "
+            raise CorpusError(f"{where}: damaged Parquet data ({brief(e)}); copy the file again or "
                               f"re-create it") from None
 
 
@@ -554,7 +470,7 @@ def _nothing() -> Iterator[None]:
     yield None
 
 
-def _csv_rows(source: _Source, column: str, delimiter: str, stats: ReadStats) -> Iterator[list[str | None]]:
+def _csv_rows(source: Source, column: str, delimiter: str, stats: ReadStats) -> Iterator[list[str | None]]:
     """The text column of a CSV/TSV; a row larger than pyarrow's block reopens the file with a larger one.
 
     Rows already yielded are skipped after a reopen, so nothing is counted twice.
@@ -564,7 +480,7 @@ def _csv_rows(source: _Source, column: str, delimiter: str, stats: ReadStats) ->
     block, done = CSV_BLOCK_BYTES, 0
     while True:
         with source.open() as fh:
-            header = _first_line(fh, source.where)
+            header = read_first_line(fh, source.where)
             names = _header_names(header, delimiter, source.where, kind)
             if column not in names:
                 raise _missing_column(source.where, column, names)
@@ -586,7 +502,7 @@ def _csv_rows(source: _Source, column: str, delimiter: str, stats: ReadStats) ->
                     if n:
                         tail_value = batch.column(last)[n - 1].as_py()
                     if skip < n:
-                        yield _arrow_text(batch.column(column).slice(skip), stats)
+                        yield arrow_text(batch.column(column).slice(skip), stats)
                         done = rows
             except pa.ArrowException as e:
                 if "straddl" in str(e) and block < MAX_DOCUMENT_BYTES:
@@ -614,23 +530,15 @@ def _file_tail(path: Path, size: int = 256) -> bytes:
 
 def _csv_error(where: str, kind: str, e: pa.ArrowException) -> CorpusError:
     if "straddl" in str(e):
-        return CorpusError(f"{where}: a row is longer than {MAX_DOCUMENT_BYTES // _MB} MB, most likely a quote "
+        return CorpusError(f"{where}: a row is longer than {MAX_DOCUMENT_BYTES // MB} MB, most likely a quote "
                            f"that is never closed; close the quote, or split the documents")
     columns = _COLUMN_COUNT.search(str(e))
     if columns:
         expected, got, start = columns.groups()
         return CorpusError(f"malformed {kind} {where}: a row has {got} field(s) where the header has {expected} "
-                           f"(it starts {_brief(start, 40)!r}); a quote that is never closed or an unquoted "
+                           f"(it starts {brief(start, 40)!r}); a quote that is never closed or an unquoted "
                            f"delimiter: fix the quoting of that row")
-    return CorpusError(f"malformed {kind} {where} ({_brief(e)}); fix the file or convert it to JSONL or Parquet")
-
-
-def _first_line(fh: IO[bytes], where: str) -> bytes:
-    line = fh.readline(MAX_DOCUMENT_BYTES + 2)
-    if len(line.rstrip(b"\r\n")) > MAX_DOCUMENT_BYTES:
-        raise _too_long(where, 1)
-    _check_encoding(line, where)
-    return line[len(_UTF8_BOM):] if line.startswith(_UTF8_BOM) else line
+    return CorpusError(f"malformed {kind} {where} ({brief(e)}); fix the file or convert it to JSONL or Parquet")
 
 
 def _header_names(header: bytes, delimiter: str, where: str, kind: str) -> list[str]:
@@ -639,7 +547,7 @@ def _header_names(header: bytes, delimiter: str, where: str, kind: str) -> list[
         table = pacsv.read_csv(io.BytesIO(header), parse_options=parse,
                                read_options=pacsv.ReadOptions(autogenerate_column_names=True))
     except pa.ArrowInvalid as e:
-        raise CorpusError(f"malformed {kind} {where}: its header line cannot be parsed ({_brief(e)}); "
+        raise CorpusError(f"malformed {kind} {where}: its header line cannot be parsed ({brief(e)}); "
                           f"fix the first line") from None
     names = ["" if n is None else n for n in next(iter(table.to_pylist()), {}).values()]  # None: an empty name
     if not all(isinstance(n, str) for n in names):  # pyarrow reads a header that is not UTF-8 as binary
@@ -677,77 +585,12 @@ class _Replay(io.RawIOBase):
         return len(data)
 
 
-def _too_long(where: str, lineno: int) -> CorpusError:
-    return CorpusError(f"{where}: line {lineno} is longer than {MAX_DOCUMENT_BYTES // _MB} MB, which is not a "
-                       f"document but a damaged file or a decompression bomb; split it into documents")
-
-
-def _lines(source: _Source) -> Iterator[tuple[int, bytes]]:
-    """Numbered lines of a source without their line breaks; a leading BOM is dropped, each line is bounded."""
-    with source.open() as fh:
-        for lineno in itertools.count(1):
-            line = _first_line(fh, source.where) if lineno == 1 else fh.readline(MAX_DOCUMENT_BYTES + 2)
-            if not line:
-                return
-            body = line.rstrip(b"\r\n")
-            if len(body) > MAX_DOCUMENT_BYTES:
-                raise _too_long(source.where, lineno)
-            yield lineno, body
-
-
-def _jsonl_rows(source: _Source, column: str, batch_docs: int, stats: ReadStats,
-                first_line: int = 1) -> Iterator[list[str | None]]:
-    """The text field of each JSON line from line ``first_line`` on."""
-    lines = itertools.dropwhile(lambda numbered: numbered[0] < first_line, _lines(source))
-    values = _jsonl_values(lines, source.where, column, stats)
-    while rows := list(itertools.islice(values, batch_docs)):
-        yield rows
-
-
-def _jsonl_values(lines: Iterable[tuple[int, bytes]], where: str, column: str,
-                  stats: ReadStats) -> Iterator[str | None]:
-    """The text field of each numbered line that is not blank; anything else is a CorpusError naming the line."""
-    for lineno, line in lines:
-        if not line.strip():
-            continue
-        text = _decode([line], stats)[0]
-        try:
-            record = json.loads(text, strict=False)  # strict=False: raw tabs and control bytes inside strings
-        except json.JSONDecodeError as e:
-            raise CorpusError(f"{where}: line {lineno} is not JSON ({e.msg}); "
-                              f"write one JSON object per line") from None
-        except RecursionError:
-            raise CorpusError(f"{where}: line {lineno} nests too deeply to be a record; "
-                              f"write one flat JSON object per line") from None
-        if not isinstance(record, dict) or column not in record:
-            keys = _brief(list(record), 120) if isinstance(record, dict) else type(record).__name__
-            raise CorpusError(f"{where}: line {lineno} has no field {column!r} (it has {keys}); "
-                              f"pass the text field with --text-column")
-        value = record[column]
-        if value is not None and not isinstance(value, str):
-            raise CorpusError(f"{where}: line {lineno}: field {column!r} holds "
-                              f"{type(value).__name__}, not text; pass the text field with --text-column")
-        yield _no_surrogates(value, stats) if value else value
-
-
-def _no_surrogates(text: str, stats: ReadStats) -> str:
-    """JSON's ``\\ud800`` escapes give lone surrogates, which no tokenizer can encode: replace them."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        fixed, n = _SURROGATE.subn(_FFFD, text)
-        stats.undecodable_documents += 1
-        stats.replaced_sequences += n
-        return fixed
-
-
-def _text_rows(source: _Source, batch_docs: int, stats: ReadStats) -> Iterator[list[str | None]]:
+def _text_rows(source: Source, batch_docs: int, stats: ReadStats) -> Iterator[list[str | None]]:
     rows: list[bytes | None] = []
-    for _, line in _lines(source):
+    for _, line in source_lines(source):
         rows.append(line)
         if len(rows) >= batch_docs:
-            yield _decode(rows, stats)
+            yield decode(rows, stats)
             rows = []
     if rows:
-        yield _decode(rows, stats)
+        yield decode(rows, stats)

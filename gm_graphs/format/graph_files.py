@@ -10,7 +10,7 @@
     <graph>/<operator>/shard-NNNNN/{indptr,indices,data}.npy operator as CSR (float32 data)
     <graph>/<operator>/edges.parquet      src, dst, weight, for other tools
     <graph>/<operator>/row_mass.npy       fraction of each exact row's mass kept by pruning
-    <graph>/<ngrams>/<n>/{contexts,indptr,next,counts}.npy   n-gram tables (``gm_graphs.ngrams``): int64 contexts,
+    <graph>/<ngrams>/<n>/{contexts,indptr,next,counts}.npy   n-gram tables (``gm_graphs.count.ngrams``): int64 contexts,
                                           int32 next tokens; indptr and counts int32 (int64 when the table
                                           counts 2³¹ n-grams or more)
 
@@ -22,8 +22,8 @@ folder, then commits by replacing the manifest). Every file's path, size and SHA
 
 Opening a file (:class:`GraphFiles`) walks its path component by component from the folder without following
 symlinks, accepts only regular files of the recorded size, reads the ``.npy`` header itself (dtype, 1-D shape,
-size) and memory-maps the descriptor it checked. Arrays are handed out only after ``gm_graphs.validate``'s
-checks, once per file identity (``gm_graphs.verified``).
+size) and memory-maps the descriptor it checked. Arrays are handed out only after ``gm_graphs.format.validate``'s
+checks, once per file identity (``gm_graphs.store.verified``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from . import npy, pagecache, validate, verified
-from .errors import GraphFormatError
-from .faults import fault_point
-from .folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, fsync_dir
-from .validate import FORMAT_VERSION, NGRAM_PARTS, STATS
+from gm_graphs.store import npy
+from gm_graphs.store import pagecache
+from gm_graphs.format import validate
+from gm_graphs.store import verified
+from gm_graphs.errors import GraphFormatError
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, fsync_dir
+from gm_graphs.format.validate import FORMAT_VERSION, NGRAM_PARTS, STATS
 
 DEFAULT_SHARD_NNZ = 1 << 26  # 64M non-zeros: 768 MB of float32 data + int64 indices at most
 NGRAMS = "ngrams"
@@ -137,7 +140,7 @@ def remove_unreferenced(root: Path, manifest: dict) -> None:
 
     Call with the graph's lock held. Nothing else in the folder is touched.
     """
-    from .folders import remove_tree
+    from gm_graphs.store.folders import remove_tree
 
     keep = referenced_folders(manifest)
     for entry in os.scandir(root):
@@ -275,7 +278,7 @@ class GraphFiles:
     """Opens a graph folder's arrays, each unit checked (structure; SHA-256 when ``verify``) before it is returned.
 
     A file is hashed once per identity, and a unit's structure checked once per identity of its files
-    (``gm_graphs.verified``); :meth:`trust_written` records what a build wrote.
+    (``gm_graphs.store.verified``); :meth:`trust_written` records what a build wrote.
     """
 
     def __init__(self, root: Path, manifest: dict, verify: bool = True):

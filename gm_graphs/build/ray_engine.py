@@ -8,15 +8,15 @@ cluster's workers:
    (``s3://…``, ``gs://…``, any URI pyarrow's file systems open) go through Ray Data's ``read_parquet`` instead,
    a block at a time.
 2. *count* (``map_batches``, a task per unit or block): tokenize, then count the windows of every order in
-   buffers of ``run_entries``; each full buffer is sorted, packed (``gm_graphs.counts``) and cut at the range
+   buffers of ``run_entries``; each full buffer is sorted, packed (``gm_graphs.count.bigrams``) and cut at the range
    boundaries into rows (order, range, packed entries). Ranges split the leading token's ids so that each holds
    about as many windows (estimated from a sample of the corpus): a bigram range is a range of rows of A, an
    n-gram range a range of contexts.
 3. *merge* (``groupby(order, range).map_groups``, sort-based so that ranges come out in order): each range's
    pieces are concatenated, sorted and summed into unique keys and counts.
 4. *write*, here on the driver: the merged ranges stream, in order, into the local engine's writers
-   (``gm_graphs.writer``): counts, stats, Ã, Ã² (by the fused kernel on this machine) and the n-gram tables, in
-   a staging folder committed atomically (``gm_graphs.folders``).
+   (``gm_graphs.format.writer``): counts, stats, Ã, Ã² (by the fused kernel on this machine) and the n-gram tables, in
+   a staging folder committed atomically (``gm_graphs.store.folders``).
 
 A task that fails is retried by Ray (``TASK_RETRIES`` times); one that keeps failing ends the build with one line
 naming the input block (file, and documents or rows), and the staging folder is removed.
@@ -41,13 +41,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .corpus import ReadStats, _arrow_text, clean_review_text, expand_corpus, fingerprint, iter_documents
-from .counts import check_ids, count_bits, unpack
-from .errors import CorpusError, GraphmaxError, OptionError
-from .faults import fault_point
-from .folders import staged_folder
-from .runs import SortedRuns, feeders
-from .tokenize import BatchEncoder, TokenizerIdentity, load_tokenizer
+from gm_graphs.corpus.read import ReadStats, arrow_text, clean_review_text, expand_corpus, fingerprint, iter_documents
+from gm_graphs.count.bigrams import check_ids, count_bits, unpack
+from gm_graphs.errors import CorpusError, GraphmaxError, OptionError
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import staged_folder
+from gm_graphs.count.runs import SortedRuns, feeders
+from gm_graphs.tokenize.encoder import BatchEncoder, TokenizerIdentity, load_tokenizer
 
 EXTRA = "pip install 'graphmax[ray]'  (Ray Data: ray[data]==2.60.*)"
 TASK_RETRIES = 3  # attempts after the first, for a failing or dying task
@@ -243,7 +243,7 @@ def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> Iterator[pa.Tabl
     documents = tokens = 0
     column = batch[spec.text_column].combine_chunks()
     for start in range(0, len(column), spec.batch_docs):
-        rows = _arrow_text(column.slice(start, spec.batch_docs), stats)
+        rows = arrow_text(column.slice(start, spec.batch_docs), stats)
         docs = [d for d in rows if d and not d.isspace()]
         stats.empty_skipped += len(rows) - len(docs)
         if spec.clean:
@@ -385,9 +385,9 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
                  bos_eos: bool, prune, shard_nnz: int, overwrite: bool, batch_docs: int, ngrams,
                  progress: bool, ray_address: str | None, ranges: int | None = None, run_entries: int = RUN_ENTRIES):
     """``build_graph(engine="ray")``; see the module's docstring."""
-    from .build import GraphSource, _opened, corpus_entry, write_graph_into
-    from .folders import check_replaceable
-    from .ngrams import check_orders
+    from gm_graphs.build.graphs import GraphSource, _opened, corpus_entry, write_graph_into
+    from gm_graphs.store.folders import check_replaceable
+    from gm_graphs.count.ngrams import check_orders
 
     ray = import_ray()
     tok = load_tokenizer(tokenizer)

@@ -1,6 +1,6 @@
 """Sorted runs: the windows of one order of a corpus counted exactly in bounded memory (an external merge sort).
 
-Keys of windows (``gm_graphs.counts``) are buffered, ``run_entries`` at a time (8 bytes each); a full buffer is
+Keys of windows (``gm_graphs.count.bigrams``) are buffered, ``run_entries`` at a time (8 bytes each); a full buffer is
 sorted and packed into a run, written to a folder (or, without one, kept in memory and merged with the runs
 before it, so that memory holds about the distinct windows). The runs are then merged a range of contexts at a
 time (``SortedRuns.ranges``): a thread reads each range from every run with ``pread`` (not memory-mapped, so what
@@ -23,10 +23,10 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from .ahead import ahead
-from .counts import count_bits, last_keys, pack_sorted, prefix_entries, unpack, window_keys
-from .numba_cache import ensure_cache_dir
-from .pagecache import DropBehind, drop
+from gm_graphs.count.ahead import ahead
+from gm_graphs.count.bigrams import count_bits, last_keys, pack_sorted, prefix_entries, unpack, window_keys
+from gm_graphs.store.kernel_cache import ensure_cache_dir
+from gm_graphs.store.pagecache import DropBehind, drop
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

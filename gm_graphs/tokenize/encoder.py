@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from . import bundled
-from .bytelevel import WordCache, cacheable
-from .errors import TokenizerError
+from gm_graphs.corpus import bundled
+from gm_graphs.tokenize.bytelevel import WordCache, cacheable
+from gm_graphs.errors import TokenizerError
 
 # A name that resolves to the tokenizer inside the bundled SmolLM2 GGUF file.
 BUNDLED_ALIASES = {"smollm2": bundled.smollm2_gguf}
@@ -143,7 +143,7 @@ class TokenizerIdentity:
 class BatchEncoder:
     """Encodes lists of documents to one flat id array plus document offsets.
 
-    Byte-level BPE tokenizers (SmolLM2's) encode through a word cache (:class:`~gm_graphs.bytelevel.WordCache`,
+    Byte-level BPE tokenizers (SmolLM2's) encode through a word cache (:class:`~gm_graphs.tokenize.bytelevel.WordCache`,
     the same ids for a fraction of the CPU); other fast tokenizers encode a batch in Rust on all cores
     (``encode_batch_fast``); the rest fall back to the tokenizer's ``__call__``.
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
-from .numba_cache import ensure_cache_dir
+from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
@@ -226,7 +226,7 @@ class WordCache:
 
     Example::
 
-        >>> from gm_graphs.tokenize import load_tokenizer
+        >>> from gm_graphs.tokenize.encoder import load_tokenizer
         >>> backend = load_tokenizer("smollm2").backend_tokenizer
         >>> cache = WordCache(backend, np.int32)
         >>> docs = ["the cat sat", "the dog sat", "caf\\u00e9 au lait", "\\u4e2d\\u6587"]
