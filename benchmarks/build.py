@@ -8,8 +8,8 @@ documents, column ``text``); each size builds ``graphmax build <shards> --tokeni
 3,4`` in a fresh subprocess, so that its peak RSS is its own. Beside each build, in the same run, two baselines
 that read the same shards with the same reader (``gm_graphs.count.onepass.encoded_batches``), ids materialised, nothing
 counted: the tokenizer alone (``BatchEncoder(tok, word_cache=False)``: the LM's fast tokenizer, ``encode_batch_fast``
-on all cores) and graphmax's own encoder alone (``BatchEncoder``: the word cache of ``gm_graphs.tokenize.bytelevel``, same
-ids).
+on all cores) and graphmax's own encoder alone (``BatchEncoder``: the word cache of ``gm_graphs.tokenize.bytelevel``,
+same ids).
 Printed per size: tokens/s of each and the build's ratio to both, seconds per stage, CPU seconds (user/sys) of each
 process, peak RSS, peak and final disk use of the graph folder and its temporary folders, distinct 2-/3-/4-grams,
 and the load average while it ran (other jobs on the machine slow every stage). ``--ray`` sizes are also built

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from gm_graphs.errors import GraphFormatError, TokenizerError
-from gm_graphs.store.folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
 from gm_graphs.count.ngrams import NgramCounts
-from gm_graphs.operators import OperatorSpec
+from gm_graphs.errors import GraphFormatError, TokenizerError
 from gm_graphs.format.graph_files import GraphFiles, compute_stats, read_manifest, remove_unreferenced, write_manifest
 from gm_graphs.format.validate import check_decoder
+from gm_graphs.operators import OperatorSpec
+from gm_graphs.store.folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
 
 __all__ = ["Graph", "graphmax_home", "list_graphs", "load_graph"]
 
@@ -156,7 +156,7 @@ class Graph:
 
     @cached_property
     def ngrams(self) -> dict[int, NgramCounts]:
-        """The stored n-gram tables by order (``gm_graphs.count.ngrams``), memory-mapped; empty if the graph has none."""
+        """The stored n-gram tables by order (``NgramCounts``), memory-mapped; empty if the graph has none."""
         return {order: NgramCounts(order, self.vocab_size, **arrays)
                 for order, arrays in self._files.ngram_arrays().items()}
 

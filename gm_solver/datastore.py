@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from gm_graphs.errors import DatastoreError
 from gm_graphs.format.datastore import (
     KEY_DTYPE,
     VALUE_DTYPE,
@@ -43,7 +44,6 @@ from gm_graphs.format.datastore import (
     open_datastore,
     write_datastore,
 )
-from gm_graphs.errors import DatastoreError
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
 from .divergences import raise_unless
@@ -456,8 +456,8 @@ def buffers_fingerprint(model: Any) -> str:
 
 def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True,
                    precision: str = "bfloat16", nprobe: int = NPROBE) -> Datastore:
-    """The datastore folder at ``path`` (checked by ``gm_graphs.format.datastore.open_datastore``), its keys on ``device``
-    in ``precision``, searched through its inverted-file index when it has one (see :class:`Datastore`).
+    """The datastore folder at ``path`` (checked by ``gm_graphs.format.datastore.open_datastore``), its keys on
+    ``device`` in ``precision``, searched through its inverted-file index when it has one (see :class:`Datastore`).
 
     Args:
         path (``str`` or ``os.PathLike``): a folder written by :func:`build_datastore` (or ``graphmax datastore``).

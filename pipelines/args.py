@@ -10,7 +10,8 @@ import argparse
 import math
 from collections.abc import Callable
 
-from gm_graphs import CorpusError, expand_corpus
+from gm_graphs import expand_corpus
+from gm_graphs.errors import CorpusError
 
 __all__ = ["integer", "number", "integers", "numbers", "nonblank", "CorpusFiles", "corpus_error"]
 

@@ -7,17 +7,10 @@ import json
 import time
 from pathlib import Path
 
-from gm_graphs import (
-    ENGINES,
-    NGRAM_RUN_ENTRIES,
-    GraphFormatError,
-    OptionError,
-    PruneRule,
-    build_graph,
-    list_graphs,
-    load_graph,
-    merge_graphs,
-)
+from gm_graphs import PruneRule, build_graph, list_graphs, load_graph, merge_graphs
+from gm_graphs.build.graphs import ENGINES
+from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
+from gm_graphs.errors import GraphFormatError, OptionError
 
 from .args import CorpusFiles, integer, integers, number
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gm_graphs import check_datastore_target
+from gm_graphs.format.datastore import check_datastore_target
 from gm_solver import build_datastore
 
 from .args import CorpusFiles, integer

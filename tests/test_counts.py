@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs.count.bigrams import BigramCounts, CountAccumulator
+from gm_graphs.count.bigrams import BigramCounts, key_dtype
+from gm_graphs.count.runs import SortedRuns
 
 docs_strategy = st.lists(st.lists(st.integers(0, 11), min_size=0, max_size=12), min_size=1, max_size=12)
 
@@ -20,6 +21,15 @@ def _encode(docs):
     return np.array([t for d in docs for t in d], dtype=np.int32), offsets
 
 
+def _count(vocab_size: int, docs, buffer_pairs: int = 1 << 24) -> BigramCounts:
+    """The bigram counts of ``docs`` as a build counts them: sorted runs of ``buffer_pairs`` merged."""
+    ids, offsets = _encode(docs)
+    runs = SortedRuns(2, vocab_size, buffer_pairs)
+    runs.add(ids, offsets)
+    keys, counts = runs.merged()
+    return BigramCounts(vocab_size, keys.astype(key_dtype(vocab_size)), counts, len(docs), int(ids.size))
+
+
 def _as_dict(c: BigramCounts) -> dict:
     src, dst = c.src_dst()
     return {(int(s), int(d)): int(n) for s, d, n in zip(src, dst, c.counts)}
@@ -27,10 +37,8 @@ def _as_dict(c: BigramCounts) -> dict:
 
 @given(docs=docs_strategy, buffer=st.integers(1, 50))
 def test_counts_equal_an_independent_count_and_never_bridge_documents(docs, buffer):
-    acc = CountAccumulator(12, buffer_pairs=buffer)
-    acc.add(*_encode(docs))
     expected = Counter((d[i], d[i + 1]) for d in docs for i in range(len(d) - 1))
-    result = acc.result()
+    result = _count(12, docs, buffer)
     assert _as_dict(result) == dict(expected)
     assert result.tokens == sum(map(len, docs)) and result.documents == len(docs)
     assert np.all(np.diff(result.keys.astype(np.int64)) > 0)
@@ -38,15 +46,11 @@ def test_counts_equal_an_independent_count_and_never_bridge_documents(docs, buff
 
 @given(docs=docs_strategy, cuts=st.lists(st.integers(0, 12), max_size=3), order=st.randoms())
 def test_partial_counts_merge_to_the_full_count_in_any_order(docs, cuts, order):
-    full = CountAccumulator(12)
-    full.add(*_encode(docs))
-    full = full.result()
+    full = _count(12, docs)
     bounds = sorted({0, len(docs), *[min(c, len(docs)) for c in cuts]})
     parts = []
     for a, b in zip(bounds, bounds[1:]):
-        acc = CountAccumulator(12)
-        acc.add(*_encode(docs[a:b]))
-        parts.append(acc.result())
+        parts.append(_count(12, docs[a:b]))
     order.shuffle(parts)
     merged = parts[0]
     for p in parts[1:]:
@@ -57,9 +61,7 @@ def test_partial_counts_merge_to_the_full_count_in_any_order(docs, cuts, order):
 
 def test_csr_round_trip_and_wide_vocabulary_keys():
     big = 70_000  # N² > 2³²: keys need uint64
-    acc = CountAccumulator(big)
-    acc.add(np.array([69_999, 5, 69_999, 5], dtype=np.int32), np.array([0, 4]))
-    c = acc.result()
+    c = _count(big, [[69_999, 5, 69_999, 5]])
     assert c.keys.dtype == np.uint64
     assert _as_dict(c) == {(69_999, 5): 2, (5, 69_999): 1}
     back = BigramCounts.from_csr(c.to_csr(), c.documents, c.tokens)

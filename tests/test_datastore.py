@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 
 import gm_graphs.format.datastore
 import gm_solver.datastore as dsmod
-from gm_graphs.format.datastore import KEYS, MARGINALS, META, VALUES, open_datastore, write_datastore
 from gm_graphs.errors import DatastoreError, GraphExistsError, NotOwnedError
-from gm_graphs.store.folders import DATASTORE_MARKER
+from gm_graphs.format.datastore import DATASTORE_MARKER, KEYS, MARGINALS, META, VALUES, open_datastore, write_datastore
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,

@@ -114,7 +114,8 @@ def test_graphmax_imports_point_down_without_cycles():
 
 
 @pytest.mark.parametrize("source, expected", [
-    ({"gm_graphs/count/a.py": "def f():\n    from gm_graphs.count import b\n", "gm_graphs/count/b.py": "import gm_graphs.count.a\n"},
+    ({"gm_graphs/count/a.py": "def f():\n    from gm_graphs.count import b\n",
+      "gm_graphs/count/b.py": "import gm_graphs.count.a\n"},
      "import cycle: gm_graphs.count.a ⇄ gm_graphs.count.b"),
     ({"gm_graphs/store/a.py": "from gm_graphs.format.b import x\n", "gm_graphs/format/b.py": "x = 1\n"},
      "gm_graphs.store.a:1 imports gm_graphs.format.b, a layer above it"),

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from gm_graphs import GraphFormatError, TokenizerError, add_ngrams, build_graph, count_ngrams, load_graph, merge_graphs
+from gm_graphs import add_ngrams, build_graph, load_graph, merge_graphs
+from gm_graphs.build.ngrams import count_ngrams
+from gm_graphs.errors import GraphFormatError, TokenizerError
 from gm_solver import ContextConfig, ContextReference
 
 

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gm_graphs import build_graph
-from gm_graphs.store import pagecache
-from gm_graphs.store.pagecache import DropBehind
 from gm_graphs.count.runs import SortedRuns
 from gm_graphs.format.graph_files import file_entries, sha256_file
 from gm_graphs.format.writer import NpyWriter
+from gm_graphs.store import pagecache
+from gm_graphs.store.pagecache import DropBehind
 
 from .conftest import make_docs
 

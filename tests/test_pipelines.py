@@ -256,8 +256,8 @@ def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model
 
 
 def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(graph_path, tmp_path):
-    from gm_graphs.format.datastore import write_datastore
     from gm_graphs.errors import GraphmaxError
+    from gm_graphs.format.datastore import write_datastore
     from pipelines.tune import datastore_sha256
 
     tokenizer = load_graph(graph_path).manifest["tokenizer"]

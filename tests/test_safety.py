@@ -26,7 +26,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import (
+from gm_graphs import build_graph, load_graph, merge_graphs, pagecache
+from gm_graphs.errors import (
     CorpusError,
     GraphBusyError,
     GraphExistsError,
@@ -35,10 +36,6 @@ from gm_graphs import (
     MergeError,
     NotOwnedError,
     OptionError,
-    build_graph,
-    load_graph,
-    merge_graphs,
-    pagecache,
 )
 from gm_graphs.store.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main

@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import GraphFormatError, build_graph, load_graph
+from gm_graphs import build_graph, load_graph
+from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import graph_files as storage
-from gm_graphs.store.folders import GRAPH_FORMAT, is_graph_folder
 from gm_graphs.format.writer import Hasher, NpyWriter
+from gm_graphs.store.folders import GRAPH_FORMAT, is_graph_folder
 
 from .conftest import make_docs
 

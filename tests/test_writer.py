@@ -11,14 +11,15 @@ import scipy.sparse as sp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import GraphFormatError, PruneRule, load_graph
-from gm_graphs.format import validate
-from gm_graphs.build.graphs import GraphSource, write_graph_into
+from gm_graphs import PruneRule, load_graph
+from gm_graphs.build.source import GraphSource, write_graph_into
 from gm_graphs.count.bigrams import BigramCounts
-from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
+from gm_graphs.errors import GraphFormatError
+from gm_graphs.format import validate
 from gm_graphs.format.graph_files import ngram_dtypes
-from gm_graphs.tokenize.encoder import TokenizerIdentity
 from gm_graphs.format.writer import NgramWriter
+from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
+from gm_graphs.tokenize.encoder import TokenizerIdentity
 
 from .conftest import make_docs
 from .test_square import assert_same_blocks

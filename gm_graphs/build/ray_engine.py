@@ -41,19 +41,35 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from gm_graphs.corpus.read import ReadStats, arrow_text, clean_review_text, expand_corpus, fingerprint, iter_documents
+from gm_graphs.build.options import BuildOptions
+from gm_graphs.build.source import GraphSource, corpus_entry, opened_graph, write_graph_into
+from gm_graphs.corpus.read import (
+    ReadStats,
+    arrow_text,
+    clean_review_text,
+    expand_corpus,
+    fingerprint,
+    iter_documents,
+)
 from gm_graphs.count.bigrams import check_ids, count_bits, unpack
-from gm_graphs.errors import CorpusError, GraphmaxError, OptionError
-from gm_graphs.store.faults import fault_point
-from gm_graphs.store.folders import staged_folder
+from gm_graphs.count.ngrams import check_orders
 from gm_graphs.count.runs import SortedRuns, feeders
+from gm_graphs.errors import CorpusError, GraphmaxError, OptionError
+from gm_graphs.format.graph_files import (
+    GRAPH,
+)
+from gm_graphs.graph import Graph
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import (
+    check_replaceable,
+    staged_folder,
+)
 from gm_graphs.tokenize.encoder import BatchEncoder, TokenizerIdentity, load_tokenizer
 
 EXTRA = "pip install 'graphmax[ray]'  (Ray Data: ray[data]==2.60.*)"
 TASK_RETRIES = 3  # attempts after the first, for a failing or dying task
 CONNECT_TIMEOUT_S = 10.0  # to reach a cluster's address before Ray is asked to join it
 INIT_TIMEOUT_S = 25.0  # for ray.init to return once the address answers
-RUN_ENTRIES = 1 << 22  # windows a worker buffers per order before a buffer becomes pieces (32 MB)
 _MARK = "graphmax-block"  # tags a worker's error so the driver can find it in Ray's wrapping
 _STATS = 0  # the order of the rows that carry a unit's read statistics
 
@@ -381,18 +397,14 @@ class _Stream:
             yield np.frombuffer(row["keys"], dtype=np.int64), np.frombuffer(row["counts"], dtype=np.int64)
 
 
-def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, mixture, eps, clean: bool,
-                 bos_eos: bool, prune, shard_nnz: int, overwrite: bool, batch_docs: int, ngrams,
-                 progress: bool, ray_address: str | None, ranges: int | None = None, run_entries: int = RUN_ENTRIES):
+def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, overwrite: bool, progress: bool,
+                 ray_address: str | None, ranges: int | None = None) -> Graph:
     """``build_graph(engine="ray")``; see the module's docstring."""
-    from gm_graphs.build.graphs import GraphSource, _opened, corpus_entry, write_graph_into
-    from gm_graphs.store.folders import check_replaceable
-    from gm_graphs.count.ngrams import check_orders
-
+    text_column, clean, bos_eos, batch_docs = options.text_column, options.clean, options.bos_eos, options.batch_docs
     ray = import_ray()
     tok = load_tokenizer(tokenizer)
     ident = TokenizerIdentity.of(tok)
-    ngrams = check_orders(ngrams, ident.vocab_size) if ngrams else ()
+    ngrams = check_orders(options.ngrams, ident.vocab_size) if options.ngrams else ()
     specs = [corpus] if isinstance(corpus, (str, os.PathLike)) else list(corpus)
     uris = [s for s in specs if _is_uri(s)]
     local = [s for s in specs if not _is_uri(s)]
@@ -402,13 +414,13 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
         raise OptionError(f"object-store inputs are read by Ray Data's Parquet reader: give .parquet URIs, got "
                           f"{next(u for u in uris if not u.lower().endswith(('.parquet', '.pq')))!r}")
     files = expand_corpus(local) if local else []
-    check_replaceable(target, overwrite)
+    check_replaceable(target, overwrite, GRAPH)
     started = connect(ray, ray_address)
     timings: dict = {}
     ctx = ray.data.DataContext.get_current()
     saved = (ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars)
     try:
-        with staged_folder(target, overwrite=overwrite) as tmp:
+        with staged_folder(target, overwrite=overwrite, artefact=GRAPH) as tmp:
             fault_point("build.started")
             t0 = time.perf_counter()
             encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
@@ -417,7 +429,7 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
             n_ranges = ranges or min(1024, max(64, 16 * cpus))  # small merges: a range is ~1/64 of the counts
             spec = CountSpec(ray.put(tok), ident.vocab_size, (2, *ngrams),
                              _bounds(_sample(files, uris, read, ray, 4 * batch_docs), encoder, n_ranges),
-                             text_column, clean, bos_eos, batch_docs, run_entries)
+                             text_column, clean, bos_eos, batch_docs, options.ngram_run_entries)
             try:
                 stream, file_entries = _run(ray, spec, files, uris)
                 meta = [json.loads(r["meta"]) for r in stream.take(_STATS)]
@@ -429,8 +441,7 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
                 fault_point("build.counted")
                 if ngrams:
                     fault_point("build.ngrams_counted")
-                options = {"text_column": text_column, "clean": clean, "bos_eos": bos_eos}
-                entry = corpus_entry(file_entries, _read_stats([m["read"] for m in meta]), options, documents,
+                entry = corpus_entry(file_entries, _read_stats([m["read"] for m in meta]), options.counting, documents,
                                      sum(m["tokens"] for m in meta))
                 source = {"corpus": [str(f) for f in (files or uris)], "clean": clean,
                           "text_column": text_column} if ngrams else None
@@ -438,8 +449,7 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
                                   {o: (sum(m["windows"][str(o)] for m in meta), lambda o=o: stream.ranges(o))
                                    for o in ngrams}, source,
                                   {"engine": "ray"}, timings)
-                write_graph_into(tmp, src, name=target.name, orders=orders, mixture=mixture, eps=eps, prune=prune,
-                                 shard_nnz=shard_nnz, progress=progress)
+                write_graph_into(tmp, src, name=target.name, options=options, progress=progress)
             except GraphmaxError:
                 raise
             except Exception as e:
@@ -452,7 +462,7 @@ def build_on_ray(corpus, tokenizer, target: Path, *, text_column: str, orders, m
         ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
         if started:
             ray.shutdown()
-    return _opened(target, timings)
+    return opened_graph(target, timings)
 
 
 def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):

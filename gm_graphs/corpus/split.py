@@ -18,9 +18,11 @@ import pyarrow.parquet as pq
 
 from gm_graphs.corpus.read import CorpusSpec, ReadStats, expand_corpus, iter_documents
 from gm_graphs.errors import CorpusError, OptionError
-from gm_graphs.store.folders import SPLIT_MARKER, staged_folder
+from gm_graphs.store.folders import marked, staged_folder
 
 SIDES = ("train", "heldout")
+SPLIT_MARKER = ".graphmax-split"
+SPLIT = marked("split", SPLIT_MARKER, tuple(f"{side}.parquet" for side in SIDES))
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def split_corpus(corpus: CorpusSpec, path: str | os.PathLike, *, heldout_fractio
     out = Path(path)
     counts = dict.fromkeys(SIDES, 0)
     schema = pa.schema([("text", pa.large_string())])
-    with staged_folder(out, overwrite=overwrite, kind="split") as tmp:
+    with staged_folder(out, overwrite=overwrite, artefact=SPLIT) as tmp:
         (tmp / SPLIT_MARKER).write_text("a train / held-out split written by graphmax\n")
         writers = {side: pq.ParquetWriter(tmp / f"{side}.parquet", schema, compression="zstd") for side in SIDES}
         try:

@@ -295,25 +295,3 @@ class BigramCounts:
             start = end
 
 
-class CountAccumulator:
-    """Counts the bigrams of encoded batches in memory (``gm_graphs.count.runs.SortedRuns`` without a folder)."""
-
-    def __init__(self, vocab_size: int, buffer_pairs: int = 1 << 24):
-        from gm_graphs.count.runs import SortedRuns  # runs builds on this module's kernels
-
-        self.vocab_size = vocab_size
-        self._runs = SortedRuns(2, vocab_size, buffer_pairs)
-        self.documents = 0
-        self.tokens = 0
-
-    def add(self, ids: np.ndarray, offsets: np.ndarray) -> None:
-        """Add the bigrams of documents ``ids[offsets[i]:offsets[i+1]]``; none crosses a document boundary."""
-        check_ids(ids, self.vocab_size)
-        self.documents += int(offsets.size - 1)
-        self.tokens += int(ids.size)
-        self._runs.add(ids, offsets)
-
-    def result(self) -> BigramCounts:
-        keys, counts = self._runs.merged()
-        return BigramCounts(self.vocab_size, keys.astype(key_dtype(self.vocab_size)), counts, self.documents,
-                            self.tokens)

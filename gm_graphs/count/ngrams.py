@@ -27,22 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from gm_graphs.corpus.read import CorpusSpec, expand_corpus
 from gm_graphs.count.bigrams import count_bits, unpack
+from gm_graphs.count.runs import repack
 from gm_graphs.errors import OptionError
-from gm_graphs.count.onepass import count_pass
-from gm_graphs.count.runs import SortedRuns, repack
-from gm_graphs.tokenize.encoder import BatchEncoder, load_tokenizer
-from gm_graphs.format.writer import Hasher, write_ngrams
 
-FOLDER = "ngrams"
 ORDERS = (3, 4)
-_ARRAYS = ("contexts", "indptr", "next", "counts")
-RUN_ENTRIES = 1 << 24  # n-grams of an order buffered (8 bytes each) before they are sorted into a run
 
 
 @dataclass
@@ -123,74 +115,6 @@ def check_orders(orders: Sequence[int], vocab_size: int | None = None) -> tuple[
         raise OptionError(f"order {orders[-1]} over a vocabulary of {vocab_size:,} tokens overflows int64 keys; "
                           f"use a lower order")
     return orders
-
-
-def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
-                 clean: bool = False, batch_docs: int = 2048, progress: bool = True, work: Path | None = None,
-                 run_entries: int = RUN_ENTRIES) -> dict[int, NgramCounts]:
-    """Stream ``corpus`` through the tokenizer once and count its within-document n-grams of each order.
-
-    Without ``work`` the tables are built in memory, which grows with the
-    distinct n-grams. With a ``work`` folder (the caller's, on a disk with room
-    for the tables twice) each order is sorted in runs of ``run_entries``
-    n-grams there and merged, and its table is memory-mapped from ``work/<n>/``.
-
-    Args:
-        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
-        tokenizer: a loaded tokenizer or anything :func:`load_tokenizer` takes.
-        orders (sequence of ``int``, defaults to ``NGRAM_ORDERS``, (3, 4)): the n-gram orders, each ≥ 3.
-        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
-        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
-        batch_docs (``int``, defaults to 2048): documents tokenized per batch.
-        progress (``bool``, defaults to ``True``): show a progress bar.
-        work (``pathlib.Path`` or ``None``, defaults to ``None``): a folder for the sorted runs and tables;
-            ``None``: in memory.
-        run_entries (``int``, defaults to ``NGRAM_RUN_ENTRIES``): n-grams of an order buffered before a sorted run.
-
-    Returns:
-        ``dict[int, NgramCounts]``: a table per order.
-
-    Example::
-
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
-        >>> tables = count_ngrams(folder / "reviews.txt", tok, orders=(3,), progress=False)
-        >>> nxt, counts = tables[3].successors([1, 2])     # after "the cat": "sat" (4) once, "ran" (5) once
-        >>> nxt.tolist(), counts.tolist()
-        ([4, 5], [1, 1])
-    """
-    if not isinstance(run_entries, int) or run_entries < 1:
-        raise OptionError(f"run_entries must be an integer >= 1, got {run_entries!r}")
-    tok = load_tokenizer(tokenizer)
-    encoder = BatchEncoder(tok)
-    n = encoder.vocab_size
-    orders = check_orders(orders, n)
-    runs = {order: SortedRuns(order, n, run_entries, None if work is None else Path(work) / str(order) / "runs")
-            for order in orders}
-    count_pass(expand_corpus(corpus), encoder, runs, text_column=text_column, clean=clean, batch_docs=batch_docs,
-               progress=progress, desc="count n-grams")
-    if work is None:
-        return {order: NgramCounts.from_keys(order, *runs[order].merged(), n) for order in orders}
-    return {order: write_table(Path(work), order, n, runs[order]) for order in orders}
-
-
-def write_table(root: Path, order: int, vocab_size: int, runs: SortedRuns, folder: str = ".",
-                hasher: Hasher | None = None) -> NgramCounts | dict:
-    """Merge ``runs`` into ``root/folder/<order>/*.npy`` and delete them. With a ``hasher``: the manifest entry
-    (its hashes as Futures); without: the table, memory-mapped."""
-    try:
-        entry = write_ngrams(root, folder, order, vocab_size, runs.ranges(), hasher, runs.windows)
-    finally:
-        runs.remove()
-    if runs.folder is not None and runs.folder.is_dir():
-        runs.folder.rmdir()
-    if hasher is not None:
-        return entry
-    out = root / folder / str(order)
-    return NgramCounts(order, vocab_size, **{part: np.load(out / f"{part}.npy", mmap_mode="r") for part in _ARRAYS})
 
 
 def merge_ngrams(parts: Sequence[dict[int, NgramCounts]]) -> dict[int, NgramCounts]:

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from gm_graphs.count.ahead import END, Worker, ahead, put
 from gm_graphs.corpus.read import ReadStats, iter_documents
+from gm_graphs.count.ahead import END, Worker, ahead, put
 from gm_graphs.count.bigrams import check_ids
-from gm_graphs.store.faults import fault_point
 from gm_graphs.count.runs import SortedRuns, feeders
+from gm_graphs.store.faults import fault_point
 from gm_graphs.tokenize.encoder import BatchEncoder
 
 _DEPTH = 4  # batches waiting between two stages

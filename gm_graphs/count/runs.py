@@ -31,6 +31,7 @@ from gm_graphs.store.pagecache import DropBehind, drop
 ensure_cache_dir()  # before the cached kernels below are defined
 
 SAMPLE = 4096  # every SAMPLE-th entry of a run stays in memory, to find a key's place in the run by one small read
+RUN_ENTRIES = 1 << 24  # entries of an order buffered (8 bytes each) before they are sorted into a run
 RANGE_ENTRIES = 1 << 22  # entries merged at a time by default (32 MB of packed entries, ~100 MB while merged)
 
 
@@ -145,7 +146,7 @@ class _Cursor:
 class SortedRuns(_WindowBuffer):
     """Counts the windows of ``order`` tokens of encoded documents; see the module's docstring."""
 
-    def __init__(self, order: int, vocab_size: int, run_entries: int = 1 << 24, folder: Path | None = None,
+    def __init__(self, order: int, vocab_size: int, run_entries: int = RUN_ENTRIES, folder: Path | None = None,
                  inset: int = 0):
         if not isinstance(run_entries, int) or run_entries < 1:
             raise ValueError(f"run_entries must be an integer >= 1, got {run_entries!r}")

@@ -37,13 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
-from gm_graphs.store import npy
 from gm_graphs.errors import DatastoreError
-from gm_graphs.store.faults import fault_point
-from gm_graphs.store.folders import DATASTORE_MARKER, check_replaceable, staged_folder
 from gm_graphs.format.graph_files import sha256_file
 from gm_graphs.format.validate import is_sha256
-from gm_graphs.format.writer import _header
+from gm_graphs.store import npy
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import check_replaceable, marked, staged_folder
 
 FORMAT = "graphmax-datastore"
 VERSION = 2  # 2: model_sha256 covers every parameter, not the LM head alone
@@ -53,7 +52,8 @@ CENTROIDS, LISTS = "ivf_centroids.npy", "ivf_lists.npy"
 KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")
 CENTROID_DTYPE, LIST_DTYPE = np.dtype("<f4"), np.dtype("<i8")
 MARGINALS, MARGINAL_DTYPE = "marginals.npy", np.dtype("<f8")
-DATASTORE_FILES = (META, KEYS, VALUES, MARGINALS, CENTROIDS, LISTS)  # all a datastore folder holds, beside its marker
+DATASTORE_MARKER = ".graphmax-datastore"
+DATASTORE = marked("datastore", DATASTORE_MARKER, (META, KEYS, VALUES, MARGINALS, CENTROIDS, LISTS))
 _MARGINAL_SUM = 1e-6  # relative: float64 sums of float32 softmax rows stay far within it
 _MAX_LISTS = 1 << 20
 _MAX_META = 1 << 20
@@ -136,13 +136,13 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
     if ivf is not None:
         ivf = checked_ivf(ivf, dim)
     path = Path(path)
-    with staged_folder(path, overwrite=overwrite, kind="datastore") as tmp:
+    with staged_folder(path, overwrite=overwrite, artefact=DATASTORE) as tmp:
         (tmp / DATASTORE_MARKER).write_text("a kNN datastore written by graphmax\n")
         n = 0
         with open(tmp / KEYS, "wb") as kf, open(tmp / VALUES, "wb") as vf:
             # headers of the widest length first, filled in at the end (numpy pads them to one size)
-            kf.write(_header(KEY_DTYPE, 2**62))
-            vf.write(_header(VALUE_DTYPE, 2**62))
+            kf.write(npy.write_header(KEY_DTYPE, npy.WIDEST))
+            vf.write(npy.write_header(VALUE_DTYPE, npy.WIDEST))
             for keys, values in chunks:
                 half, ids = checked_chunk(keys, values, dim, vocab_size)
                 kf.write(half.tobytes())
@@ -153,21 +153,21 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
                 raise DatastoreError("no keys to store: every document was shorter than two tokens; give longer "
                                      "documents")
             kf.seek(0)
-            kf.write(_header(KEY_DTYPE, n * dim))
+            kf.write(npy.write_header(KEY_DTYPE, n * dim))
             vf.seek(0)
-            vf.write(_header(VALUE_DTYPE, n))
+            vf.write(npy.write_header(VALUE_DTYPE, n))
         names = [KEYS, VALUES]
         if ivf is not None:
             centroids, offsets = ivf
             checked_ivf(ivf, dim, n)
             for name, array, dtype in ((CENTROIDS, centroids, CENTROID_DTYPE), (LISTS, offsets, LIST_DTYPE)):
                 with open(tmp / name, "wb") as fh:
-                    fh.write(_header(dtype, array.size))
+                    fh.write(npy.write_header(dtype, array.size))
                     fh.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
             names += [CENTROIDS, LISTS]
         if marginals is not None:
             with open(tmp / MARGINALS, "wb") as fh:
-                fh.write(_header(MARGINAL_DTYPE, vocab_size))
+                fh.write(npy.write_header(MARGINAL_DTYPE, vocab_size))
                 fh.write(checked_marginals(marginals, vocab_size, n).tobytes())
             names.append(MARGINALS)
         files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in names}
@@ -297,7 +297,7 @@ def check_datastore_target(path: str | os.PathLike, overwrite: bool = False) -> 
     if not parent.is_dir():
         raise DatastoreError(f"cannot write the datastore {path}: {parent} is not a folder; choose a path in an "
                              f"existing folder")
-    check_replaceable(path, overwrite, "datastore")
+    check_replaceable(path, overwrite, DATASTORE)
     return path
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,14 +41,12 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from gm_graphs.store import npy
-from gm_graphs.store import pagecache
-from gm_graphs.format import validate
-from gm_graphs.store import verified
 from gm_graphs.errors import GraphFormatError
-from gm_graphs.store.faults import fault_point
-from gm_graphs.store.folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, fsync_dir
+from gm_graphs.format import validate
 from gm_graphs.format.validate import FORMAT_VERSION, NGRAM_PARTS, STATS
+from gm_graphs.store import npy, pagecache, verified
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, Artefact, fsync_dir, is_graph_folder
 
 DEFAULT_SHARD_NNZ = 1 << 26  # 64M non-zeros: 768 MB of float32 data + int64 indices at most
 NGRAMS = "ngrams"
@@ -95,6 +94,20 @@ def compute_stats(counts: sp.csr_matrix) -> dict[str, np.ndarray]:
             "successors": np.diff(indptr),
             "predecessors": np.bincount(np.asarray(counts.indices), minlength=n).astype(np.int64),
             "column_counts": column}
+
+
+def _graph_written(path: Path) -> tuple[set[str], re.Pattern]:
+    """The files a graph folder's manifest names, and the debris graphmax's own writers leave in one: n-gram tables
+    a replaced or dead ``add_ngrams`` left, and its manifest's temporary files (``remove_unreferenced``)."""
+    try:
+        files = {e["file"] for e in file_entries(json.loads((path / MANIFEST).read_bytes().decode("utf-8")))}
+    except (OSError, ValueError, RecursionError):
+        files = set()  # a manifest that changed since it was found graphmax's: it names nothing else as graphmax's
+    debris = re.compile(rf"({re.escape(NGRAMS)}(-[0-9a-f]{{12}})?|\.{re.escape(MANIFEST)}\.tmp-[0-9a-f]{{12}})(/.*)?")
+    return {MANIFEST, *files}, debris
+
+
+GRAPH = Artefact("graph", is_graph_folder, _graph_written)
 
 
 def new_ngram_folder() -> str:

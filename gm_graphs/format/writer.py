@@ -1,7 +1,7 @@
 """Writing a graph's arrays as they stream in, so that no array of the graph is ever held whole in memory.
 
-Counts arrive as sorted (key, count) ranges (``gm_graphs.count.runs``, or the Ray engine's merged partitions): the bigram
-counts a range of whole rows at a time, the n-gram tables a range of whole contexts at a time. Each array is one
+Counts arrive as sorted (key, count) ranges (``gm_graphs.count.runs``, or the Ray engine's merged partitions): the
+bigram counts a range of whole rows at a time, the n-gram tables a range of whole contexts at a time. Each array is one
 ``.npy`` file written in pieces; its header (whose shape is only known at the end) is written first with the same
 length and filled in at close, then the file is read back and hashed (by a thread pool, beside the next work).
 What is written does not depend on where the ranges were cut: shards split at row boundaries by ``shard_nnz``
@@ -10,7 +10,6 @@ alone and Parquet row groups hold ``ROW_GROUP`` rows, so every engine writes the
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -20,23 +19,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gm_graphs.format.graph_files import ngram_dtypes, sha256_file
+from gm_graphs.format.validate import ngram_range_problem
+from gm_graphs.store import npy
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 from gm_graphs.store.pagecache import DropBehind
-from gm_graphs.format.graph_files import ngram_dtypes, sha256_file
-from gm_graphs.format.validate import ngram_range_problem
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
 ROW_GROUP = 1 << 20  # rows per Parquet row group
-_HEADER_SHAPE = (2**62,)  # the widest shape a header is written for before its length is known
-
-
-def _header(dtype: np.dtype, length: int) -> bytes:
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                                               "shape": (length,)})
-    return buf.getvalue()
 
 
 class Hasher:
@@ -76,7 +68,7 @@ class NpyWriter:
         self.length = 0
         self._fh = open(self.path, "wb")
         self._out = DropBehind(self._fh)
-        self._out.write(_header(self.dtype, _HEADER_SHAPE[0]))
+        self._out.write(npy.write_header(self.dtype, npy.WIDEST))
         fault_point("write.array")
 
     def append(self, values: np.ndarray) -> None:
@@ -86,8 +78,8 @@ class NpyWriter:
 
     def close(self) -> Future | None:
         """The manifest entry (a Future: the file is hashed by the hasher's threads)."""
-        header = _header(self.dtype, self.length)
-        if len(header) != len(_header(self.dtype, _HEADER_SHAPE[0])):
+        header = npy.write_header(self.dtype, self.length)
+        if len(header) != len(npy.write_header(self.dtype, npy.WIDEST)):
             raise AssertionError(f"{self.path}: the .npy header changed length")  # numpy pads headers to 64 bytes
         self._fh.seek(0)
         self._fh.write(header)

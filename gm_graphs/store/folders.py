@@ -29,8 +29,9 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from gm_graphs.errors import GraphBusyError, GraphExistsError, GraphNameError, NotOwnedError, StorageError
@@ -40,9 +41,7 @@ NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")  # ≤ 200 characters: 
 MANIFEST = "manifest.json"
 GRAPH_FORMAT = "graphmax-graph"  # the manifest's "format": what makes a folder a graph graphmax wrote
 TEMP_MARKER = ".graphmax-temp"
-SPLIT_MARKER = ".graphmax-split"
 REPORT_MARKER = ".graphmax-report"
-DATASTORE_MARKER = ".graphmax-datastore"
 MAX_MANIFEST_BYTES = 64 << 20
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
@@ -142,46 +141,40 @@ def _is_marked(path: Path, marker: str) -> bool:
         return False
 
 
-def is_owned(path: Path, kind: str) -> bool:
-    """Whether graphmax wrote ``path`` as a ``kind`` ("graph", "split", "report" or "datastore") folder."""
-    if kind == "graph":
-        return is_graph_folder(path)
-    return _is_marked(path, {"split": SPLIT_MARKER, "report": REPORT_MARKER, "datastore": DATASTORE_MARKER}[kind])
+@dataclass(frozen=True)
+class Artefact:
+    """A kind of folder graphmax writes, and what tells that graphmax wrote one. Each writer passes its own to
+    :func:`check_replaceable` and :func:`staged_folder`, so this module knows no artefact's layout.
+
+    Args:
+        kind (``str``): its name in messages ("graph", "datastore", "split", "report").
+        owned (``Callable[[Path], bool]``): whether graphmax wrote the folder as one of these.
+        written (``Callable[[Path], tuple[set[str], re.Pattern | None]]`` or ``None``, defaults to ``None``): the
+            paths (relative to the folder) such a folder holds, and a pattern of names graphmax's own writers leave
+            behind there; ``None`` for kinds whose folders are never replaced whole.
+    """
+
+    kind: str
+    owned: Callable[[Path], bool]
+    written: Callable[[Path], tuple[set[str], re.Pattern | None]] | None = None
 
 
-def _written_names(path: Path, kind: str) -> tuple[set[str], re.Pattern | None] | None:
-    """The paths (relative to ``path``) a ``kind`` folder of graphmax's holds, and a pattern of names graphmax's
-    own writers leave behind there; None for kinds whose folders are never replaced whole."""
-    if kind == "graph":
-        from gm_graphs.format.graph_files import NGRAMS, file_entries  # storage imports this module
-
-        try:
-            files = {e["file"] for e in file_entries(json.loads((path / MANIFEST).read_bytes().decode("utf-8")))}
-        except (OSError, ValueError, RecursionError):
-            files = set()  # a manifest that changed since is_owned read it: it names nothing else as graphmax's
-        # n-gram tables a replaced or dead add_ngrams left, and its manifest's temporary files (remove_unreferenced)
-        debris = re.compile(rf"({re.escape(NGRAMS)}(-[0-9a-f]{{12}})?|\.{re.escape(MANIFEST)}\.tmp-[0-9a-f]{{12}})"
-                            rf"(/.*)?")
-        return {MANIFEST, *files}, debris
-    if kind == "datastore":
-        from gm_graphs.format.datastore import DATASTORE_FILES
-
-        return {DATASTORE_MARKER, *DATASTORE_FILES}, None
-    if kind == "split":
-        from gm_graphs.corpus.split import SIDES
-
-        return {SPLIT_MARKER, *(f"{side}.parquet" for side in SIDES)}, None
-    return None
+def marked(kind: str, marker: str, files: tuple[str, ...] | None = None) -> Artefact:
+    """The artefact whose folders hold the file ``marker``, and (``files``) only it and those."""
+    written = None if files is None else (lambda path: ({marker, *files}, None))
+    return Artefact(kind, lambda path: _is_marked(path, marker), written)
 
 
-def foreign_entry(path: Path, kind: str) -> str | None:
-    """The first file or folder inside ``path``, a ``kind`` folder graphmax wrote, that graphmax did not put there
-    (a user's notes, a licence), as a path relative to ``path``; None if there is none. Replacing the folder would
-    delete it."""
-    written = _written_names(path, kind)
-    if written is None:
+REPORT = marked("report", REPORT_MARKER)
+
+
+def foreign_entry(path: Path, artefact: Artefact) -> str | None:
+    """The first file or folder inside ``path``, a folder graphmax wrote as ``artefact``, that graphmax did not put
+    there (a user's notes, a licence), as a path relative to ``path``; None if there is none. Replacing the folder
+    would delete it."""
+    if artefact.written is None:
         return None
-    files, debris = written
+    files, debris = artefact.written(path)
     folders = {str(Path(f).parent) for f in files} - {"."}
     folders |= {str(p) for f in folders for p in Path(f).parents if str(p) != "."}
     for folder, dirs, names in os.walk(path):
@@ -201,18 +194,19 @@ def _describe(path: Path, kind: str) -> str:
     return f"{kind} folder {path}"
 
 
-def check_replaceable(target: Path, overwrite: bool, kind: str = "graph") -> None:
-    """Refuse a target that exists unless ``overwrite`` and graphmax wrote it as a ``kind`` folder."""
+def check_replaceable(target: Path, overwrite: bool, artefact: Artefact) -> None:
+    """Refuse a target that exists unless ``overwrite`` and graphmax wrote it as ``artefact``."""
     if not os.path.lexists(target):
         return
-    if not is_owned(target, kind):
+    kind = artefact.kind
+    if not artefact.owned(target):
         what = "a symlink" if os.path.islink(target) else ("a folder" if target.is_dir() else "a file")
         raise NotOwnedError(f"{target} exists and is {what} graphmax did not write as a {kind} (no graphmax "
                             f"{'manifest' if kind == 'graph' else 'marker'} in it); graphmax never replaces it: "
                             f"choose another {'name or --path' if kind == 'graph' else 'folder'}")
     if not overwrite:
         raise GraphExistsError(f"{_describe(target, kind)} already exists; choose another name or pass --overwrite")
-    foreign = foreign_entry(target, kind)
+    foreign = foreign_entry(target, artefact)
     if foreign is not None:
         raise NotOwnedError(f"{_describe(target, kind)} holds {foreign!r}, which graphmax did not write; replacing the "
                             f"folder would delete it, and graphmax never does: move it out, then run again")
@@ -389,7 +383,7 @@ def _stale_pattern(target: Path) -> re.Pattern:
     return re.compile(rf"\.{re.escape(target.name)}\.(tmp|old)-[0-9a-f]{{12}}")
 
 
-def clean_stale(target: Path, kind: str = "graph") -> None:
+def clean_stale(target: Path, artefact: Artefact) -> None:
     """Remove temporary and moved-aside folders of dead writers of ``target`` (call with its lock held).
 
     Only folders named like graphmax's and marked as its own (or empty) are touched; a moved-aside folder whose
@@ -403,11 +397,11 @@ def clean_stale(target: Path, kind: str = "graph") -> None:
         if not match or not entry.is_dir(follow_symlinks=False):
             continue
         path = Path(entry.path)
-        if match.group(1) == "old" and not os.path.lexists(target) and is_owned(path, kind):
+        if match.group(1) == "old" and not os.path.lexists(target) and artefact.owned(path):
             os.rename(path, target)
             fsync_dir(parent)
             continue
-        if _is_marked(path, TEMP_MARKER) or is_owned(path, kind) or not any(os.scandir(path)):
+        if _is_marked(path, TEMP_MARKER) or artefact.owned(path) or not any(os.scandir(path)):
             remove_tree(path)
 
 
@@ -459,7 +453,7 @@ def disk_errors(target: Path) -> Iterator[None]:
 
 
 @contextmanager
-def staged_folder(target: Path, *, overwrite: bool, kind: str = "graph") -> Iterator[Path]:
+def staged_folder(target: Path, *, overwrite: bool, artefact: Artefact) -> Iterator[Path]:
     """Yield a marked temporary sibling of ``target`` that atomically becomes ``target`` if the block succeeds.
 
     Holds ``target``'s lock throughout; refuses at once (before any work) a target that exists and is not
@@ -467,10 +461,10 @@ def staged_folder(target: Path, *, overwrite: bool, kind: str = "graph") -> Iter
     Disk-full errors become a one-line :class:`StorageError`.
     """
     target = Path(target)
-    check_replaceable(target, overwrite, kind)  # before the lock file: a refused target gets nothing beside it
+    check_replaceable(target, overwrite, artefact)  # before the lock file: a refused target gets nothing beside it
     with locked(target), disk_errors(target):
-        check_replaceable(target, overwrite, kind)
-        clean_stale(target, kind)
+        check_replaceable(target, overwrite, artefact)
+        clean_stale(target, artefact)
         tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             os.mkdir(tmp)
@@ -478,7 +472,7 @@ def staged_folder(target: Path, *, overwrite: bool, kind: str = "graph") -> Iter
             fault_point("stage.created")
             yield tmp
             fault_point("stage.filled")
-            check_replaceable(target, overwrite, kind)  # again: a user may have put something there meanwhile
+            check_replaceable(target, overwrite, artefact)  # again: a user may have put something there meanwhile
             os.unlink(tmp / TEMP_MARKER)
             sync_tree(tmp)
             fault_point("stage.unmarked")

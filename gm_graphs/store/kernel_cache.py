@@ -35,8 +35,8 @@ except ImportError:  # checked in _stamp_with_all_sources
 
 # the folders of graphmax's kernel modules, and of the modules whose constants and functions they compile in
 _ROOT = Path(__file__).resolve().parents[2]
-_PACKAGES = tuple(sorted({path.parent for package in ("gm_graphs", "gm_solver") for path in (_ROOT / package).rglob("*.py")
-                          if "__pycache__" not in path.parts}))
+_PACKAGES = tuple(sorted({path.parent for package in ("gm_graphs", "gm_solver")
+                          for path in (_ROOT / package).rglob("*.py") if "__pycache__" not in path.parts}))
 # numba's locators, in numba's order: NUMBA_CACHE_DIR, then the sources' __pycache__, then the user's cache folder
 # (named with a leading underscore in older numba, e.g. 0.59)
 _NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")

@@ -1,4 +1,4 @@
-"""The header of a ``.npy`` file from an untrusted folder, read without numpy's header parser.
+"""The header of a ``.npy`` file: written as numpy writes it, and read from an untrusted folder without numpy's parser.
 
 numpy parses a header with ``ast.literal_eval`` (and ``tokenize`` on failure): a crafted header of a few
 kilobytes makes it raise exceptions no caller expects (``tokenize.TokenError``, ``MemoryError`` from the
@@ -9,6 +9,7 @@ refuses anything else with one ``ValueError``.
 
 from __future__ import annotations
 
+import io
 import re
 import struct
 from typing import BinaryIO
@@ -69,3 +70,13 @@ def read_header(fh: BinaryIO) -> tuple[np.dtype, tuple[int, ...], bool]:
         raise ValueError(f"its header names an unknown type {match['descr']!r}") from None
     shape = tuple(int(s) for s in match["shape"].replace(",", " ").split())
     return dtype, shape, match["fortran"] == "True"
+
+WIDEST = 2**62  # the length a header is written for before the array's length is known: its header is the longest
+
+
+def write_header(dtype: np.dtype, length: int) -> bytes:
+    """The header numpy writes for a 1-D little-endian array of ``length`` values of ``dtype`` (format 1.0)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                               "shape": (length,)})
+    return buf.getvalue()

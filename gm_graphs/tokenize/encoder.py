@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from gm_graphs.corpus import bundled
-from gm_graphs.tokenize.bytelevel import WordCache, cacheable
 from gm_graphs.errors import TokenizerError
+from gm_graphs.tokenize.bytelevel import WordCache, cacheable
 
 # A name that resolves to the tokenizer inside the bundled SmolLM2 GGUF file.
 BUNDLED_ALIASES = {"smollm2": bundled.smollm2_gguf}
