@@ -257,7 +257,7 @@ def main() -> None:
     args = ap.parse_args()
     import pyarrow.parquet as pq
 
-    from gm_graphs.corpus import bundled
+    from gm_graphs import bundled
     from gm_graphs.corpus.read import expand_corpus
 
     files = [str(f) for f in expand_corpus(args.corpus)]

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor
 
-from gm_graphs.corpus import bundled
+from gm_graphs import bundled
 from gm_graphs.corpus.read import expand_corpus, iter_documents
 from gm_solver import (
     DIVERGENCES,

@@ -104,7 +104,7 @@ class Model:
 
 def real_documents() -> tuple[list[str], list[dict]]:
     """The bundled corpora's documents (cleaned as graphmax reads them), and where they came from."""
-    from gm_graphs.corpus import bundled
+    from gm_graphs import bundled
     from gm_graphs.corpus.read import expand_corpus, iter_documents
     from gm_graphs.format.graph_files import sha256_file
 

@@ -475,7 +475,7 @@ def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", 
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import write_datastore
+        >>> from gm_graphs.format.datastore import write_datastore
         >>> tok = {"name": "t", "vocab_size": 3, "vocab_sha256": "0" * 64}
         >>> path = write_datastore(Path(tempfile.mkdtemp()) / "ds", [(np.eye(3, 4), np.array([2, 0, 1]))], dim=4,
         ...                        tokenizer=tok, model="m", model_sha256="1" * 64, positions=8, documents=1)
@@ -506,7 +506,7 @@ def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0,
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import write_datastore
+        >>> from gm_graphs.format.datastore import write_datastore
         >>> tok = {"name": "t", "vocab_size": 5, "vocab_sha256": "0" * 64}
         >>> keys = np.random.default_rng(0).normal(size=(200, 8))
         >>> path = write_datastore(Path(tempfile.mkdtemp()) / "ds", [(keys, np.arange(200) % 5)], dim=8,

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-from gm_graphs import add_ngrams, build_graph, graph_path, load_graph
-from gm_graphs.corpus import bundled
+from gm_graphs import add_ngrams, build_graph, bundled, graph_path, load_graph
 from gm_graphs.count.ngrams import ORDERS as NGRAM_ORDERS
 from gm_graphs.errors import GraphFormatError
 from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor

@@ -19,8 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from gm_graphs import Graph, add_ngrams, count_corpus, split_corpus, write_graph
-from gm_graphs.corpus import bundled
+from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
 from gm_graphs.store.folders import claim_folder
 from gm_solver import (
     ContextConfig,

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gm_graphs import GraphmaxError
-from gm_graphs.corpus import bundled
+from gm_graphs import GraphmaxError, bundled
 
 DEFAULT_MODEL = "smollm2"
 

@@ -75,8 +75,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def drug_graph(tmp_path_factory, smollm2_tokenizer):
-    from gm_graphs import build_graph
-    from gm_graphs.corpus import bundled
+    from gm_graphs import build_graph, bundled
 
     out = tmp_path_factory.mktemp("graphs") / "drugs"
     return build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, path=out, text_column="review",

@@ -195,7 +195,7 @@ def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_fi
 
 
 def test_real_drug_reviews_with_the_real_smollm2_tokenizer(drug_graph, smollm2_tokenizer):
-    from gm_graphs.corpus import bundled
+    from gm_graphs import bundled
     from gm_graphs.corpus.read import expand_corpus, iter_documents
 
     expected = Counter()

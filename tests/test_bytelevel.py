@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs.corpus import bundled
+from gm_graphs import bundled
 from gm_graphs.corpus.read import expand_corpus, iter_documents
 from gm_graphs.tokenize.bytelevel import KNOWN, WordCache, _byte_symbols, cacheable, split_words
 from gm_graphs.tokenize.encoder import BatchEncoder, word_tokenizer

@@ -177,7 +177,7 @@ def test_corpus_with_no_documents(tmp_path):
 
 
 def test_real_drug_reviews_zip_reads_all_979_reviews():
-    from gm_graphs.corpus import bundled
+    from gm_graphs import bundled
 
     stats = ReadStats()
     docs = _read(bundled.drug_reviews_zip(), text_column="review", clean=True, stats=stats)
@@ -186,7 +186,7 @@ def test_real_drug_reviews_zip_reads_all_979_reviews():
 
 
 def test_real_news_articles_zip_reads_the_3788_articles_with_text():
-    from gm_graphs.corpus import bundled
+    from gm_graphs import bundled
 
     stats = ReadStats()
     docs = _read(bundled.news_articles_zip(), stats=stats)

@@ -160,10 +160,10 @@ def test_a_hostile_datastore_folder_is_one_line_error(tmp_path, damage):
 
 def test_a_datastore_larger_than_the_memory_left_is_refused_before_it_is_read(tmp_path, monkeypatch):
     path = _write(tmp_path / "ds", *_random(np.random.default_rng(0)))
-    monkeypatch.setattr(gm_graphs.format.datastore, "_available_memory", lambda: 100)  # keys.npy holds 608 bytes
+    monkeypatch.setattr(gm_graphs.store.reader, "available_memory", lambda: 100)  # keys.npy holds 608 bytes
     with pytest.raises(DatastoreError, match=r"keys.npy needs 0.00 GB of memory to load, and 0.00 GB is available"):
         dsmod.load_datastore(path)
-    monkeypatch.setattr(gm_graphs.format.datastore, "_available_memory", lambda: None)  # unknown: read it
+    monkeypatch.setattr(gm_graphs.store.reader, "available_memory", lambda: None)  # unknown: read it
     assert len(dsmod.load_datastore(path)) == 40
 
 

@@ -13,8 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import load_graph
-from gm_graphs.corpus import bundled
+from gm_graphs import bundled, load_graph
 from gm_solver import (
     ContextGraphmaxLogitsProcessor,
     GraphmaxLogitsProcessor,

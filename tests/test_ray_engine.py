@@ -19,9 +19,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from gm_graphs import build_graph
+from gm_graphs import build_graph, bundled
 from gm_graphs.build.ray_engine import EngineError
-from gm_graphs.corpus import bundled
 from gm_graphs.errors import CorpusError, OptionError
 
 from .conftest import make_docs, write_jsonl

@@ -41,6 +41,7 @@ class ReadStats:
         >>> tmp = tempfile.TemporaryDirectory()
         >>> corpus = Path(tmp.name) / "reviews.txt"
         >>> _ = corpus.write_text("great film\\n\\ndull\\n")
+        >>> from gm_graphs import iter_documents
         >>> stats = ReadStats()
         >>> batches = list(iter_documents([corpus], stats=stats))
         >>> stats.documents, stats.empty_skipped

@@ -27,7 +27,6 @@ non-negative and to sum to the number of keys (each position's softmax sums to 1
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -43,6 +42,7 @@ from gm_graphs.format.validate import is_sha256
 from gm_graphs.store import npy
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import check_replaceable, marked, staged_folder
+from gm_graphs.store.reader import RecordedFile, open_inside
 
 FORMAT = "graphmax-datastore"
 VERSION = 2  # 2: model_sha256 covers every parameter, not the LM head alone
@@ -391,26 +391,8 @@ def _checked_tokenizer(t: object) -> dict | None:
     return {"name": str(t.get("name", "")), "vocab_size": int(t["vocab_size"]), "vocab_sha256": t["vocab_sha256"]}
 
 
-def _open_regular(root: Path, name: str):
-    """``root/name`` opened for reading if it is a regular file (a symlink, folder or device is refused)."""
-    # lstat first: opening a device node can act on the device (a tape rewinds); fstat below catches a swap
-    try:
-        if not stat.S_ISREG(os.lstat(root / name).st_mode):
-            raise _bad(root, f"{name} is not a regular file")
-    except OSError as e:
-        raise _bad(root, f"cannot open {name} ({e.strerror})") from None
-    try:
-        fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise _bad(root, f"cannot open {name} ({e.strerror}; a symlink is refused)") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise _bad(root, f"{name} is not a regular file")
-    return os.fdopen(fd, "rb")
-
-
 def _read_meta(root: Path) -> dict:
-    with _open_regular(root, META) as fh:
+    with os.fdopen(open_inside(root, META, lambda what: _bad(root, what)), "rb") as fh:
         if os.fstat(fh.fileno()).st_size > _MAX_META:
             raise _bad(root, f"{META} is larger than {_MAX_META} bytes")
         try:
@@ -445,47 +427,8 @@ def _read_meta(root: Path) -> dict:
     return meta
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory the kernel can give without swapping (Linux' MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _open_array(root: Path, name: str, dtype: np.dtype, length: int, entry: dict, verify: bool) -> np.ndarray:
-    with _open_regular(root, name) as fh:
-        st = os.fstat(fh.fileno())
-        if st.st_size != entry["bytes"]:
-            raise _bad(root, f"{name} has {st.st_size} bytes, {META} says {entry['bytes']} (truncated or replaced)")
-        try:
-            found, shape, fortran = npy.read_header(fh)
-        except ValueError as e:
-            raise _bad(root, f"{name} is not a .npy array ({e})") from None
-        if found != dtype or fortran or shape != (length,):
-            raise _bad(root, f"{name} holds {found.str} of shape {shape}; expected {dtype.str} of shape ({length},)")
-        offset = fh.tell()
-        if offset + length * dtype.itemsize != st.st_size:
-            raise _bad(root, f"{name}: {length} values do not fill its {st.st_size} bytes")
-        # read once into memory through the descriptor checked above, and hash and use those bytes: a file
-        # replaced or truncated afterwards cannot change what was checked (nor fault a memory map)
-        fh.seek(0)
-        available = _available_memory()
-        if available is not None and st.st_size > available:
-            raise _bad(root, f"{name} needs {st.st_size / 1e9:.2f} GB of memory to load, and {available / 1e9:.2f} GB "
-                             f"is available (sizes as {META} declares them); free memory or load it on a larger "
-                             f"machine")
-        try:
-            raw = bytearray(st.st_size)
-        except MemoryError:
-            raise _bad(root, f"{name} needs {st.st_size / 1e9:.2f} GB of memory to load, more than this process "
-                             f"can allocate; free memory or load it on a larger machine") from None
-        if fh.readinto(raw) != st.st_size:
-            raise _bad(root, f"{name} changed while it was read")
-        if verify and hashlib.sha256(raw).hexdigest() != entry["sha256"]:
-            raise _bad(root, f"{name} fails its SHA-256 checksum (corrupted)")
-        return np.frombuffer(raw, dtype=dtype, count=length, offset=offset)
+    # read into memory through the checked descriptor: see RecordedFile.read
+    with RecordedFile(root, name, entry["bytes"], lambda what: _bad(root, what), META) as f:
+        f.read_header((dtype,), length)
+        return f.read(entry["sha256"] if verify else None)

@@ -44,9 +44,10 @@ import scipy.sparse as sp
 from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import validate
 from gm_graphs.format.validate import FORMAT_VERSION, NGRAM_PARTS, STATS
-from gm_graphs.store import npy, pagecache, verified
+from gm_graphs.store import pagecache, verified
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, Artefact, fsync_dir, is_graph_folder
+from gm_graphs.store.reader import RecordedFile
 
 DEFAULT_SHARD_NNZ = 1 << 26  # 64M non-zeros: 768 MB of float32 data + int64 indices at most
 NGRAMS = "ngrams"
@@ -168,7 +169,7 @@ def remove_unreferenced(root: Path, manifest: dict) -> None:
 # ---- reading ------------------------------------------------------------------------------------------------------
 
 def _fail(root: Path, what: str) -> GraphFormatError:
-    return validate._fail(root, what)
+    return validate.fail(root, what)
 
 
 def read_manifest(root: Path) -> dict:
@@ -199,92 +200,18 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
-class _Opened:
-    """One ``.npy`` file opened safely: its descriptor, identity, dtype and shape."""
+class _Opened(RecordedFile):
+    """One file of a graph folder opened safely (``gm_graphs.store.reader``), with its identity for the
+    verification cache."""
 
     def __init__(self, root: Path, real_root: str, entry: dict, dtypes: tuple | None):
         rel = entry["file"]
         validate.check_relative(root, rel, "file")
-        parts = rel.split("/")
-        self.rel, self.entry = rel, entry
-        fd = _open_inside(root, parts)
-        try:
-            st = os.fstat(fd)
-            if st.st_size != entry["bytes"]:
-                raise _fail(root, f"{rel} has {st.st_size} bytes, the manifest says {entry['bytes']} "
-                                  f"(truncated or replaced)")
-            self.fh = os.fdopen(fd, "rb")
-        except BaseException:
-            os.close(fd)
-            raise
-        self.dtype = None  # a file that is not an array (Parquet): checked by size and SHA-256 only
-        try:
-            if dtypes is not None:
-                self._read_header(root, dtypes, st.st_size)
-        except BaseException:
-            self.fh.close()
-            raise
-        self.identity = verified.FileIdentity.of(os.path.join(real_root, *parts), st, entry["sha256"])
-
-    def _read_header(self, root: Path, dtypes: tuple, size: int) -> None:
-        try:
-            dtype, shape, fortran = npy.read_header(self.fh)
-        except ValueError as e:
-            raise _fail(root, f"{self.rel} is not a .npy array ({e})") from None
-        if dtype not in dtypes:
-            raise _fail(root, f"{self.rel} holds {dtype.str} values, expected {' or '.join(d.str for d in dtypes)}")
-        if fortran or len(shape) != 1:  # npy.read_header gives a tuple of ints
-            raise _fail(root, f"{self.rel} has shape {shape}, the format stores 1-D arrays")
-        self.offset, self.dtype, self.length = self.fh.tell(), dtype, int(shape[0])
-        if self.offset + self.length * dtype.itemsize != size:
-            raise _fail(root, f"{self.rel}: {self.length} values of {dtype.str} do not fill its {size} bytes")
-
-    def array(self) -> np.ndarray:
-        if self.length == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.memmap(self.fh, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.length,))
-
-    def sha256(self) -> str:
-        self.fh.seek(0)
-        return hashlib.file_digest(self.fh, "sha256").hexdigest()
-
-    def close(self) -> None:
-        self.fh.close()
-
-
-def _open_inside(root: Path, parts: list[str]) -> int:
-    """A read descriptor of root/parts…, following no symlink on the way and accepting only a regular file."""
-    try:
-        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise GraphFormatError(f"cannot open the graph folder {root}: {e.strerror}") from None
-    try:
-        for i, part in enumerate(parts):
-            where = "/".join(parts[:i + 1])
-            try:
-                st = os.stat(part, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                raise GraphFormatError(f"graph {root}: {where} is missing; {validate.REBUILD}") from None
-            last = i == len(parts) - 1
-            if stat.S_ISLNK(st.st_mode):
-                raise _fail(root, f"{where} is a symlink; graph files must be inside the folder")
-            if last and not stat.S_ISREG(st.st_mode):
-                raise _fail(root, f"{where} is not a regular file")
-            if not last and not stat.S_ISDIR(st.st_mode):
-                raise _fail(root, f"{where} is not a folder")
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
-            try:
-                fd = os.open(part, flags, dir_fd=dir_fd)
-            except OSError as e:
-                raise _fail(root, f"cannot open {where} ({e.strerror})") from None
-            os.close(dir_fd)
-            dir_fd = fd
-            if last and not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
-                raise _fail(root, f"{where} is not a regular file")
-        return dir_fd
-    except BaseException:
-        os.close(dir_fd)
-        raise
+        super().__init__(root, rel, entry["bytes"], lambda what: validate.fail(root, what), "the manifest")
+        self.entry = entry
+        if dtypes is not None:  # else a file that is not an array (Parquet): checked by size and SHA-256 only
+            self.read_header(dtypes)
+        self.identity = verified.FileIdentity.of(os.path.join(real_root, *rel.split("/")), self.stat, entry["sha256"])
 
 
 class GraphFiles:
@@ -312,7 +239,7 @@ class GraphFiles:
                         raise GraphFormatError(f"graph {self.root}: {o.rel} fails its SHA-256 checksum "
                                                f"(corrupted); {validate.REBUILD}")
                     verified.remember("sha256", {}, [o.identity])
-            arrays = {part: o.array() for part, o in opened.items() if o.dtype is not None}
+            arrays = {part: o.memmap() for part, o in opened.items() if o.dtype is not None}
             ids = [o.identity for o in opened.values()]
             if arrays and not verified.is_verified(kind, context, ids):
                 if not (self._trusted and kind == "ngrams"):  # NgramWriter checked them range by range

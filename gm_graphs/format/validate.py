@@ -35,7 +35,8 @@ _SHA = re.compile(r"[0-9a-f]{64}")
 MAX_INDEX = 2**31 - 1  # vocabularies and rows fit int32 node ids
 
 
-def _fail(root, what: str) -> GraphFormatError:
+def fail(root, what: str) -> GraphFormatError:
+    """The one-line error of a damaged graph folder, naming it and the fix."""
     return GraphFormatError(f"graph {root}: {what}; {REBUILD}")
 
 
@@ -68,7 +69,7 @@ class _Schema:
         if not ok:
             shown = repr(value)
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise _fail(self.root, f"manifest field {where} should be {expected}, got {shown}")
+            raise fail(self.root, f"manifest field {where} should be {expected}, got {shown}")
 
     def dict(self, d: dict, key: str, where: str, optional: bool = False):
         if optional and key not in d:
@@ -111,7 +112,7 @@ def check_relative(root, name: str, where: str) -> None:
     bad = (not name or len(name) > 1024 or name.startswith("/") or "\\" in name or "\0" in name
            or any(p in ("", ".", "..") for p in parts) or not name.isprintable())
     if bad:
-        raise _fail(root, f"manifest {where} names {name[:80]!r}, which is not a path inside the graph folder")
+        raise fail(root, f"manifest {where} names {name[:80]!r}, which is not a path inside the graph folder")
 
 
 def check_manifest(root, m) -> None:
@@ -352,41 +353,41 @@ def check_csr(root, what: str, indptr: np.ndarray, indices: np.ndarray, data: np
               nnz: int, counts: bool) -> None:
     """One CSR shard of ``rows`` rows over ``n`` columns with ``nnz`` entries: counts ≥ 1, or weights finite ≥ 0."""
     if indptr.dtype != indices.dtype:
-        raise _fail(root, f"{what}: indptr is {indptr.dtype} but indices is {indices.dtype} (they must agree)")
+        raise fail(root, f"{what}: indptr is {indptr.dtype} but indices is {indices.dtype} (they must agree)")
     if indptr.shape != (rows + 1,):
-        raise _fail(root, f"{what}: indptr has {indptr.shape[0]} entries for {rows} rows (expected {rows + 1})")
+        raise fail(root, f"{what}: indptr has {indptr.shape[0]} entries for {rows} rows (expected {rows + 1})")
     if indices.shape != (nnz,) or data.shape != (nnz,):
-        raise _fail(root, f"{what}: indices/data have {indices.shape[0]}/{data.shape[0]} entries, the manifest says "
+        raise fail(root, f"{what}: indices/data have {indices.shape[0]}/{data.shape[0]} entries, the manifest says "
                           f"nnz = {nnz}")
     code, pos = _csr_problem(indptr, indices, n)
     if code:
-        raise _fail(root, f"{what}: {_CSR_PROBLEMS[code]} (at position {pos})")
+        raise fail(root, f"{what}: {_CSR_PROBLEMS[code]} (at position {pos})")
     pos = _scan(_first_below, data, 1) if counts else _scan(_first_not_finite_or_negative, data)
     if pos >= 0:
-        raise _fail(root, f"{what}: entry {pos} is {data[pos].item()!r}, "
+        raise fail(root, f"{what}: entry {pos} is {data[pos].item()!r}, "
                           f"{'counts must be >= 1' if counts else 'weights must be finite and >= 0'}")
 
 
 def check_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n_contexts: int, entries: int) -> None:
     what = f"the {order}-gram table"
     if indptr.dtype != counts.dtype:
-        raise _fail(root, f"{what}: indptr is {indptr.dtype} but counts is {counts.dtype} (they must agree)")
+        raise fail(root, f"{what}: indptr is {indptr.dtype} but counts is {counts.dtype} (they must agree)")
     if contexts.shape != (n_contexts,) or indptr.shape != (n_contexts + 1,):
-        raise _fail(root, f"{what}: {contexts.shape[0]} contexts and {indptr.shape[0]} indptr entries, the manifest "
+        raise fail(root, f"{what}: {contexts.shape[0]} contexts and {indptr.shape[0]} indptr entries, the manifest "
                           f"says {n_contexts} contexts")
     if nxt.shape != (entries,) or counts.shape != (entries,):
-        raise _fail(root, f"{what}: next/counts have {nxt.shape[0]}/{counts.shape[0]} entries, the manifest says "
+        raise fail(root, f"{what}: next/counts have {nxt.shape[0]}/{counts.shape[0]} entries, the manifest says "
                           f"{entries}")
     pos = _scan(_first_not_ascending, contexts, n ** (order - 1), overlap=1)
     if pos >= 0:
-        raise _fail(root, f"{what}: context {pos} is not above the previous one or not below N^{order - 1}")
+        raise fail(root, f"{what}: context {pos} is not above the previous one or not below N^{order - 1}")
     code, pos = _csr_problem(indptr, nxt, n)
     if code:
         problem = _CSR_PROBLEMS[code].replace("a column index", "a next token")
-        raise _fail(root, f"{what}: {problem} (at position {pos})")
+        raise fail(root, f"{what}: {problem} (at position {pos})")
     pos = _scan(_first_below, counts, 1)
     if pos >= 0:
-        raise _fail(root, f"{what}: count {pos} is {counts[pos]}; counts must be >= 1")
+        raise fail(root, f"{what}: count {pos} is {counts[pos]}; counts must be >= 1")
 
 
 def ngram_range_problem(order: int, contexts, nxt, counts, n: int, after: int) -> str | None:
@@ -409,26 +410,26 @@ def check_stats(root, stats: dict[str, np.ndarray], n: int, nnz: int, total: int
     """The per-node arrays: N long, ≥ 0, and consistent with the counts' nnz and total."""
     for name, a in stats.items():
         if a.shape != (n,):
-            raise _fail(root, f"stats/{name} has shape {a.shape}, expected ({n},)")
+            raise fail(root, f"stats/{name} has shape {a.shape}, expected ({n},)")
         pos = _first_below(a, 0)
         if pos >= 0:
-            raise _fail(root, f"stats/{name}[{pos}] is {a[pos]}; the stats are >= 0")
+            raise fail(root, f"stats/{name}[{pos}] is {a[pos]}; the stats are >= 0")
     succ, pred = stats["successors"], stats["predecessors"]
     rows, cols = stats["row_counts"], stats["column_counts"]
     if int(succ.sum()) != nnz or int(pred.sum()) != nnz:
-        raise _fail(root, f"stats: successors and predecessors sum to {int(succ.sum())} and {int(pred.sum())}, "
+        raise fail(root, f"stats: successors and predecessors sum to {int(succ.sum())} and {int(pred.sum())}, "
                           f"the counts have {nnz} non-zeros")
     if int(rows.sum()) != total or int(cols.sum()) != total:
-        raise _fail(root, f"stats: row and column counts sum to {int(rows.sum())} and {int(cols.sum())}, the corpus "
+        raise fail(root, f"stats: row and column counts sum to {int(rows.sum())} and {int(cols.sum())}, the corpus "
                           f"has {total} bigrams")
     if int(succ.max(initial=0)) > n or int(pred.max(initial=0)) > n or bool(np.any(rows < succ)) \
             or bool(np.any((succ == 0) != (rows == 0))):
-        raise _fail(root, "stats: a node's successors exceed N or its row count, or a row count has no successors")
+        raise fail(root, "stats: a node's successors exceed N or its row count, or a row count has no successors")
 
 
 def check_row_mass(root, what: str, kept: np.ndarray, n: int) -> None:
     if kept.shape != (n,):
-        raise _fail(root, f"{what} has shape {kept.shape}, expected ({n},)")
+        raise fail(root, f"{what} has shape {kept.shape}, expected ({n},)")
     pos = _first_not_finite_or_negative(kept)
     if pos >= 0 or (kept.size and float(kept.max()) > 1.0 + 1e-5):
-        raise _fail(root, f"{what} holds values outside [0, 1]")
+        raise fail(root, f"{what} holds values outside [0, 1]")
