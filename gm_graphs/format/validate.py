@@ -11,6 +11,7 @@ on (so checking a graph of any size holds a window of it), run once per file ide
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import mmap
 import re
@@ -205,39 +206,16 @@ def check_shards(s: _Schema, shards, where: str, n: int) -> list[dict]:
     return shards
 
 
+MAX_DECODER_BYTES = 64 << 10  # a stored decoder choice is a few settings: far below this
+
+
 def check_decoder(root, d) -> None:
-    """The choice ``graphmax tune`` stored: the types the processors read (their own checks do the ranges)."""
+    """The decoder choice stored with the graph: a JSON object of at most ``MAX_DECODER_BYTES``. Its fields are
+    gm_solver's to read and check (``gm_solver.DecoderChoice``); the graph folder only carries it."""
     s = _Schema(root)
     s.need(isinstance(d, dict), "decoder", "an object", d)
-    if "mode" in d:
-        s.need(d["mode"] in ("paper", "context"), "decoder.mode", "'paper' or 'context'", d["mode"])
-    for key in ("lam", "kl_share", "discount", "kappa", "alpha", "lam_decay"):
-        if key in d:
-            s.need(_is_number(d[key]), f"decoder.{key}", "a finite number", d[key])
-    for key in ("divergence", "smoothing"):
-        if key in d:
-            s.need(isinstance(d[key], str), f"decoder.{key}", "a string", d[key])
-    if "ngram_order" in d:
-        s.need(_is_int(d["ngram_order"]), "decoder.ngram_order", "an integer", d["ngram_order"])
-    if "order_weights" in d:
-        w = d["order_weights"]
-        s.need(isinstance(w, list) and 0 < len(w) <= 16 and all(_is_number(x) for x in w), "decoder.order_weights",
-               "a list of numbers", w)
-    if "knn" in d:  # a kNN datastore's settings, tuned with the datastore whose keys have this SHA-256
-        knn = d["knn"]
-        s.need(isinstance(knn, dict), "decoder.knn", "an object", knn)
-        ranges = {"knn_weight": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-                  "knn_temperature": (lambda v: v > 0, "a finite number > 0"),
-                  "lam": (lambda v: v >= 0, "a finite number >= 0")}
-        for key, (ok, what) in ranges.items():
-            s.need(_is_number(knn.get(key)) and ok(knn[key]), f"decoder.knn.{key}", what, knn.get(key))
-        s.need(_is_int(knn.get("knn_k")) and knn["knn_k"] >= 1, "decoder.knn.knn_k", "an integer >= 1",
-               knn.get("knn_k"))
-        if "marginal_weight" in knn:  # graphs tuned before datastores kept marginals have none
-            s.need(_is_number(knn["marginal_weight"]) and 0 <= knn["marginal_weight"] <= 10,
-                   "decoder.knn.marginal_weight", "a number in [0, 10]", knn["marginal_weight"])
-        sha = knn.get("datastore_sha256")
-        s.need(is_sha256(sha), "decoder.knn.datastore_sha256", "64 hex digits", sha)
+    size = len(json.dumps(d, ensure_ascii=False).encode("utf-8"))
+    s.need(size <= MAX_DECODER_BYTES, "decoder", f"at most {MAX_DECODER_BYTES:,} bytes of JSON", f"{size:,} bytes")
 
 
 # ---- the arrays ---------------------------------------------------------------------------------------------------
