@@ -11,11 +11,10 @@
     conversions are written to a temporary folder).
 (b) Merging sorted runs of (key, count), as the n-gram count writes them when its table outgrows memory:
     runs are the 4-gram counts of successive chunks of the corpus (real SmolLM2 ids), each sorted and
-    unique. Today's paths: ``gm_graphs.count.ngrams._merge_runs`` (range by range from memory-mapped .npy runs,
-    bounded memory, writes the final table), an in-memory fold of all runs (concatenate + unique +
-    bincount: ``_fold``), and a numba pairwise sorted merge (``counts._merge_sorted``); against a Polars
-    ``group_by(key).agg(sum)`` + ``sort(key)`` on the streaming engine, from Parquet and from IPC runs,
-    collected into memory and sunk to a Parquet file.
+    unique. graphmax's path: ``gm_graphs.count.runs.SortedRuns`` (packed runs on disk, merged range by range
+    with bounded memory, as a build merges its tables); an in-memory fold of all runs (concatenate + unique +
+    bincount); against a Polars ``group_by(key).agg(sum)`` + ``sort(key)`` on the streaming engine, from
+    Parquet and from IPC runs, collected into memory and sunk to a Parquet file.
 
 Every measurement runs in a fresh subprocess, so its peak RSS (VmHWM, imports included) is its own.
 Throughput is documents/s or input entries/s, timed after the imports.
@@ -102,28 +101,25 @@ def _merge(method: str, work: str) -> dict:
     meta = json.loads((work / "runs.json").read_text())
     n, vocab = meta["runs"], meta["vocab_size"]
     out: dict = {}
-    if method == "graphmax-merge-runs":
-        from gm_graphs.count.ngrams import _merge_runs
+    if method == "graphmax-sorted-runs":
+        from gm_graphs.count.runs import SortedRuns, repack
 
         t0 = time.perf_counter()
-        runs = [(np.load(work / f"run{i}-keys.npy", mmap_mode="r"), np.load(work / f"run{i}-counts.npy",
-                                                                              mmap_mode="r")) for i in range(n)]
-        table = _merge_runs(runs, 4, vocab, work / "out-merge-runs", meta["run_entries"])
-        out["distinct"] = table.entries
-        out["total"] = int(np.asarray(table.counts).sum())
-    elif method in ("numpy-fold", "numba-merge"):
-        from gm_graphs.count.bigrams import _merge_sorted
-        from gm_graphs.count.ngrams import _fold
-
+        runs = SortedRuns(4, vocab, meta["run_entries"], work / "sorted-runs")
+        for i in range(n):
+            counts = np.load(work / f"run{i}-counts.npy")
+            runs.add_run(repack(np.load(work / f"run{i}-keys.npy"), counts, runs.bits), int(counts.sum()))
+        out["distinct"] = out["total"] = 0
+        for keys, counts in runs.ranges():
+            out["distinct"] += int(keys.size)
+            out["total"] += int(counts.sum())
+        runs.remove()
+    elif method == "numpy-fold":
         t0 = time.perf_counter()
-        runs = [(np.load(work / f"run{i}-keys.npy"), np.load(work / f"run{i}-counts.npy")) for i in range(n)]
-        if method == "numpy-fold":
-            keys, counts = _fold([k for k, _ in runs], [c for _, c in runs])
-        else:
-            while len(runs) > 1:  # pairwise, as a balanced tree: each entry is moved log2(runs) times
-                runs = [_merge_sorted(*runs[i], *runs[i + 1]) if i + 1 < len(runs) else runs[i]
-                        for i in range(0, len(runs), 2)]
-            keys, counts = runs[0]
+        keys = np.concatenate([np.load(work / f"run{i}-keys.npy") for i in range(n)])
+        counts = np.concatenate([np.load(work / f"run{i}-counts.npy") for i in range(n)])
+        keys, inverse = np.unique(keys, return_inverse=True)
+        counts = np.bincount(inverse, weights=counts, minlength=keys.size).astype(np.int64)
         out["distinct"] = int(keys.size)
         out["total"] = int(counts.sum())
     else:
@@ -308,10 +304,9 @@ def main() -> None:
                   f"(made in {time.perf_counter() - t:.0f} s; writing them took npy {w['npy']:.1f} s, "
                   f"Parquet {w['parquet']:.1f} s, IPC {w['ipc']:.1f} s)")
             print(f"{'method':<46} {'distinct':>12} {'seconds':>8} {'entries/s':>12} {'peak RSS MB':>12} "
-                  f"{'× merge_runs':>13}")
-            methods = [("graphmax-merge-runs", "graphmax _merge_runs (ranges, .npy mmaps → table)"),
+                  f"{'× SortedRuns':>13}")
+            methods = [("graphmax-sorted-runs", "graphmax SortedRuns (runs on disk → ranges)"),
                        ("numpy-fold", "numpy fold in memory (unique + bincount)"),
-                       ("numba-merge", "numba pairwise sorted merge in memory"),
                        ("polars-parquet-collect", "polars group_by+sort, Parquet runs → memory"),
                        ("polars-parquet-sink", "polars group_by+sort, Parquet runs → Parquet"),
                        ("polars-ipc-collect", "polars group_by+sort, IPC runs → memory"),
