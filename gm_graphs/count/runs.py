@@ -71,9 +71,7 @@ class Run:
             out[:] = self.data[a:b]
             return
         view = memoryview(out).cast("B")
-        # opened for each read: a descriptor kept open across ranges grew the kernel's readahead to 8 MB per run,
-        # read beyond the range and cached: at 4M documents 3.4–5.0 s and 2.9–4.7 s of system CPU to read the
-        # runs, against 1.5 s and 0.9 s opened each time
+        # opened for each read: a descriptor kept open grows the kernel's readahead past the range (benchmarks/build.py)
         with open(self.path, "rb", buffering=0) as fh:
             done = 0
             while done < len(view):

@@ -1,12 +1,11 @@
 """Streaming big files through the page cache without growing it.
 
-On the VM this project is measured on, a page of memory left free for a few seconds goes back to the host, and the
-first touch of it costs ~2.5 ns per byte of system CPU, on the same two cores as the tokenizer, for every page of
-the ~10 GB a 4M-document build writes (sorted runs, then the graph). Dropping each chunk from the cache once it is
-on disk lets the next chunk reuse the same warm pages: 5.8 GB written in 2.0 s of CPU instead of 14.4 s, and a 4M
-build's system CPU fell from 40 s to 26 s (benchmarks/RESULTS.md, 2026-11-22 night II). Durability is
-unchanged: a graph is still fsynced before its rename; this only decides when written pages leave memory. Where
-``sync_file_range`` or ``posix_fadvise`` is missing (not Linux) files are written as before.
+On a VM, a page of memory left free for a few seconds can go back to the host, and touching it again costs system
+CPU on the cores the tokenizer needs, for every page of the ~10 GB a 4M-document build writes. Dropping each chunk
+from the cache once it is on disk lets the next chunk reuse the same warm pages (a 4M build's system CPU 40 s →
+26 s: ``benchmarks/build.py``, in benchmarks/RESULTS.md). Durability is unchanged: a graph is still fsynced before
+its rename; this only decides when written pages leave memory. Where ``sync_file_range`` or ``posix_fadvise`` is
+missing (not Linux) files are written as before.
 """
 
 from __future__ import annotations
