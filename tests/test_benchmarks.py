@@ -60,5 +60,6 @@ def test_every_benchmark_answers_help(script):
 
 def test_a_name_that_is_gone_is_found(tmp_path):
     script = tmp_path / "old.py"
-    script.write_text("def main():\n    from gm_graphs.count.ngrams import _fold\n    from gm_graphs import load_graph\n")
+    script.write_text("def main():\n    from gm_graphs.count.ngrams import _fold\n"
+                      "    from gm_graphs import load_graph\n")
     assert missing(graphmax_imports(script)) == ["2: gm_graphs.count.ngrams._fold"]

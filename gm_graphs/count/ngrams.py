@@ -1,18 +1,8 @@
-"""n-gram counts (n = 3, 4): tables (w_{t−n+1} … w_{t−1}) → w_t that let context-aware graphmax see further back.
+"""n-gram tables (n ≥ 3): the counts of (w_{t−n+1} … w_{t−1}) → w_t that let context-aware graphmax see further back.
 
-A bigram graph conditions on one token; its powers Ãᵏ marginalise over the
-tokens in between instead of conditioning on them. This module counts; the
-tables are stored beside the operators (``gm_graphs.format.graph_files`` writes and checks
-them, ``gm_graphs.build.graphs.add_ngrams`` adds them to a built graph) as four
-memory-mappable arrays per order, sorted by context:
-
-- ``contexts.npy``  int64, the distinct contexts in base N (N = vocabulary size): for n = 3,
-  u·N + v with u = w_{t−2}, v = w_{t−1}; ascending
-- ``indptr.npy``    int32, context i's successors are entries indptr[i]:indptr[i+1]
-- ``next.npy``      int32, the successor tokens w
-- ``counts.npy``    int32, how often (context, w) occurred within one document
-
-(indptr and counts are int64 in a table of 2³¹ n-grams or more: ``storage.ngram_dtypes``.)
+A bigram graph conditions on one token; its powers Ãᵏ marginalise over the tokens in between instead of
+conditioning on them. A table groups its n-grams by their n−1-token context, sorted (the arrays on disk:
+docs/format.md); ``gm_graphs.build.ngrams`` counts and stores them.
 
 Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
 (N⁴ < 2⁶³).

@@ -1,28 +1,17 @@
-"""The on-disk format of a kNN datastore: writing it, and opening it with every file checked. Owned here.
+"""The kNN datastore folder (its layout: docs/format.md): writing it, and opening it with every file checked.
 
 A datastore (Khandelwal et al., "Generalization through Memorization: Nearest Neighbor Language Models", ICLR
 2020) holds, for each position of a corpus, the LM's last hidden state there (the key) and the token that followed
-(the value). ``gm_solver.datastore`` computes it with a model and searches it; this module only stores arrays::
+(the value). ``gm_solver.datastore`` computes it with a model and searches it; this module only stores arrays.
 
-    <datastore>/.graphmax-datastore   the marker: graphmax wrote this folder (it may replace it, nothing else)
-    <datastore>/meta.json             format, version, sizes, the model and tokenizer, each file's bytes and SHA-256
-    <datastore>/keys.npy              float16, 1-D, keys × dim values: the keys row after row
-    <datastore>/values.npy            int32, 1-D, one token id per key, each below the vocabulary size
-    <datastore>/ivf_centroids.npy     optional (an inverted-file index): float32, 1-D, lists × dim: each list's centre
-    <datastore>/ivf_lists.npy         optional, with it: int64, lists + 1 offsets: list i holds the keys
-                                      offsets[i] … offsets[i + 1] − 1 (the keys are stored list after list)
-    <datastore>/marginals.npy         optional: float64, vocab_size values: the model's expected count of each token
-                                      over the keys' positions (the sum of its softmax there), beside which the
-                                      values' own counts say how the corpus' tokens differ from the model's habits
-
-The folder is written as a temporary sibling and renamed into place (``folders.staged_folder``), so a kill leaves
-the old datastore or the new one. Opening one follows no symlink, checks sizes, ``.npy`` headers, dtypes, the
-values' range, the keys' finiteness and (``verify``) the SHA-256 of each file before handing out an array. meta.json
-identifies the tokenizer (its vocabulary's SHA-256, as a graph's manifest does) and the model (a SHA-256 of all its
-weights), so that a datastore is never searched with another model's states or another vocabulary's ids. The
-index's offsets are checked to cover the keys exactly once, in order, and its centres to be finite; which list a key
-is in only affects what an approximate search finds, never what it reads. The marginals are checked to be finite,
-non-negative and to sum to the number of keys (each position's softmax sums to 1).
+The folder is written as a temporary sibling and renamed into place (``gm_graphs.store.folders.staged_folder``), so
+a kill leaves the old datastore or the new one. Opening one follows no symlink, checks sizes, ``.npy`` headers,
+dtypes, the values' range, the keys' finiteness and (``verify``) the SHA-256 of each file before handing out an
+array. meta.json identifies the tokenizer (its vocabulary's SHA-256, as a graph's manifest does) and the model (a
+SHA-256 of all its weights), so that a datastore is never searched with another model's states or another
+vocabulary's ids. The index's offsets are checked to cover the keys exactly once, in order, and its centres to be
+finite; which list a key is in only affects what an approximate search finds, never what it reads. The marginals are
+checked to be finite, non-negative and to sum to the number of keys (each position's softmax sums to 1).
 """
 
 from __future__ import annotations

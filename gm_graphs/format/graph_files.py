@@ -1,24 +1,4 @@
-"""The on-disk format of a graph folder: writing it, and opening it with every file checked. Owned here.
-
-::
-
-    <graph>/manifest.json                 format marker and version, tokenizer, corpus, operators, checksums
-    <graph>/counts.parquet                raw bigram counts: src, dst, count (int32, int32, int64)
-    <graph>/counts/shard-00000/{indptr,indices,data}.npy     counts A as CSR (int64 data)
-    <graph>/stats/{row_counts,successors,predecessors,column_counts}.npy
-                                          int64, N long: Σ_j A_ij, #{j: A_ij > 0}, #{i: A_ij > 0}, Σ_i A_ij
-    <graph>/<operator>/shard-NNNNN/{indptr,indices,data}.npy operator as CSR (float32 data)
-    <graph>/<operator>/edges.parquet      src, dst, weight, for other tools
-    <graph>/<operator>/row_mass.npy       fraction of each exact row's mass kept by pruning
-    <graph>/<ngrams>/<n>/{contexts,indptr,next,counts}.npy   n-gram tables (``gm_graphs.count.ngrams``): int64 contexts,
-                                          int32 next tokens; indptr and counts int32 (int64 when the table
-                                          counts 2³¹ n-grams or more)
-
-Shards split the rows into blocks of at most ``shard_nnz`` non-zeros; each shard's ``indptr`` starts at 0 and
-indptr and indices share one dtype (int32, or int64 when a shard needs it). Every array is a 1-D little-endian
-``.npy``; a single-shard operator becomes a zero-copy memory-mapped ``scipy.sparse.csr_matrix``. The n-gram tables'
-folder is ``ngrams`` when built with the graph and ``ngrams-<hex>`` when added later (``add_ngrams`` writes a new
-folder, then commits by replacing the manifest). Every file's path, size and SHA-256 is in the manifest.
+"""The graph folder (its layout: docs/format.md): writing its manifest, and opening its files with every one checked.
 
 Opening a file (:class:`GraphFiles`) walks its path component by component from the folder without following
 symlinks, accepts only regular files of the recorded size, reads the ``.npy`` header itself (dtype, 1-D shape,
