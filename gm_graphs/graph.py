@@ -12,7 +12,7 @@ import scipy.sparse as sp
 
 from gm_graphs.count.ngrams import NgramCounts
 from gm_graphs.errors import GraphFormatError, TokenizerError
-from gm_graphs.format.graph_files import GraphFiles, compute_stats, read_manifest, remove_unreferenced, write_manifest
+from gm_graphs.format.graph_files import GraphFiles, read_manifest, remove_unreferenced, write_manifest
 from gm_graphs.format.validate import check_decoder
 from gm_graphs.operators import OperatorSpec
 from gm_graphs.store.folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
@@ -165,10 +165,9 @@ class Graph:
         """Per-node int64 arrays, N long: ``row_counts`` (Σ_j A_ij), ``successors`` (#{j: A_ij > 0}),
         ``predecessors`` (#{i: A_ij > 0}) and ``column_counts`` (Σ_i A_ij).
 
-        Memory-mapped from ``stats/`` (built since that folder exists); computed from the counts for older graphs.
+        Memory-mapped from ``stats/``.
         """
-        stored = self._files.stats()
-        return stored if stored is not None else compute_stats(self.counts)
+        return self._files.stats()
 
     def validate(self) -> Graph:
         """Check every file of the graph now (the arrays are otherwise checked when first used); returns self."""

@@ -17,7 +17,7 @@ from gm_graphs import build_graph, load_graph
 from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import graph_files as storage
 from gm_graphs.format.writer import Hasher, NpyWriter
-from gm_graphs.store.folders import GRAPH_FORMAT, is_graph_folder
+from gm_graphs.store.folders import GRAPH_FORMAT
 
 from .conftest import make_docs
 
@@ -55,15 +55,12 @@ def test_stats_are_the_counts_row_and_column_sums(small_graph):
     assert all(isinstance(v, np.memmap) and v.dtype == np.int64 for v in stats.values())
 
 
-def test_a_graph_without_stats_or_format_marker_loads_and_computes_them(small_graph, tmp_path):
-    folder = _copy(small_graph, tmp_path)  # as graphs built before this round were written
-    _rewrite_manifest(folder, lambda m: (m.pop("stats"), m.pop("format")))
-    shutil.rmtree(folder / "stats")
-    old = load_graph(folder)
-    assert is_graph_folder(folder)
-    for name, values in small_graph.stats.items():
-        np.testing.assert_array_equal(old.stats[name], values)
-
+def test_a_graph_without_stats_or_format_marker_is_refused_as_damaged(small_graph, tmp_path):
+    for edit in (lambda m: m.pop("stats"), lambda m: m.pop("format")):
+        folder = _copy(small_graph, tmp_path / str(id(edit)))
+        _rewrite_manifest(folder, edit)
+        with pytest.raises(GraphFormatError, match="rebuild the graph"):
+            load_graph(folder)
 
 def test_the_npy_writer_writes_what_np_save_writes(tmp_path):
     hasher = Hasher()

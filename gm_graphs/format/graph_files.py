@@ -63,20 +63,6 @@ def sha256_file(path: Path, drop: bool = False) -> str:
     return h.hexdigest()
 
 
-def compute_stats(counts: sp.csr_matrix) -> dict[str, np.ndarray]:
-    """The per-node arrays context-aware decoding reads at start-up, from the count matrix (exact, int64)."""
-    n = counts.shape[0]
-    data = np.asarray(counts.data, dtype=np.int64)
-    cumulative = np.concatenate([[0], np.cumsum(data)])
-    indptr = np.asarray(counts.indptr, dtype=np.int64)
-    column = np.zeros(n, dtype=np.int64)
-    np.add.at(column, np.asarray(counts.indices), data)
-    return {"row_counts": cumulative[indptr[1:]] - cumulative[indptr[:-1]],
-            "successors": np.diff(indptr),
-            "predecessors": np.bincount(np.asarray(counts.indices), minlength=n).astype(np.int64),
-            "column_counts": column}
-
-
 def _graph_written(path: Path) -> tuple[set[str], re.Pattern]:
     """The files a graph folder's manifest names, and the debris graphmax's own writers leave in one: n-gram tables
     a replaced or dead ``add_ngrams`` left, and its manifest's temporary files (``remove_unreferenced``)."""
@@ -272,10 +258,8 @@ class GraphFiles:
                     e["entries"]))
         return tables
 
-    def stats(self) -> dict[str, np.ndarray] | None:
-        entry = self.manifest.get("stats")
-        if entry is None:
-            return None
+    def stats(self) -> dict[str, np.ndarray]:
+        entry = self.manifest["stats"]
         nnz = sum(sh["nnz"] for sh in self.manifest["counts"]["shards"])
         total = self.manifest["corpus"]["bigrams"]
         return self._unit("stats", {"n": self.n, "nnz": nnz, "total": total},

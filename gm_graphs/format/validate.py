@@ -124,8 +124,7 @@ def check_manifest(root, m) -> None:
     if version != FORMAT_VERSION or not _is_int(version):
         raise GraphFormatError(f"graph {root} has format version {version!r}; this graphmax reads version "
                                f"{FORMAT_VERSION}; rebuild the graph with this version")
-    if "format" in m:
-        s.need(m["format"] == GRAPH_FORMAT, "format", repr(GRAPH_FORMAT), m["format"])
+    s.need(m.get("format") == GRAPH_FORMAT, "format", repr(GRAPH_FORMAT), m.get("format"))
     s.str(m, "name", "")
     tok = s.dict(m, "tokenizer", "")
     n = s.int(tok, "vocab_size", "tokenizer", lo=1, hi=MAX_INDEX)
@@ -176,11 +175,10 @@ def check_manifest(root, m) -> None:
             s.need(sorted(parts) == sorted(NGRAM_PARTS), f"{where}.files", f"the files {NGRAM_PARTS}", sorted(parts))
             for part in NGRAM_PARTS:
                 s.file(parts, part, f"{where}.files")
-    stats = s.dict(m, "stats", "", optional=True)
-    if stats is not None:
-        s.need(sorted(stats) == sorted(STATS), "stats", f"the files {STATS}", sorted(stats))
-        for name in STATS:
-            s.file(stats, name, "stats")
+    stats = s.dict(m, "stats", "")
+    s.need(sorted(stats) == sorted(STATS), "stats", f"the files {STATS}", sorted(stats))
+    for name in STATS:
+        s.file(stats, name, "stats")
     if m.get("decoder") is not None:
         check_decoder(root, m["decoder"])
 

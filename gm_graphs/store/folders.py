@@ -116,8 +116,7 @@ def target_folder(name: str | None, path: str | os.PathLike | None) -> Path:
 # ---- what graphmax owns -------------------------------------------------------------------------------------------
 
 def is_graph_folder(path: Path) -> bool:
-    """A real folder whose manifest (a regular file) is a graphmax manifest: it has the format marker, or is of
-    format version 1 with tokenizer, counts and operators (graphs written before the marker)."""
+    """A real folder whose manifest (a regular file) carries graphmax's format marker."""
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return False
@@ -129,9 +128,7 @@ def is_graph_folder(path: Path) -> bool:
         return False
     if not isinstance(data, dict):
         return False
-    if data.get("format") == GRAPH_FORMAT:
-        return True
-    return data.get("format_version") == 1 and {"tokenizer", "counts", "operators"} <= data.keys()
+    return data.get("format") == GRAPH_FORMAT
 
 
 def _is_marked(path: Path, marker: str) -> bool:
