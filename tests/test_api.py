@@ -1,5 +1,5 @@
-"""The public API: what ``gm_graphs`` and ``gm_solver`` export is documented (Args, Returns, a runnable example),
-the examples run, and the pipelines use nothing else."""
+"""The public API: what ``gm_graphs`` and ``gm_solver`` export is documented (Args, Returns, a runnable example:
+``--doctest-modules`` runs every example once), and the pipelines use nothing else."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import inspect
 import re
 import subprocess
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -143,48 +142,6 @@ def test_docstring_check_names_what_is_missing():
     returns_nothing.__doc__ = returns_nothing.__doc__.replace("(1)", "(1)  # doctest: +SKIP")
     assert doc_problems("g", returns_nothing) == [
         "g's examples skip lines (+SKIP); make them small enough to run, or list it in MAY_SKIP"]
-
-
-@pytest.fixture()
-def sandbox(tmp_path, monkeypatch) -> Path:
-    """Examples run in an empty folder, with graphs and temporary folders under it."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    return tmp_path
-
-
-def failed_examples(name: str, obj) -> str:
-    """The report of the examples of ``obj`` (and of its methods) that fail; empty when every one passes."""
-    tests = [t for t in doctest.DocTestFinder().find(obj, name) if t.examples]
-    if not tests:
-        return f"{name} has no doctest examples"
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)  # the flags pytest's --doctest-modules uses
-    report: list[str] = []
-    for test in tests:
-        runner.run(test, out=report.append)
-    return "".join(report) if runner.failures else ""
-
-
-@pytest.mark.parametrize("name", sorted(CALLABLES))
-def test_examples_run(name, sandbox):
-    report = failed_examples(name, CALLABLES[name])
-    assert not report, f"{name}'s examples fail:\n{report}"
-
-
-def test_a_wrong_example_is_reported():
-    def double(x: int) -> int:
-        """Example::
-
-            >>> 2 * 2
-            5
-        """
-        return 2 * x
-
-    assert "Expected:\n    5\nGot:\n    4" in failed_examples("double", double)
-    double.__doc__ = double.__doc__.replace("5", "4")
-    assert failed_examples("double", double) == ""
 
 
 def test_exported_names_exist_and_processors_load_lazily():
