@@ -26,8 +26,8 @@ def _copy_packages(site: Path) -> None:
 def test_import_falls_back_to_a_temporary_cache_folder(tmp_path):
     site = tmp_path / "site"
     _copy_packages(site)
-    for package in PACKAGES:
-        (site / package / "__pycache__").write_text("")  # a file where numba would make its folder: not writable
+    for folder in {path.parent for path in site.rglob("*.py")}:
+        (folder / "__pycache__").write_text("")  # a file where numba would make its folder: not writable
     home = tmp_path / "home"
     home.write_text("")  # nor is ~/.cache under it
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1",

@@ -26,7 +26,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_graphs import build_graph, load_graph, merge_graphs, pagecache
+from gm_graphs import build_graph, load_graph, merge_graphs
 from gm_graphs.errors import (
     CorpusError,
     GraphBusyError,
@@ -37,6 +37,7 @@ from gm_graphs.errors import (
     NotOwnedError,
     OptionError,
 )
+from gm_graphs.store import pagecache
 from gm_graphs.store.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main
 

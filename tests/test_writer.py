@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs import PruneRule, load_graph
+from gm_graphs.build.options import BuildOptions
 from gm_graphs.build.source import GraphSource, write_graph_into
 from gm_graphs.count.bigrams import BigramCounts
 from gm_graphs.errors import GraphFormatError
@@ -44,8 +45,8 @@ def test_written_bytes_do_not_depend_on_where_ranges_are_cut(tmp_path, shard_nnz
     for cut in (1, 13, 10_000):
         folder = tmp_path / f"cut{cut}"
         folder.mkdir()
-        write_graph_into(folder, _source(counts, cut), name="g", orders=(1, 2), mixture=None, eps=1e-8,
-                         prune=PruneRule(top_k=3), shard_nnz=shard_nnz, progress=False)
+        options = BuildOptions(orders=(1, 2), eps=1e-8, prune=PruneRule(top_k=3), shard_nnz=shard_nnz)
+        write_graph_into(folder, _source(counts, cut), name="g", options=options, progress=False)
         outputs.append({p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
                         if p.is_file()})
     assert outputs[0] == outputs[1] == outputs[2]
@@ -85,8 +86,8 @@ def test_square_needs_a_square_matrix():
 def test_a_mixture_and_powers_are_written_beside_order1(tmp_path: Path):
     folder = tmp_path / "g"
     folder.mkdir()
-    write_graph_into(folder, _source(_counts(1), 50), name="g", orders=(1, 2), mixture=2, eps=0.0,
-                     prune=PruneRule(), shard_nnz=1 << 20, progress=False)
+    options = BuildOptions(orders=(1, 2), mixture=2, eps=0.0, shard_nnz=1 << 20)
+    write_graph_into(folder, _source(_counts(1), 50), name="g", options=options, progress=False)
     g = load_graph(folder, order=2)
     assert sorted(g.manifest["operators"]) == ["mixture2", "order1", "order2"]
     assert g.manifest["build"] == {}  # what write_graph_into was given

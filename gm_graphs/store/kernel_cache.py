@@ -110,7 +110,7 @@ def ensure_cache_dir() -> None:
     _stamp_with_all_sources()
     if numba.config.CACHE_DIR:  # NUMBA_CACHE_DIR, or an earlier call
         return
-    if _writable(Path(__file__).parent / "__pycache__"):
+    if all(_writable(folder / "__pycache__") for folder in _PACKAGES):  # numba caches each kernel beside its module
         return
     if _writable(Path(AppDirs(appname="numba", appauthor=False).user_cache_dir)):
         return
