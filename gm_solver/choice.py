@@ -196,6 +196,28 @@ softmax), got -1
             raise ValueError(f"`knn` must be a KnnChoice of mode 'context', got {self.knn!r} with mode {self.mode!r}")
 
     @classmethod
+    def with_knn(cls, config: ContextConfig, knn: dict, lam: float, datastore: Any,
+                 perplexity: float | None = None) -> DecoderChoice:
+        """The context choice ``config`` with kNN settings tuned on ``datastore`` (a ``Datastore`` loaded from its
+        folder, recognised later by its keys' SHA-256): ``knn`` the ``KnnConfig`` fields, ``lam`` λ tuned with them,
+        ``perplexity`` the held-out perplexity they reached.
+
+        Example::
+
+            >>> import tempfile, numpy as np; from pathlib import Path
+            >>> from gm_graphs import write_datastore
+            >>> from gm_solver import load_datastore
+            >>> tok = {"name": "t", "vocab_size": 3, "vocab_sha256": "0" * 64}
+            >>> store = load_datastore(write_datastore(Path(tempfile.mkdtemp()) / "ds", [(np.eye(3, 4), np.arange(3))],
+            ...     dim=4, tokenizer=tok, model="m", model_sha256="1" * 64, positions=8, documents=1))
+            >>> choice = DecoderChoice.with_knn(ContextConfig(), {"knn_weight": 0.35}, 1.5, store)
+            >>> choice.knn.config.knn_weight, choice.to_json()["knn"]["datastore_keys"]
+            (0.35, 3)
+        """
+        return cls(config=config, knn=KnnChoice(KnnConfig(**knn), lam, datastore.keys_sha256, len(datastore),
+                                                perplexity))
+
+    @classmethod
     def of(cls, graph: Any) -> DecoderChoice:
         """The choice ``graph`` stores (``graph.decoder``), checked; the context decoder's defaults when it stores
         none (or is a matrix)."""
@@ -247,7 +269,7 @@ def _context_fields(d: dict) -> dict:
         if not isinstance(d["trigrams"], bool):
             raise ValueError(f"`trigrams` must be a bool, got {d['trigrams']!r}")
         known.setdefault("ngram_order", 3 if d["trigrams"] else 2)
-    if "order_weights" in known and not isinstance(known["order_weights"], list):
+    if "order_weights" in known and not isinstance(known["order_weights"], (list, tuple)):
         raise ValueError(f"`order_weights` must be a list of numbers, got {known['order_weights']!r}")
     return known
 

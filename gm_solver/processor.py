@@ -119,8 +119,8 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         # the overrides replace the stored values before the record is checked, so that one mends a bad stored value
         own = {f.name for f in fields(PaperConfig if paper else ContextConfig)}
         replaced = {k: v for k, v in overrides.items() if k in own}
-        (PaperConfig if paper else ContextConfig)(**replaced)  # a bad override is named as such, not as stored
-        choice = DecoderChoice.from_json({**stored, **replaced}) if stored else DecoderChoice()
+        unstored = (PaperConfig if paper else ContextConfig)(**replaced)  # a bad override is named as an override
+        choice = DecoderChoice.from_json({**stored, **replaced}) if stored else DecoderChoice(config=unstored)
         rest = {k: v for k, v in overrides.items() if k not in own}
         if paper:
             config = choice.config
