@@ -10,7 +10,8 @@ What a user calls:
   :class:`ContextGraphmaxLogitsProcessor` (context-aware, settings in :class:`ContextConfig`),
   :class:`KnnContextGraphmaxLogitsProcessor` (with a kNN datastore), :class:`MarginalBiasLogitsProcessor` (the
   datastore's marginal bias), and the baseline :class:`InterpolationLogitsProcessor`;
-- the datastore: :class:`Datastore`, :func:`build_datastore`, :func:`load_datastore`, :func:`index_datastore`, :class:`HiddenStateTap`;
+- the datastore: :class:`Datastore`, :func:`build_datastore`, :func:`load_datastore`, :func:`index_datastore`,
+  :class:`HiddenStateTap`;
 - the distributions themselves: :func:`graphmax` / :func:`log_graphmax`, :func:`solve_toward`, with their
   certificates :func:`certificate` / :func:`certificate_toward`, and the reference :class:`ContextReference`.
 

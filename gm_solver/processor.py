@@ -519,9 +519,9 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
     (taken by ``tap``) and p_knn the distribution of the tokens that followed its ``knn_k`` nearest keys in
     ``datastore``, weighted by softmax(−d/T) of their squared distances d (Khandelwal et al., ICLR 2020). With
     ``marginal_weight`` w > 0 the scores first go through :class:`MarginalBiasLogitsProcessor` (z + b, the
-    datastore's unigram marginal adaptation). The problem, its solve and its certificate are those of the base class with q′ for q (and z + b
-    for z). Each step searches the datastore (every key, or the lists of its index): its cost grows with the
-    datastore; the bias costs one addition.
+    datastore's unigram marginal adaptation). The problem, its solve and its certificate are those of the base
+    class with q′ for q (and z + b for z). Each step searches the datastore (every key, or the lists of its
+    index): its cost grows with the datastore; the bias costs one addition.
 
     Args:
         graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph, as for the base class.

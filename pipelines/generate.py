@@ -128,7 +128,8 @@ def register(sub) -> None:
     p.add_argument("--max-iter", type=integer(1), help="paper: iterations per step (default 200)")
     p.add_argument("--order", type=integer(1), help="paper: use Ãᵏ (default 1)")
     p.add_argument("--mixture", type=integer(2), help="paper: use Ã+…+Ãⁿ (n ≥ 2)")
-    p.add_argument("--divergence", choices=ContextGraphmaxLogitsProcessor.DIVERGENCES, help="context: D(x, q) (default rkl)")
+    p.add_argument("--divergence", choices=ContextGraphmaxLogitsProcessor.DIVERGENCES,
+                   help="context: D(x, q) (default rkl)")
     p.add_argument("--kl-share", type=number(at_least=0), help="context: the share of λ on KL(x‖q) (default 0.15)")
     p.add_argument("--ngram-order", type=integer(2), help="context: longest n-gram conditioning q (default 4)")
     p.add_argument("--order-weights", type=numbers(at_least=0, example="0.8,0.2"),

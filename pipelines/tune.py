@@ -138,11 +138,11 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
     return dataclasses.replace(config, lam=config.lam * best[2]), knn, table
 
 
-def marginal_bias_decoder(graph, config: ContextConfig, datastore: Datastore, weight: float):
-    """The context decoder of ``config`` on scores moved by the datastore's marginal bias of ``weight`` (none at 0):
-    the datastore without its search."""
-    proc = ContextGraphmaxLogitsProcessor.from_config(graph, config)
-    return LogitsProcessorList([MarginalBiasLogitsProcessor(datastore, weight), proc]) if weight > 0 else proc
+def marginal_bias_decoder(graph, config: ContextConfig, datastore: Datastore, weight: float) -> LogitsProcessorList:
+    """The context decoder of ``config`` (last) on scores moved by the datastore's marginal bias of ``weight`` (none
+    at 0): the datastore without its search."""
+    bias = [MarginalBiasLogitsProcessor(datastore, weight)] if weight > 0 else []
+    return LogitsProcessorList([*bias, ContextGraphmaxLogitsProcessor.from_config(graph, config)])
 
 
 def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
