@@ -190,7 +190,7 @@ def test_tune_with_a_datastore_stores_its_knn_settings_for_generate(smollm2, dru
     args = parser.parse_args(["generate", "--prompt", "x", "--path", str(path), "--datastore", str(tmp_path / "ds")])
     _, proc, origin = generate.build_decoder(args)
     assert isinstance(proc, KnnContextGraphmaxLogitsProcessor) and "stored by graphmax tune --datastore" in origin
-    assert (proc.knn_weight, proc.knn_temperature, proc.config.lam, proc.marginal_weight) == (
+    assert (proc.knn.knn_weight, proc.knn.knn_temperature, proc.config.lam, proc.knn.marginal_weight) == (
         knn["knn_weight"], knn["knn_temperature"], knn["lam"], knn["marginal_weight"])
     # a datastore of another model is refused before anything is tuned or stored
     with torch.no_grad():
