@@ -44,14 +44,14 @@ from transformers import LogitsProcessor
 from gm_graphs import bundled
 from gm_graphs.corpus.read import expand_corpus, iter_documents
 from gm_solver import (
-    DIVERGENCES,
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
     GraphmaxLogitsProcessor,
     PaperGraphmaxLogitsProcessor,
-    TransitionOperator,
     graphmax,
 )
+from gm_solver.divergences import DIVERGENCES
+from gm_solver.operator import TransitionOperator
 from pipelines.demo import ensure_imdb_graph
 from pipelines.generate import TimedLogitsProcessor, generate_texts
 from pipelines.models import load_model
@@ -245,7 +245,7 @@ def step_tables(sections: set[int], model, tok, graph, prompts: list[str]) -> No
           f"{'gap max':>9} {'gap med':>9}")
     soft = _time(lambda: torch.softmax(z[0], -1), 200)
     print(f"  {'softmax':<34} {soft:>8.3f}")
-    for solver, lams in (("auto", (0.1, 1.0, 10.0)), ("paper", (0.1, 1.0, 10.0))):
+    for solver, lams in (("mirror", (0.1, 1.0, 10.0)), ("paper", (0.1, 1.0, 10.0))):
         for lam in lams:
             times, iters, apps, gaps = [], [], [], []
             for row in z:

@@ -3,13 +3,17 @@ decode with it.
 
 What a user calls:
 
-- decoding inside ``model.generate()``: :class:`PaperGraphmaxLogitsProcessor` (the paper's λ‖x − Ãx‖²),
-  :class:`ContextGraphmaxLogitsProcessor` (context-aware, with :class:`ContextConfig`),
-  ``GraphmaxLogitsProcessor.from_graph(graph)`` (the decoder ``graphmax tune`` stored), and the baseline
-  :class:`InterpolationLogitsProcessor`;
-- the distributions themselves: :func:`graphmax` / :func:`log_graphmax` (and their modules :class:`Graphmax` /
-  :class:`LogGraphmax`), :func:`solve_toward`, with their certificates :func:`certificate` /
-  :func:`certificate_toward` and the :class:`SolveInfo` they return.
+- decoding inside ``model.generate()``: ``GraphmaxLogitsProcessor.from_graph(graph)`` (the decoder a graph's stored
+  choice names, :class:`DecoderChoice`; with ``datastore=`` the kNN one), or a decoder directly:
+  :class:`PaperGraphmaxLogitsProcessor` (the paper's λ‖x − Ãx‖², certified),
+  :class:`PaperAlgorithm1LogitsProcessor` (the paper's Algorithm 1, for reproduction),
+  :class:`ContextGraphmaxLogitsProcessor` (context-aware, settings in :class:`ContextConfig`),
+  :class:`KnnContextGraphmaxLogitsProcessor` (with a kNN datastore), :class:`MarginalBiasLogitsProcessor` (the
+  datastore's marginal bias), and the baseline :class:`InterpolationLogitsProcessor`;
+- the datastore: :class:`Datastore`, :func:`build_datastore`, :func:`load_datastore`, :func:`index_datastore`,
+  :class:`HiddenStateTap`;
+- the distributions themselves: :func:`graphmax` / :func:`log_graphmax`, :func:`solve_toward`, with their
+  certificates :func:`certificate` / :func:`certificate_toward`, and the reference :class:`ContextReference`.
 
 The processors import ``transformers``; they are loaded on first use (PEP 562), so ``import gm_solver`` does not.
 """
@@ -19,41 +23,37 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .choice import DecoderChoice
 from .context import ContextConfig, ContextReference
 from .datastore import Datastore, HiddenStateTap, build_datastore, index_datastore, load_datastore
-from .divergences import DIVERGENCES, certificate_toward, solve_toward
-from .graphmax import Graphmax, LogGraphmax, graphmax, log_graphmax
+from .divergences import certificate_toward, solve_toward
+from .graphmax import graphmax, log_graphmax
 from .objective import certificate
-from .operator import TransitionOperator
-from .solvers import SolveInfo
 
 # name → the module that defines it, imported on first access (it imports transformers)
 _LAZY = {
     "GraphmaxLogitsProcessor": "processor",
     "PaperGraphmaxLogitsProcessor": "processor",
+    "PaperAlgorithm1LogitsProcessor": "processor",
     "ContextGraphmaxLogitsProcessor": "processor",
     "KnnContextGraphmaxLogitsProcessor": "processor",
+    "MarginalBiasLogitsProcessor": "processor",
     "InterpolationLogitsProcessor": "baselines",
 }
 
 __all__ = [
-    # decoders for model.generate()
+    # decoders for model.generate(): the factory (GraphmaxLogitsProcessor.from_graph) and each decoder
     "ContextGraphmaxLogitsProcessor", "GraphmaxLogitsProcessor", "InterpolationLogitsProcessor",
-    "KnnContextGraphmaxLogitsProcessor", "PaperGraphmaxLogitsProcessor",
-    # the kNN datastore that KnnContextGraphmaxLogitsProcessor reads: build, index, load, and the tap on the head
+    "KnnContextGraphmaxLogitsProcessor", "MarginalBiasLogitsProcessor", "PaperAlgorithm1LogitsProcessor",
+    "PaperGraphmaxLogitsProcessor",
+    # the choice a graph stores, and the context decoder's settings inside it
+    "ContextConfig", "DecoderChoice",
+    # the context decoder's reference q(· | context) (what interpolation mixes in, too)
+    "ContextReference",
+    # the kNN datastore: build, index, load, and the tap on the model's head
     "Datastore", "HiddenStateTap", "build_datastore", "index_datastore", "load_datastore",
-    # the context decoder's settings, and its reference q(· | context) (what interpolation mixes in, too)
-    "ContextConfig", "ContextReference",
-    # the values `divergence` takes, for sweeps and command lines
-    "DIVERGENCES",
-    # the paper's distribution: function, modules, the operator M they apply (build once, reuse across calls)
-    "Graphmax", "LogGraphmax", "TransitionOperator", "graphmax", "log_graphmax",
-    # the context decoder's solve on its own (any reference q)
-    "solve_toward",
-    # the certificates: duality gaps of any point, to check a solution independently of the solver
-    "certificate", "certificate_toward",
-    # what every solve returns beside the distribution (iterations, gap, convergence)
-    "SolveInfo",
+    # the distributions and their certificates
+    "certificate", "certificate_toward", "graphmax", "log_graphmax", "solve_toward",
 ]
 
 

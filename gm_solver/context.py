@@ -31,9 +31,10 @@ graph (padded vocabularies) get q = 0.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import Any
 
@@ -44,13 +45,13 @@ import torch
 from gm_graphs.operators import normalize
 
 from . import context_kernel, lambert_kernel
+from .checks import choice, finite_nonnegative, finite_positive, integer, raise_unless, real
 from .divergences import (
     DIVERGENCES,
-    _solve_torch,
     check_inputs,
     raise_for_status,
-    raise_unless,
     restrict_reference,
+    solve_torch,
 )
 from .solvers import SolveInfo
 
@@ -63,8 +64,8 @@ class ContextConfig:
     (D or κ), unigram α, and how λ falls with the context's length. The regulariser is
     λ_t·[(1 − kl_share)·D(x, q) + kl_share·KL(x‖q)], with λ_t = λ·t^(−lam_decay) after t tokens of context.
 
-    ``graphmax tune`` stores one in a graph (``to_dict``); ``from_dict`` reads it back. The arguments are those of
-    ``ContextGraphmaxLogitsProcessor``, where each is described at length.
+    Each setting is checked here, once: ``ContextGraphmaxLogitsProcessor`` builds one from its arguments (where each
+    is described at length), and the choice ``graphmax tune`` stores in a graph holds one (``gm_solver.DecoderChoice``).
 
     Args:
         divergence (``str``, defaults to ``"rkl"``): D, one of ``DIVERGENCES``: ``"rkl"`` KL(q‖x), ``"kl"``
@@ -110,26 +111,25 @@ class ContextConfig:
     source: dict = field(default_factory=lambda: {"tuned": False}, compare=False)
 
     def __post_init__(self):
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
-        if not self.lam >= 0:
-            raise ValueError(f"lam must be >= 0 (0 gives softmax), got {self.lam}")
-        if not 0 <= self.kl_share <= 1:
-            raise ValueError(f"kl_share must be in [0, 1] (the share of λ on KL(x‖q)), got {self.kl_share}")
-        weights = tuple(float(b) for b in self.order_weights)
-        if not weights or any(not b >= 0 for b in weights) or sum(weights) <= 0:
-            raise ValueError(f"order_weights must be >= 0 with a positive sum (β_k for k = 1, 2, …), got {weights}")
-        object.__setattr__(self, "order_weights", weights)
-        if not self.kappa > 0 or not self.alpha > 0:
-            raise ValueError(f"kappa and alpha must be > 0, got kappa={self.kappa}, alpha={self.alpha}")
-        if self.smoothing not in SMOOTHINGS:
-            raise ValueError(f"smoothing must be one of {SMOOTHINGS}, got {self.smoothing!r}")
-        if not 0 < self.discount < 1:
-            raise ValueError(f"discount must be in (0, 1) (Kneser–Ney's D), got {self.discount}")
-        if not (0 <= self.lam_decay < float("inf")):
-            raise ValueError(f"lam_decay must be a finite float >= 0 (0: λ constant), got {self.lam_decay}")
-        if not (isinstance(self.ngram_order, int) and self.ngram_order >= 2):
-            raise ValueError(f"ngram_order must be an integer >= 2 (2: the bigram row only), got {self.ngram_order!r}")
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("divergence", choice("divergence", self.divergence, DIVERGENCES))
+        put("lam", real("lam", self.lam, "a finite float >= 0 (0 gives softmax)", finite_nonnegative))
+        put("kl_share", real("kl_share", self.kl_share, "a float in [0, 1] (the share of λ on KL(x‖q))",
+                             lambda v: 0 <= v <= 1))
+        put("ngram_order", integer("ngram_order", self.ngram_order, "an int >= 2 (2: the bigram row only)",
+                                   lambda v: v >= 2))
+        put("order_weights", _order_weights(self.order_weights))
+        put("smoothing", choice("smoothing", self.smoothing, SMOOTHINGS))
+        put("discount", real("discount", self.discount, "a float in (0, 1) (Kneser–Ney's D)", lambda v: 0 < v < 1))
+        put("kappa", real("kappa", self.kappa, "a finite float > 0 (the Dirichlet prior's strength)",
+                          finite_positive))
+        put("alpha", real("alpha", self.alpha, "a finite float > 0 (add-α on the unigram)", finite_positive))
+        put("lam_decay", real("lam_decay", self.lam_decay, "a finite float >= 0 (λ_t = λ·t^(−lam_decay); 0: "
+                              "constant)", finite_nonnegative))
+        if not isinstance(self.source, dict):
+            raise ValueError(f"`source` must be a dict (where the settings came from), got {self.source!r}")
 
     def lam_at(self, length: int) -> float:
         """λ_t for a step after ``length`` tokens of context: λ·t^(−lam_decay), t = max(length, 1)."""
@@ -155,19 +155,21 @@ class ContextConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ContextConfig:
-        return cls(**cls.stored_fields(d))
+        """The config of ``to_dict``'s fields in ``d`` (other keys, e.g. a perplexity beside them, are left out)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
-    @staticmethod
-    def stored_fields(d: dict) -> dict:
-        """The fields a stored choice sets, read the way each older manifest meant them; not yet checked."""
-        known = {k: d[k] for k in ("divergence", "lam", "kl_share", "order_weights", "smoothing", "discount",
-                                   "ngram_order", "kappa", "alpha", "lam_decay", "source") if k in d}
-        # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior, before kl_share with none
-        known.setdefault("smoothing", "dirichlet")
-        known.setdefault("kl_share", 0.0)
-        if "trigrams" in d:  # stored before n-gram tables of any order: a switch for the trigram table
-            known.setdefault("ngram_order", 3 if d["trigrams"] else 2)
-        return known
+
+def _order_weights(value: Any) -> tuple[float, ...]:
+    requirement = "a sequence of finite floats >= 0 with a positive sum (β_k for the token k back)"
+    try:
+        weights = tuple(value)
+    except TypeError:
+        raise ValueError(f"`order_weights` must be {requirement}, got {value!r}") from None
+    if not weights or isinstance(value, str) or any(
+            isinstance(b, bool) or not isinstance(b, numbers.Real) or not finite_nonnegative(float(b))
+            for b in weights) or sum(weights) <= 0:
+        raise ValueError(f"`order_weights` must be {requirement}, got {value!r}")
+    return tuple(float(b) for b in weights)
 
 
 def graph_stats(graph: Any, indptr: np.ndarray, indices: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
@@ -488,7 +490,7 @@ class ContextReference:
         if not kernel:
             z = scores.to(torch.float64)
             q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1], knn)
-            logx, info = _solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
+            logx, info = solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
                                       check_every=check_every)
             return logx.to(scores.dtype), info
         rows, width = scores.shape

@@ -46,7 +46,7 @@ from gm_graphs.format.datastore import (
 )
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
-from .divergences import raise_unless
+from .checks import raise_unless
 
 _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of float32 distances)
 # the keys' type in memory and in the search's products: bfloat16 halves the memory and, on CPUs with bf16
@@ -218,6 +218,13 @@ class Datastore:
     @property
     def dim(self) -> int:
         return self._dim
+
+    @property
+    def keys_sha256(self) -> str | None:
+        """What identifies the keys: their file's SHA-256 as the folder records it (``None`` for a datastore built
+        in memory). ``graphmax tune --datastore`` stores its choice under it."""
+        files = self.meta.get("files")
+        return files["keys.npy"]["sha256"] if isinstance(files, dict) and "keys.npy" in files else None
 
     def __len__(self) -> int:
         return self.values.shape[0]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import lambert_kernel
+from .checks import ALL_MASKED, NAN, POSINF, logit_value_checks, raise_unless
 from .objective import gap
 from .solvers import SolveInfo
 
@@ -190,7 +191,7 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, di
     if backend == "numba" or (backend == "auto" and numba_fits):
         logx, iters, g = _solve_rows_numba(divergence, z, q, lam, kl_share, max_iter)
         return logx, SolveInfo(iters, g, g <= tol, 0)
-    return _solve_torch(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter, check_every=check_every)
+    return solve_torch(z, q, lam, divergence, kl_share, tol=tol, max_iter=max_iter, check_every=check_every)
 
 
 def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Tensor, kl_share: float, tol: float,
@@ -223,59 +224,35 @@ def check_inputs(z: torch.Tensor, q: torch.Tensor | None, lam: float | torch.Ten
         raise ValueError(f"tol must be > 0, got {tol!r}")
     if not (isinstance(max_iter, int) and max_iter >= 1):
         raise ValueError(f"max_iter must be an int >= 1, got {max_iter!r}")
-    checks = {} if skip_z_values else {
-        f"{name} contains NaN; check the model's output (fp16 overflow?) before graphmax": torch.isnan(z),
-        f"{name} contains +inf; graphmax needs finite logits or -inf for masked tokens": torch.isposinf(z),
-        f"a row of {name} is entirely -inf: no token is allowed, so there is no distribution":
-            torch.isneginf(z).all(dim=-1)}
+    checks = {} if skip_z_values else logit_value_checks(z, name)
     if q is not None:
-        checks["q contains NaN or ±inf; the reference must be finite"] = ~torch.isfinite(q)
-        checks["q has negative entries; the reference must be ≥ 0 (it is renormalised over the allowed tokens)"] = q < 0
+        checks["q contains NaN or ±inf; the reference must be finite"] = torch.isfinite(q).all()
+        checks["q has negative entries; the reference must be ≥ 0 (it is renormalised over the allowed tokens)"] = \
+            ~(q < 0).any()
     if isinstance(lam, torch.Tensor):
         if lam.shape != (z.shape[0],) or not lam.is_floating_point():
             raise ValueError(f"lam must be a float or a floating-point tensor of shape ({z.shape[0]},), one λ per row, "
                              f"got {lam.dtype} of shape {tuple(lam.shape)}")
         lam = lam.to(device=z.device, dtype=torch.float64)
-        checks["lam must be finite and >= 0 in every row (0 gives softmax)"] = ~(torch.isfinite(lam) & (lam >= 0))
+        checks["lam must be finite and >= 0 in every row (0 gives softmax)"] = (torch.isfinite(lam) & (lam >= 0)).all()
     elif isinstance(lam, (int, float)) and not isinstance(lam, bool):
         if not (math.isfinite(lam) and lam >= 0):
             raise ValueError(f"lam must be finite and >= 0 (0 gives softmax), got {lam}")
         lam = float(lam)
     else:
         raise ValueError(f"lam must be a float or a (B,) tensor, got {type(lam).__name__}")
-    raise_unless({message: ~bad.any() for message, bad in checks.items()}, sync)
+    raise_unless(checks, sync)
     return lam
-
-
-def raise_unless(checks: dict[str, torch.Tensor], sync: bool, error: type[Exception] = ValueError) -> None:
-    """Each message whose condition (a boolean tensor of one element) is False: raised as ``error`` after one host
-    synchronisation for all of them, or, when ``sync`` is False, asserted on the device (a device-side assert when
-    the device gets there, at once on the CPU, as graphmax's check_every=0 does)."""
-    if not sync:
-        for message, ok in checks.items():
-            torch._assert_async(ok, message)
-        return
-    if not checks:
-        return
-    passed = torch.stack([ok.reshape(()) for ok in checks.values()]).tolist()
-    for message, ok in zip(checks, passed):
-        if not ok:
-            raise error(message)
 
 
 def raise_for_status(status: int, name: str) -> None:
     """The ValueError for what ``lambert_kernel.solve_batch`` found wrong with the logits ``name``, if anything."""
-    messages = {lambert_kernel.HAS_NAN: f"{name} contains NaN; check the model's output (fp16 overflow?) before "
-                                        f"graphmax",
-                lambert_kernel.HAS_POSINF: f"{name} contains +inf; graphmax needs finite logits or -inf for masked "
-                                           f"tokens",
-                lambert_kernel.ALL_MASKED: f"a row of {name} is entirely -inf: no token is allowed, so there is no "
-                                           f"distribution"}
+    messages = {lambert_kernel.HAS_NAN: NAN, lambert_kernel.HAS_POSINF: POSINF, lambert_kernel.ALL_MASKED: ALL_MASKED}
     if status != lambert_kernel.FINE:
-        raise ValueError(messages[status])
+        raise ValueError(messages[status].format(name=name))
 
 
-def _solve_torch(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, divergence: str, kl_share: float, *,
+def solve_torch(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, divergence: str, kl_share: float, *,
                  tol: float, max_iter: int, check_every: int | None) -> tuple[torch.Tensor, SolveInfo]:
     """``solve_toward`` in torch, every row at once, on any device and dtype: the same steps as the kernel.
 

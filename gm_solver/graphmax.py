@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from .checks import logit_value_checks, raise_unless
 from .operator import TransitionOperator
 from .solvers import SolveInfo, mirror_descent, paper_pgd
 
-SOLVERS = ("auto", "mirror", "paper")
+SOLVERS = ("mirror", "paper")
 _operators: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
@@ -29,34 +30,37 @@ def get_operator(graph: Any, device: torch.device, backend: str = "auto") -> Tra
     return per_graph[key]
 
 
-def _check(logits: torch.Tensor, lam: float, tol: float, solver: str, sync: bool) -> None:
+def check_logits(logits: torch.Tensor, *, sync: bool) -> None:
+    """Refuse what no graphmax decoder takes as scores, each with a one-line error: not a floating-point tensor of
+    shape (N,) or (B, N), NaN, ``+inf``, or a row with no finite score. ``sync`` False asserts the values on the device
+    (a failure then surfaces as a device-side assert).
+
+    Example::
+
+        >>> check_logits(torch.tensor([[0.0, -torch.inf]]), sync=True)
+        >>> check_logits(torch.tensor([-torch.inf]), sync=True)
+        Traceback (most recent call last):
+        ValueError: a row of logits is entirely -inf: no token is allowed, so there is no distribution
+    """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point torch tensor, got {type(logits).__name__}")
     if logits.dim() not in (1, 2):
         raise ValueError(f"logits must have shape (N,) or (B, N), got {tuple(logits.shape)}")
+    raise_unless(logit_value_checks(logits), sync)
+
+
+def _check_settings(lam: float, tol: float, solver: str) -> None:
     if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
         raise ValueError(f"lam must be a finite float >= 0 (0 gives softmax), got {lam!r}")
     if not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol}")
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    checks = {"logits contain NaN; check the model's output (fp16 overflow?) before graphmax": torch.isnan(logits),
-              "logits contain +inf; graphmax needs finite logits or -inf for masked tokens": torch.isposinf(logits),
-              "a row of logits is entirely -inf: no token is allowed, so there is no distribution":
-                  (~torch.isfinite(logits)).all(dim=-1)}
-    if not sync:  # asserted on the device: on CUDA a failure surfaces later as a device-side assert
-        for message, bad in checks.items():
-            torch._assert_async(~bad.any(), message)
-        return
-    # one host synchronisation for all three checks (each .any() alone would sync on CUDA)
-    failed = torch.stack([bad.any() for bad in checks.values()]).tolist()
-    for message, bad in zip(checks, failed):
-        if bad:
-            raise ValueError(message)
 
 
 def _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace, check_every):
-    _check(logits, lam, tol, solver, sync=check_every != 0)
+    _check_settings(lam, tol, solver)
+    check_logits(logits, sync=check_every != 0)
     z = logits.reshape(-1, logits.shape[-1]).to(dtype)
     op = get_operator(graph, z.device, backend)
     if z.shape[-1] < op.n:
@@ -72,7 +76,7 @@ def _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace, che
 
 
 def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float = 1e-6, max_iter: int = 200,
-             solver: str = "auto", backend: str = "auto", dtype: torch.dtype = torch.float64,
+             solver: str = "mirror", backend: str = "auto", dtype: torch.dtype = torch.float64,
              return_info: bool = False, trace: bool = False, check_every: int | None = None):
     """argmin over the simplex of −⟨x,z⟩ + ⟨x,log x⟩ + λ‖x − Mx‖², per row of ``logits``.
 
@@ -95,8 +99,8 @@ def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float =
         lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives softmax exactly.
         tol (``float``, defaults to 1e-6): the certified duality gap at which the solve stops.
         max_iter (``int``, defaults to 200): the iteration budget.
-        solver (``str``, defaults to ``"auto"``): ``"auto"``/``"mirror"`` (certified mirror descent) or
-            ``"paper"`` (the paper's Algorithm 1).
+        solver (``str``, defaults to ``"mirror"``): ``"mirror"`` (certified mirror descent) or ``"paper"`` (the
+            paper's Algorithm 1).
         backend (``str``, defaults to ``"auto"``): how M is applied: ``"numba"`` (CPU), ``"torch"`` (any device)
             or ``"auto"``.
         dtype (``torch.dtype``, defaults to ``torch.float64``): the working dtype.
@@ -123,7 +127,7 @@ def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float =
 
 
 def log_graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float = 1e-6, max_iter: int = 200,
-                 solver: str = "auto", backend: str = "auto", dtype: torch.dtype = torch.float64,
+                 solver: str = "mirror", backend: str = "auto", dtype: torch.dtype = torch.float64,
                  return_info: bool = False, trace: bool = False, check_every: int | None = None):
     """log of :func:`graphmax`, computed directly in log space (``-inf`` where the probability is 0).
 
@@ -133,7 +137,7 @@ def log_graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: flo
         lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives log-softmax exactly.
         tol (``float``, defaults to 1e-6): the certified duality gap at which the solve stops.
         max_iter (``int``, defaults to 200): the iteration budget.
-        solver (``str``, defaults to ``"auto"``): ``"auto"``/``"mirror"`` or ``"paper"``.
+        solver (``str``, defaults to ``"mirror"``): ``"mirror"`` or ``"paper"``.
         backend (``str``, defaults to ``"auto"``): ``"numba"``, ``"torch"`` or ``"auto"``.
         dtype (``torch.dtype``, defaults to ``torch.float64``): the working dtype.
         return_info (``bool``, defaults to ``False``): also return the solve's :class:`SolveInfo`.

@@ -67,7 +67,8 @@ def certificate(x: torch.Tensor, z: torch.Tensor, lam: float, op: TransitionOper
     Example::
 
         >>> import scipy.sparse as sp, torch
-        >>> from gm_solver import TransitionOperator, graphmax
+        >>> from gm_solver import graphmax
+        >>> from gm_solver.operator import TransitionOperator
         >>> op = TransitionOperator(sp.csr_matrix([[0, 1.0], [1.0, 0]]))
         >>> z = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
         >>> x = graphmax(z, op, lam=0.5)

@@ -9,49 +9,21 @@ returns the decoder ``graphmax tune`` stored in a graph.
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
-from collections.abc import Callable
+from dataclasses import asdict, fields
 from typing import Any
 
 import scipy.sparse as sp
 import torch
 from transformers import LogitsProcessor
 
+from .checks import integer, real
+from .choice import DecoderChoice, KnnConfig, PaperConfig
 from .context import SMOOTHINGS, ContextConfig, ContextReference
 from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
-from .graphmax import SOLVERS, get_operator, log_graphmax
-from .graphmax import _check as check_logits  # the paper decoder's input checks, so both refuse bad scores alike
+from .graphmax import check_logits, get_operator, log_graphmax
 from .operator import TransitionOperator
 from .solvers import SolveInfo
-
-
-def _real(name: str, value: Any, requirement: str, ok: Callable[[float], bool]) -> float:
-    """``value`` as a float, or a ValueError that names the argument and its value."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
-        raise ValueError(f"`{name}` must be {requirement}, got {value!r}")
-    return float(value)
-
-
-def _integer(name: str, value: Any, requirement: str, ok: Callable[[int], bool]) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(int(value)):
-        raise ValueError(f"`{name}` must be {requirement}, got {value!r}")
-    return int(value)
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
-    return value
-
-
-def _finite_nonnegative(v: float) -> bool:
-    return 0.0 <= v < math.inf
-
-
-def _finite_positive(v: float) -> bool:
-    return 0.0 < v < math.inf
 
 
 class GraphmaxLogitsProcessor(LogitsProcessor):
@@ -93,17 +65,31 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
         return super().__new__(cls)
 
     @classmethod
-    def from_graph(cls, graph: Any, **kwargs: Any) -> GraphmaxLogitsProcessor:
-        """The decoder ``graphmax tune`` stored in ``graph``, else :class:`ContextGraphmaxLogitsProcessor`'s defaults.
+    def from_graph(cls, graph: Any, *, datastore: Datastore | None = None, tap: HiddenStateTap | None = None,
+                   **overrides: Any) -> GraphmaxLogitsProcessor:
+        """The decoder the graph's stored choice names (``graphmax tune``; ``gm_solver.DecoderChoice``), else
+        :class:`ContextGraphmaxLogitsProcessor`'s defaults: the one factory of the graphmax decoders.
 
         Args:
             graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph; a scipy matrix stores no choice.
-            **kwargs: arguments of the stored decoder's class, overriding what is stored (e.g. ``lam=2.0``,
-                ``tokenizer=tok``); one that class does not take raises a TypeError.
+            datastore (``Datastore``, defaults to ``None``): a kNN datastore of the model that decodes: the context
+                choice becomes :class:`KnnContextGraphmaxLogitsProcessor`, with the kNN settings and λ stored with
+                this datastore (recognised by its keys' SHA-256) or else :class:`~gm_solver.choice.KnnConfig`'s
+                defaults. A paper choice refuses it.
+            tap (``HiddenStateTap``, defaults to ``None``): with ``datastore``, the tap to read the model's hidden
+                states through; ``None``: a new one, to attach with ``proc.tap.attach(model)``.
+            **overrides: arguments of the decoder's class, replacing what is stored (e.g. ``lam=2.0``,
+                ``tokenizer=tok``, ``knn_weight=0.3``); one that class does not take raises a TypeError.
 
         Returns:
-            ``PaperGraphmaxLogitsProcessor`` or ``ContextGraphmaxLogitsProcessor``. A context decoder's
-            ``config.source`` records where its settings came from (``{"tuned": True, ...}`` after ``tune``).
+            ``PaperGraphmaxLogitsProcessor``, ``PaperAlgorithm1LogitsProcessor``, ``ContextGraphmaxLogitsProcessor``
+            or ``KnnContextGraphmaxLogitsProcessor``. A context decoder's ``config.source`` records where its
+            settings came from (``{"tuned": True, ...}`` after ``tune``; ``"overridden"``: the settings replaced;
+            ``"knn"``: ``"stored"`` or ``"stored for another datastore"`` when the graph stores kNN settings).
+
+        Raises:
+            GraphFormatError: the stored choice is malformed (one line naming the key).
+            TypeError, ValueError: an override the decoder does not take, or out of its range.
 
         Example::
 
@@ -114,22 +100,52 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
 order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.5, lam_decay=0.0)
         """
         stored = dict(getattr(graph, "decoder", None) or {})
-        target = PaperGraphmaxLogitsProcessor if stored.pop("mode", "context") == "paper" else \
-            ContextGraphmaxLogitsProcessor
-        takes = set(inspect.signature(target).parameters) - {"graph"}
-        for name in kwargs:
+        paper = stored.get("mode") == "paper"
+        if paper:
+            target = PaperAlgorithm1LogitsProcessor if stored.get("solver") == "paper" else \
+                PaperGraphmaxLogitsProcessor
+            if datastore is not None or tap is not None:
+                raise ValueError("`datastore` and `tap` apply to the context decoder; this graph stores the paper's "
+                                 "decoder")
+        else:
+            target = ContextGraphmaxLogitsProcessor if datastore is None else KnnContextGraphmaxLogitsProcessor
+            if datastore is None and tap is not None:
+                raise ValueError("`tap` applies with a `datastore` only")
+        takes = _arguments(target) - {"graph", "datastore", "tap"}
+        for name in overrides:
             if name not in takes:
                 raise TypeError(f"`{name}` is not an argument of {target.__name__}, the decoder this graph stores; "
                                 f"construct the other decoder directly to use it")
-        if target is PaperGraphmaxLogitsProcessor:
-            return target(graph, **{**stored, **kwargs})
-        # stored values and overrides are checked together, by the class: an override mends a bad stored value
-        fields = ContextConfig().to_dict()
-        settings = {**fields, **(ContextConfig.stored_fields(stored) if stored else {}), **kwargs}
+        # the overrides replace the stored values before the record is checked, so that one mends a bad stored value
+        own = {f.name for f in fields(PaperConfig if paper else ContextConfig)}
+        replaced = {k: v for k, v in overrides.items() if k in own}
+        unstored = (PaperConfig if paper else ContextConfig)(**replaced)  # a bad override is named as an override
+        choice = DecoderChoice.from_json({**stored, **replaced}) if stored else DecoderChoice(config=unstored)
+        rest = {k: v for k, v in overrides.items() if k not in own}
+        if paper:
+            config = choice.config
+            settings = {"lam": config.lam} if config.algorithm1 else \
+                {"lam": config.lam, "tol": config.tol, "max_iter": config.max_iter}
+            return target(graph, **settings, **rest)
+        settings = choice.config.to_dict()
         source = settings.pop("source")
-        overridden = sorted(set(kwargs) & set(fields))
-        proc = target(graph, **settings)
-        proc._set_source({**source, "overridden": overridden} if overridden else source)
+        if replaced:
+            source = {**source, "overridden": sorted(replaced)}
+        if datastore is None:
+            proc = target(graph, **settings, **rest)
+        else:
+            knn = {k: rest.pop(k) for k in list(rest) if k in {f.name for f in fields(KnnConfig)}}
+            tuned = choice.knn
+            if tuned is not None and isinstance(datastore, Datastore) and tuned.datastore_sha256 == \
+                    datastore.keys_sha256:
+                knn = {**asdict(tuned.config), **knn}
+                if "lam" not in replaced:  # λ was tuned again with the datastore
+                    settings["lam"] = tuned.lam
+                source = {**source, "knn": "stored"}
+            elif tuned is not None:
+                source = {**source, "knn": "stored for another datastore"}
+            proc = target(graph, datastore, HiddenStateTap() if tap is None else tap, **knn, **settings, **rest)
+        proc._set_source(source)
         return proc
 
     def warmup(self) -> GraphmaxLogitsProcessor:
@@ -172,13 +188,52 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
             raise ValueError(f"`{name}`={value!r} has no effect {why}; leave it at its default ({default!r})")
 
 
-class PaperGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
+class _OperatorDecoder(GraphmaxLogitsProcessor):
+    """What the paper's two decoders share: the operator M on a device, the tokenizer check and the step."""
+
+    config: PaperConfig
+    check_every: int | None = None
+
+    def __init__(self, graph: Any, config: PaperConfig, device: str | torch.device | None, tokenizer: Any):
+        target = _device(device, graph)
+        if tokenizer is not None:
+            if not hasattr(graph, "check_tokenizer"):
+                raise ValueError(f"`tokenizer` can only be checked against a gm_graphs.Graph, got a "
+                                 f"{type(graph).__name__} as `graph`")
+            graph.check_tokenizer(tokenizer)
+        self.config, self.graph = config, graph
+        # built (and cached) now, so that the first decoding step does not pay for the transpose
+        self.operator: TransitionOperator = get_operator(graph, target)
+        self.last_info = None
+
+    @property
+    def lam(self) -> float:
+        return self.config.lam
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.device != self.operator.device:
+            self.operator = get_operator(self.graph, scores.device)
+        c = self.config
+        logp, self.last_info = log_graphmax(scores, self.operator, c.lam, tol=c.tol, max_iter=c.max_iter,
+                                            solver="paper" if c.algorithm1 else "mirror",
+                                            check_every=self.check_every, return_info=True)
+        return logp
+
+    def _shape(self) -> tuple[int, torch.device]:
+        return self.operator.n, self.operator.device
+
+    def _device_setting(self) -> dict[str, Any]:
+        return {"device": str(self.operator.device)} if self.operator.device.type != "cpu" else {}
+
+
+class PaperGraphmaxLogitsProcessor(_OperatorDecoder):
     r"""The paper's graphmax: each step's distribution is
 
         x* = argmin over the simplex of −⟨x, z⟩ + ⟨x, log x⟩ + λ‖x − Mx‖²,
 
     z the step's scores and M the graph operator (Ã, Ãᵏ or a mixture Ã+…+Ãⁿ); it does not read ``input_ids``.
-    Solved by certified mirror descent to a duality gap ≤ ``tol`` (``gm_solver.graphmax``). Scores wider than
+    Solved by certified mirror descent to a duality gap ≤ ``tol`` (``gm_solver.graphmax``); the paper's own
+    solver, which does not converge, is :class:`PaperAlgorithm1LogitsProcessor`. Scores wider than
     the graph (padded vocabularies) treat the extra ids as isolated nodes.
 
     Args:
@@ -188,9 +243,6 @@ class PaperGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         lam (``float``, defaults to 1.0): λ ≥ 0, finite, the weight of ‖x − Mx‖²; 0 gives softmax exactly (the
             solver settings then have no effect).
         tol (``float``, defaults to 1e-6): the duality gap at which each step's solve stops (certified).
-        solver (``str``, defaults to ``"auto"``): ``"auto"`` or ``"mirror"`` (the same: certified mirror
-            descent), or ``"paper"``: the paper's Algorithm 1 as printed (T = 20 projected gradient steps; it does
-            not reach the optimum, and ``tol``, ``max_iter`` and ``check_every`` do not apply to it).
         max_iter (``int``, defaults to 200): the iteration budget per step.
         check_every (``int`` or ``None``, defaults to ``None``): iterations between the convergence checks that
             read the gaps back to the host; ``None``: every iteration on CPU, every 8 on GPUs; 0: never (each row
@@ -215,51 +267,67 @@ class PaperGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         ([0.445, 0.329, 0.226], True)
     """
 
-    SOLVERS = SOLVERS
-
-    def __init__(self, graph: Any, lam: float = 1.0, *, tol: float = 1e-6, solver: str = "auto",
-                 max_iter: int = 200, check_every: int | None = None,
-                 device: str | torch.device | None = None, tokenizer: Any = None):
-        self.lam = _real("lam", lam, "a finite float >= 0 (0 gives softmax)", _finite_nonnegative)
-        self.tol = _real("tol", tol, "a finite float > 0", _finite_positive)
-        self.solver = _choice("solver", solver, SOLVERS)
-        self.max_iter = _integer("max_iter", max_iter, "an int >= 1", lambda v: v >= 1)
-        self.check_every = None if check_every is None else _integer(
+    def __init__(self, graph: Any, lam: float = 1.0, *, tol: float = 1e-6, max_iter: int = 200,
+                 check_every: int | None = None, device: str | torch.device | None = None, tokenizer: Any = None):
+        config = PaperConfig(lam=lam, tol=tol, max_iter=max_iter)
+        self.check_every = None if check_every is None else integer(
             "check_every", check_every, "None or an int >= 0 (0: never read the gaps back to the host)",
             lambda v: v >= 0)
-        if self.solver == "paper":
-            why = "with solver='paper': the paper's Algorithm 1 runs its own T = 20 steps and stopping rule"
-            for name, value in (("tol", tol), ("max_iter", max_iter), ("check_every", check_every)):
-                self._refuse_unless_default(name, value, why)
-        target = _device(device, graph)
-        if tokenizer is not None:
-            if not hasattr(graph, "check_tokenizer"):
-                raise ValueError(f"`tokenizer` can only be checked against a gm_graphs.Graph, got a "
-                                 f"{type(graph).__name__} as `graph`")
-            graph.check_tokenizer(tokenizer)
-        self.graph = graph
-        # built (and cached) now, so that the first decoding step does not pay for the transpose
-        self.operator: TransitionOperator = get_operator(graph, target)
-        self.last_info = None
+        super().__init__(graph, config, device, tokenizer)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if scores.device != self.operator.device:
-            self.operator = get_operator(self.graph, scores.device)
-        logp, self.last_info = log_graphmax(scores, self.operator, self.lam, tol=self.tol, solver=self.solver,
-                                            max_iter=self.max_iter, check_every=self.check_every,
-                                            return_info=True)
-        return logp
+    @property
+    def tol(self) -> float:
+        return self.config.tol
 
-    def _shape(self) -> tuple[int, torch.device]:
-        return self.operator.n, self.operator.device
+    @property
+    def max_iter(self) -> int:
+        return self.config.max_iter
 
     def _settings(self) -> dict[str, Any]:
-        settings = {"lam": self.lam, "tol": self.tol, "solver": self.solver, "max_iter": self.max_iter}
+        settings = {"lam": self.lam, "tol": self.tol, "max_iter": self.max_iter}
         if self.check_every is not None:
             settings["check_every"] = self.check_every
-        if self.operator.device.type != "cpu":
-            settings["device"] = str(self.operator.device)
-        return settings
+        return {**settings, **self._device_setting()}
+
+
+class PaperAlgorithm1LogitsProcessor(_OperatorDecoder):
+    r"""The paper's Algorithm 1 as printed (Liu & Yin, JAIR 2023), for reproducing its numbers: each step runs
+    T = 20 projected gradient steps on
+
+        −⟨x, z⟩ + ⟨x, log x⟩ + λ‖x − Mx‖²
+
+    from softmax(z), with the paper's step rule, and returns where they end. It does not reach the optimum (its
+    ``last_info.gap`` says how far it stops), so it has no tolerance or iteration budget; the certified solve of the
+    same problem is :class:`PaperGraphmaxLogitsProcessor`.
+
+    Args:
+        graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``): M, as
+            for :class:`PaperGraphmaxLogitsProcessor`.
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives softmax exactly.
+        device (``str`` or ``torch.device``, defaults to ``None``): where to build the operator now; ``None``: the
+            CPU (or a ``TransitionOperator``'s own device).
+        tokenizer (defaults to ``None``): when given, a graph built with another vocabulary is refused
+            (``graph`` must then be a ``gm_graphs.Graph``).
+
+    Returns (when called with ``input_ids`` (B, T) and ``scores`` (B, V)):
+        ``torch.FloatTensor`` (B, V): log-probabilities in the scores' dtype.
+
+    Example::
+
+        >>> import scipy.sparse as sp, torch
+        >>> A = sp.csr_matrix([[0, 1.0, 0], [0, 0, 1.0], [1.0, 0, 0]])
+        >>> proc = PaperAlgorithm1LogitsProcessor(A, lam=1.0)
+        >>> logp = proc(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[2.0, 1.0, 0.0]]))
+        >>> round(float(logp.exp().sum()), 6), proc.last_info.iterations.tolist()
+        (1.0, [20])
+    """
+
+    def __init__(self, graph: Any, lam: float = 1.0, *, device: str | torch.device | None = None,
+                 tokenizer: Any = None):
+        super().__init__(graph, PaperConfig(lam=lam, algorithm1=True), device, tokenizer)
+
+    def _settings(self) -> dict[str, Any]:
+        return {"lam": self.lam, **self._device_setting()}
 
 
 def _device(device: str | torch.device | None, graph: Any) -> torch.device:
@@ -350,19 +418,14 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
                  ngram_order: int = 4, order_weights: tuple[float, ...] = (1.0,), smoothing: str = "kneser-ney",
                  discount: float = 0.75, kappa: float = 3.0, alpha: float = 0.5, lam_decay: float = 0.0,
                  prompt_length: int = 0, tokenizer: Any = None):
-        divergence = _choice("divergence", divergence, DIVERGENCES)
-        lam = _real("lam", lam, "a finite float >= 0 (0 gives softmax)", _finite_nonnegative)
-        kl_share = _real("kl_share", kl_share, "a float in [0, 1] (the share of λ on KL(x‖q))", lambda v: 0 <= v <= 1)
-        ngram_order = _integer("ngram_order", ngram_order, "an int >= 2 (2: the bigram row only)", lambda v: v >= 2)
-        weights = _order_weights(order_weights)
-        smoothing = _choice("smoothing", smoothing, SMOOTHINGS)
-        discount = _real("discount", discount, "a float in (0, 1) (Kneser–Ney's D)", lambda v: 0 < v < 1)
-        kappa = _real("kappa", kappa, "a finite float > 0 (the Dirichlet prior's strength)", _finite_positive)
-        alpha = _real("alpha", alpha, "a finite float > 0 (add-α on the unigram)", _finite_positive)
-        lam_decay = _real("lam_decay", lam_decay, "a finite float >= 0 (λ_t = λ·t^(−lam_decay); 0: constant)",
-                          _finite_nonnegative)
-        self.prompt_length = _integer("prompt_length", prompt_length, "an int >= 0 (columns of input_ids before "
-                                      "the text being written; 0: none)", lambda v: v >= 0)
+        config = ContextConfig(divergence=divergence, lam=lam, kl_share=kl_share, order_weights=order_weights,
+                               smoothing=smoothing, discount=discount, ngram_order=ngram_order, kappa=kappa,
+                               alpha=alpha, lam_decay=lam_decay)
+        self.prompt_length = integer("prompt_length", prompt_length, "an int >= 0 (columns of input_ids before "
+                                     "the text being written; 0: none)", lambda v: v >= 0)
+        divergence, kl_share, ngram_order, weights = config.divergence, config.kl_share, config.ngram_order, \
+            config.order_weights
+        smoothing, discount, kappa = config.smoothing, config.discount, config.kappa
         tables = _ngram_tables(graph)
         in_use = [n for n in tables if n <= ngram_order]
         if ngram_order > max(tables, default=2):
@@ -385,9 +448,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
                 raise ValueError(f"`tokenizer` can only be checked against a gm_graphs.Graph, got a "
                                  f"{type(graph).__name__} as `graph`")
             graph.check_tokenizer(tokenizer)
-        self.config = ContextConfig(divergence=divergence, lam=lam, kl_share=kl_share, order_weights=weights,
-                                    smoothing=smoothing, discount=discount, ngram_order=ngram_order, kappa=kappa,
-                                    alpha=alpha, lam_decay=lam_decay)
+        self.config = config
         self.reference = ContextReference(graph, self.config)
         self.last_info = None
 
@@ -426,7 +487,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.config.lam == 0:  # softmax, bit for bit in the scores' dtype (as log_graphmax at λ = 0)
-            check_logits(scores, 0.0, 1e-6, "auto", sync=True)
+            check_logits(scores, sync=True)
             return torch.log_softmax(scores, -1)
         # reference rows, solve and certificate for the whole batch in one call, on the scores' device
         logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids))
@@ -457,11 +518,10 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
     q the corpus' n-gram reference of :class:`ContextGraphmaxLogitsProcessor`, h the LM's last hidden state
     (taken by ``tap``) and p_knn the distribution of the tokens that followed its ``knn_k`` nearest keys in
     ``datastore``, weighted by softmax(−d/T) of their squared distances d (Khandelwal et al., ICLR 2020). With
-    ``marginal_weight`` w > 0 the scores are also z + b, b = ``datastore.marginal_bias(w)``: the model's
-    expected token counts over the datastore's positions moved toward the corpus' counts there (unigram marginal
-    adaptation). The problem, its solve and its certificate are those of the base class with q′ for q (and z + b
-    for z). Each step searches the datastore (every key, or the lists of its index): its cost grows with the
-    datastore; the bias costs one addition.
+    ``marginal_weight`` w > 0 the scores first go through :class:`MarginalBiasLogitsProcessor` (z + b, the
+    datastore's unigram marginal adaptation). The problem, its solve and its certificate are those of the base
+    class with q′ for q (and z + b for z). Each step searches the datastore (every key, or the lists of its
+    index): its cost grows with the datastore; the bias costs one addition.
 
     Args:
         graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph, as for the base class.
@@ -470,15 +530,15 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         tap (``gm_solver.datastore.HiddenStateTap``): attached to the model that decodes
             (``HiddenStateTap(model)``), so that each step's hidden states are those of the scores' rows; one
             ``generate()`` at a time per tap. ``datastore.check_model(model)`` checks the model is the datastore's.
-        knn_weight (``float``, defaults to 0.5): β in [0, 1], the share of p_knn in the reference; 0: no search at
-            all, the datastore's marginal bias alone (``marginal_weight``; with both 0 this is the base class's
-            decoder).
+        knn_weight (``float``, defaults to 0.5): β in (0, 1], the share of p_knn in the reference (the marginal
+            bias alone, with no search, is :class:`MarginalBiasLogitsProcessor` before the base class).
         knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1 (at most the datastore's size).
         knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units (for
             SmolLM2-135M's final states, 50–100 fitted best on held-out text).
         marginal_weight (``float``, defaults to 0.0): w in [0, 10], the weight of the datastore's marginal bias
             on the scores (0: none; the datastore must record marginals otherwise; ``graphmax tune --datastore``
-            chooses it: 0.75 on drug reviews and news).
+            chooses it: 0.75 on drug reviews and news). The four kNN settings are checked by ``KnnConfig`` and
+            kept as ``knn``.
         **settings: the base class's arguments (``divergence``, ``lam``, ``kl_share``, ``lam_decay``, …,
             ``tokenizer``).
 
@@ -514,15 +574,11 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         elif datastore.vocab_size > self.reference.n:
             raise ValueError(f"`datastore` holds token ids of a {datastore.vocab_size}-token vocabulary, the graph "
                              f"has {self.reference.n}; build both with one tokenizer")
-        self.knn_weight = _real("knn_weight", knn_weight, "a float in [0, 1] (the share of p_knn in q; 0: no "
-                                "search, the marginal bias alone)", lambda v: 0 <= v <= 1)
-        self.knn_k = _integer("knn_k", knn_k, "an int >= 1", lambda v: v >= 1)
-        self.knn_temperature = _real("knn_temperature", knn_temperature, "a finite float > 0", _finite_positive)
-        self.marginal_weight = _real("marginal_weight", marginal_weight, f"a float in [0, {MAX_MARGINAL_WEIGHT:g}] (0: "
-                                     "no marginal bias)", lambda v: 0 <= v <= MAX_MARGINAL_WEIGHT)
+        self.knn = KnnConfig(knn_weight=knn_weight, knn_k=knn_k, knn_temperature=knn_temperature,
+                             marginal_weight=marginal_weight)
         self.datastore, self.tap = datastore, tap
-        # (V,) on the datastore's device, or None; scores wider than the vocabulary (a padded head) get 0 there
-        self._bias = datastore.marginal_bias(self.marginal_weight) if self.marginal_weight > 0 else None
+        self.marginal_bias = MarginalBiasLogitsProcessor(datastore, self.knn.marginal_weight) \
+            if self.knn.marginal_weight > 0 else None
 
     @classmethod
     def from_config(cls, graph: Any, config: ContextConfig, *, datastore: Datastore, tap: HiddenStateTap,
@@ -533,6 +589,16 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
             graph, datastore, tap, tokenizer, prompt_length: as for the constructor.
             config (``ContextConfig``): the base class's settings; its ``source`` is kept as ``self.config.source``.
             **knn: ``knn_weight``, ``knn_k``, ``knn_temperature``, ``marginal_weight``.
+
+        Example::
+
+            >>> import numpy as np, scipy.sparse as sp
+            >>> store = Datastore(np.eye(3, 4), np.array([2, 2, 1]), vocab_size=3)
+            >>> counts = sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]], dtype=float)
+            >>> proc = KnnContextGraphmaxLogitsProcessor.from_config(counts, ContextConfig(lam=0.5), datastore=store,
+            ...                                                      tap=HiddenStateTap(), knn_weight=0.3)
+            >>> proc.config.lam, proc.knn.knn_weight
+            (0.5, 0.3)
         """
         if not isinstance(config, ContextConfig):
             raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
@@ -543,49 +609,98 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         return proc
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._bias is not None and torch.is_tensor(scores) and scores.dim() >= 1:
-            cols = min(scores.shape[-1], self._bias.shape[0])
-            scores = scores.clone()  # the caller's scores stay as they were
-            scores[..., :cols] += self._bias[:cols].to(scores.device, scores.dtype)
-        if self.config.lam == 0 or self.knn_weight == 0:  # (no search: the tap is not read)
+        if self.marginal_bias is not None:
+            scores = self.marginal_bias(input_ids, scores)
+        if self.config.lam == 0:  # (no search: the tap is not read)
             return super().__call__(input_ids, scores)
         hidden = self.tap.last
         if hidden.shape[0] != scores.shape[0]:
             raise ValueError(f"the tap holds {hidden.shape[0]} hidden states for {scores.shape[0]} rows of scores; "
                              f"attach the tap to the model that produces these scores")
-        tokens, weights = self.datastore.distribution(hidden, self.knn_k, self.knn_temperature)
+        knn = self.knn
+        tokens, weights = self.datastore.distribution(hidden, knn.knn_k, knn.knn_temperature)
         logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids),
-                                                   knn=(tokens, weights, self.knn_weight))
+                                                   knn=(tokens, weights, knn.knn_weight))
         return logp
 
     def warmup(self) -> KnnContextGraphmaxLogitsProcessor:
         """As the base class's, with a neighbour in each row's reference (the tap is left as it was)."""
-        if self.knn_weight == 0:
-            return super().warmup()
         width, _ = self._shape()
         for rows in (1, 2):
-            one = (torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1, dtype=torch.float64), self.knn_weight)
+            one = (torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1, dtype=torch.float64),
+                   self.knn.knn_weight)
             self.reference.step(torch.zeros(rows, 8, dtype=torch.long), torch.zeros(rows, width), knn=one)
-        self.datastore.neighbours(torch.zeros(1, self.datastore.dim), self.knn_k)
+        self.datastore.neighbours(torch.zeros(1, self.datastore.dim), self.knn.knn_k)
         return self
 
     def _settings(self) -> dict[str, Any]:
-        return {**super()._settings(), "knn_weight": self.knn_weight, "knn_k": self.knn_k,
-                "knn_temperature": self.knn_temperature, "marginal_weight": self.marginal_weight,
-                "datastore_keys": len(self.datastore)}
+        return {**super()._settings(), **asdict(self.knn), "datastore_keys": len(self.datastore)}
 
 
-def _order_weights(value: Any) -> tuple[float, ...]:
-    requirement = "a sequence of finite floats >= 0 with a positive sum (β_k for the token k back)"
-    try:
-        weights = tuple(value)
-    except TypeError:
-        raise ValueError(f"`order_weights` must be {requirement}, got {value!r}") from None
-    if not weights or isinstance(value, str) or any(
-            isinstance(b, bool) or not isinstance(b, numbers.Real) or not _finite_nonnegative(float(b))
-            for b in weights) or sum(weights) <= 0:
-        raise ValueError(f"`order_weights` must be {requirement}, got {value!r}")
-    return tuple(float(b) for b in weights)
+class MarginalBiasLogitsProcessor(LogitsProcessor):
+    r"""The datastore's unigram marginal adaptation (Kneser, Peters & Klakow, 1997) on the scores:
+
+        z′ = z + w·log((c + δ)/(e + δ)),
+
+    c the tokens' counts at the datastore's positions, e the model's expected counts there (its marginals) and
+    δ = 0.5 (``Datastore.marginal_bias``): each token's probability moves by (c/e)^w before any renormalisation.
+    Scores wider than the vocabulary (a padded head) get 0 there; the caller's scores are left as they were. Put it
+    before a graphmax decoder (the bias alone, no search) or give ``KnnContextGraphmaxLogitsProcessor`` a
+    ``marginal_weight`` (which applies this processor).
+
+    Args:
+        datastore (``gm_solver.datastore.Datastore``): a datastore that records the model's marginals
+            (``build_datastore``).
+        weight (``float``): w in (0, 10], the bias' weight (``graphmax tune --datastore`` chose 0.75 on drug
+            reviews and news).
+
+    Returns (when called with ``input_ids`` (B, T) and ``scores`` (B, V)):
+        ``torch.FloatTensor`` (B, V): the biased scores, in the scores' dtype.
+
+    Example::
+
+        >>> import numpy as np, scipy.sparse as sp, torch
+        >>> from transformers import LogitsProcessorList
+        >>> store = Datastore(np.eye(4, 2), np.array([0, 0, 0, 1]), vocab_size=3, marginals=[1.0, 1.0, 2.0])
+        >>> bias = MarginalBiasLogitsProcessor(store, 1.0)
+        >>> [round(v, 3) for v in bias(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 3))[0].tolist()]
+        [0.847, 0.0, -1.609]
+        >>> counts = sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]], dtype=float)
+        >>> decode = LogitsProcessorList([bias, ContextGraphmaxLogitsProcessor(counts)])   # the bias alone
+        >>> round(float(decode(torch.tensor([[2, 0]]), torch.zeros(1, 3)).exp().sum()), 6)
+        1.0
+    """
+
+    def __init__(self, datastore: Datastore, weight: float):
+        if not isinstance(datastore, Datastore):
+            raise TypeError(f"`datastore` must be a gm_solver.datastore.Datastore (load_datastore or "
+                            f"build_datastore), got {type(datastore).__name__}")
+        self.weight = real("weight", weight, f"a float in (0, {MAX_MARGINAL_WEIGHT:g}] (the marginal bias' weight)",
+                           lambda v: 0 < v <= MAX_MARGINAL_WEIGHT)
+        self.datastore = datastore
+        # (V,) on the datastore's device
+        self.bias = datastore.marginal_bias(self.weight)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not torch.is_tensor(scores) or scores.dim() < 1:
+            return scores  # (malformed scores are the decoder's to refuse)
+        cols = min(scores.shape[-1], self.bias.shape[0])
+        scores = scores.clone()  # the caller's scores stay as they were
+        scores[..., :cols] += self.bias[:cols].to(scores.device, scores.dtype)
+        return scores
+
+    def __repr__(self) -> str:
+        return f"MarginalBiasLogitsProcessor(weight={self.weight!r}, datastore_keys={len(self.datastore)})"
+
+
+def _arguments(cls: type) -> set[str]:
+    """The named arguments ``cls`` takes, its bases' included where it passes them on as ``**settings``."""
+    names: set[str] = set()
+    for c in cls.__mro__:
+        if c is GraphmaxLogitsProcessor:
+            break
+        names |= {p.name for p in inspect.signature(c).parameters.values() if p.kind != p.VAR_KEYWORD}
+    return names
 
 
 def _ngram_tables(graph: Any) -> list[int]:

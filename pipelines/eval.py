@@ -28,6 +28,7 @@ from gm_solver import (
     HiddenStateTap,
     InterpolationLogitsProcessor,
     KnnContextGraphmaxLogitsProcessor,
+    PaperAlgorithm1LogitsProcessor,
     PaperGraphmaxLogitsProcessor,
     build_datastore,
     log_graphmax,
@@ -50,7 +51,7 @@ from .heldout import (
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
 from .models import DEFAULT_MODEL, load_model
 from .prompt import FewShotPrompt, few_shot_prompt
-from .tune import KNN_TEMPERATURES, tune_config, tune_knn
+from .tune import KNN_TEMPERATURES, marginal_bias_decoder, tune_config, tune_knn
 
 PAPER_CONTEXT = "I was so disappointed by this, and at this stage I was going to"
 SIZES = {  # documents and tokens per step; --full uses the second set
@@ -151,8 +152,8 @@ class Knn:
     table: list[dict]
     documents: int
     seconds: float  # building the datastore (the LM over its documents) and tuning β, T, λ and the marginal weight
-    # the datastore's marginal bias alone (β = 0: no search), its weight and λ tuned the same way; None without
-    # marginals
+    # the datastore's marginal bias alone (β = 0: no search, ``tune.marginal_bias_decoder``), its weight and λ tuned
+    # the same way; None without marginals
     bias_only: tuple[ContextConfig, dict] | None = None
 
 
@@ -283,17 +284,18 @@ def make_decoders(setup: Setup, tuned: ContextConfig, paper_lams: list[float], m
                                     PaperGraphmaxLogitsProcessor(setup.mixture, lam=lam).warmup(),
                                     positions=paper_positions))
     decoders.append(Decoder("paper algorithm 1", "paper Algorithm 1 Ã λ=1", "paper",
-                            PaperGraphmaxLogitsProcessor(setup.graph, lam=1.0, solver="paper").warmup(),
+                            PaperAlgorithm1LogitsProcessor(setup.graph, lam=1.0).warmup(),
                             positions=paper_positions))
     decoders.append(Decoder("ours default", "context graphmax, untuned defaults (ours)", "ours",
                             ContextGraphmaxLogitsProcessor(setup.graph).warmup()))
     decoders.append(Decoder("ours", "context graphmax, tuned (ours)", "ours",
                             ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup()))
     if knn is not None and knn.bias_only is not None:
+        bias_config, bias = knn.bias_only
+        bias_only = marginal_bias_decoder(setup.graph, bias_config, knn.datastore, bias["marginal_weight"])
+        bias_only[-1].warmup()
         decoders.append(Decoder("ours marginals", "context graphmax + the datastore's marginal bias alone (no search), "
-                                "tuned (ours)", "ours", KnnContextGraphmaxLogitsProcessor.from_config(
-                                    setup.graph, knn.bias_only[0], datastore=knn.datastore, tap=HiddenStateTap(),
-                                    **knn.bias_only[1]).warmup()))
+                                "tuned (ours)", "ours", bias_only))
     if knn is not None:
         decoders.append(Decoder("ours knn", f"context graphmax + kNN datastore ({len(knn.datastore):,} keys) and its "
                                 "marginal bias, tuned (ours)", "ours", KnnContextGraphmaxLogitsProcessor.from_config(
@@ -555,7 +557,7 @@ def solver_traces(graph: Graph, model, tok) -> dict[str, dict[str, list[float]]]
     context."""
     z = next_token_logits(model, tok, PAPER_CONTEXT).double()
     out = {}
-    for name, solver in (("paper Algorithm 1", "paper"), ("ours (mirror descent)", "auto")):
+    for name, solver in (("paper Algorithm 1", "paper"), ("ours (mirror descent)", "mirror")):
         _, info = log_graphmax(z, graph, 1.0, solver=solver, return_info=True, trace=True)
         gaps = [float(g[0]) for g in info.gap_trace]
         steps = [float(s[0]) for s in info.step_trace] if solver == "paper" else []

@@ -8,7 +8,6 @@ count it.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -18,11 +17,11 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from gm_graphs import Graph, GraphmaxError, load_graph, load_tokenizer
 from gm_solver import (
-    DIVERGENCES,
     ContextGraphmaxLogitsProcessor,
     GraphmaxLogitsProcessor,
     HiddenStateTap,
     KnnContextGraphmaxLogitsProcessor,
+    PaperAlgorithm1LogitsProcessor,
     PaperGraphmaxLogitsProcessor,
     load_datastore,
 )
@@ -31,9 +30,8 @@ from .args import integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
 from .prompt import SEPARATOR
-from .tune import datastore_sha256
 
-DECODERS = {"paper": PaperGraphmaxLogitsProcessor, "context": ContextGraphmaxLogitsProcessor}
+DECODERS = ("paper", "context")
 # each decoder's options (argparse dest); --order/--mixture choose which operator of the graph the paper one uses
 OPTIONS = {
     "paper": ("lam", "tol", "solver", "max_iter", "order", "mixture"),
@@ -42,6 +40,7 @@ OPTIONS = {
 }
 MAX_EXAMPLES_BYTES = 2**20  # --examples: the LM reads a few thousand tokens at most
 KNN_OPTIONS = ("knn_weight", "knn_k", "knn_temperature", "marginal_weight")  # with --datastore (context only)
+SOLVERS = {"mirror": PaperGraphmaxLogitsProcessor, "paper": PaperAlgorithm1LogitsProcessor}  # --solver
 
 
 def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_tokens: int = 32,
@@ -119,17 +118,18 @@ def register(sub) -> None:
                         "by blank lines (few-shot); the context decoder's λ_t counts the prompt's tokens only")
     # the graph, and its decoder: each decoder's options are refused with the other (defaults: the stored choice)
     add_graph_arguments(p, "--graph")
-    p.add_argument("--decoder", choices=tuple(DECODERS),
+    p.add_argument("--decoder", choices=DECODERS,
                    help="default: the decoder `graphmax tune` stored in the graph, else context")
     p.add_argument("--lam", type=number(at_least=0),
                    help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
     p.add_argument("--tol", type=number(above=0), help="paper: duality gap per step (default 1e-6)")
-    p.add_argument("--solver", choices=PaperGraphmaxLogitsProcessor.SOLVERS,
-                   help="paper: certified mirror descent (auto) or the paper's Algorithm 1")
+    p.add_argument("--solver", choices=SOLVERS,
+                   help="paper: certified mirror descent (mirror, the default) or the paper's Algorithm 1 (paper)")
     p.add_argument("--max-iter", type=integer(1), help="paper: iterations per step (default 200)")
     p.add_argument("--order", type=integer(1), help="paper: use Ãᵏ (default 1)")
     p.add_argument("--mixture", type=integer(2), help="paper: use Ã+…+Ãⁿ (n ≥ 2)")
-    p.add_argument("--divergence", choices=DIVERGENCES, help="context: D(x, q) (default rkl)")
+    p.add_argument("--divergence", choices=ContextGraphmaxLogitsProcessor.DIVERGENCES,
+                   help="context: D(x, q) (default rkl)")
     p.add_argument("--kl-share", type=number(at_least=0), help="context: the share of λ on KL(x‖q) (default 0.15)")
     p.add_argument("--ngram-order", type=integer(2), help="context: longest n-gram conditioning q (default 4)")
     p.add_argument("--order-weights", type=numbers(at_least=0, example="0.8,0.2"),
@@ -141,7 +141,7 @@ def register(sub) -> None:
     p.add_argument("--alpha", type=number(above=0), help="context: add-α of the unigram (default 0.5)")
     p.add_argument("--datastore", type=Path, metavar="DIR",
                    help="context: also lean toward a kNN datastore of this model's hidden states (graphmax datastore)")
-    p.add_argument("--knn-weight", type=number(at_least=0),
+    p.add_argument("--knn-weight", type=number(above=0),
                    help="with --datastore: its share β in the reference (default: what `graphmax tune --datastore` "
                         "stored for this datastore, else 0.5)")
     p.add_argument("--knn-k", type=integer(1), help="with --datastore: neighbours read (default 1024)")
@@ -178,45 +178,45 @@ def build_decoder(args, prompt_length: int = 0) -> tuple[Graph, GraphmaxLogitsPr
             raise GraphmaxError(f"--{name.replace('_', '-')} applies to --decoder {other}{hint}")
     if kind == "paper" and (args.order is not None or args.mixture is not None):
         graph = load_graph(source, order=args.order or 1, mixture=args.mixture)
-    settings = {k: v for k, v in given.items() if k not in ("order", "mixture")}
+    settings = {k: v for k, v in given.items() if k not in ("order", "mixture", "solver")}
+    if args.solver == "paper":
+        for name in ("tol", "max_iter"):
+            if name in settings:
+                raise GraphmaxError(f"--{name.replace('_', '-')} has no effect with --solver paper: the paper's "
+                                    f"Algorithm 1 runs its own T = 20 steps and stopping rule")
     extra = {"prompt_length": prompt_length} if kind == "context" and prompt_length else {}
+    knn = {k: getattr(args, k) for k in KNN_OPTIONS if getattr(args, k) is not None}
+    if args.datastore is None and (knn or args.knn_nprobe is not None):
+        name = next(iter(knn), "knn_nprobe")
+        raise GraphmaxError(f"--{name.replace('_', '-')} applies with --datastore DIR only")
+    if args.datastore is not None and kind != "context":
+        raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
+    datastore = None if args.datastore is None else load_datastore(
+        args.datastore, **({} if args.knn_nprobe is None else {"nprobe": args.knn_nprobe}))
+    with_store = {} if datastore is None else {"datastore": datastore, "tap": HiddenStateTap()}
+    stored_solver = "paper" if graph.decoder and graph.decoder.get("solver") == "paper" else "mirror"
     try:
-        if kind == stored:
-            proc, origin = GraphmaxLogitsProcessor.from_graph(graph, **settings, **extra), "stored by graphmax tune"
+        if kind == stored and (args.solver is None or args.solver == stored_solver):
+            proc = GraphmaxLogitsProcessor.from_graph(graph, **with_store, **settings, **extra, **knn)
+            origin = "stored by graphmax tune"
         else:
-            proc = DECODERS[kind](graph, **settings, **extra)
+            if kind == "paper":
+                target = SOLVERS[args.solver or "mirror"]
+            else:
+                target = KnnContextGraphmaxLogitsProcessor if datastore is not None else ContextGraphmaxLogitsProcessor
+            proc = target(graph, *with_store.values(), **settings, **extra, **knn)
             origin = "defaults" + (f" (the graph stores a {stored} decoder)" if stored else "")
     except (TypeError, ValueError) as e:
         raise GraphmaxError(str(e)) from e
+    if args.solver is not None:
+        settings["solver"] = args.solver
     if settings:
         origin += ", with " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in settings.items())
-    knn = {k: getattr(args, k) for k in KNN_OPTIONS if getattr(args, k) is not None}
-    if args.datastore is None:
-        if knn or args.knn_nprobe is not None:
-            name = next(iter(knn), "knn_nprobe")
-            raise GraphmaxError(f"--{name.replace('_', '-')} applies with --datastore DIR only")
+    if datastore is None:
         return graph, proc, origin
-    if kind != "context":
-        raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
-    datastore = load_datastore(args.datastore, **({} if args.knn_nprobe is None else {"nprobe": args.knn_nprobe}))
-    config, where = proc.config, "defaults"
-    tuned = graph.decoder.get("knn") if kind == stored else None  # `graphmax tune --datastore`'s choice
-    try:
-        if tuned is not None and tuned["datastore_sha256"] == datastore_sha256(datastore):
-            knn = {**{k: tuned[k] for k in KNN_OPTIONS if k in tuned}, **knn}  # (older graphs: no marginals)
-            if "lam" not in settings:  # λ was tuned again with the datastore
-                config = dataclasses.replace(config, lam=tuned["lam"])
-            where = "stored by graphmax tune --datastore"
-        elif tuned is not None:
-            where = "defaults (the graph's were tuned with another datastore)"
-        if knn.get("marginal_weight", 0) > 0 and datastore.marginals is None:
-            raise GraphmaxError(f"the datastore {args.datastore} records no marginals (written before graphmax kept "
-                                f"them), so it has no marginal bias: build it again with `graphmax datastore`, or "
-                                f"pass --marginal-weight 0")
-        proc = KnnContextGraphmaxLogitsProcessor.from_config(graph, config, datastore=datastore, tap=HiddenStateTap(),
-                                                             **extra, **knn)
-    except (TypeError, ValueError) as e:
-        raise GraphmaxError(str(e)) from e
+    where = {"stored": "stored by graphmax tune --datastore",
+             "stored for another datastore": "defaults (the graph's were tuned with another datastore)"}.get(
+        proc.config.source.get("knn"), "defaults")
     keys = f"{len(datastore):,} keys" + (f", {datastore.nprobe} of its {datastore.meta['ivf_lists']:,} lists a "
                                           "search" if datastore.approximate else "")
     return graph, proc, origin + f"; kNN datastore {args.datastore} ({keys}), β, T, marginal weight: {where}"
@@ -265,7 +265,7 @@ def run(args) -> int:
         proc.datastore.check_model(model)
         proc.tap.attach(model)  # each step's hidden states, for the datastore's search
     warm_up(model, tok, [proc])
-    label = "paper graphmax" if isinstance(proc, PaperGraphmaxLogitsProcessor) else "context graphmax"
+    label = "context graphmax" if isinstance(proc, ContextGraphmaxLogitsProcessor) else "paper graphmax"
     print(f"graph: {graph!r}\ndecoder: {proc!r}\n  settings: {origin}")
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed, prefix=prefix)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)

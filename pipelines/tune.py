@@ -7,7 +7,7 @@ Dirichlet prior κ), how many of the graph's n-gram tables to use (when it has
 some), the order weights, how fast λ falls with the context's length
 (λ_t = λ·t^(−γ)), and finally λ and that share again around the best. The choice
 and the perplexities behind it go into the graph's manifest, where
-``GraphmaxLogitsProcessor.from_graph`` finds them. With ``--datastore DIR`` the
+``GraphmaxLogitsProcessor.from_graph`` finds them (``gm_solver.DecoderChoice``). With ``--datastore DIR`` the
 kNN datastore's share β and temperature T are tuned on top, then λ's scale, then
 the weight of its marginal bias and λ's scale again; they are stored beside the
 choice with the datastore's keys' SHA-256, and ``graphmax generate --datastore``
@@ -21,14 +21,17 @@ import statistics
 from pathlib import Path
 
 from tqdm.auto import tqdm
+from transformers import LogitsProcessorList
 
 from gm_graphs import expand_corpus, iter_documents, load_graph
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
     Datastore,
+    DecoderChoice,
     HiddenStateTap,
     KnnContextGraphmaxLogitsProcessor,
+    MarginalBiasLogitsProcessor,
     load_datastore,
 )
 
@@ -108,9 +111,13 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
     def ppl(key: tuple) -> float:
         if key not in tried:
             weight, temperature, factor, marginal = key
-            proc = KnnContextGraphmaxLogitsProcessor.from_config(
-                graph, dataclasses.replace(config, lam=config.lam * factor), datastore=datastore, tap=tap,
-                knn_weight=weight, knn_k=k, knn_temperature=temperature, marginal_weight=marginal)
+            scaled = dataclasses.replace(config, lam=config.lam * factor)
+            if weight > 0:
+                proc = KnnContextGraphmaxLogitsProcessor.from_config(
+                    graph, scaled, datastore=datastore, tap=tap, knn_weight=weight, knn_k=k,
+                    knn_temperature=temperature, marginal_weight=marginal)
+            else:  # no search: the marginal bias alone (none at weight 0 too)
+                proc = marginal_bias_decoder(graph, scaled, datastore, marginal)
             tried[key] = perplexity(heldout, proc)
             bar.update(1)
         return tried[key]
@@ -129,6 +136,13 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
         row.pop("source")
     knn = {"knn_weight": best[0], "knn_temperature": best[1], "knn_k": k, "marginal_weight": best[3]}
     return dataclasses.replace(config, lam=config.lam * best[2]), knn, table
+
+
+def marginal_bias_decoder(graph, config: ContextConfig, datastore: Datastore, weight: float) -> LogitsProcessorList:
+    """The context decoder of ``config`` (last) on scores moved by the datastore's marginal bias of ``weight`` (none
+    at 0): the datastore without its search."""
+    bias = [MarginalBiasLogitsProcessor(datastore, weight)] if weight > 0 else []
+    return LogitsProcessorList([*bias, ContextGraphmaxLogitsProcessor.from_config(graph, config)])
 
 
 def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
@@ -156,11 +170,6 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def datastore_sha256(datastore: Datastore) -> str:
-    """What identifies a datastore's keys: their file's SHA-256, as its folder records it."""
-    return datastore.meta["files"]["keys.npy"]["sha256"]
-
-
 def run(args) -> int:
     graph = load_graph(graph_arg(args))  # a missing or broken graph (or datastore) is refused before the model loads
     datastore = None
@@ -179,12 +188,15 @@ def run(args) -> int:
     source = {"tuned": True, "validation": [str(f) for f in expand_corpus(args.corpus)],
               "documents": len(heldout.ids), "positions": heldout.positions, "softmax_perplexity": softmax,
               "perplexity": table[0]["perplexity"], "model": str(args.model)}
-    choice = {"mode": "context", **dataclasses.replace(best, source=source).to_dict()}
+    knn_choice = None
     if datastore is not None:
         with_knn, knn, knn_table = tune_knn(graph, heldout, best, datastore)
-        choice["knn"] = {**knn, "lam": with_knn.lam, "datastore_sha256": datastore_sha256(datastore),
-                         "datastore_keys": len(datastore), "perplexity": knn_table[0]["perplexity"]}
-    graph.set_decoder(choice)
+        choice = DecoderChoice.with_knn(dataclasses.replace(best, source=source), knn, with_knn.lam, datastore,
+                                        knn_table[0]["perplexity"])
+        knn_choice = choice.knn
+    else:
+        choice = DecoderChoice(config=dataclasses.replace(best, source=source))
+    graph.set_decoder(choice.to_json())
     print(f"{'divergence':<20} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:
         cfg = ContextConfig.from_dict(row)
@@ -194,10 +206,10 @@ def run(args) -> int:
           f"order weights {list(best.order_weights)}, λ_t = λ·t^(−{best.lam_decay:g}) "
           f"({table[0]['perplexity'] / softmax:.3f}× softmax), "
           f"stored in {graph.path / 'manifest.json'}")
-    if datastore is not None:
-        knn = choice["knn"]
-        print(f"with the datastore ({len(datastore):,} keys): β = {knn['knn_weight']:g}, T = "
-              f"{knn['knn_temperature']:g}, marginal bias weight {knn['marginal_weight']:g}, λ = {knn['lam']:g} "
-              f"({knn['perplexity'] / softmax:.3f}× softmax), stored for `graphmax generate --datastore "
+    if knn_choice is not None:
+        knn = knn_choice.config
+        print(f"with the datastore ({len(datastore):,} keys): β = {knn.knn_weight:g}, T = "
+              f"{knn.knn_temperature:g}, marginal bias weight {knn.marginal_weight:g}, λ = {knn_choice.lam:g} "
+              f"({knn_choice.perplexity / softmax:.3f}× softmax), stored for `graphmax generate --datastore "
               f"{args.datastore}`")
     return 0

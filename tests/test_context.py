@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from gm_graphs.count.ngrams import NgramCounts
 from gm_solver import (
-    DIVERGENCES,
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
     ContextReference,
@@ -27,6 +26,7 @@ from gm_solver import (
     certificate_toward,
     solve_toward,
 )
+from gm_solver.divergences import DIVERGENCES
 
 COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],
                                  [2, 0, 0, 3, 0],

@@ -17,6 +17,7 @@ import scipy.sparse as sp
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import LogitsProcessorList
 
 import gm_graphs.format.datastore
 import gm_solver.datastore as dsmod
@@ -29,6 +30,7 @@ from gm_solver import (
     Datastore,
     HiddenStateTap,
     KnnContextGraphmaxLogitsProcessor,
+    MarginalBiasLogitsProcessor,
     solve_toward,
 )
 
@@ -1083,7 +1085,7 @@ def test_a_datastore_without_marginals_refuses_a_marginal_bias_in_one_line():
     tap = HiddenStateTap()
     with pytest.raises(DatastoreError, match="no marginals"):
         KnnContextGraphmaxLogitsProcessor(_counts(2, 0), store, tap, marginal_weight=0.5)
-    assert KnnContextGraphmaxLogitsProcessor(_counts(2, 0), store, tap).marginal_weight == 0.0
+    assert KnnContextGraphmaxLogitsProcessor(_counts(2, 0), store, tap).marginal_bias is None
 
 
 @pytest.mark.parametrize("bad", [[1.0, 1.0], [np.nan, 1.0, 2.0], [-1.0, 2.0, 2.0], [1.0, 1.0, 1.5], "abc",
@@ -1158,17 +1160,27 @@ def test_the_knn_processor_checks_its_marginal_weight(bad):
         _processor(marginal_weight=bad)
 
 
-def test_at_knn_weight_zero_nothing_is_searched_and_the_bias_alone_moves_the_base_decoder(monkeypatch):
+def test_the_marginal_bias_alone_searches_nothing_and_moves_the_base_decoder(monkeypatch):
     rng = np.random.default_rng(5)
     store = Datastore(rng.normal(size=(40, 4)), rng.integers(0, 12, 40), vocab_size=12, marginals=_marginals(12, 40))
     counts, tap = _counts(12, 3), HiddenStateTap()  # the tap holds nothing: reading it would raise
     monkeypatch.setattr(Datastore, "neighbours", lambda *a, **k: pytest.fail("searched at knn_weight=0"))
-    proc = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=0.0, marginal_weight=0.8, lam=1.5).warmup()
+    with pytest.raises(ValueError, match="`knn_weight` must be a float in \\(0, 1\\]"):
+        KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=0.0, marginal_weight=0.8, lam=1.5)
+    bias = MarginalBiasLogitsProcessor(store, 0.8)
+    proc = LogitsProcessorList([bias, ContextGraphmaxLogitsProcessor(counts, lam=1.5).warmup()])
     ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.randn(2, 12, dtype=torch.float64)
+    before = z.clone()
     want = ContextGraphmaxLogitsProcessor(counts, lam=1.5)(ids, z + store.marginal_bias(0.8).double())
-    assert torch.equal(proc(ids, z), want)
-    plain = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=0.0, lam=1.5)
-    assert torch.equal(plain(ids, z), ContextGraphmaxLogitsProcessor(counts, lam=1.5)(ids, z))
+    assert torch.equal(proc(ids, z), want) and torch.equal(z, before)
+    assert torch.equal(bias(ids, z[:, :5]), z[:, :5] + store.marginal_bias(0.8)[:5].double())  # narrower scores
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("nan"), 11.0, "1", True])
+def test_the_marginal_bias_checks_its_weight(bad):
+    store = Datastore(np.eye(4, 2), np.array([0, 0, 0, 1]), vocab_size=3, marginals=[1.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match="`weight` must be a float in \\(0, 10\\]"):
+        MarginalBiasLogitsProcessor(store, bad)
 
 
 def test_marginals_are_copied_when_checked_and_logits_that_are_not_finite_stop_the_build(tmp_path):

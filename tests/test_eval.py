@@ -181,7 +181,7 @@ def test_tune_with_a_datastore_stores_its_knn_settings_for_generate(smollm2, dru
     stored = load_graph(path).decoder
     knn = stored["knn"]
     assert knn["knn_weight"] in tune_mod.KNN_WEIGHTS and knn["knn_temperature"] in tune_mod.KNN_TEMPERATURES
-    assert knn["datastore_sha256"] == tune_mod.datastore_sha256(store) and knn["datastore_keys"] == len(store)
+    assert knn["datastore_sha256"] == store.keys_sha256 and knn["datastore_keys"] == len(store)
     factors = tune_mod.KNN_LAM_FACTORS  # λ's scale after β and T, then again after the marginal weight
     assert any(math.isclose(knn["lam"], stored["lam"] * f * g) for f in factors for g in factors)
     assert knn["marginal_weight"] in tune_mod.MARGINAL_WEIGHTS and store.marginals is not None
@@ -190,7 +190,7 @@ def test_tune_with_a_datastore_stores_its_knn_settings_for_generate(smollm2, dru
     args = parser.parse_args(["generate", "--prompt", "x", "--path", str(path), "--datastore", str(tmp_path / "ds")])
     _, proc, origin = generate.build_decoder(args)
     assert isinstance(proc, KnnContextGraphmaxLogitsProcessor) and "stored by graphmax tune --datastore" in origin
-    assert (proc.knn_weight, proc.knn_temperature, proc.config.lam, proc.marginal_weight) == (
+    assert (proc.knn.knn_weight, proc.knn.knn_temperature, proc.config.lam, proc.knn.marginal_weight) == (
         knn["knn_weight"], knn["knn_temperature"], knn["lam"], knn["marginal_weight"])
     # a datastore of another model is refused before anything is tuned or stored
     with torch.no_grad():

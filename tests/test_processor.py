@@ -27,8 +27,10 @@ from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
     GraphmaxLogitsProcessor,
+    PaperAlgorithm1LogitsProcessor,
     PaperGraphmaxLogitsProcessor,
     graphmax,
+    log_graphmax,
 )
 
 from .conftest import make_docs
@@ -139,7 +141,8 @@ def test_from_config_keeps_the_config_and_checks_its_type():
 
 def test_repr_names_the_decoder_and_every_setting(graph):
     assert repr(PaperGraphmaxLogitsProcessor(graph, lam=2.0)) == \
-        "PaperGraphmaxLogitsProcessor(lam=2.0, tol=1e-06, solver='auto', max_iter=200)"
+        "PaperGraphmaxLogitsProcessor(lam=2.0, tol=1e-06, max_iter=200)"
+    assert repr(PaperAlgorithm1LogitsProcessor(graph, lam=2.0)) == "PaperAlgorithm1LogitsProcessor(lam=2.0)"
     assert repr(ContextGraphmaxLogitsProcessor(COUNTS, divergence="l2")).startswith(
         "ContextGraphmaxLogitsProcessor(divergence='l2', lam=1.2, kl_share=0.15, ngram_order=4,")
 
@@ -162,23 +165,40 @@ def test_paper_returns_log_probabilities_without_editing_scores(graph):
     ({"lam": -1.0}, "`lam` must be a finite float >= 0 .*, got -1.0"), ({"lam": math.inf}, "`lam`.*got inf"),
     ({"lam": math.nan}, "`lam`.*got nan"), ({"lam": "1"}, "`lam`.*got '1'"), ({"lam": True}, "`lam`.*got True"),
     ({"tol": 0.0}, "`tol` must be a finite float > 0, got 0.0"), ({"tol": math.inf}, "`tol`.*got inf"),
-    ({"solver": "newton"}, "`solver` must be one of .*'paper'.*got 'newton'"),
     ({"max_iter": 0}, "`max_iter` must be an int >= 1, got 0"), ({"max_iter": 2.5}, "`max_iter`.*got 2.5"),
     ({"check_every": -1}, "`check_every` must be None or an int >= 0.*got -1"),
     ({"device": "gpu"}, "`device` must be a torch.device or its name.*got 'gpu'"),
     ({"tokenizer": "smollm2"}, "`tokenizer` can only be checked against a gm_graphs.Graph, got a csr_matrix"),
-    # the paper's Algorithm 1 has its own step count and stopping rule
-    ({"solver": "paper", "tol": 1e-3}, "`tol`=0.001 has no effect with solver='paper'"),
-    ({"solver": "paper", "max_iter": 50}, "`max_iter`=50 has no effect with solver='paper'"),
-    ({"solver": "paper", "check_every": 0}, "`check_every`=0 has no effect with solver='paper'"),
 ])
 def test_paper_arguments_are_validated_in_init(graph, kwargs, error):
     with pytest.raises(ValueError, match=error):
         PaperGraphmaxLogitsProcessor(graph, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error", [
+    ({"lam": -1.0}, "`lam` must be a finite float >= 0 .*, got -1.0"), ({"lam": True}, "`lam`.*got True"),
+    ({"device": "gpu"}, "`device` must be a torch.device or its name.*got 'gpu'"),
+    ({"tokenizer": "smollm2"}, "`tokenizer` can only be checked against a gm_graphs.Graph, got a csr_matrix"),
+])
+def test_algorithm1_arguments_are_validated_in_init(graph, kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        PaperAlgorithm1LogitsProcessor(graph, **kwargs)
+
+
+def test_algorithm1_takes_no_convergence_settings_and_runs_the_papers_twenty_steps(graph):
+    for name in ("tol", "max_iter", "check_every", "solver"):
+        with pytest.raises(TypeError, match=name):
+            PaperAlgorithm1LogitsProcessor(graph, **{name: 1})
+    scores, ids = torch.randn(3, VOCAB) * 3, torch.zeros(3, 2, dtype=torch.long)
+    proc = PaperAlgorithm1LogitsProcessor(graph, lam=1.0)
+    out = proc(ids, scores)
+    assert torch.equal(out, log_graphmax(scores, graph, 1.0, solver="paper"))
+    assert (proc.last_info.iterations == 20).all()
+    assert not torch.allclose(out, PaperGraphmaxLogitsProcessor(graph, lam=1.0)(ids, scores), atol=1e-7)
+
+
 def test_paper_refuses_a_device_it_cannot_use(graph):
-    from gm_solver import TransitionOperator
+    from gm_solver.operator import TransitionOperator
 
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="`device`='cuda' but CUDA is not available"):
@@ -194,7 +214,7 @@ def test_every_paper_argument_changes_the_output_or_reaches_the_solver(graph, sm
     torch.manual_seed(1)
     scores, ids = torch.randn(3, VOCAB) * 3, torch.zeros(3, 2, dtype=torch.long)
     base = PaperGraphmaxLogitsProcessor(graph)(ids, scores)
-    for kwargs in ({"lam": 3.0}, {"tol": 1e-2}, {"solver": "paper"}, {"max_iter": 2}):
+    for kwargs in ({"lam": 3.0}, {"tol": 1e-2}, {"max_iter": 2}):
         assert not torch.allclose(PaperGraphmaxLogitsProcessor(graph, **kwargs)(ids, scores), base, atol=1e-7), kwargs
     # check_every and device change where and how often the solve synchronises, not its result
     import gm_solver.processor as module

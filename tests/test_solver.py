@@ -10,8 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_solver import Graphmax, TransitionOperator, certificate, graphmax, log_graphmax
+from gm_solver import certificate, graphmax, log_graphmax
+from gm_solver.graphmax import Graphmax
 from gm_solver.objective import dual, primal
+from gm_solver.operator import TransitionOperator
 from gm_solver.solvers import mirror_descent, project_simplex
 
 LAMS = [0.1, 1.0, 10.0]
