@@ -144,11 +144,11 @@ class KnnChoice:
         known = {f.name for f in dataclasses.fields(KnnConfig)} | {"lam", "datastore_sha256", "datastore_keys",
                                                                    "perplexity"}
         _refuse_unknown(d, known, "knn")
-        for key in ("knn_weight", "knn_k", "knn_temperature", "lam", "datastore_sha256"):
-            if key not in d:
-                raise ValueError(f"`knn` has no `{key}`")
-        # graphs tuned before datastores kept marginals store no marginal weight: none
-        config = KnnConfig(**{f.name: d[f.name] for f in dataclasses.fields(KnnConfig) if f.name in d})
+        missing = [k for k in (*(f.name for f in dataclasses.fields(KnnConfig)), "lam", "datastore_sha256")
+                   if k not in d]
+        if missing:
+            raise ValueError(f"`knn` has no {missing}; store it again with `graphmax tune --datastore`")
+        config = KnnConfig(**{f.name: d[f.name] for f in dataclasses.fields(KnnConfig)})
         return cls(config, d["lam"], d["datastore_sha256"], d.get("datastore_keys"), d.get("perplexity"))
 
 
@@ -252,7 +252,7 @@ softmax), got -1
                 return cls("paper", PaperConfig(**settings, algorithm1=solver == "paper"))
             if mode != "context":
                 raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-            _refuse_unknown(d, {"mode", "knn", "trigrams", *_CONTEXT_KEYS}, "decoder")
+            _refuse_unknown(d, {"mode", "knn", *_CONTEXT_KEYS}, "decoder")
             knn = KnnChoice.from_json(d["knn"]) if "knn" in d else None
             return cls("context", ContextConfig(**_context_fields(d)), knn)
         except (TypeError, ValueError) as e:
@@ -260,18 +260,13 @@ softmax), got -1
 
 
 def _context_fields(d: dict) -> dict:
-    """The ContextConfig fields a stored context choice sets, read the way each older manifest meant them."""
-    known = {k: d[k] for k in _CONTEXT_KEYS if k in d}
-    # choices stored before Kneser–Ney existed were tuned with the Dirichlet prior, before kl_share with none
-    known.setdefault("smoothing", "dirichlet")
-    known.setdefault("kl_share", 0.0)
-    if "trigrams" in d:  # stored before n-gram tables of any order: a switch for the trigram table
-        if not isinstance(d["trigrams"], bool):
-            raise ValueError(f"`trigrams` must be a bool, got {d['trigrams']!r}")
-        known.setdefault("ngram_order", 3 if d["trigrams"] else 2)
-    if "order_weights" in known and not isinstance(known["order_weights"], (list, tuple)):
-        raise ValueError(f"`order_weights` must be a list of numbers, got {known['order_weights']!r}")
-    return known
+    """The ContextConfig fields of a stored context choice: every one ``to_json`` writes."""
+    missing = [k for k in _CONTEXT_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"`decoder` has no {missing}; store it again with `graphmax tune`")
+    if not isinstance(d["order_weights"], (list, tuple)):
+        raise ValueError(f"`order_weights` must be a list of numbers, got {d['order_weights']!r}")
+    return {k: d[k] for k in _CONTEXT_KEYS}
 
 
 def _refuse_unknown(d: dict, known: set, where: str) -> None:

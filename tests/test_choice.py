@@ -80,33 +80,35 @@ def test_the_record_round_trips_and_keeps_the_keys_tune_wrote():
     paper = DecoderChoice("paper", PaperConfig(lam=0.3, algorithm1=True))
     assert paper.to_json() == {"mode": "paper", "lam": 0.3, "tol": 1e-6, "max_iter": 200, "solver": "paper"}
     assert DecoderChoice.from_json(paper.to_json()) == paper
-    # older records: no marginal weight, no smoothing or share, a trigram switch
-    old_knn = {k: v for k, v in knn.to_json().items() if k != "marginal_weight"}
-    assert KnnChoice.from_json(old_knn).config.marginal_weight == 0.0
-    old = DecoderChoice.from_json({"mode": "context", "lam": 1.0, "trigrams": True}).config
-    assert (old.smoothing, old.kl_share, old.ngram_order) == ("dirichlet", 0.0, 3)
+    # a record missing a field (an older graphmax's) is refused, never read with today's defaults
+    with pytest.raises(GraphFormatError, match="no \\['marginal_weight'\\]; store it again"):
+        DecoderChoice.from_json({**stored, "knn": {k: v for k, v in stored["knn"].items() if k != "marginal_weight"}})
+    with pytest.raises(GraphFormatError, match="no \\['kl_share'\\]; store it again"):
+        DecoderChoice.from_json({k: v for k, v in stored.items() if k != "kl_share"})
+
+
+CONTEXT = {"mode": "context", **ContextConfig().to_dict()}
+KNN = {"knn_weight": 0.5, "knn_k": 1, "knn_temperature": 1.0, "marginal_weight": 0.0, "lam": 1.0,
+       "datastore_sha256": "ab" * 32}
 
 
 @pytest.mark.parametrize("stored, error", [
     ([], "it must be an object"),
     ({"mode": "beam"}, "`mode` must be one of"),
-    ({"mode": "context", "lam": -1.0}, "`lam` must be a finite float >= 0"),
-    ({"mode": "context", "lam": "1"}, "`lam`.*got '1'"),
-    ({"mode": "context", "divergence": "js"}, "`divergence` must be one of"),
-    ({"mode": "context", "order_weights": "1"}, "`order_weights` must be a list"),
-    ({"mode": "context", "source": 3}, "`source` must be a dict"),
-    ({"mode": "context", "trigrams": 1}, "`trigrams` must be a bool"),
-    ({"mode": "context", "extra": 1}, "keys no decoder reads: \\['extra'\\]"),
+    ({**CONTEXT, "lam": -1.0}, "`lam` must be a finite float >= 0"),
+    ({**CONTEXT, "lam": "1"}, "`lam`.*got '1'"),
+    ({**CONTEXT, "divergence": "js"}, "`divergence` must be one of"),
+    ({**CONTEXT, "order_weights": "1"}, "`order_weights` must be a list"),
+    ({**CONTEXT, "source": 3}, "`source` must be a dict"),
+    ({**CONTEXT, "extra": 1}, "keys no decoder reads: \\['extra'\\]"),
     ({"mode": "paper", "solver": "auto"}, "`solver` must be one of \\('mirror', 'paper'\\)"),
     ({"mode": "paper", "solver": "paper", "max_iter": 5}, "`max_iter`=5 has no effect with the paper's Algorithm 1"),
     ({"mode": "paper", "knn": {}}, "keys no decoder reads"),
-    ({"knn": {"knn_weight": 0.0, "knn_k": 1, "knn_temperature": 1.0, "lam": 1.0, "datastore_sha256": "ab" * 32}},
-     "`knn_weight` must be a float in \\(0, 1\\]"),
-    ({"knn": {"knn_weight": 0.5, "knn_k": 1, "knn_temperature": 1.0, "lam": 1.0}}, "`knn` has no `datastore_sha256`"),
-    ({"knn": {"knn_weight": 0.5, "knn_k": 1, "knn_temperature": 1.0, "lam": 1.0, "datastore_sha256": "zz" * 32}},
-     "`datastore_sha256` must be 64 lowercase hex digits"),
-    ({"knn": {"knn_weight": 0.5, "knn_k": 1, "knn_temperature": 1.0, "lam": 1.0, "datastore_sha256": "ab" * 32,
-              "marginal_weight": 11.0}}, "`marginal_weight` must be a float in \\[0, 10\\]"),
+    ({**CONTEXT, "knn": {**KNN, "knn_weight": 0.0}}, "`knn_weight` must be a float in \\(0, 1\\]"),
+    ({**CONTEXT, "knn": {k: v for k, v in KNN.items() if k != "datastore_sha256"}},
+     "`knn` has no \\['datastore_sha256'\\]"),
+    ({**CONTEXT, "knn": {**KNN, "datastore_sha256": "zz" * 32}}, "`datastore_sha256` must be 64 lowercase hex digits"),
+    ({**CONTEXT, "knn": {**KNN, "marginal_weight": 11.0}}, "`marginal_weight` must be a float in \\[0, 10\\]"),
 ])
 def test_every_stored_key_is_checked_in_one_line(stored, error):
     with pytest.raises(GraphFormatError, match="the graph's stored decoder: .*" + error) as err:

@@ -272,14 +272,14 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
                         dim=4, tokenizer=tokenizer, model="m", model_sha256="cd" * 32, positions=2, documents=1,
                         marginals=marginals)
     tuned = ContextConfig(divergence="l2", lam=0.7, source={"tuned": True})
-    knn = {"knn_weight": 0.35, "knn_temperature": 100.0, "knn_k": 2, "lam": 0.9,
+    knn = {"knn_weight": 0.35, "knn_temperature": 100.0, "knn_k": 2, "lam": 0.9, "marginal_weight": 0.0,
            "datastore_sha256": load_datastore(tmp_path / "ds").keys_sha256, "datastore_keys": 3}
     load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": knn})
     _, proc, origin = generate.build_decoder(_args("--path", str(graph_path)))  # without it: the plain choice
     assert type(proc) is ContextGraphmaxLogitsProcessor and proc.config.lam == 0.7
     _, proc, origin = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds")))
     assert (proc.knn.knn_weight, proc.knn.knn_temperature, proc.knn.knn_k, proc.config.lam) == (0.35, 100.0, 2, 0.9)
-    assert proc.knn.marginal_weight == 0.0  # a graph tuned before datastores kept marginals stores no weight
+    assert proc.knn.marginal_weight == 0.0
     assert proc.config.divergence == "l2" and origin.endswith("marginal weight: stored by graphmax tune --datastore")
     load_graph(graph_path).set_decoder({"mode": "context", **tuned.to_dict(), "knn": {**knn, "marginal_weight": 0.8}})
     _, proc, _ = generate.build_decoder(_args("--path", str(graph_path), "--datastore", str(tmp_path / "ds")))

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from gm_graphs import add_ngrams, count_corpus, load_graph, write_graph
+from gm_graphs.errors import GraphFormatError
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
@@ -121,14 +122,10 @@ def test_from_graph_round_trips_the_stored_choice(small_graph, tmp_path):
     graph.set_decoder({"mode": "paper", "lam": 0.3})
     paper = GraphmaxLogitsProcessor.from_graph(load_graph(path), tol=1e-4)
     assert type(paper) is PaperGraphmaxLogitsProcessor and (paper.lam, paper.tol) == (0.3, 1e-4)
-    # a choice stored before Kneser–Ney existed keeps the Dirichlet prior it was tuned with, and no KL(x‖q) share
+    # a choice missing a setting is refused, never read with today's defaults
     graph.set_decoder({"mode": "context", "divergence": "rkl", "lam": 1.0, "order_weights": [1.0], "kappa": 3.0})
-    old = GraphmaxLogitsProcessor.from_graph(load_graph(path)).config
-    assert old.smoothing == "dirichlet" and old.kl_share == 0.0
-    # … and one stored when only a trigram table existed keeps its switch as an n-gram order
-    for switch, order in ((True, 3), (False, 2)):
-        graph.set_decoder({"mode": "context", "smoothing": "kneser-ney", "trigrams": switch})
-        assert GraphmaxLogitsProcessor.from_graph(load_graph(path)).config.ngram_order == order
+    with pytest.raises(GraphFormatError, match="has no .*store it again with `graphmax tune`"):
+        GraphmaxLogitsProcessor.from_graph(load_graph(path))
 
 
 def test_from_config_keeps_the_config_and_checks_its_type():
