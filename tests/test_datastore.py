@@ -1042,7 +1042,8 @@ def test_build_datastore_records_the_models_softmax_summed_over_the_keys_positio
             if len(ids) >= 2:  # the softmax at each kept position, summed independently of the builder
                 logits = lm(input_ids=torch.tensor([ids])).logits[0, :len(ids) - 1].double()
                 want += torch.softmax(logits, -1).sum(0).numpy()
-    assert plain.marginals is not None and np.allclose(plain.marginals, want, rtol=1e-9, atol=1e-12)
+    # the builder's batched forward pass gives float32 logits that differ from one sequence's in the last bits
+    assert plain.marginals is not None and np.allclose(plain.marginals, want, rtol=1e-6, atol=1e-12)
     assert np.isclose(plain.marginals.sum(), len(plain))
     indexed = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "indexed", positions=6, progress=False, ivf_lists=3)
     assert np.array_equal(indexed.marginals, plain.marginals)  # the order of the keys does not change them

@@ -36,7 +36,7 @@ def test_import_falls_back_to_a_temporary_cache_folder(tmp_path):
     env.pop("XDG_CACHE_HOME", None)
     (tmp_path / "tmp").mkdir()
     # importing decorates every cached kernel (which raised without the fallback); one product compiles one
-    code = ("import numba, scipy.sparse as sp, torch; from gm_solver import TransitionOperator; "
+    code = ("import numba, scipy.sparse as sp, torch; from gm_solver.operator import TransitionOperator; "
             "TransitionOperator(sp.eye(3, format='csr')).matvec(torch.ones(1, 3, dtype=torch.float64)); "
             "print(numba.config.CACHE_DIR)")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
