@@ -50,7 +50,7 @@ from .checks import raise_unless
 
 _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of float32 distances)
 # the keys' type in memory and in the search's products: bfloat16 halves the memory and, on CPUs with bf16
-# instructions, ran the products 3.6× faster here (250k keys of 576: 9.8 vs 35.5 ms at batch 1)
+# instructions, runs the products several times faster (benchmarks/datastore.py)
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NPROBE = 32  # lists an index reads per search: on news, the held-out perplexity of reading every key
 POINTS_PER_LIST = 256  # the k-means sample's keys per list of an index
@@ -138,8 +138,8 @@ class Datastore:
         device (``str`` or ``torch.device``, defaults to ``"cpu"``): where the keys live and the search runs.
         meta (``dict``, defaults to ``{}``): what the folder records (model, tokenizer, positions, documents).
         precision (``str``, defaults to ``"bfloat16"``): the keys' type in the search's products: ``"float32"``
-            ranks exactly (to float32 rounding); ``"bfloat16"`` halves the memory and ran 3.6–9× faster on this
-            CPU, its distances within ~0.4 % of ‖h‖·‖k‖ (on drug reviews the same held-out perplexity to 0.0003).
+            ranks exactly (to float32 rounding); ``"bfloat16"`` halves the memory and runs faster on CPUs with bf16
+            instructions (``benchmarks/datastore.py``), its distances within ~0.4 % of ‖h‖·‖k‖.
         ivf (``(np.ndarray, np.ndarray)`` or ``None``): an inverted-file index of the keys (``index_datastore``):
             centroids (lists, d) and offsets (lists + 1,), list i holding keys ``offsets[i]:offsets[i + 1]``. On the
             CPU the search then reads the ``nprobe`` lists whose centroids are nearest (faiss, keys in float16,

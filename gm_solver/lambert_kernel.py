@@ -23,8 +23,7 @@ comes with q from the caller or costs a log), one half table lookup per ν step,
 and in the last pass the other half, an exp and a division: that pass writes
 log x and sums the certificate at once (its logsumexp shifted by ν, where
 y ≈ log x + ν: no pass for the maximum). The exps are :func:`exp`, a polynomial
-the loops vectorize. About 1.2 ms of CPU per 49k-token row on this machine,
-against 3.5 ms for the former row-by-row kernel (``benchmarks/RESULTS.md``).
+the loops vectorize (CPU per row: ``benchmarks/solver.py``, section 7).
 """
 from __future__ import annotations
 
@@ -620,8 +619,8 @@ def schedule(rows: int) -> int:
     one, and one row alone on the calling thread (:data:`SERIAL`).
 
     One row gets no parallel region: a region waits for every thread of the team, and while other processes keep
-    the cores busy a waiting thread comes back ms later (a 49k-token row took 4 ms on one thread and 92 ms spread
-    over two at load 10 here), while on an idle machine two threads save ~0.4 ms of an LM step of ~48 ms.
+    the cores busy a waiting thread comes back milliseconds later, far more than two threads save on one row
+    (``benchmarks/solver.py``, sections 5 and 7).
     """
     if rows == 1:
         return SERIAL
@@ -638,8 +637,8 @@ def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, 
     logits and renormalised; a row with no mass there, or with λ = 0, is left
     as softmax with gap 0. ``logq`` is log q when ``have_logq`` (the caller built
     q and has its logs cheaply), else unread. ``work`` (2, B, V) is scratch, the
-    caller's: allocated here, 6 MB for a batch of 8 cost ~2.7 ms of page faults
-    at every call. ``mode`` is :func:`schedule`'s: each row solved whole by one
+    caller's: allocated here, its page faults would cost more than the solve at
+    every call. ``mode`` is :func:`schedule`'s: each row solved whole by one
     thread, rows in parallel (:data:`ROWS`) or one after another (:data:`SERIAL`),
     or every pass spread over all rows' chunks (:data:`LOCKSTEP`). All add each
     row's chunk sums in one order, so a row comes out bit for bit the same any

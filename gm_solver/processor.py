@@ -533,11 +533,11 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         knn_weight (``float``, defaults to 0.5): β in (0, 1], the share of p_knn in the reference (the marginal
             bias alone, with no search, is :class:`MarginalBiasLogitsProcessor` before the base class).
         knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1 (at most the datastore's size).
-        knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units (for
-            SmolLM2-135M's final states, 50–100 fitted best on held-out text).
+        knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units
+            (``graphmax tune --datastore`` chooses it on held-out text).
         marginal_weight (``float``, defaults to 0.0): w in [0, 10], the weight of the datastore's marginal bias
             on the scores (0: none; the datastore must record marginals otherwise; ``graphmax tune --datastore``
-            chooses it: 0.75 on drug reviews and news). The four kNN settings are checked by ``KnnConfig`` and
+            chooses it). The four kNN settings are checked by ``KnnConfig`` and
             kept as ``knn``.
         **settings: the base class's arguments (``divergence``, ``lam``, ``kl_share``, ``lam_decay``, …,
             ``tokenizer``).

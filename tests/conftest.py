@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import importlib
 import json
 import random
 from pathlib import Path
@@ -66,11 +68,40 @@ def smollm2_tokenizer():
     return load_tokenizer("smollm2")
 
 
+_BUNDLED: dict = {}  # the bundled SmolLM2 and its tokenizer, loaded once per test session
+
+
+def _bundled_model():
+    from pipelines.models import DEFAULT_MODEL, load_model
+
+    if not _BUNDLED:
+        _BUNDLED["model"] = load_model(DEFAULT_MODEL)
+    return _BUNDLED["model"]
+
+
 @pytest.fixture(scope="session")
 def smollm2():
-    from pipelines.models import load_model
+    return _bundled_model()
 
-    return load_model()
+
+@pytest.fixture(autouse=True)
+def _bundled_model_loaded_once(monkeypatch):
+    """The commands tests run in this process get a fresh copy of the bundled model (a command may change its
+    model, as LoRA does) instead of reading its GGUF file again (10-20 s a load); the ``smollm2`` fixture's one
+    load goes through ``load_model`` itself, and the subprocess tests load it as users do."""
+    import torch
+
+    from pipelines import models
+
+    real = models.load_model
+
+    def load_model(spec: str = models.DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32):
+        if spec != models.DEFAULT_MODEL or dtype != torch.float32:
+            return real(spec, dtype=dtype)
+        return copy.deepcopy(_bundled_model())
+
+    for module in ("datastore", "demo", "eval", "generate", "tune"):
+        monkeypatch.setattr(importlib.import_module(f"pipelines.{module}"), "load_model", load_model)
 
 
 @pytest.fixture(scope="session")
