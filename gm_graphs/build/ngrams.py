@@ -1,0 +1,197 @@
+"""n-gram tables from a corpus: counted in one pass (in memory or in sorted runs on disk), written as tables, and
+added to a built graph (its tables replaced in one manifest commit)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from gm_graphs.build.source import WORKERS
+from gm_graphs.corpus.read import CorpusSpec, expand_corpus
+from gm_graphs.count.ngrams import ORDERS, NgramCounts, check_orders
+from gm_graphs.count.onepass import count_pass
+from gm_graphs.count.runs import RUN_ENTRIES, SortedRuns
+from gm_graphs.errors import GraphmaxError, OptionError
+from gm_graphs.format.graph_files import (
+    NGRAMS,
+    GraphFiles,
+    new_ngram_folder,
+    read_manifest,
+    referenced_folders,
+    remove_unreferenced,
+    write_manifest,
+)
+from gm_graphs.format.validate import NGRAM_PARTS
+from gm_graphs.format.writer import Hasher, resolve, write_ngrams
+from gm_graphs.graph import Graph, load_graph
+from gm_graphs.store.faults import fault_point
+from gm_graphs.store.folders import (
+    disk_errors,
+    locked,
+    remove_tree,
+    sync_tree,
+)
+from gm_graphs.tokenize.encoder import BatchEncoder, load_tokenizer
+
+
+def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *,
+               text_column: str = "text", clean: bool = False, progress: bool = True,
+               run_entries: int = RUN_ENTRIES) -> dict[int, NgramCounts]:
+    """Count ``corpus``'s n-grams with ``tokenizer`` (the graph's own) and store them in the built ``graph``,
+    replacing the tables it had; returns the stored tables (memory-mapped).
+
+    The tables go to a new sub-folder of the graph (their sorted runs of ``run_entries`` n-grams to a work folder
+    inside it), and the new manifest that refers to them is the commit: a kill before it leaves the old tables in
+    use, and the next writer removes the unreferenced folder.
+
+    Args:
+        graph (``Graph``, ``str`` or ``os.PathLike``): the built graph, opened or by name or folder.
+        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
+        tokenizer: the graph's tokenizer (loaded, or anything :func:`load_tokenizer` takes); another vocabulary
+            is refused.
+        orders (sequence of ``int``, defaults to ``NGRAM_ORDERS``, (3, 4)): the n-gram orders, each ≥ 3.
+        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
+        progress (``bool``, defaults to ``True``): show a progress bar.
+        run_entries (``int``, defaults to ``NGRAM_RUN_ENTRIES``): n-grams of an order buffered before a sorted run.
+
+    Returns:
+        ``dict[int, NgramCounts]``: the stored tables by order, memory-mapped.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from gm_graphs import build_graph, word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
+        >>> tables = add_ngrams(g, folder / "reviews.txt", tok, orders=(3,), progress=False)
+        >>> nxt, counts = tables[3].successors([1, 2])     # after "the cat": "sat" (4) once, "ran" (5) once
+        >>> nxt.tolist(), counts.tolist(), sorted(g.ngrams)
+        ([4, 5], [1, 1], [3])
+    """
+    graph = graph if isinstance(graph, Graph) else load_graph(graph)
+    orders = check_orders(orders)
+    if not isinstance(run_entries, int) or isinstance(run_entries, bool) or run_entries < 1:
+        raise OptionError(f"run_entries is an integer >= 1, got {run_entries!r}")
+    graph.check_tokenizer(tokenizer)
+    root = graph.path
+    with locked(root), disk_errors(root):
+        manifest = read_manifest(root)
+        remove_unreferenced(root, manifest)
+        folder = new_ngram_folder()
+        try:
+            files = expand_corpus(corpus)
+            encoder = BatchEncoder(load_tokenizer(tokenizer))
+            n = encoder.vocab_size
+            orders = check_orders(orders, n)
+            work = root / folder / "work"
+            runs = {order: SortedRuns(order, n, run_entries, work / str(order)) for order in orders}
+            count_pass(files, encoder, runs, text_column=text_column, clean=clean, progress=progress,
+                       desc="count n-grams")
+            fault_point("ngrams.counted")
+            hasher = Hasher(WORKERS)
+            try:
+                tables = resolve({str(o): write_table(root, o, n, runs[o], folder, hasher) for o in orders})
+            finally:
+                hasher.close()
+            entry = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column,
+                     "orders": tables}
+            shutil.rmtree(work)
+            sync_tree(root / folder)
+            fault_point("ngrams.written")
+            manifest[NGRAMS] = entry
+            write_manifest(root, manifest)
+        except BaseException:
+            _discard_unreferenced(root, folder)
+            raise
+        fault_point("ngrams.committed")
+        GraphFiles(root, manifest).trust_written(NGRAMS)
+        try:
+            remove_unreferenced(root, manifest)  # the replaced tables
+        except OSError:
+            pass  # committed all the same; the next writer of this graph removes them
+    graph.refresh()
+    return graph.ngrams
+
+
+def _discard_unreferenced(root: Path, folder: str) -> None:
+    """Remove the tables of a failed ``add_ngrams`` unless the manifest on disk already refers to them."""
+    try:
+        if folder not in referenced_folders(read_manifest(root)) and (root / folder).exists():
+            remove_tree(root / folder)
+    except (OSError, GraphmaxError):
+        pass  # left for the next writer: unreferenced folders are removed under the lock
+
+
+def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",
+                 clean: bool = False, batch_docs: int = 2048, progress: bool = True, work: Path | None = None,
+                 run_entries: int = RUN_ENTRIES) -> dict[int, NgramCounts]:
+    """Stream ``corpus`` through the tokenizer once and count its within-document n-grams of each order.
+
+    Without ``work`` the tables are built in memory, which grows with the
+    distinct n-grams. With a ``work`` folder (the caller's, on a disk with room
+    for the tables twice) each order is sorted in runs of ``run_entries``
+    n-grams there and merged, and its table is memory-mapped from ``work/<n>/``.
+
+    Args:
+        corpus (``str``, ``os.PathLike`` or an iterable of them): corpus files or globs (:func:`expand_corpus`).
+        tokenizer: a loaded tokenizer or anything :func:`load_tokenizer` takes.
+        orders (sequence of ``int``, defaults to ``NGRAM_ORDERS``, (3, 4)): the n-gram orders, each ≥ 3.
+        text_column (``str``, defaults to ``"text"``): the column or JSONL key holding the text.
+        clean (``bool``, defaults to ``False``): unescape HTML entities and drop ``<br />`` tags.
+        batch_docs (``int``, defaults to 2048): documents tokenized per batch.
+        progress (``bool``, defaults to ``True``): show a progress bar.
+        work (``pathlib.Path`` or ``None``, defaults to ``None``): a folder for the sorted runs and tables;
+            ``None``: in memory.
+        run_entries (``int``, defaults to ``NGRAM_RUN_ENTRIES``): n-grams of an order buffered before a sorted run.
+
+    Returns:
+        ``dict[int, NgramCounts]``: a table per order.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from gm_graphs import word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> tables = count_ngrams(folder / "reviews.txt", tok, orders=(3,), progress=False)
+        >>> nxt, counts = tables[3].successors([1, 2])     # after "the cat": "sat" (4) once, "ran" (5) once
+        >>> nxt.tolist(), counts.tolist()
+        ([4, 5], [1, 1])
+    """
+    if not isinstance(run_entries, int) or run_entries < 1:
+        raise OptionError(f"run_entries must be an integer >= 1, got {run_entries!r}")
+    tok = load_tokenizer(tokenizer)
+    encoder = BatchEncoder(tok)
+    n = encoder.vocab_size
+    orders = check_orders(orders, n)
+    runs = {order: SortedRuns(order, n, run_entries, None if work is None else Path(work) / str(order) / "runs")
+            for order in orders}
+    count_pass(expand_corpus(corpus), encoder, runs, text_column=text_column, clean=clean, batch_docs=batch_docs,
+               progress=progress, desc="count n-grams")
+    if work is None:
+        return {order: NgramCounts.from_keys(order, *runs[order].merged(), n) for order in orders}
+    return {order: write_table(Path(work), order, n, runs[order]) for order in orders}
+
+
+def write_table(root: Path, order: int, vocab_size: int, runs: SortedRuns, folder: str = ".",
+                hasher: Hasher | None = None) -> NgramCounts | dict:
+    """Merge ``runs`` into ``root/folder/<order>/*.npy`` and delete them. With a ``hasher``: the manifest entry
+    (its hashes as Futures); without: the table, memory-mapped."""
+    try:
+        entry = write_ngrams(root, folder, order, vocab_size, runs.ranges(), hasher, runs.windows)
+    finally:
+        runs.remove()
+    if runs.folder is not None and runs.folder.is_dir():
+        runs.folder.rmdir()
+    if hasher is not None:
+        return entry
+    out = root / folder / str(order)
+    return NgramCounts(order, vocab_size, **{part: np.load(out / f"{part}.npy", mmap_mode="r") for part in NGRAM_PARTS})
