@@ -13,7 +13,7 @@ from gm_graphs import PruneRule, build_graph, list_graphs, load_graph, load_toke
 from gm_graphs.errors import CorpusError, GraphExistsError, GraphFormatError, TokenizerError
 from pipelines.cli import main
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 
 def _all_bytes(folder: Path) -> dict[str, bytes]:

@@ -34,7 +34,7 @@ from gm_solver import (
     log_graphmax,
 )
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 VOCAB = 64
 COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],

@@ -41,7 +41,7 @@ from gm_graphs.store import pagecache
 from gm_graphs.store.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 REPO = Path(__file__).resolve().parents[1]
 STALE = re.compile(r"\.g\.(tmp|old)-[0-9a-f]{12}")
