@@ -14,12 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs import build_graph, load_graph
-from gm_graphs.errors import (
-    GraphExistsError,
-    GraphFormatError,
-    GraphNameError,
-    NotOwnedError,
-)
+from gm_graphs.errors import GraphExistsError, GraphFormatError, GraphNameError, NotOwnedError
 from gm_graphs.store.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
 from pipelines.cli import main
 

@@ -25,13 +25,7 @@ import pytest
 import torch
 
 from gm_graphs import build_graph, load_graph, merge_graphs
-from gm_graphs.errors import (
-    CorpusError,
-    GraphBusyError,
-    MergeError,
-    NotOwnedError,
-    OptionError,
-)
+from gm_graphs.errors import CorpusError, GraphBusyError, MergeError, NotOwnedError, OptionError
 from gm_graphs.store import pagecache
 from pipelines.cli import main
 
