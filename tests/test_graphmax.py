@@ -16,7 +16,7 @@ from gm_solver.graphmax import Graphmax
 from gm_solver.objective import dual, primal
 from gm_solver.operator import TransitionOperator
 
-from .helpers import dense_l, random_graph
+from .helpers import GRID, dense_l, random_graph
 
 LAMS = [0.1, 1.0, 10.0]
 
@@ -152,20 +152,24 @@ def test_real_graph_and_real_logits(drug_graph, smollm2, lam):
     assert (certificate(x.double(), z.double(), lam, op) <= 2e-6).all()  # x was rounded to float32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the device tool lends one to some sessions)")
+@pytest.mark.parametrize("dtype, device", GRID)
 @pytest.mark.parametrize("check_every", [None, 0])
-def test_cuda_agrees_with_cpu(check_every):
+def test_cuda_agrees_with_cpu(dtype, device, check_every):
+    """Any dtype on any device (CUDA where there is one) agrees with the CPU's float64 rows, processor included."""
     from gm_solver import PaperGraphmaxLogitsProcessor
 
+    atol = 1e-6 if dtype == torch.float64 else 1e-5
     a = random_graph(60, 0.1, 8)
     z = torch.randn(5, 64, dtype=torch.float64) * 3  # wider than the graph, as padded vocabularies are
     z[0, 3] = -torch.inf
     cpu = graphmax(z, a, 1.0)
-    gpu, info = graphmax(z.cuda(), a, 1.0, return_info=True, check_every=check_every, max_iter=100)
-    assert gpu.device.type == "cuda" and bool(info.converged.all())
-    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-6, rtol=0)
-    assert gpu[0, 3].item() == 0.0
-    proc = PaperGraphmaxLogitsProcessor(a, lam=1.0, device="cuda", check_every=check_every, max_iter=100)
+    x, info = graphmax(z.to(device, dtype), a, 1.0, return_info=True, check_every=check_every, max_iter=100)
+    assert x.device.type == device.type and x.dtype == dtype and bool(info.converged.all())
+    torch.testing.assert_close(x.cpu().double(), cpu, atol=atol, rtol=0)
+    assert x[0, 3].item() == 0.0
+    proc = PaperGraphmaxLogitsProcessor(a, lam=1.0, device=device, check_every=check_every, max_iter=100)
     ids = torch.zeros(5, 2, dtype=torch.long)
-    torch.testing.assert_close(proc(ids.cuda(), z.float().cuda()).exp().cpu(),
-                               PaperGraphmaxLogitsProcessor(a, lam=1.0)(ids, z.float()).exp(), atol=1e-5, rtol=0)
+    out = proc(ids.to(device), z.to(device, dtype))
+    assert out.device.type == device.type and out.dtype == dtype
+    torch.testing.assert_close(out.exp().cpu(), PaperGraphmaxLogitsProcessor(a, lam=1.0)(ids, z.to(dtype)).exp(),
+                               atol=1e-5, rtol=0)
