@@ -152,3 +152,22 @@ def indexed_store(path: Path, seed: int = 0, n: int = 40, lists: int = 4) -> Pat
     write_store(path, keys, values)
     index_datastore(path, lists, seed=seed)
     return path
+
+
+# a word-level language model for build_datastore
+LM_WORDS = "[UNK] the cat sat on mat a dog ran".split()
+# 8 documents of 8 words (6 keys each at positions=6) and one of a single token, which gives none
+TEXTS = [" ".join(np.random.default_rng(i).choice(LM_WORDS[1:], 8)) for i in range(8)] + ["cat"]
+
+
+def tiny_lm(seed: int = 0, hidden: int = 8):
+    """A 1-layer Llama and a word-level tokenizer over ``LM_WORDS``, as build_datastore's example makes them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(LM_WORDS)}, "[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(seed)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(LM_WORDS), hidden_size=hidden, intermediate_size=16,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    return lm.eval(), PreTrainedTokenizerFast(tokenizer_object=raw)

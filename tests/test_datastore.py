@@ -21,25 +21,17 @@ from gm_graphs.errors import DatastoreError
 from gm_graphs.format.datastore import META, open_datastore
 from gm_solver import ContextConfig, Datastore, HiddenStateTap, KnnContextGraphmaxLogitsProcessor
 
-from .helpers import REPO, indexed_store, random_keys, random_marginals, rewrite_meta, write_store
-
-_WORDS = "[UNK] the cat sat on mat a dog ran".split()
-# 8 documents of 8 words (6 keys each at positions=6) and one of a single token, which gives none
-TEXTS = [" ".join(np.random.default_rng(i).choice(_WORDS[1:], 8)) for i in range(8)] + ["cat"]
-
-
-def _tiny_lm(seed: int = 0, hidden: int = 8):
-    """A 1-layer Llama and a word-level tokenizer over ``_WORDS``, as build_datastore's example makes them."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)}, "[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    torch.manual_seed(seed)
-    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(_WORDS), hidden_size=hidden, intermediate_size=16,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    return lm.eval(), PreTrainedTokenizerFast(tokenizer_object=raw)
-
+from .helpers import (
+    LM_WORDS,
+    REPO,
+    TEXTS,
+    indexed_store,
+    random_keys,
+    random_marginals,
+    rewrite_meta,
+    tiny_lm,
+    write_store,
+)
 
 # ---- the search ---------------------------------------------------------------------------------------------------
 
@@ -221,7 +213,7 @@ def test_the_same_weights_under_another_rotary_base_are_another_model(tmp_path):
     """The rotary frequencies are buffers, set by the config: same parameters, other hidden states."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    lm, tok = _tiny_lm()
+    lm, tok = tiny_lm()
     store = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "ds", positions=6, progress=False)
     config = LlamaConfig(**{**lm.config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}})
     other = LlamaForCausalLM(config).eval()
@@ -430,7 +422,7 @@ def test_off_the_cpu_an_indexed_datastore_reads_every_key(tmp_path):
 # ---- an indexed build ---------------------------------------------------------------------------------------------
 
 def test_an_indexed_build_writes_once_the_keys_of_a_plain_build_list_after_list(tmp_path, monkeypatch):
-    lm, tok = _tiny_lm()
+    lm, tok = tiny_lm()
     plain = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "plain", positions=6, progress=False)
     log = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(log))
@@ -445,7 +437,7 @@ def test_an_indexed_build_writes_once_the_keys_of_a_plain_build_list_after_list(
     assert store.approximate and store.keys is None and len(store) == len(plain) == 48 and store.dim == 8
     store.check_model(lm)
     with pytest.raises(DatastoreError, match="16-wide states"):
-        store.check_model(_tiny_lm(hidden=16)[0])
+        store.check_model(tiny_lm(hidden=16)[0])
     # the index index_datastore gives the plain datastore: one k-means and one order for both
     dsmod.index_datastore(tmp_path / "plain", 3)
     again = open_datastore(tmp_path / "plain")
@@ -468,8 +460,7 @@ import faiss, transformers.models.llama.modeling_llama  # imported once, not in 
 import gm_graphs.store.faults as faults
 from gm_graphs.format.datastore import open_datastore
 from gm_solver.datastore import build_datastore
-from helpers import random_keys, write_store
-from test_datastore import TEXTS, _tiny_lm
+from helpers import TEXTS, random_keys, tiny_lm, write_store
 path, log = Path(sys.argv[1]), Path(sys.argv[2])
 real = faults.fault_point
 
@@ -496,7 +487,7 @@ def build(kill_at):
                     module.fault_point = counted
             import torch
             torch.set_num_threads(1)
-            lm, tok = _tiny_lm()
+            lm, tok = tiny_lm()
             build_datastore(lm, tok, TEXTS, path, positions=6, model_name="new", overwrite=True, progress=False,
                             ivf_lists=3)
             code = 0
@@ -539,7 +530,7 @@ def test_a_kill_at_any_point_of_an_indexed_build_leaves_the_old_datastore_or_the
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
-    new = ["new", True, sorted(v for t in TEXTS for v in _tiny_lm()[1](t, add_special_tokens=False)["input_ids"][1:7])]
+    new = ["new", True, sorted(v for t in TEXTS for v in tiny_lm()[1](t, add_special_tokens=False)["input_ids"][1:7])]
     old = ["m", False, sorted(random_keys(np.random.default_rng(0))[1].tolist())]
     for start, before in (("nothing", None), ("old", old)):
         code, after = out[start]["clean"]
@@ -558,9 +549,9 @@ def test_a_kill_at_any_point_of_an_indexed_build_leaves_the_old_datastore_or_the
 # ---- the model's marginals and the marginal bias ------------------------------------------------------------------
 
 def test_build_datastore_records_the_models_softmax_summed_over_the_keys_positions(tmp_path):
-    lm, tok = _tiny_lm()
+    lm, tok = tiny_lm()
     plain = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "plain", positions=6, progress=False)
-    want = np.zeros(len(_WORDS))
+    want = np.zeros(len(LM_WORDS))
     with torch.no_grad():
         for text in TEXTS:
             ids = tok(text, add_special_tokens=False)["input_ids"][:7]
@@ -608,7 +599,7 @@ def test_marginals_are_copied_when_checked_and_logits_that_are_not_finite_stop_t
     store = Datastore(np.eye(3, 2), np.array([0, 1, 2]), vocab_size=3, marginals=given)
     given[0] = np.nan  # after the check: the datastore keeps what was checked
     assert np.isfinite(store.marginal_bias(1.0).numpy()).all()
-    lm, tok = _tiny_lm()
+    lm, tok = tiny_lm()
     with torch.no_grad():
         lm.lm_head.weight.mul_(1e39)  # finite states (the head is not tied here), logits beyond float32
     with pytest.raises(DatastoreError, match="logits are not finite") as err:
