@@ -1,26 +1,19 @@
-"""Shared fixtures: a small BPE tokenizer trained here, tiny corpora, the real SmolLM2 tokenizer and model."""
+"""Shared pytest fixtures: a small BPE tokenizer trained here, tiny corpora, the real SmolLM2 tokenizer and model
+(plain helpers, imported by the test files, are in helpers.py)."""
 
 from __future__ import annotations
 
 import copy
 import importlib
-import json
-import random
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
+from .helpers import make_docs
+
 settings.register_profile("ci", deadline=None, max_examples=30, derandomize=True)
 settings.load_profile("ci")
-
-WORDS = ("the movie was good bad great awful plot actor acting scene film story boring fun "
-         "I loved hated it this that and but so very not really").split()
-
-
-def make_docs(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 25))) for _ in range(n)]
 
 
 @pytest.fixture(scope="session")
@@ -112,6 +105,3 @@ def drug_graph(tmp_path_factory, smollm2_tokenizer):
     return build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, path=out, text_column="review",
                        clean=True, orders=(1, 2), progress=False)
 
-
-def write_jsonl(path: Path, docs: list[str], key: str = "text") -> None:
-    path.write_text("".join(json.dumps({key: d}) + "\n" for d in docs))

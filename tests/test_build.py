@@ -13,7 +13,7 @@ from gm_graphs import PruneRule, build_graph, list_graphs, load_graph, load_toke
 from gm_graphs.errors import CorpusError, GraphExistsError, GraphFormatError, TokenizerError
 from pipelines.cli import main
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 
 def _all_bytes(folder: Path) -> dict[str, bytes]:
@@ -132,30 +132,11 @@ def test_truncated_or_corrupted_shard_is_detected(tmp_path, csv_corpus, bpe_toke
         load_graph(g.path, verify=False).matrix
 
 
-def test_graph_and_tokenizer_vocabulary_mismatch(tmp_path, csv_corpus, bpe_tokenizer, smollm2_tokenizer):
-    path, _ = csv_corpus
-    g = build_graph(path, bpe_tokenizer, path=tmp_path / "g", progress=False)
-    load_graph(g.path, tokenizer=bpe_tokenizer)
-    with pytest.raises(TokenizerError, match="rebuild the graph with this tokenizer"):
-        load_graph(g.path, tokenizer=smollm2_tokenizer)
-
-
 def test_tokenizer_that_cannot_be_loaded(tmp_path):
     with pytest.raises(TokenizerError, match="cannot load the tokenizer"):
         load_tokenizer(tmp_path / "nope.gguf")
     with pytest.raises(TokenizerError, match="cannot load the tokenizer"):
         load_tokenizer("no-such-org/no-such-model")
-
-
-def test_missing_graph_and_missing_operator(home, tmp_path, csv_corpus, bpe_tokenizer):
-    with pytest.raises(GraphFormatError, match="graphmax build"):
-        load_graph("nothing")
-    path, _ = csv_corpus
-    g = build_graph(path, bpe_tokenizer, path=tmp_path / "g", progress=False)
-    g2 = load_graph(g.path, order=2)  # not materialised: the matrix-free form remains
-    assert g2.base.shape == g.matrix.shape
-    with pytest.raises(GraphFormatError, match="no materialised order2"):
-        g2.matrix
 
 
 def test_bos_eos_edges(tmp_path, bpe_tokenizer):

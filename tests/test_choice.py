@@ -29,7 +29,7 @@ from gm_solver import (
 from gm_solver.choice import KnnChoice, KnnConfig, PaperConfig
 from gm_solver.datastore import Datastore
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 
 def _batch(seed: int = 7, vocab: int = 30):

@@ -25,7 +25,7 @@ from gm_graphs.corpus import jsonl as corpus_jsonl
 from gm_graphs.corpus.read import ReadStats, clean_review_text, expand_corpus, iter_documents
 from gm_graphs.errors import CorpusError
 
-from .conftest import make_docs, write_jsonl
+from .helpers import make_docs, write_jsonl
 
 _line_text = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp")), min_size=1, max_size=40) \
     .filter(lambda s: not s.isspace())

@@ -5,25 +5,18 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs.count.bigrams import BigramCounts, key_dtype
 from gm_graphs.count.runs import SortedRuns
 
-docs_strategy = st.lists(st.lists(st.integers(0, 11), min_size=0, max_size=12), min_size=1, max_size=12)
-
-
-def _encode(docs):
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
-    return np.array([t for d in docs for t in d], dtype=np.int32), offsets
+from .helpers import docs_strategy, encode_docs
 
 
 def _count(vocab_size: int, docs, buffer_pairs: int = 1 << 24) -> BigramCounts:
     """The bigram counts of ``docs`` as a build counts them: sorted runs of ``buffer_pairs`` merged."""
-    ids, offsets = _encode(docs)
+    ids, offsets = encode_docs(docs)
     runs = SortedRuns(2, vocab_size, buffer_pairs)
     runs.add(ids, offsets)
     keys, counts = runs.merged()
@@ -79,136 +72,3 @@ def test_packed_entries_split_large_counts_and_sum_back(keys, bits):
     assert np.all(packed & np.uint64((1 << bits) - 1) >= 1)  # every entry carries a count of 1 … 2^bits − 1
     k, c = unpack(packed, bits)
     assert dict(zip(k.tolist(), c.tolist())) == dict(Counter(keys))
-
-
-def _windows(docs, order, inset=0):
-    out = Counter()
-    for d in docs:
-        d = d[inset:len(d) - inset] if inset else d
-        out.update(tuple(d[i:i + order]) for i in range(len(d) - order + 1))
-    return out
-
-
-@given(docs=docs_strategy, order=st.integers(2, 4), run_entries=st.integers(1, 40), on_disk=st.booleans(),
-       max_entries=st.integers(1, 30), inset=st.integers(0, 1))
-def test_sorted_runs_merge_to_an_independent_count_in_ranges_of_whole_contexts(tmp_path_factory, docs, order,
-                                                                              run_entries, on_disk, max_entries,
-                                                                              inset):
-    from gm_graphs.count.runs import SortedRuns
-
-    folder = tmp_path_factory.mktemp("runs") if on_disk else None
-    runs = SortedRuns(order, 12, run_entries, folder, inset=inset)
-    ids, offsets = _encode(docs)
-    half = len(docs) // 2  # two batches: documents never span batches, windows never span documents
-    runs.add(ids[:offsets[half]], offsets[:half + 1])
-    runs.add(ids[offsets[half]:], offsets[half:] - offsets[half])
-    ranges = list(runs.ranges(max_entries, workers=2))
-    got = Counter()
-    last_context = -1
-    for keys, counts in ranges:
-        contexts = keys // 12
-        assert np.all(np.diff(keys) > 0) and contexts[0] > last_context  # ascending, a context in one range only
-        last_context = contexts[-1]
-        for key, c in zip(keys.tolist(), counts.tolist()):
-            window = []
-            for _ in range(order):
-                key, t = divmod(key, 12)
-                window.insert(0, t)
-            got[tuple(window)] += c
-    assert got == _windows(docs, order, inset)
-    assert runs.windows == sum(_windows(docs, order, inset).values())
-    runs.remove()
-    if folder is not None:
-        assert list(folder.iterdir()) == []
-
-
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), tokens=st.integers(1000, 20000), run_entries=st.integers(200, 2000),
-       max_entries=st.integers(50, 5000), sample=st.integers(4, 32))
-def test_ranges_hold_about_max_entries_whatever_the_number_of_runs(tmp_path_factory, seed, tokens, run_entries,
-                                                                  max_entries, sample):
-    """Ranges are cut every max_entries entries of all runs together, not of each run: with r runs, cutting per run
-    made r times more ranges than asked for, each read from every run in r small pieces."""
-    from gm_graphs.count import runs as runs_module
-
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 1000, tokens).astype(np.int32)
-    offsets = np.array([0, tokens], dtype=np.int64)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs_module, "SAMPLE", sample)
-        runs = runs_module.SortedRuns(4, 1000, run_entries, tmp_path_factory.mktemp("runs"))
-        runs.add(ids, offsets)
-        runs.release()
-        total = sum(r.length for r in runs.runs)
-        samples = total // sample + len(runs.runs)  # each run keeps ceil(length / SAMPLE) samples
-        got = list(runs.ranges(max_entries))
-        assert sum(k.size for k, _ in got) <= total
-        assert len(got) <= samples // max(1, max_entries // sample) + 1
-        runs.remove()
-
-
-@given(docs=docs_strategy, low=st.integers(2, 3), high=st.integers(3, 5), run_entries=st.integers(1, 40),
-       on_disk=st.booleans(), inset=st.integers(0, 1), cuts=st.lists(st.integers(0, 12), max_size=3))
-def test_nested_runs_count_every_order_as_its_own_sorted_runs_do(tmp_path_factory, docs, low, high, run_entries,
-                                                                 on_disk, inset, cuts):
-    """Orders low..high from one sort of the longest windows: the same counts and windows as a SortedRuns per
-    order, whatever the batches, the buffer (batches larger than it included) and the documents' lengths."""
-    from gm_graphs.count.runs import NestedRuns, SortedRuns, feeders
-
-    high = max(low + 1, high)
-
-    def counters(tag):
-        return {o: SortedRuns(o, 12, run_entries, tmp_path_factory.mktemp(tag) if on_disk else None, inset=inset)
-                for o in range(low, high + 1)}
-
-    alone, nested = counters("alone"), counters("nested")
-    feed = feeders(nested.values())
-    assert len(feed) == 1 and isinstance(feed[0], NestedRuns)
-    ids, offsets = _encode(docs)
-    edges = sorted({0, len(docs), *(min(c, len(docs)) for c in cuts)})
-    for lo, hi in zip(edges, edges[1:]):
-        batch = ids[offsets[lo]:offsets[hi]], offsets[lo:hi + 1] - offsets[lo]
-        for runs in alone.values():
-            runs.add(*batch)
-        feed[0].add(*batch)
-    feed[0].release()
-    for order in alone:
-        want, got = alone[order].merged(), nested[order].merged()
-        assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
-        assert nested[order].windows == alone[order].windows == sum(_windows(docs, order, inset).values())
-
-
-def test_nested_runs_split_a_count_above_the_shorter_orders_cap():
-    """Over SmolLM2's 49,152 tokens a 4-gram entry holds a count of 1 and a 3-gram entry up to 2¹⁷ − 1: a trigram
-    seen 140,000 times in one run is two entries, and sums back."""
-    from gm_graphs.count.runs import SortedRuns, feeders
-
-    docs = [[5, 6, 7, 8]] * 70_000 + [[5, 6, 7]] * 70_000 + [[9, 5, 6, 7, 8, 1]] * 3
-    ids, offsets = _encode(docs)
-    alone = {o: SortedRuns(o, 49_152, 1 << 22) for o in (2, 3, 4)}
-    nested = {o: SortedRuns(o, 49_152, 1 << 22) for o in (2, 3, 4)}
-    for runs in alone.values():
-        runs.add(ids, offsets)
-    (feed,) = feeders(nested.values())
-    feed.add(ids, offsets)
-    feed.release()
-    assert nested[3].runs[0].length == 5  # (5, 6, 7) split in two
-    for order in (2, 3, 4):
-        want, got = alone[order].merged(), nested[order].merged()
-        assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1])
-    assert alone[3].merged()[1].max() == 140_003
-
-
-def test_feeders_nest_consecutive_orders_with_one_inset():
-    from gm_graphs.count.runs import NestedRuns, SortedRuns, feeders
-
-    def kinds(specs):
-        return sorted((type(f).__name__, tuple(r.order for r in f.runs) if isinstance(f, NestedRuns) else f.order)
-                      for f in feeders([SortedRuns(o, 50, 8, inset=i) for o, i in specs]))
-
-    assert kinds([(2, 0), (3, 0), (4, 0)]) == [("NestedRuns", (2, 3, 4))]
-    assert kinds([(2, 0), (3, 1), (4, 1)]) == [("NestedRuns", (3, 4)), ("SortedRuns", 2)]  # --bos-eos
-    assert kinds([(2, 0), (4, 0)]) == [("SortedRuns", 2), ("SortedRuns", 4)]
-    assert kinds([(3, 0)]) == [("SortedRuns", 3)]
-    with pytest.raises(ValueError, match="consecutive orders"):
-        NestedRuns([SortedRuns(2, 50, 8), SortedRuns(4, 50, 8)])

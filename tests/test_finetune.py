@@ -7,7 +7,7 @@ import torch
 
 from pipelines.finetune import finetune_lora, training_batches
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from gm_graphs.format.writer import NpyWriter
 from gm_graphs.store import pagecache
 from gm_graphs.store.pagecache import DropBehind
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 needs_sync_file_range = pytest.mark.skipif(pagecache._sync_range is None, reason="needs Linux's sync_file_range")
 

@@ -20,7 +20,7 @@ from gm_solver import (
 from pipelines import generate
 from pipelines.cli import main
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import math
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
@@ -34,14 +33,9 @@ from gm_solver import (
     log_graphmax,
 )
 
-from .conftest import make_docs
+from .helpers import COUNTS, make_docs
 
 VOCAB = 64
-COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],
-                                 [2, 0, 0, 3, 0],
-                                 [0, 0, 0, 0, 4],
-                                 [1, 1, 1, 1, 0],
-                                 [0, 0, 0, 0, 0]], dtype=float))
 
 
 @pytest.fixture(scope="module")

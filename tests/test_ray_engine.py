@@ -23,7 +23,7 @@ from gm_graphs import build_graph, bundled
 from gm_graphs.build.ray_engine import EngineError
 from gm_graphs.errors import CorpusError, OptionError
 
-from .conftest import make_docs, write_jsonl
+from .helpers import make_docs, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

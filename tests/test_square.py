@@ -28,22 +28,7 @@ from gm_graphs.operators import (
     square_blocks,
 )
 
-# A bounded row that skipped columns reports its total as Σ_k Ã_ik·Σ_j Ã_kj instead of scipy's sum of the row in
-# column order: the same sum of the same products, rounded differently, so the mass kept agrees to float64 rounding.
-FRAC_RTOL = 1e-12
-
-
-def assert_same_blocks(fast: list, slow: list, *, exact_frac: bool = False) -> None:
-    assert len(fast) == len(slow)
-    for (r0, block, kept), (s0, blocks) in zip(fast, slow):
-        expected, expected_kept = blocks["order2"]
-        assert r0 == s0
-        assert np.array_equal(block.indptr, expected.indptr) and np.array_equal(block.indices, expected.indices)
-        assert block.data.tobytes() == expected.data.tobytes()
-        if exact_frac:
-            assert kept.tobytes() == expected_kept.tobytes()
-        else:
-            np.testing.assert_allclose(kept, expected_kept, rtol=FRAC_RTOL, atol=0)
+from .helpers import FRAC_RTOL, assert_same_blocks
 
 
 def _layout(base: sp.csr_matrix, prefix: int, group: int, rows: str) -> _SquareLayout:

@@ -19,7 +19,7 @@ from gm_graphs.format import graph_files as storage
 from gm_graphs.format.writer import Hasher, NpyWriter
 from gm_graphs.store.folders import GRAPH_FORMAT
 
-from .conftest import make_docs
+from .helpers import make_docs
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,7 @@ from gm_graphs.format.writer import NgramWriter
 from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
-from .conftest import make_docs
-from .test_square import assert_same_blocks
+from .helpers import assert_same_blocks, make_docs
 
 
 def _source(counts: BigramCounts, cut: int) -> GraphSource:

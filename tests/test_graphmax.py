@@ -1,4 +1,5 @@
-"""graphmax: the certificate, the KKT fixed point, an independent dual solve, edge cases, backends."""
+"""graphmax and log_graphmax (gm_solver.graphmax): the certificate, the KKT fixed point, an independent dual solve,
+edge cases, the real graph, and every dtype and device."""
 
 from __future__ import annotations
 
@@ -14,22 +15,10 @@ from gm_solver import certificate, graphmax, log_graphmax
 from gm_solver.graphmax import Graphmax
 from gm_solver.objective import dual, primal
 from gm_solver.operator import TransitionOperator
-from gm_solver.solvers import mirror_descent, project_simplex
+
+from .helpers import GRID, dense_l, random_graph
 
 LAMS = [0.1, 1.0, 10.0]
-
-
-def random_graph(n: int, density: float, seed: int) -> sp.csr_matrix:
-    a = sp.random(n, n, density=density, format="csr", random_state=seed, dtype=np.float64)
-    a.data = np.ceil(a.data * 20)  # counts
-    d = np.asarray(a.sum(axis=1)).ravel()
-    return sp.diags(np.where(d > 0, 1.0 / (d + 1e-8), 0.0)) @ a
-
-
-def dense_l(a: sp.csr_matrix, width: int) -> np.ndarray:
-    m = np.zeros((width, width))
-    m[: a.shape[0], : a.shape[0]] = a.toarray()
-    return np.eye(width) - m
 
 
 def dual_solve(z: np.ndarray, L: np.ndarray, lam: float) -> np.ndarray:
@@ -131,21 +120,6 @@ def test_batch_equals_rows_and_dtype_is_kept():
     torch.testing.assert_close(batch, rows, atol=1e-6, rtol=0)
 
 
-def test_checking_convergence_less_often_gives_the_same_certified_rows():
-    # other devices check every 8 iterations to spare host syncs; the rows must not depend on it
-    a = random_graph(30, 0.2, 6)
-    z = torch.randn(6, 30, dtype=torch.float64) * 3
-    op = TransitionOperator(a)
-    every, info_every = mirror_descent(z, op, 1.0, check_every=1)
-    sparse, info_sparse = mirror_descent(z, op, 1.0, check_every=8)
-    assert (info_every.gap <= 1e-6).all() and (info_sparse.gap <= 1e-6).all()
-    torch.testing.assert_close(every.exp(), sparse.exp(), atol=1e-12, rtol=0)
-    assert torch.equal(info_sparse.iterations, info_every.iterations)
-    never, info_never = mirror_descent(z, op, 1.0, check_every=0, max_iter=80)  # converged rows stay frozen
-    torch.testing.assert_close(never.exp(), every.exp(), atol=1e-12, rtol=0)
-    assert torch.equal(info_never.iterations, info_every.iterations)
-
-
 def test_check_every_zero_never_reads_a_value_back_to_the_host(monkeypatch):
     a = random_graph(30, 0.2, 7)
     z = torch.randn(4, 30, dtype=torch.float64) * 3
@@ -165,70 +139,6 @@ def test_check_every_zero_never_reads_a_value_back_to_the_host(monkeypatch):
         graphmax(torch.full((1, 30), float("nan")), a, 1.0, check_every=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_numba_and_torch_backends_agree(dtype):
-    a = random_graph(40, 0.15, 5)
-    z = (torch.randn(3, 40) * 4).to(dtype)
-    x_numba = graphmax(z, a, 1.0, backend="numba")
-    x_torch = graphmax(z, a, 1.0, backend="torch")
-    torch.testing.assert_close(x_numba, x_torch, atol=1e-6, rtol=0)
-    torch.testing.assert_close(graphmax(z, torch.from_numpy(a.toarray()).to_sparse_csr(), 1.0), x_numba,
-                               atol=1e-6, rtol=0)
-
-
-@given(n=st.integers(1, 30), density=st.floats(0.0, 0.7), seed=st.integers(0, 10_000), batch=st.integers(1, 5),
-       pad=st.integers(0, 3))
-def test_residual_and_gram_equal_dense_products(n, density, seed, batch, pad):
-    a = random_graph(n, density, seed)
-    x = torch.softmax(torch.from_numpy(np.random.default_rng(seed).normal(size=(batch, n + pad)) * 3), -1)
-    L = dense_l(a, n + pad)  # ids beyond the graph are isolated nodes
-    for backend in ("numba", "torch"):
-        lx, gram = TransitionOperator(a, backend=backend).residual_and_gram(x)
-        np.testing.assert_allclose(lx.numpy(), x.numpy() @ L.T, atol=1e-14)
-        np.testing.assert_allclose(gram.numpy(), x.numpy() @ (L.T @ L).T, atol=1e-13)
-
-
-def test_matrix_free_order_equals_materialised_exact_order(tmp_path, csv_corpus, bpe_tokenizer):
-    from gm_graphs import PruneRule, build_graph, load_graph
-
-    path, _ = csv_corpus
-    g = build_graph(path, bpe_tokenizer, path=tmp_path / "g", orders=(1, 2), mixture=2, prune=PruneRule.exact(),
-                    progress=False)
-    pruned = build_graph(path, bpe_tokenizer, path=tmp_path / "p", orders=(2,), prune=PruneRule(top_k=1),
-                         progress=False)
-    n = g.vocab_size
-    z = torch.randn(2, n, dtype=torch.float64) * 3
-    exact = graphmax(z, load_graph(g.path, order=2), 1.0)
-    free = graphmax(z, load_graph(pruned.path, order=2), 1.0)  # pruned on disk → applied as Ã·Ã
-    assert load_graph(pruned.path, order=2).pruned
-    torch.testing.assert_close(exact, free, atol=1e-6, rtol=0)
-    mix_free = graphmax(z, load_graph(pruned.path, mixture=2), 1.0)
-    mix = graphmax(z, load_graph(g.path, mixture=2), 1.0)
-    torch.testing.assert_close(mix, mix_free, atol=1e-6, rtol=0)
-
-
-@given(v=st.lists(st.floats(-5, 5), min_size=1, max_size=20))
-def test_simplex_projection(v):
-    t = torch.tensor([v], dtype=torch.float64)
-    p = project_simplex(t)
-    assert (p >= 0).all() and abs(float(p.sum()) - 1) < 1e-9
-    # optimality: p = max(v − θ, 0) for one θ
-    support = p[0] > 0
-    theta = (t[0] - p[0])[support]
-    assert float(theta.max() - theta.min()) < 1e-9
-
-
-def test_paper_solver_does_not_reach_the_optimum():
-    a = random_graph(50, 0.1, 6)
-    z = torch.randn(50, dtype=torch.float64) * 3
-    x, info = graphmax(z, a, 1.0, solver="paper", return_info=True)
-    assert abs(float(x.sum()) - 1) < 1e-9 and (x >= 0).all()
-    assert int(info.iterations) <= 20
-    assert float(info.gap) > 1e-3  # far from the certified optimum
-    _, ours = graphmax(z, a, 1.0, return_info=True)
-    assert float(ours.gap) <= 1e-6
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lam", LAMS)
 def test_real_graph_and_real_logits(drug_graph, smollm2, lam):
@@ -242,20 +152,24 @@ def test_real_graph_and_real_logits(drug_graph, smollm2, lam):
     assert (certificate(x.double(), z.double(), lam, op) <= 2e-6).all()  # x was rounded to float32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the device tool lends one to some sessions)")
+@pytest.mark.parametrize("dtype, device", GRID)
 @pytest.mark.parametrize("check_every", [None, 0])
-def test_cuda_agrees_with_cpu(check_every):
+def test_cuda_agrees_with_cpu(dtype, device, check_every):
+    """Any dtype on any device (CUDA where there is one) agrees with the CPU's float64 rows, processor included."""
     from gm_solver import PaperGraphmaxLogitsProcessor
 
+    atol = 1e-6 if dtype == torch.float64 else 1e-5
     a = random_graph(60, 0.1, 8)
     z = torch.randn(5, 64, dtype=torch.float64) * 3  # wider than the graph, as padded vocabularies are
     z[0, 3] = -torch.inf
     cpu = graphmax(z, a, 1.0)
-    gpu, info = graphmax(z.cuda(), a, 1.0, return_info=True, check_every=check_every, max_iter=100)
-    assert gpu.device.type == "cuda" and bool(info.converged.all())
-    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-6, rtol=0)
-    assert gpu[0, 3].item() == 0.0
-    proc = PaperGraphmaxLogitsProcessor(a, lam=1.0, device="cuda", check_every=check_every, max_iter=100)
+    x, info = graphmax(z.to(device, dtype), a, 1.0, return_info=True, check_every=check_every, max_iter=100)
+    assert x.device.type == device.type and x.dtype == dtype and bool(info.converged.all())
+    torch.testing.assert_close(x.cpu().double(), cpu, atol=atol, rtol=0)
+    assert x[0, 3].item() == 0.0
+    proc = PaperGraphmaxLogitsProcessor(a, lam=1.0, device=device, check_every=check_every, max_iter=100)
     ids = torch.zeros(5, 2, dtype=torch.long)
-    torch.testing.assert_close(proc(ids.cuda(), z.float().cuda()).exp().cpu(),
-                               PaperGraphmaxLogitsProcessor(a, lam=1.0)(ids, z.float()).exp(), atol=1e-5, rtol=0)
+    out = proc(ids.to(device), z.to(device, dtype))
+    assert out.device.type == device.type and out.dtype == dtype
+    torch.testing.assert_close(out.exp().cpu(), PaperGraphmaxLogitsProcessor(a, lam=1.0)(ids, z.to(dtype)).exp(),
+                               atol=1e-5, rtol=0)

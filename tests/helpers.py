@@ -1,0 +1,173 @@
+"""Plain helpers shared by the test files (pytest fixtures live in conftest.py): the repository's root, tiny
+corpora, seeded random graphs and count matrices, the small ``COUNTS`` matrix, the dtype × device grid the
+functions that promise any device and dtype are checked on, and the datastore and operator builders.
+
+A test file imports from here or from conftest.py, never from another test file."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from hypothesis import strategies as st
+
+from gm_graphs.format.datastore import META as DATASTORE_META
+from gm_graphs.format.datastore import write_datastore
+from gm_solver.datastore import index_datastore
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ---- the dtype × device grid --------------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float64]
+DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+GRID = list(itertools.product(DTYPES, DEVICES))
+
+# ---- tiny corpora -------------------------------------------------------------------------------------------------
+
+WORDS = ("the movie was good bad great awful plot actor acting scene film story boring fun "
+         "I loved hated it this that and but so very not really").split()
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 25))) for _ in range(n)]
+
+
+def write_jsonl(path: Path, docs: list[str], key: str = "text") -> None:
+    path.write_text("".join(json.dumps({key: d}) + "\n" for d in docs))
+
+
+# documents of token ids, 0..11, for the counters
+docs_strategy = st.lists(st.lists(st.integers(0, 11), min_size=0, max_size=12), min_size=1, max_size=12)
+
+
+def encode_docs(docs):
+    """Token ids of ``docs`` concatenated, and each document's offset, as a tokenizer's batch gives them."""
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    return np.array([t for d in docs for t in d], dtype=np.int32), offsets
+
+
+# ---- graphs and counts --------------------------------------------------------------------------------------------
+
+# 5 tokens of bigram counts (token 4 is never followed): the context reference's and the processors' small graph
+COUNTS = sp.csr_matrix(np.array([[0, 5, 1, 0, 0],
+                                 [2, 0, 0, 3, 0],
+                                 [0, 0, 0, 0, 4],
+                                 [1, 1, 1, 1, 0],
+                                 [0, 0, 0, 0, 0]], dtype=float))
+
+
+def random_graph(n: int, density: float, seed: int) -> sp.csr_matrix:
+    """A seeded random Ã: counts 1..20 at ``density``, each row divided by its sum (rows without edges stay empty)."""
+    a = sp.random(n, n, density=density, format="csr", random_state=seed, dtype=np.float64)
+    a.data = np.ceil(a.data * 20)  # counts
+    d = np.asarray(a.sum(axis=1)).ravel()
+    return sp.diags(np.where(d > 0, 1.0 / (d + 1e-8), 0.0)) @ a
+
+
+def random_counts(n: int, seed: int) -> sp.csr_matrix:
+    """A seeded random n×n matrix of bigram counts 1..8 at density 0.2."""
+    rng = np.random.default_rng(seed)
+    return sp.random(n, n, density=0.2, random_state=seed, data_rvs=lambda m: rng.integers(1, 9, m)).tocsr()
+
+
+def dense_l(a: sp.csr_matrix, width: int) -> np.ndarray:
+    """L = I − Ã as a dense ``width``×``width`` matrix; ids beyond the graph are isolated nodes."""
+    m = np.zeros((width, width))
+    m[: a.shape[0], : a.shape[0]] = a.toarray()
+    return np.eye(width) - m
+
+
+# ---- Ã² pruned ----------------------------------------------------------------------------------------------------
+
+# A bounded row that skipped columns reports its total as Σ_k Ã_ik·Σ_j Ã_kj instead of scipy's sum of the row in
+# column order: the same sum of the same products, rounded differently, so the mass kept agrees to float64 rounding.
+FRAC_RTOL = 1e-12
+
+
+def assert_same_blocks(fast: list, slow: list, *, exact_frac: bool = False) -> None:
+    assert len(fast) == len(slow)
+    for (r0, block, kept), (s0, blocks) in zip(fast, slow):
+        expected, expected_kept = blocks["order2"]
+        assert r0 == s0
+        assert np.array_equal(block.indptr, expected.indptr) and np.array_equal(block.indices, expected.indices)
+        assert block.data.tobytes() == expected.data.tobytes()
+        if exact_frac:
+            assert kept.tobytes() == expected_kept.tobytes()
+        else:
+            np.testing.assert_allclose(kept, expected_kept, rtol=FRAC_RTOL, atol=0)
+
+
+# ---- the kNN datastore --------------------------------------------------------------------------------------------
+
+def tokenizer_record(vocab: int) -> dict:
+    """The tokenizer a datastore's meta.json names, for a vocabulary of ``vocab`` tokens."""
+    return {"name": "t", "vocab_size": vocab, "vocab_sha256": "ab" * 32}
+
+
+def write_store(path: Path, keys: np.ndarray, values: np.ndarray, vocab: int = 50, **kw) -> Path:
+    """A datastore folder of ``keys`` and ``values`` written in one chunk."""
+    return write_datastore(path, [(keys, values)], dim=keys.shape[1], tokenizer=tokenizer_record(vocab), model="m",
+                           model_sha256="cd" * 32, positions=8, documents=1, **kw)
+
+
+def random_keys(rng: np.random.Generator, n: int = 40, dim: int = 6, vocab: int = 50):
+    """``n`` random float32 keys of ``dim`` and their tokens below ``vocab``."""
+    return rng.normal(size=(n, dim)).astype(np.float32), rng.integers(0, vocab, n)
+
+
+def random_marginals(vocab: int, n: int, seed: int = 0) -> np.ndarray:
+    """Expected counts of ``n`` positions over ``vocab`` tokens, as a model's softmax sums would be."""
+    p = np.random.default_rng(seed).dirichlet(np.ones(vocab), size=n)
+    return p.sum(0)
+
+
+def rewrite_meta(path: Path, **changes) -> None:
+    """Change ``changes`` in a datastore's meta.json, leaving its checksums as they were."""
+    meta = json.loads((path / DATASTORE_META).read_text())
+    meta.update(changes)
+    (path / DATASTORE_META).write_text(json.dumps(meta))
+
+
+def resign(path: Path, name: str) -> None:
+    """Record ``name``'s current size and checksum, as a forger would."""
+    import hashlib
+
+    data = (path / name).read_bytes()
+    meta = json.loads((path / DATASTORE_META).read_text())
+    meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / DATASTORE_META).write_text(json.dumps(meta))
+
+
+def indexed_store(path: Path, seed: int = 0, n: int = 40, lists: int = 4) -> Path:
+    """A datastore of ``n`` random keys at ``path``, indexed in ``lists`` inverted lists."""
+    keys, values = random_keys(np.random.default_rng(seed), n)
+    write_store(path, keys, values)
+    index_datastore(path, lists, seed=seed)
+    return path
+
+
+# a word-level language model for build_datastore
+LM_WORDS = "[UNK] the cat sat on mat a dog ran".split()
+# 8 documents of 8 words (6 keys each at positions=6) and one of a single token, which gives none
+TEXTS = [" ".join(np.random.default_rng(i).choice(LM_WORDS[1:], 8)) for i in range(8)] + ["cat"]
+
+
+def tiny_lm(seed: int = 0, hidden: int = 8):
+    """A 1-layer Llama and a word-level tokenizer over ``LM_WORDS``, as build_datastore's example makes them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(LM_WORDS)}, "[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(seed)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(LM_WORDS), hidden_size=hidden, intermediate_size=16,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    return lm.eval(), PreTrainedTokenizerFast(tokenizer_object=raw)
