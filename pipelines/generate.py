@@ -248,7 +248,8 @@ def read_examples(path: Path) -> str:
 def run(args) -> int:
     prefix = None
     if args.examples is not None:  # its tokens, for the decoder's λ_t, from the model's tokenizer alone
-        prefix = load_tokenizer(args.model)(read_examples(args.examples), add_special_tokens=False)["input_ids"]
+        examples = read_examples(args.examples)  # a bad file is refused before the tokenizer's seconds of loading
+        prefix = load_tokenizer(args.model)(examples, add_special_tokens=False)["input_ids"]
     # the graph and every option are checked before the model loads
     graph, proc, origin = build_decoder(args, len(prefix or ()))
     model, tok = load_model(args.model)

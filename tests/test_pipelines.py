@@ -189,9 +189,10 @@ def test_generate_with_examples_reads_them_first_and_counts_lambda_after_them(gr
     (b"ok\x00\x01", "holds no text (empty, blank or binary)"),
     (b"caf\xe9 review", "is not UTF-8 text (byte 3); save it as UTF-8"),
     (b"a review. " * 110_000, "is larger than 1 MiB, far more than the model reads"),
-])
+], ids=["empty", "blank", "binary", "latin-1", "over 1 MiB"])
 def test_generate_refuses_bad_examples_in_one_line_before_loading_the_model(graph_path, no_model, tmp_path, capsys,
-                                                                          content, error):
+                                                                          monkeypatch, content, error):
+    monkeypatch.setattr(generate, "load_tokenizer", generate.load_model)  # the tokenizer's loading fails the test too
     examples = tmp_path / "examples.txt"
     examples.write_bytes(content)
     assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", "--examples", str(examples)]) == 2
