@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,30 @@ from gm_graphs.format.datastore import write_datastore
 from gm_solver.datastore import index_datastore
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def forked(run, env: dict[str, str] | None = None, stderr: Path | None = None) -> int:
+    """Run ``run()`` in a forked child with ``env`` set: its exit code (0 when ``run`` returns, 1 for a GraphmaxError,
+    3 for anything else, or the code of a fault point's kill). A fork inherits the imported modules and compiled
+    kernels, so a kill test pays for them once, not once per fault point; the child never returns into the caller."""
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            fd = os.open(stderr or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            os.environ.update(env or {})
+            run()
+            code = 0
+        except BaseException as e:  # reported on the child's stderr, as the CLI would
+            from gm_graphs import GraphmaxError
+
+            print(f"{type(e).__name__}: {e}", file=sys.stderr)
+            code = 1 if isinstance(e, GraphmaxError) else 3
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 # ---- the dtype × device grid --------------------------------------------------------------------------------------
 

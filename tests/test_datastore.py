@@ -334,32 +334,48 @@ def test_an_index_that_finds_nothing_is_a_one_line_error_and_the_options_are_che
 
 
 _INDEXER = """
-import sys
+import json, sys
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, "tests")
+import faiss  # imported once, not in each forked child
+from gm_graphs.format.datastore import open_datastore
 from gm_solver.datastore import index_datastore
-index_datastore(sys.argv[1], 3)
+from helpers import forked, random_keys, write_store
+path, log = Path(sys.argv[1]), Path(sys.argv[2])
+
+def plain():
+    write_store(path, *random_keys(np.random.default_rng(0)), overwrite=True)
+
+def index(env):
+    return forked(lambda: index_datastore(path, 3), env)
+
+def state():
+    arrays = open_datastore(path)
+    return [arrays.meta["keys"], arrays.ivf is not None, sorted(arrays.values.tolist())]
+
+plain()
+out = {"clean": index({"GRAPHMAX_FAULT_LOG": str(log)}), "runs": []}
+out["points"] = list(dict.fromkeys(log.read_text().split()))
+for point in out["points"]:
+    plain()
+    out["runs"].append([point, index({"GRAPHMAX_FAULT": point}), state()])
+out["last"] = [index({}), state()[1], sorted(p.name for p in path.parent.iterdir())]
+print(json.dumps(out))
 """
 
 
 def test_a_kill_at_any_point_of_indexing_leaves_the_plain_datastore_or_the_indexed_one(tmp_path):
-    path = tmp_path / "ds"
-    write_store(path, *random_keys(np.random.default_rng(0)))
-    log = tmp_path / "points"
-
-    def run(env: dict[str, str]) -> int:
-        return subprocess.run([sys.executable, "-c", _INDEXER, str(path)], env={**os.environ, **env}, cwd=REPO,
-                              capture_output=True).returncode
-
-    assert run({"GRAPHMAX_FAULT_LOG": str(log)}) == 0
-    points = list(dict.fromkeys(log.read_text().split()))
-    assert "datastore.written" in points
-    for point in points:
-        write_store(path, *random_keys(np.random.default_rng(0)), overwrite=True)
-        assert run({"GRAPHMAX_FAULT": point}) == 137, point
-        arrays = open_datastore(path)
-        assert arrays.meta["keys"] == 40 and sorted(arrays.values.tolist()) == sorted(random_keys(
-            np.random.default_rng(0))[1].tolist()), point
-    assert run({}) == 0  # the next writer removes the debris of the killed ones
-    assert open_datastore(path).ivf is not None and sorted(os.listdir(tmp_path)) == ["ds", "points"]
+    run = subprocess.run([sys.executable, "-c", _INDEXER, str(tmp_path / "ds"), str(tmp_path / "points")], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["clean"] == 0 and "datastore.written" in out["points"]
+    plain = sorted(random_keys(np.random.default_rng(0))[1].tolist())
+    for point, code, after in out["runs"]:
+        assert code == 137, point
+        assert after[0] == 40 and after[2] == plain, point  # the plain datastore or the indexed one, whole
+    assert out["last"] == [0, True, ["ds", "points"]]  # the next writer removes the debris of the killed ones
 
 
 def test_an_index_given_in_memory_is_checked_as_one_read_from_a_folder(tmp_path):

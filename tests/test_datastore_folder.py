@@ -22,6 +22,7 @@ from gm_solver import Datastore
 
 from .helpers import (
     REPO,
+    forked,
     indexed_store,
     random_keys,
     random_marginals,
@@ -167,20 +168,12 @@ def test_bad_chunks_leave_the_old_datastore_and_nothing_else(tmp_path, bad):
     assert np.array_equal(open_datastore(path).values, values) and sorted(os.listdir(tmp_path)) == ["ds"]
 
 
-_WRITER = """
-import sys, numpy as np
-from gm_graphs.format.datastore import write_datastore
-seed = int(sys.argv[2])
-rng = np.random.default_rng(seed)
-chunks = [(rng.normal(size=(30, 6)), rng.integers(0, 50, 30)) for _ in range(3)]
-write_datastore(sys.argv[1], chunks, dim=6, tokenizer={"name": "t", "vocab_size": 50, "vocab_sha256": "ab" * 32},
-                model="m", model_sha256="cd" * 32, positions=8, documents=seed, overwrite=True)
-"""
-
-
 def _run_writer(path: Path, seed: int, env: dict[str, str]) -> int:
-    return subprocess.run([sys.executable, "-c", _WRITER, str(path), str(seed)], env={**os.environ, **env},
-                          cwd=REPO, capture_output=True).returncode
+    """Write a datastore of ``documents=seed`` in a forked child with ``env``: its exit code."""
+    rng = np.random.default_rng(seed)
+    chunks = [(rng.normal(size=(30, 6)), rng.integers(0, 50, 30)) for _ in range(3)]
+    return forked(lambda: write_datastore(path, chunks, dim=6, tokenizer=tokenizer_record(50), model="m",
+                                          model_sha256="cd" * 32, positions=8, documents=seed, overwrite=True), env)
 
 
 def test_a_kill_at_any_point_of_a_datastore_write_leaves_the_old_one_or_the_new_one(tmp_path):

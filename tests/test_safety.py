@@ -29,34 +29,12 @@ from gm_graphs.errors import CorpusError, GraphBusyError, MergeError, NotOwnedEr
 from gm_graphs.store import pagecache
 from pipelines.cli import main
 
-from .helpers import make_docs
+from .helpers import forked, make_docs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- the runner: python -m tests.test_safety faults|crafted|hold SPEC ---------------------------------------------
-
-def _fork(run, env: dict[str, str], stderr: Path) -> int:
-    """Run ``run()`` in a forked child with ``env`` set; its exit code (or −signal)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(fd, 2)
-            os.environ.update(env)
-            code = run()
-        except BaseException as e:  # the child reports, never returns into the runner
-            from gm_graphs import GraphmaxError
-
-            print(f"{type(e).__name__}: {e}", file=sys.stderr)
-            code = 1 if isinstance(e, GraphmaxError) else 3
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
 
 def _tree(folder: Path, referenced_only: bool) -> dict[str, str] | None:
     """Path → SHA-256 of a graph folder (n-gram folder names normalised); None when absent."""
@@ -150,7 +128,7 @@ def _run_faults(spec: dict) -> dict:
         return 0
 
     old = _state(home)
-    code = _fork(run, {"GRAPHMAX_FAULT_LOG": str(log)}, work / "stderr")
+    code = forked(run, {"GRAPHMAX_FAULT_LOG": str(log)}, work / "stderr")
     new = _state(home)
     points = list(dict.fromkeys(log.read_text().split()))
     results = {"old": old, "new": new, "clean_exit": code, "points": {}}
@@ -159,10 +137,10 @@ def _run_faults(spec: dict) -> dict:
             continue
         restore()
         action = point if spec["mode"] == "kill" else f"{point}:{spec['mode']}"
-        code = _fork(run, {"GRAPHMAX_FAULT": action}, work / "stderr")
+        code = forked(run, {"GRAPHMAX_FAULT": action}, work / "stderr")
         after = _state(home)
         after["exit"], after["stderr"] = code, (work / "stderr").read_text()
-        code = _fork(run, {}, work / "stderr")  # the next writer of the same graph
+        code = forked(run, {}, work / "stderr")  # the next writer of the same graph
         recovered = _state(home)
         recovered["exit"], recovered["stderr"] = code, (work / "stderr").read_text()
         results["points"][point] = {"after": after, "recovered": recovered}
@@ -189,7 +167,7 @@ def _run_crafted(spec: dict) -> dict:
     out = {}
     for i, (name, folder) in enumerate(spec["folders"].items()):
         err = Path(spec["work"]) / f"case{i}.err"
-        out[name] = {"exit": _fork(decode(folder), {}, err), "stderr": err.read_text()}
+        out[name] = {"exit": forked(decode(folder), {}, err), "stderr": err.read_text()}
     return out
 
 
@@ -438,7 +416,7 @@ def test_out_of_range_options_are_refused_before_any_work(home, tmp_path, bpe_to
     assert not home.exists()
 
 
-def test_out_of_range_options_in_python_are_option_errors(home, tmp_path, bpe_tokenizer):
+def test_out_of_range_options_in_python_are_option_errors(home, tmp_path, bpe_tokenizer, smollm2_tokenizer):
     from gm_graphs import PruneRule
 
     for kw in ({"orders": (0,)}, {"orders": 2}, {"eps": -1.0}, {"eps": float("inf")}, {"mixture": 0},
@@ -447,7 +425,7 @@ def test_out_of_range_options_in_python_are_option_errors(home, tmp_path, bpe_to
         with pytest.raises(OptionError):
             build_graph(tmp_path / "missing.csv", bpe_tokenizer, name="g", progress=False, **kw)
     with pytest.raises(OptionError, match="overflows int64"):
-        build_graph(tmp_path / "missing.csv", "smollm2", name="g", ngrams=(5,), progress=False)
+        build_graph(tmp_path / "missing.csv", smollm2_tokenizer, name="g", ngrams=(5,), progress=False)
     assert not (home / "graphs").exists()
 
 
