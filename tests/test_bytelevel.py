@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 
@@ -158,9 +159,7 @@ def test_a_negative_cap_is_refused(backend):
 
 @pytest.mark.parametrize("docs", [["the cat sat on the mat and the dog"], ["caf\u00e9 \u4e2d the cat sat on the mat"]])
 def test_a_tokenizer_left_truncating_and_padding_still_encodes_whole_documents(smollm2_tokenizer, docs):
-    from gm_graphs import load_tokenizer
-
-    tok = load_tokenizer("smollm2")  # a tokenizer of its own: the shared one stays as it is
+    tok = copy.deepcopy(smollm2_tokenizer)  # a tokenizer of its own: the shared one stays as it is
     whole = reference(tok.backend_tokenizer, docs)
     tok.backend_tokenizer.enable_truncation(3)
     tok.backend_tokenizer.enable_padding(length=40)

@@ -55,10 +55,10 @@ def assert_same_graph(local, distributed) -> None:
     assert ma == mb
 
 
-def test_drug_reviews_build_the_same_graph_on_ray(ray_local, tmp_path):
+def test_drug_reviews_build_the_same_graph_on_ray(ray_local, smollm2_tokenizer, tmp_path):
     kw = dict(text_column="review", clean=True, orders=(1, 2), ngrams=(3, 4), progress=False)
-    local = build_graph(bundled.drug_reviews_zip(), "smollm2", path=tmp_path / "local", **kw)
-    distributed = build_graph(bundled.drug_reviews_zip(), "smollm2", path=tmp_path / "ray", engine="ray", **kw)
+    local = build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, path=tmp_path / "local", **kw)
+    distributed = build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, path=tmp_path / "ray", engine="ray", **kw)
     assert_same_graph(local, distributed)
     assert distributed.manifest["corpus"]["documents"] == local.manifest["corpus"]["documents"] > 900
 

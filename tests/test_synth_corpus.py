@@ -40,8 +40,8 @@ def real():
 
 
 @pytest.fixture(scope="module")
-def model(real):
-    return synth.estimate(*real)
+def model(real, smollm2_tokenizer):
+    return synth.estimate(*real, smollm2_tokenizer)
 
 
 def _texts(folder: Path) -> list[str]:
