@@ -97,12 +97,10 @@ def _jobs(tok, corpora: dict[str, str]):
 def _run_faults(spec: dict) -> dict:
     """Every fault point of one job: fail there, record what is on disk, then run the job again cleanly."""
     from gm_graphs import load_tokenizer
-    from gm_graphs.store import folders
 
     home, work = Path(spec["home"]), Path(spec["work"])
+    work.mkdir(parents=True)
     os.environ["GRAPHMAX_HOME"] = str(home)
-    if spec["fallback"]:
-        folders._renameat2 = None  # as on a kernel without RENAME_EXCHANGE
     pagecache.CHUNK = 4096  # files of a few KB written back and dropped chunk by chunk, as a big build's are
     tok = load_tokenizer(spec["tokenizer"])
     # one build elsewhere first: the forked children inherit its compiled kernels instead of each loading them
@@ -186,7 +184,16 @@ def _runner(argv: list[str]) -> int:
         _hold(arg)
         return 0
     spec = json.loads(Path(arg).read_text())
-    result = _run_faults(spec) if command == "faults" else _run_crafted(spec)
+    if command == "faults":
+        from gm_graphs.store import folders
+
+        exchange = folders._renameat2
+        result = {}
+        for key, case in spec["cases"].items():  # one process for all: its imports and kernels are paid once
+            folders._renameat2 = None if case["fallback"] else exchange  # None: a kernel without RENAME_EXCHANGE
+            result[key] = _run_faults(case)
+    else:
+        result = _run_crafted(spec)
     Path(spec["out"]).write_text(json.dumps(result))
     return 0
 
@@ -215,6 +222,23 @@ def corpora(tmp_path_factory) -> dict[str, str]:
     return {key: str(root / f"{key}.txt") for key in docs}
 
 
+FAULT_CASES = {**{f"kill {job}": ("kill", job, False) for job in ("build", "overwrite", "merge", "add_ngrams",
+                                                                   "set_decoder")},
+               **{f"raise {job}": ("raise", job, False) for job in ("overwrite", "add_ngrams")},
+               "kill overwrite without exchange": ("kill", "overwrite", True),
+               **{f"enospc {job}": ("enospc", job, False) for job in ("build", "overwrite", "add_ngrams")}}
+
+
+@pytest.fixture(scope="module")
+def faults(corpora, bpe_tokenizer_file, tmp_path_factory) -> dict[str, dict]:
+    """Every job of FAULT_CASES failed at each fault point it reaches, in one runner process."""
+    root = tmp_path_factory.mktemp("faults")
+    cases = {key: {"job": job, "mode": mode, "fallback": fallback, "home": str(root / f"{i}" / "home"),
+                   "work": str(root / f"{i}" / "work"), "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}
+             for i, (key, (mode, job, fallback)) in enumerate(FAULT_CASES.items())}
+    return _run_runner("faults", {"cases": cases}, root)
+
+
 def _one_line_error(stderr: str, kind: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"{kind}: "), stderr
@@ -239,9 +263,8 @@ POINTS = {  # at least these; a job passes whatever points it reaches
 }
 
 @pytest.mark.parametrize("job", ["build", "overwrite", "merge", "add_ngrams", "set_decoder"])
-def test_a_kill_at_any_fault_point_leaves_the_old_graph_or_the_new_one(job, corpora, bpe_tokenizer_file, tmp_path):
-    r = _run_runner("faults", {"job": job, "mode": "kill", "fallback": False, "home": str(tmp_path / "home"),
-                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+def test_a_kill_at_any_fault_point_leaves_the_old_graph_or_the_new_one(job, faults):
+    r = faults[f"kill {job}"]
     old, new = r["old"], r["new"]
     assert r["clean_exit"] == 0 and new["valid"] == "ok" and new["referenced"] != old["referenced"]
     assert POINTS[job] <= set(r["points"]), sorted(r["points"])
@@ -257,10 +280,8 @@ def test_a_kill_at_any_fault_point_leaves_the_old_graph_or_the_new_one(job, corp
 
 
 @pytest.mark.parametrize("job", ["overwrite", "add_ngrams"])
-def test_a_failure_at_any_fault_point_leaves_the_old_graph_or_the_new_one_and_no_debris(job, corpora,
-                                                                                       bpe_tokenizer_file, tmp_path):
-    r = _run_runner("faults", {"job": job, "mode": "raise", "fallback": False, "home": str(tmp_path / "home"),
-                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+def test_a_failure_at_any_fault_point_leaves_the_old_graph_or_the_new_one_and_no_debris(job, faults):
+    r = faults[f"raise {job}"]
     old, new = r["old"], r["new"]
     for point, res in r["points"].items():
         after = res["after"]
@@ -273,9 +294,8 @@ def test_a_failure_at_any_fault_point_leaves_the_old_graph_or_the_new_one_and_no
         assert res["recovered"]["full"] == new["full"] and res["recovered"]["siblings"] == new["siblings"], point
 
 
-def test_without_rename_exchange_a_kill_between_the_two_renames_is_repaired(corpora, bpe_tokenizer_file, tmp_path):
-    r = _run_runner("faults", {"job": "overwrite", "mode": "kill", "fallback": True, "home": str(tmp_path / "home"),
-                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+def test_without_rename_exchange_a_kill_between_the_two_renames_is_repaired(faults):
+    r = faults["kill overwrite without exchange"]
     old, new = r["old"], r["new"]
     assert {"commit.moved_aside", "commit.replaced"} <= set(r["points"])
     for point, res in r["points"].items():
@@ -288,9 +308,8 @@ def test_without_rename_exchange_a_kill_between_the_two_renames_is_repaired(corp
 
 
 @pytest.mark.parametrize("job", ["build", "overwrite", "add_ngrams"])
-def test_a_full_disk_leaves_nothing_half_written(job, corpora, bpe_tokenizer_file, tmp_path):
-    r = _run_runner("faults", {"job": job, "mode": "enospc", "fallback": False, "home": str(tmp_path / "home"),
-                               "tokenizer": str(bpe_tokenizer_file), "corpora": corpora}, tmp_path)
+def test_a_full_disk_leaves_nothing_half_written(job, faults):
+    r = faults[f"enospc {job}"]
     after = r["points"]["write.array"]["after"]
     line = _one_line_error(after["stderr"], "StorageError")
     assert "No space left on device" in line and "nothing was written" in line
