@@ -82,9 +82,11 @@ def finetune_lora(model: torch.nn.Module, tok, texts: list[str], *, budget_s: fl
                   clock: Callable[[], float] = time.perf_counter, progress: bool = True) -> FinetuneResult:
     """Train a LoRA adapter on ``texts`` for at most ``budget_s`` seconds; return a merged copy of ``model``.
 
-    A step starts only if the slowest step so far still fits in what is left of
+    The first step always runs: with none, the "fine-tuned" LM would be the base
+    LM itself, and a baseline that trained on nothing says nothing. After it, a
+    step starts only if the slowest step so far still fits in what is left of
     the budget, so the run ends within it unless one step is far slower than
-    every earlier one. Deterministic given ``seed`` for a given number of steps
+    every earlier one (or the copy and the first step alone exceed it). Deterministic given ``seed`` for a given number of steps
     (``max_steps`` fixes it; a time budget alone stops where the clock says).
 
     Args:
@@ -126,7 +128,7 @@ def finetune_lora(model: torch.nn.Module, tok, texts: list[str], *, budget_s: fl
     steps, tokens, losses, slowest = 0, 0, [], 0.0
     while max_steps is None or steps < max_steps:
         t0 = clock()
-        if t0 - start + slowest > budget_s:
+        if steps and t0 - start + slowest > budget_s:
             break
         ids, mask, labels = next(batches)
         loss = tuned(input_ids=ids, attention_mask=mask, labels=labels).loss

@@ -91,6 +91,22 @@ def test_the_budget_is_respected(tiny_lm, monkeypatch, step_seconds):
     assert result.steps == int(5.0 // step_seconds) and result.seconds + step_seconds > 5.0
 
 
+def test_a_budget_spent_before_the_first_step_still_trains_one(tiny_lm):
+    """On a loaded machine the model's copy can take the whole budget: one step still runs, so the merged LM is
+    not the base LM under another name."""
+    model, tok = tiny_lm
+    now = {"t": 0.0}
+
+    def clock():  # every reading 2 s later: the budget of 1 s is gone before the first step
+        now["t"] += 2.0
+        return now["t"]
+
+    result = finetune_lora(model, tok, make_docs(10), budget_s=1.0, seq_len=12, clock=clock, progress=False)
+    assert result.steps == 1 and len(result.losses) == 1
+    base, merged = model.state_dict(), result.model.state_dict()
+    assert not all(torch.equal(base[k], merged[k]) for k in base)
+
+
 def test_bad_arguments_are_refused(tiny_lm):
     model, tok = tiny_lm
     with pytest.raises(ValueError, match="budget_s"):
