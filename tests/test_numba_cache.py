@@ -1,5 +1,6 @@
 """numba's cache of graphmax's kernels: where it goes (even with nowhere writable), when it is reused, and that
-no file in it (written by processes racing, damaged, or from other sources) changes a result or ends a run."""
+no file in it (written by processes racing, damaged, or from other sources) and no failure to write it changes a
+result or ends a run."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numba
@@ -231,3 +235,27 @@ def test_a_damaged_or_foreign_cache_file_is_compiled_again_never_run(damage, pri
     healed = _fresh_kernel(tmp_path / "ours")  # the compiled code replaced the damaged file
     assert _outputs(healed, [CALLS[2], CALLS[0]]) == [EXPECTED[2], EXPECTED[0]]
     assert sum(healed.stats.cache_hits.values()) == 2
+
+
+def _run_where_no_file_can_be_written(cache: Path, out: Path) -> None:
+    # as on a full disk: a file-size limit of 0 makes every write of a byte fail (EFBIG); the limit is lifted
+    # to write the report
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answers = _outputs(_fresh_kernel(cache), CALLS)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    out.write_text(json.dumps([answers, [str(w.message) for w in caught]]))
+
+
+def test_a_cache_that_cannot_be_written_means_an_uncached_run_and_one_warning(tmp_path):
+    # numba's save raised the OSError, and `graphmax generate` ended in "no space left on device"
+    cache = tmp_path / "cache"
+    assert _in_child(_run_where_no_file_can_be_written, cache, tmp_path / "report.json") == 0
+    answers, messages = json.loads((tmp_path / "report.json").read_text())
+    assert answers == EXPECTED
+    assert len(messages) == 1 and messages[0].startswith("graphmax cannot write its kernel cache in ")
+    assert "NUMBA_CACHE_DIR" in messages[0] and "\n" not in messages[0]
+    assert not [path for path in cache.rglob("*") if path.is_file() and path.stat().st_size]  # nothing half-written

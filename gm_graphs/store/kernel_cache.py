@@ -18,7 +18,8 @@ numba's own files are not safe to share between processes, nor to trust once wri
 (which signature is in which data file) and its data files separately, without a lock, so two processes compiling
 one kernel for two argument types at once can leave an index that maps one type to the other's machine code
 (run with the wrong types: wrong results, or a crash); and it unpickles whatever a data file holds, so one truncated
-or garbled file raises on every run until someone deletes it. So graphmax's kernels get their own
+or garbled file raises on every run until someone deletes it. Its saves also fail the command when the cache
+cannot be written (a full disk), although the kernel could run uncached. So graphmax's kernels get their own
 files, ``<kernel>.gmi`` (the index) and ``<kernel>.<n>.gmc`` (one compiled signature each), written by
 :class:`_SealedCacheFile`:
 
@@ -29,7 +30,8 @@ files, ``<kernel>.gmi`` (the index) and ``<kernel>.<n>.gmc`` (one compiled signa
 - a save holds ``fcntl.flock`` on ``graphmax-kernels.lock`` in the cache folder, so the read-modify-write of an
   index is one process's at a time; each file is written whole to a temporary name and renamed over the old one,
   data before index, so a reader without the lock sees old or new files, never a mix that passes a seal;
-- any failure to read the cache is a miss: the kernel compiles.
+- any failure to read the cache is a miss (the kernel compiles), and a failure to write it (disk full,
+  read-only) is one warning per process, after which the kernels run uncached.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ _PACKAGES = tuple(sorted({path.parent for package in ("gm_graphs", "gm_solver")
 _NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
 _SEAL = b"graphmax-kernel\n"  # a sealed file starts with these bytes, then the SHA-256 of its identity and payload
 _LOCK = "graphmax-kernels.lock"  # in each cache folder: held while saving into it
+_unwritable: set[str] = set()  # cache folders a save failed in: this process saves nothing more there
 
 
 def _writable(folder: Path) -> bool:
@@ -181,11 +184,12 @@ class _SealedCacheFile:
 
 
 class _SealedCache:
-    """Mixed into numba's ``FunctionCache``: a graphmax kernel's cache is kept in :class:`_SealedCacheFile`, and any
-    failure to load it is a miss; other kernels keep numba's own."""
+    """Mixed into numba's ``FunctionCache``: a graphmax kernel's cache is kept in :class:`_SealedCacheFile`, any
+    failure to load it is a miss, and a failure to save it a warning; other kernels keep numba's own."""
 
     def __init__(self, py_func: Callable):
         super().__init__(py_func)
+        self._code = py_func.__code__
         locator = self._impl.locator
         self._sealed = isinstance(locator, _AllSourcesStamp)
         if self._sealed:
@@ -199,6 +203,24 @@ class _SealedCache:
             return self._load_overload(sig, target_context)
         except Exception:  # a file that passed its seal but does not rebuild: compiled again
             return None
+
+    def save_overload(self, sig, data) -> None:
+        if not self._sealed:
+            return super().save_overload(sig, data)
+        if self._cache_path in _unwritable:
+            return None
+        try:
+            self._save_overload(sig, data)
+        except OSError as error:
+            if not _unwritable:
+                warnings.warn_explicit(  # shown at the kernel that was being saved
+                    f"graphmax cannot write its kernel cache in {self._cache_path} ({error.strerror or error}): "
+                    "the kernels compile anew in each process until it can; free space there, or set "
+                    "NUMBA_CACHE_DIR to a writable folder",
+                    RuntimeWarning, self._code.co_filename, self._code.co_firstlineno,
+                )
+            _unwritable.add(self._cache_path)
+        return None
 
 
 def _known_internals() -> bool:
