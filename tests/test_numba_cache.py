@@ -186,12 +186,15 @@ def test_processes_compiling_a_kernel_for_other_types_at_once_never_swap_its_mac
 @pytest.fixture(scope="module")
 def pristine_cache(tmp_path_factory) -> Path:
     """A cache of the kernel for CALLS[0] (data file 1) and CALLS[2] (data file 2) in ours/, and one for CALLS[0]
-    compiled from other sources (another digest of graphmax's modules) in theirs/."""
+    compiled from other sources (another digest of graphmax's modules) in theirs/, and by another numba in old/."""
     root = tmp_path_factory.mktemp("kernel-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(numba.config, "CACHE_DIR", None)
         kernel = _fresh_kernel(root / "ours")
         kernel(*CALLS[0]), kernel(*CALLS[2])
+        with pytest.MonkeyPatch.context() as other_numba:
+            other_numba.setattr(numba, "__version__", "0.58.1")
+            _fresh_kernel(root / "old")(*CALLS[0])
         patch.setattr(numba_cache, "_sources_digest", lambda: "0" * 64)
         _fresh_kernel(root / "theirs")(*CALLS[0])
     return root
@@ -210,13 +213,14 @@ def _swap(first: Path, second: Path) -> None:
     second.write_bytes(first_bytes)
 
 
-DAMAGE = {
-    "truncated": lambda ours, theirs: (f := _cache_file(ours, 1)).write_bytes(f.read_bytes()[:5000]),
-    "emptied": lambda ours, theirs: _cache_file(ours, 1).write_bytes(b""),
-    "garbled": lambda ours, theirs: _cache_file(ours, 1).write_bytes(b"\x80\x05\x95" + b"\xff" * 8 + b"x" * 99),
-    "swapped": lambda ours, theirs: _swap(_cache_file(ours, 1), _cache_file(ours, 2)),
-    "from other sources": lambda ours, theirs: shutil.copyfile(_cache_file(theirs, 1), _cache_file(ours, 1)),
-    "garbled index": lambda ours, theirs: _cache_file(ours, None).write_bytes(b"\x80\x05\x95" + b"\xff" * 8),
+DAMAGE = {  # each takes the folder of the cache to damage and the folder holding the other caches
+    "truncated": lambda ours, other: (f := _cache_file(ours, 1)).write_bytes(f.read_bytes()[:5000]),
+    "emptied": lambda ours, other: _cache_file(ours, 1).write_bytes(b""),
+    "garbled": lambda ours, other: _cache_file(ours, 1).write_bytes(b"\x80\x05\x95" + b"\xff" * 8 + b"x" * 99),
+    "swapped": lambda ours, other: _swap(_cache_file(ours, 1), _cache_file(ours, 2)),
+    "from other sources": lambda ours, other: shutil.copyfile(_cache_file(other / "theirs", 1), _cache_file(ours, 1)),
+    "from another numba": lambda ours, other: shutil.copyfile(_cache_file(other / "old", 1), _cache_file(ours, 1)),
+    "garbled index": lambda ours, other: _cache_file(ours, None).write_bytes(b"\x80\x05\x95" + b"\xff" * 8),
 }
 
 
@@ -224,10 +228,10 @@ DAMAGE = {
 def test_a_damaged_or_foreign_cache_file_is_compiled_again_never_run(damage, pristine_cache, tmp_path, monkeypatch):
     # numba unpickled any file: a truncated or emptied one raised UnpicklingError or EOFError, a garbled one
     # OverflowError, on every run; a swapped one ran the other type's code (answering 2 for 1), and one compiled
-    # from other sources was loaded as if current
+    # from other sources or by another numba was loaded as if current
     monkeypatch.setattr(numba.config, "CACHE_DIR", None)
     shutil.copytree(pristine_cache, tmp_path, dirs_exist_ok=True)
-    DAMAGE[damage](tmp_path / "ours", tmp_path / "theirs")
+    DAMAGE[damage](tmp_path / "ours", tmp_path)
     kernel = _fresh_kernel(tmp_path / "ours")
     assert _outputs(kernel, [CALLS[2], CALLS[0]]) == [EXPECTED[2], EXPECTED[0]]
     damaged = [CALLS[0], CALLS[2]] if damage in ("swapped", "garbled index") else [CALLS[0]]
