@@ -264,3 +264,24 @@ def test_a_cache_that_cannot_be_written_means_an_uncached_run_and_one_warning(tm
     assert "NUMBA_CACHE_DIR" in messages[0] and "\n" not in messages[0]
     # nothing half-written, no temporary file left: only the (empty) lock file
     assert [path.name for path in cache.rglob("*") if path.is_file()] == ["graphmax-kernels.lock"]
+
+
+def test_with_no_folder_writable_the_kernels_run_uncached_with_one_warning(tmp_path):
+    # numba refused to decorate a cached kernel when every folder it would cache in was read-only, so importing
+    # graphmax failed: "RuntimeError: cannot cache function '_first_below': no locator available"
+    site = tmp_path / "site"
+    _copy_packages(site)
+    for folder in {path.parent for path in site.rglob("*.py")}:
+        (folder / "__pycache__").write_text("")  # a file where numba would make its folder: not writable
+    (tmp_path / "home").write_text("")  # nor is ~/.cache under it, nor the NUMBA_CACHE_DIR the user chose
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1",
+           "NUMBA_CACHE_DIR": str(tmp_path / "home" / "numba")}
+    env.pop("XDG_CACHE_HOME", None)
+    code = ("import numpy as np; from gm_graphs.format import validate; v = np.array([3.0, 2.2, 1.0]); "
+            "print([validate._first_below(*call) for call in [(v, 2), (v.astype(np.int32), 2), (v, 2.5)]])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == str(EXPECTED)
+    warnings_shown = [line for line in out.stderr.splitlines() if "Warning" in line]
+    assert len(warnings_shown) == 1
+    assert f"graphmax cannot write its kernel cache in {tmp_path / 'home' / 'numba'}" in warnings_shown[0]

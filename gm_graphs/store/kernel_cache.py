@@ -31,7 +31,8 @@ files, ``<kernel>.gmi`` (the index) and ``<kernel>.<n>.gmc`` (one compiled signa
   index is one process's at a time; each file is written whole to a temporary name and renamed over the old one,
   data before index, so a reader without the lock sees old or new files, never a mix that passes a seal;
 - any failure to read the cache is a miss (the kernel compiles), and a failure to write it (disk full,
-  read-only) is one warning per process, after which the kernels run uncached.
+  read-only, even every folder a kernel could be cached in) is one warning per process, after which the kernels
+  run uncached.
 """
 
 from __future__ import annotations
@@ -102,6 +103,19 @@ class _AllSourcesStamp:
     def get_source_stamp(self) -> str:
         # every cache file of the kernel is sealed with it: a file sealed with another is never loaded
         return _sources_digest()
+
+
+class _NowhereWritable(_AllSourcesStamp):
+    """Mixed into numba's ``NUMBA_CACHE_DIR`` locator, after graphmax's others: where no folder a kernel could be
+    cached in is writable, numba refuses to decorate it (``no locator available``); this takes it instead, at
+    ``NUMBA_CACHE_DIR`` (set by :func:`ensure_cache_dir` when nothing else is writable). A cache found there is
+    loaded, and the first save warns that the kernels run uncached."""
+
+    @classmethod
+    def from_function(cls, py_func: Callable, py_file: str) -> caching._CacheLocator | None:
+        if Path(py_file).resolve().parent not in _PACKAGES or not numba.config.CACHE_DIR:
+            return None
+        return cls(py_func, py_file)  # without numba's check that the folder is writable
 
 
 def _digest(identity: tuple, payload: bytes) -> bytes:
@@ -215,8 +229,8 @@ class _SealedCache:
             if not _unwritable:
                 warnings.warn_explicit(  # shown at the kernel that was being saved
                     f"graphmax cannot write its kernel cache in {self._cache_path} ({error.strerror or error}): "
-                    "the kernels compile anew in each process until it can; free space there, or set "
-                    "NUMBA_CACHE_DIR to a writable folder",
+                    "the kernels compile anew in each process until it can; free space there or make it writable, "
+                    "or set NUMBA_CACHE_DIR to a writable folder",
                     RuntimeWarning, self._code.co_filename, self._code.co_firstlineno,
                 )
             _unwritable.add(self._cache_path)
@@ -253,7 +267,7 @@ def _stamp_with_all_sources() -> None:
     locators[:0] = [
         type("Graphmax" + base.__name__.lstrip("_"), (_AllSourcesStamp, base), {"__module__": __name__})
         for base in bases
-    ]
+    ] + [type("GraphmaxUnwritableCacheLocator", (_NowhereWritable, bases[0]), {"__module__": __name__})]
     # every dispatcher made from now on (numba.njit(cache=True) calls Dispatcher.enable_caching) takes this class
     dispatcher.FunctionCache = type("GraphmaxFunctionCache", (_SealedCache, caching.FunctionCache),
                                     {"__module__": __name__})
