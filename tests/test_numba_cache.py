@@ -1,21 +1,64 @@
-"""numba's cache of graphmax's kernels: where it goes (even with nowhere writable), and when it is reused."""
+"""numba's cache of graphmax's kernels: where it goes (even with nowhere writable), when it is reused, and that
+no file in it (written by processes racing, damaged, or from other sources) and no failure to write it changes a
+result or ends a run."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import multiprocessing
 import os
+import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import warnings
 from pathlib import Path
 
+import numba
+import numpy as np
 import pytest
 from numba.core.dispatcher import Dispatcher
 
+from gm_graphs.format import validate
 from gm_graphs.store import kernel_cache as numba_cache
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("gm_graphs", "gm_solver")
+# one graphmax kernel (validate._first_below: the position of the first value below a bound) called with three
+# argument types: float64 values against an int bound, int32 values, and float64 values against a float bound.
+# The first type's machine code run on the third's arguments takes the bound 2.5 for 2 and answers 2, not 1.
+VALUES = np.array([3.0, 2.2, 1.0])
+CALLS = [(VALUES, 2), (VALUES.astype(np.int32), 2), (VALUES, 2.5)]
+EXPECTED = [validate._first_below.py_func(*call) for call in CALLS]  # [2, 2, 1], by Python itself
+DATA_FILE = re.compile(r"\.(\d+)\.\w+$")  # a data file of the cache (kernel.<n>.<suffix>), not its index
+
+
+def _fresh_kernel(cache: Path) -> Dispatcher:
+    """The kernel as a new process has it: nothing compiled in memory, its cache in ``cache``."""
+    numba.config.CACHE_DIR = str(cache)
+    return numba.njit(cache=True)(validate._first_below.py_func)
+
+
+def _outputs(kernel: Dispatcher, calls: list[tuple]) -> list:
+    """The kernel's answer to each call, or the exception it raised."""
+    answers = []
+    for call in calls:
+        try:
+            answers.append(int(kernel(*call)))
+        except Exception as e:
+            answers.append(f"{type(e).__name__}: {e}")
+    return answers
+
+
+def _in_child(target, *args) -> int:
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
+    child.start()
+    child.join()
+    return child.exitcode
 
 
 def _copy_packages(site: Path) -> None:
@@ -42,18 +85,20 @@ def test_import_falls_back_to_a_temporary_cache_folder(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     cache = Path(out.stdout.strip())
-    assert cache.parent == tmp_path / "tmp" and any(cache.rglob("*.nbi"))
+    assert cache.parent == tmp_path / "tmp" and any(cache.rglob("*.gmi"))
 
 
-def test_every_graphmax_kernel_is_stamped_with_all_sources():
+def test_every_graphmax_kernel_is_stamped_with_all_sources_and_sealed():
     modules = [f"{package}.{path.stem}" for package in PACKAGES for path in sorted((ROOT / package).glob("*.py"))
                if "import numba" in path.read_text()]
     kernels = {}
     for name in modules:
         for kernel in vars(importlib.import_module(name)).values():
             if isinstance(kernel, Dispatcher) and kernel.py_func.__module__ == name and kernel._cache.cache_path:
-                kernels[f"{name}.{kernel.__name__}"] = type(kernel._cache._impl.locator).__module__
-    assert len(kernels) > 50 and kernels == dict.fromkeys(kernels, "gm_graphs.store.kernel_cache")
+                kernels[f"{name}.{kernel.__name__}"] = (type(kernel._cache._impl.locator).__module__,
+                                                        type(kernel._cache._cache_file).__name__)
+    assert len(kernels) > 50 and kernels == dict.fromkeys(kernels, ("gm_graphs.store.kernel_cache",
+                                                                    "_SealedCacheFile"))
 
 
 def test_a_change_to_any_kernel_module_recompiles_the_kernels_that_call_it(tmp_path):
@@ -90,3 +135,153 @@ def test_unknown_numba_internals_leave_numbas_own_locators_with_a_warning(monkey
     monkeypatch.setattr(numba_cache, "caching", None)  # as if numba.core.caching were gone
     with pytest.warns(RuntimeWarning, match="cache locators"):
         numba_cache.ensure_cache_dir()
+
+
+def _compile_on_a_slow_disk(i: int, cache: Path, sync: Path) -> None:
+    # child i compiles CALLS[i] into the shared cache. The children start saving together (once all have compiled),
+    # on a file system whose writes land late: the last child's index and the first child's data files last
+    children = len(CALLS)
+    kernel = _fresh_kernel(cache)
+    save, replace = kernel._cache.save_overload, os.replace
+
+    def save_together(sig, data):
+        (sync / f"at-{i}").touch()
+        deadline = time.monotonic() + 10  # (a child that never comes: the others go on)
+        while len(list(sync.glob("at-*"))) < children and time.monotonic() < deadline:
+            time.sleep(0.005)
+        save(sig, data)
+
+    def slow_replace(source, target):
+        data = DATA_FILE.search(os.fspath(target))
+        time.sleep((0.3 if i == 0 else 0.0) if data else (0.2 if i == children - 1 else 0.1))
+        replace(source, target)
+
+    kernel._cache.save_overload, os.replace = save_together, slow_replace
+    kernel(*CALLS[i])
+
+
+def _report(cache: Path, calls: list[tuple], out: Path) -> None:
+    kernel = _fresh_kernel(cache)
+    answers = _outputs(kernel, calls)
+    out.write_text(json.dumps([answers, sum(kernel.stats.cache_hits.values())]))
+
+
+def test_processes_compiling_a_kernel_for_other_types_at_once_never_swap_its_machine_code(tmp_path):
+    # numba saves a kernel's index and data files apart and unlocked: here its index ended mapping the float bound's
+    # type to the data file holding the int bound's code, and a new process answered 2 for 1
+    cache = tmp_path / "cache"
+    children = [multiprocessing.get_context("fork").Process(target=_compile_on_a_slow_disk, args=(i, cache, tmp_path))
+                for i in range(len(CALLS))]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join()
+    assert [child.exitcode for child in children] == [0] * len(CALLS)
+    assert _in_child(_report, cache, CALLS, tmp_path / "report.json") == 0
+    answers, hits = json.loads((tmp_path / "report.json").read_text())
+    assert answers == EXPECTED
+    assert hits == len(CALLS)  # the saves took turns: each process's signature is in the index, with its own code
+
+
+@pytest.fixture(scope="module")
+def pristine_cache(tmp_path_factory) -> Path:
+    """A cache of the kernel for CALLS[0] (data file 1) and CALLS[2] (data file 2) in ours/, and one for CALLS[0]
+    compiled from other sources (another digest of graphmax's modules) in theirs/, and by another numba in old/."""
+    root = tmp_path_factory.mktemp("kernel-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(numba.config, "CACHE_DIR", None)
+        kernel = _fresh_kernel(root / "ours")
+        kernel(*CALLS[0]), kernel(*CALLS[2])
+        with pytest.MonkeyPatch.context() as other_numba:
+            other_numba.setattr(numba, "__version__", "0.58.1")
+            _fresh_kernel(root / "old")(*CALLS[0])
+        patch.setattr(numba_cache, "_sources_digest", lambda: "0" * 64)
+        _fresh_kernel(root / "theirs")(*CALLS[0])
+    return root
+
+
+def _cache_file(cache: Path, number: int | None) -> Path:
+    """Data file ``number`` of the kernel's cache, or its index (None)."""
+    files = [path for path in cache.rglob("*") if path.is_file() and not path.name.endswith(".lock")]
+    return next(path for path in files if (match := DATA_FILE.search(path.name)) and int(match[1]) == number
+                or number is None and not match)
+
+
+def _swap(first: Path, second: Path) -> None:
+    first_bytes = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(first_bytes)
+
+
+DAMAGE = {  # each takes the folder of the cache to damage and the folder holding the other caches
+    "truncated": lambda ours, other: (f := _cache_file(ours, 1)).write_bytes(f.read_bytes()[:5000]),
+    "emptied": lambda ours, other: _cache_file(ours, 1).write_bytes(b""),
+    "garbled": lambda ours, other: _cache_file(ours, 1).write_bytes(b"\x80\x05\x95" + b"\xff" * 8 + b"x" * 99),
+    "swapped": lambda ours, other: _swap(_cache_file(ours, 1), _cache_file(ours, 2)),
+    "from other sources": lambda ours, other: shutil.copyfile(_cache_file(other / "theirs", 1), _cache_file(ours, 1)),
+    "from another numba": lambda ours, other: shutil.copyfile(_cache_file(other / "old", 1), _cache_file(ours, 1)),
+    "garbled index": lambda ours, other: _cache_file(ours, None).write_bytes(b"\x80\x05\x95" + b"\xff" * 8),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_or_foreign_cache_file_is_compiled_again_never_run(damage, pristine_cache, tmp_path, monkeypatch):
+    # numba unpickled any file: a truncated or emptied one raised UnpicklingError or EOFError, a garbled one
+    # OverflowError, on every run; a swapped one ran the other type's code (answering 2 for 1), and one compiled
+    # from other sources or by another numba was loaded as if current
+    monkeypatch.setattr(numba.config, "CACHE_DIR", None)
+    shutil.copytree(pristine_cache, tmp_path, dirs_exist_ok=True)
+    DAMAGE[damage](tmp_path / "ours", tmp_path)
+    kernel = _fresh_kernel(tmp_path / "ours")
+    assert _outputs(kernel, [CALLS[2], CALLS[0]]) == [EXPECTED[2], EXPECTED[0]]
+    damaged = [CALLS[0], CALLS[2]] if damage in ("swapped", "garbled index") else [CALLS[0]]
+    assert all(kernel.stats.cache_misses[tuple(numba.typeof(a) for a in call)] == 1 for call in damaged)
+    healed = _fresh_kernel(tmp_path / "ours")  # the compiled code replaced the damaged file
+    assert _outputs(healed, [CALLS[2], CALLS[0]]) == [EXPECTED[2], EXPECTED[0]]
+    assert sum(healed.stats.cache_hits.values()) == 2
+
+
+def _run_where_no_file_can_be_written(cache: Path, out: Path) -> None:
+    # as on a full disk: a file-size limit of 0 makes every write of a byte fail (EFBIG); the limit is lifted
+    # to write the report
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answers = _outputs(_fresh_kernel(cache), CALLS)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    out.write_text(json.dumps([answers, [str(w.message) for w in caught]]))
+
+
+def test_a_cache_that_cannot_be_written_means_an_uncached_run_and_one_warning(tmp_path):
+    # numba's save raised the OSError, and `graphmax generate` ended in "no space left on device"
+    cache = tmp_path / "cache"
+    assert _in_child(_run_where_no_file_can_be_written, cache, tmp_path / "report.json") == 0
+    answers, messages = json.loads((tmp_path / "report.json").read_text())
+    assert answers == EXPECTED
+    assert len(messages) == 1 and messages[0].startswith("graphmax cannot write its kernel cache in ")
+    assert "NUMBA_CACHE_DIR" in messages[0] and "\n" not in messages[0]
+    # nothing half-written, no temporary file left: only the (empty) lock file
+    assert [path.name for path in cache.rglob("*") if path.is_file()] == ["graphmax-kernels.lock"]
+
+
+def test_with_no_folder_writable_the_kernels_run_uncached_with_one_warning(tmp_path):
+    # numba refused to decorate a cached kernel when every folder it would cache in was read-only, so importing
+    # graphmax failed: "RuntimeError: cannot cache function '_first_below': no locator available"
+    site = tmp_path / "site"
+    _copy_packages(site)
+    for folder in {path.parent for path in site.rglob("*.py")}:
+        (folder / "__pycache__").write_text("")  # a file where numba would make its folder: not writable
+    (tmp_path / "home").write_text("")  # nor is ~/.cache under it, nor the NUMBA_CACHE_DIR the user chose
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1",
+           "NUMBA_CACHE_DIR": str(tmp_path / "home" / "numba")}
+    env.pop("XDG_CACHE_HOME", None)
+    code = ("import numpy as np; from gm_graphs.format import validate; v = np.array([3.0, 2.2, 1.0]); "
+            "print([validate._first_below(*call) for call in [(v, 2), (v.astype(np.int32), 2), (v, 2.5)]])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == str(EXPECTED)
+    warnings_shown = [line for line in out.stderr.splitlines() if "Warning" in line]
+    assert len(warnings_shown) == 1
+    assert f"graphmax cannot write its kernel cache in {tmp_path / 'home' / 'numba'}" in warnings_shown[0]

@@ -13,25 +13,51 @@ its old machine code, built against the old callees, and crashed the process (SI
 therefore also puts locators ahead of numba's own that take graphmax's kernels only, at the same places, and
 stamp them with a digest of every module of ``gm_graphs`` and ``gm_solver``: a change to any of them makes every
 graphmax kernel recompile, while other libraries' kernels keep numba's own locators.
+
+numba's own files are not safe to share between processes, nor to trust once written: it saves a kernel's index
+(which signature is in which data file) and its data files separately, without a lock, so two processes compiling
+one kernel for two argument types at once can leave an index that maps one type to the other's machine code
+(run with the wrong types: wrong results, or a crash); and it unpickles whatever a data file holds, so one truncated
+or garbled file raises on every run until someone deletes it. Its saves also fail the command when the cache
+cannot be written (a full disk), although the kernel could run uncached. So graphmax's kernels get their own
+files, ``<kernel>.gmi`` (the index) and ``<kernel>.<n>.gmc`` (one compiled signature each), written by
+:class:`_SealedCacheFile`:
+
+- each file is sealed: it starts with the SHA-256 of what it must be (numba's and llvmlite's versions, the
+  digest of all the sources, the kernel, and for a data file the signature and CPU it was compiled for) and of its
+  bytes. A file that is truncated, garbled, of another signature or written from other sources fails its seal and
+  is compiled again (and replaced), never unpickled;
+- a save holds ``fcntl.flock`` on ``graphmax-kernels.lock`` in the cache folder, so the read-modify-write of an
+  index is one process's at a time; each file is written whole to a temporary name and renamed over the old one,
+  data before index, so a reader without the lock sees old or new files, never a mix that passes a seal;
+- any failure to read the cache is a miss (the kernel compiles), and a failure to write it (disk full,
+  read-only, even every folder a kernel could be cached in) is one warning per process, after which the kernels
+  run uncached.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
+import pickle
 import tempfile
+import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import llvmlite
 import numba
 from numba.misc.appdirs import AppDirs
 
 try:
-    from numba.core import caching
+    from numba.core import caching, dispatcher
+    from numba.core.serialize import dumps
 except ImportError:  # checked in _stamp_with_all_sources
-    caching = None
+    caching = dispatcher = dumps = None
 
 # the folders of graphmax's kernel modules, and of the modules whose constants and functions they compile in
 _ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +66,9 @@ _PACKAGES = tuple(sorted({path.parent for package in ("gm_graphs", "gm_solver")
 # numba's locators, in numba's order: NUMBA_CACHE_DIR, then the sources' __pycache__, then the user's cache folder
 # (named with a leading underscore in older numba, e.g. 0.59)
 _NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
+_SEAL = b"graphmax-kernel\n"  # a sealed file starts with these bytes, then the SHA-256 of its identity and payload
+_LOCK = "graphmax-kernels.lock"  # in each cache folder: held while saving into it
+_unwritable: set[str] = set()  # cache folders a save failed in: this process saves nothing more there
 
 
 def _writable(folder: Path) -> bool:
@@ -72,31 +101,176 @@ class _AllSourcesStamp:
         return super().from_function(py_func, py_file)
 
     def get_source_stamp(self) -> str:
-        # numba stores this in the cache index and reuses the index's entries only while it is equal
+        # every cache file of the kernel is sealed with it: a file sealed with another is never loaded
         return _sources_digest()
 
 
-def _stamp_with_all_sources() -> None:
-    """Put the locators of graphmax's kernels ahead of numba's own, once per process."""
-    impl = getattr(caching, "CacheImpl", None)
-    locators = getattr(impl, "_locator_classes", None)
+class _NowhereWritable(_AllSourcesStamp):
+    """Mixed into numba's ``NUMBA_CACHE_DIR`` locator, after graphmax's others: where no folder a kernel could be
+    cached in is writable, numba refuses to decorate it (``no locator available``); this takes it instead, at
+    ``NUMBA_CACHE_DIR`` (set by :func:`ensure_cache_dir` when nothing else is writable). A cache found there is
+    loaded, and the first save warns that the kernels run uncached."""
+
+    @classmethod
+    def from_function(cls, py_func: Callable, py_file: str) -> caching._CacheLocator | None:
+        if Path(py_file).resolve().parent not in _PACKAGES or not numba.config.CACHE_DIR:
+            return None
+        return cls(py_func, py_file)  # without numba's check that the folder is writable
+
+
+def _digest(identity: tuple, payload: bytes) -> bytes:
+    digest = hashlib.sha256(repr(identity).encode())  # a repr holds no NUL byte: the two parts cannot run together
+    digest.update(b"\0")
+    digest.update(payload)
+    return digest.digest()
+
+
+def _unseal(identity: tuple, blob: bytes) -> bytes | None:
+    """The payload of a sealed ``blob``, or None when it was not sealed with ``identity`` or was changed since."""
+    head, payload = blob[:len(_SEAL) + 32], blob[len(_SEAL) + 32:]
+    return payload if head == _SEAL + _digest(identity, payload) else None
+
+
+@contextlib.contextmanager
+def _locked(folder: str) -> Iterator[None]:
+    fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+    finally:
+        os.close(fd)
+
+
+class _SealedCacheFile:
+    """The index and data files of one graphmax kernel (what numba's ``IndexDataCacheFile`` is for other kernels),
+    each sealed with what it must hold, saved under the cache folder's lock."""
+
+    def __init__(self, cache_path: str, filename_base: str, source_stamp: str):
+        self._folder = cache_path
+        self._base = filename_base
+        self._identity = (numba.__version__, llvmlite.__version__, source_stamp, filename_base)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self._folder, name)
+
+    def _read(self, name: str, identity: tuple) -> object | None:
+        try:
+            with open(self._path(name), "rb") as f:
+                payload = _unseal(identity, f.read())
+            return None if payload is None else pickle.loads(payload)
+        except Exception:  # missing, unreadable, or sealed by a numba whose pickles this one cannot read: a miss
+            return None
+
+    def _write(self, name: str, identity: tuple, obj: object) -> None:
+        path = self._path(name)
+        temporary = f"{path}.{uuid.uuid4().hex[:16]}.tmp"
+        try:
+            with open(temporary, "xb") as f:
+                payload = dumps(obj)
+                f.write(_SEAL + _digest(identity, payload) + payload)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+    def _index(self) -> dict:
+        overloads = self._read(f"{self._base}.gmi", self._identity)
+        return overloads if isinstance(overloads, dict) else {}
+
+    def load(self, key: tuple) -> object | None:
+        name = self._index().get(key)
+        return None if name is None else self._read(name, (*self._identity, repr(key)))
+
+    def save(self, key: tuple, data: object) -> None:
+        with _locked(self._folder):
+            overloads = self._index()
+            name = overloads.get(key)
+            if name is None:
+                taken = set(overloads.values())
+                name = next(n for n in (f"{self._base}.{i}.gmc" for i in range(1, len(taken) + 2)) if n not in taken)
+            self._write(name, (*self._identity, repr(key)), data)
+            self._write(f"{self._base}.gmi", self._identity, {**overloads, key: name})
+
+    def flush(self) -> None:
+        with _locked(self._folder):
+            self._write(f"{self._base}.gmi", self._identity, {})
+
+
+class _SealedCache:
+    """Mixed into numba's ``FunctionCache``: a graphmax kernel's cache is kept in :class:`_SealedCacheFile`, any
+    failure to load it is a miss, and a failure to save it a warning; other kernels keep numba's own."""
+
+    def __init__(self, py_func: Callable):
+        super().__init__(py_func)
+        self._code = py_func.__code__
+        locator = self._impl.locator
+        self._sealed = isinstance(locator, _AllSourcesStamp)
+        if self._sealed:
+            self._cache_file = _SealedCacheFile(self._cache_path, self._impl.filename_base, locator.get_source_stamp())
+
+    def load_overload(self, sig, target_context):
+        if not self._sealed:
+            return super().load_overload(sig, target_context)
+        target_context.refresh()
+        try:
+            return self._load_overload(sig, target_context)
+        except Exception:  # a file that passed its seal but does not rebuild: compiled again
+            return None
+
+    def save_overload(self, sig, data) -> None:
+        if not self._sealed:
+            return super().save_overload(sig, data)
+        if self._cache_path in _unwritable:
+            return None
+        try:
+            self._save_overload(sig, data)
+        except OSError as error:
+            if not _unwritable:
+                warnings.warn_explicit(  # shown at the kernel that was being saved
+                    f"graphmax cannot write its kernel cache in {self._cache_path} ({error.strerror or error}): "
+                    "the kernels compile anew in each process until it can; free space there or make it writable, "
+                    "or set NUMBA_CACHE_DIR to a writable folder",
+                    RuntimeWarning, self._code.co_filename, self._code.co_firstlineno,
+                )
+            _unwritable.add(self._cache_path)
+        return None
+
+
+def _known_internals() -> bool:
+    """Whether numba's caching is made of the parts this module extends (numba 0.59 to 0.68 at least)."""
+    locators = getattr(getattr(caching, "CacheImpl", None), "_locator_classes", None)
     bases = [getattr(caching, name, None) or getattr(caching, "_" + name, None) for name in _NUMBA_LOCATORS]
-    if not isinstance(locators, list) or not all(hasattr(base, "get_source_stamp") for base in bases):
+    function_cache = getattr(caching, "FunctionCache", None)
+    return (isinstance(locators, list) and all(hasattr(base, "get_source_stamp") for base in bases)
+            and isinstance(function_cache, type) and getattr(dispatcher, "FunctionCache", None) is not None
+            and all(hasattr(function_cache, name) for name in ("_load_overload", "_save_overload", "_impl_class")))
+
+
+def _stamp_with_all_sources() -> None:
+    """Put the locators of graphmax's kernels ahead of numba's own, and its sealed files in place of numba's, once
+    per process."""
+    if not _known_internals():
         warnings.warn(
             f"numba {numba.__version__}'s cache locators are not the ones graphmax knows: a graphmax kernel's "
-            "cache is then refreshed only when its own module changes (delete the __pycache__ folders after "
-            "changing the kernels)",
+            "cache is then refreshed only when its own module changes, and kept in numba's own unlocked, unchecked "
+            "files (delete the __pycache__ folders after changing the kernels, or after a crash in one)",
             RuntimeWarning,
             stacklevel=2,  # this module's line: shown once, however many modules call ensure_cache_dir
         )
         return
+    locators = caching.CacheImpl._locator_classes
     if any(locator.__module__ == __name__ for locator in locators):
         return  # an earlier call
     # (NUMBA_CACHE_LOCATOR_CLASSES, where a user sets it, replaces numba's list, and these with it)
+    bases = [getattr(caching, name, None) or getattr(caching, "_" + name) for name in _NUMBA_LOCATORS]
     locators[:0] = [
         type("Graphmax" + base.__name__.lstrip("_"), (_AllSourcesStamp, base), {"__module__": __name__})
         for base in bases
-    ]
+    ] + [type("GraphmaxUnwritableCacheLocator", (_NowhereWritable, bases[0]), {"__module__": __name__})]
+    # every dispatcher made from now on (numba.njit(cache=True) calls Dispatcher.enable_caching) takes this class
+    dispatcher.FunctionCache = type("GraphmaxFunctionCache", (_SealedCache, caching.FunctionCache),
+                                    {"__module__": __name__})
 
 
 def ensure_cache_dir() -> None:
