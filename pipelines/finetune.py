@@ -86,8 +86,9 @@ def finetune_lora(model: torch.nn.Module, tok, texts: list[str], *, budget_s: fl
     LM itself, and a baseline that trained on nothing says nothing. After it, a
     step starts only if the slowest step so far still fits in what is left of
     the budget, so the run ends within it unless one step is far slower than
-    every earlier one (or the copy and the first step alone exceed it). Deterministic given ``seed`` for a given number of steps
-    (``max_steps`` fixes it; a time budget alone stops where the clock says).
+    every earlier one (or the copy and the first step alone exceed it).
+    Deterministic given ``seed`` for a given number of steps (``max_steps``
+    fixes it; a time budget alone stops where the clock says).
 
     Args:
         model: a transformers causal LM; it is copied, never changed.
