@@ -108,7 +108,8 @@ def check_orders(orders: Sequence[int], vocab_size: int | None = None) -> tuple[
 
 
 def merge_ngrams(parts: Sequence[dict[int, NgramCounts]]) -> dict[int, NgramCounts]:
-    """Sum the tables of corpus parts counted with one tokenizer; only the orders every part has are kept.
+    """Sum the tables of corpus parts counted with one tokenizer; only the orders every part has are kept
+    (``merge_graphs`` refuses parts whose orders differ, so that nothing is dropped there).
 
     Args:
         parts (sequence of ``dict[int, NgramCounts]``): the tables of each part, by order.
