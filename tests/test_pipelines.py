@@ -338,6 +338,27 @@ def test_tune_refuses_a_datastore_in_one_line_before_loading_the_model(graph_pat
     assert "decoder" not in load_graph(graph_path).manifest or load_graph(graph_path).decoder is None
 
 
+def test_tune_refuses_the_graphs_training_text_in_one_line_before_loading_the_model(graph_path, tmp_path,
+                                                                                      monkeypatch, capsys):
+    from pipelines import tune
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(tune, "load_model", fail)
+    trained = load_graph(graph_path).manifest["corpus"]["files"][0]["path"]
+    renamed = tmp_path / "validation.txt"
+    shutil.copyfile(trained, renamed)  # the same bytes under another name
+    for corpus in (trained, renamed):
+        assert main(["tune", "--path", str(graph_path), "--corpus", str(corpus)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"graphmax tune: error: the validation file {str(corpus)!r} is the text graph ") \
+            and f"({trained!r}, SHA-256 " in err and "memorised text" in err and err.count("\n") == 1
+    assert load_graph(graph_path).decoder is None
+    renamed.write_text("the movie was good\n")  # held-out text passes the check: the model is loaded next
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        main(["tune", "--path", str(graph_path), "--corpus", str(renamed)])
+
+
 def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsys):
     corpus = tmp_path / "train.txt"
     corpus.write_text("\n".join(make_docs(60, seed=5)) + "\n")
