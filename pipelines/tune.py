@@ -190,6 +190,7 @@ def check_not_training_text(graph, files: list[Path]) -> None:
 
 def run(args) -> int:
     graph = load_graph(graph_arg(args))  # a missing or broken graph (or datastore) is refused before the model loads
+    tuned_on = graph.identity  # the choice is stored only if the graph is still this one when tuning ends
     check_not_training_text(graph, expand_corpus(args.corpus))
     datastore = None
     if args.datastore is not None:
@@ -215,7 +216,7 @@ def run(args) -> int:
         knn_choice = choice.knn
     else:
         choice = DecoderChoice(config=dataclasses.replace(best, source=source))
-    graph.set_decoder(choice.to_json())
+    graph.set_decoder(choice.to_json(), expected=tuned_on)
     print(f"{'divergence':<20} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:
         cfg = ContextConfig.from_dict(row)

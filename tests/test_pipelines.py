@@ -359,6 +359,34 @@ def test_tune_refuses_the_graphs_training_text_in_one_line_before_loading_the_mo
         main(["tune", "--path", str(graph_path), "--corpus", str(renamed)])
 
 
+def test_tune_stores_nothing_into_a_graph_replaced_while_it_tuned(graph_path, tiny_model, bpe_tokenizer_file,
+                                                                   tmp_path, monkeypatch, capsys):
+    from pipelines import tune
+
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(make_docs(50, seed=8)) + "\n")
+
+    def tune_then_replace(graph, heldout, **options):
+        chosen = real(graph, heldout, divergences=("l2",), lambdas=(1.0,), kl_shares=(0.0,),
+                      smoothings=tune.SMOOTHINGS[:1], order_weights=((1.0,),), lam_decays=(0.0,), progress=False)
+        # `graphmax build --path G --overwrite` in another process, while this one was tuning
+        write_graph(count_corpus(other, bpe_tokenizer_file, progress=False), graph_path, overwrite=True,
+                    progress=False)
+        return chosen
+
+    real = tune.tune_config
+    monkeypatch.setattr(tune, "tune_config", tune_then_replace)
+    valid = tmp_path / "valid.txt"
+    valid.write_text("\n".join(make_docs(4, seed=9)) + "\n")
+    assert main(["tune", "--path", str(graph_path), "--corpus", str(valid), "--model", str(tiny_model),
+                 "--docs", "2", "--positions", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"graphmax tune: error: graph 'g' ({graph_path}) was replaced or changed ")
+    assert "was not stored" in err
+    replaced = load_graph(graph_path)
+    assert replaced.decoder is None and replaced.manifest["corpus"]["files"][0]["path"] == str(other)
+
+
 def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsys):
     corpus = tmp_path / "train.txt"
     corpus.write_text("\n".join(make_docs(60, seed=5)) + "\n")
