@@ -86,6 +86,13 @@ def test_orders_are_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer):
         count_ngrams(path, smollm2_tokenizer, (5,), progress=False)
 
 
+def test_an_order_past_int64_keys_is_refused_in_one_line_before_any_work(tmp_path, bpe_tokenizer):
+    from gm_graphs.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"and at most 63 \(a key of n tokens fits in int64\), got \[3, 1000"):
+        build_graph(tmp_path / "missing.csv", bpe_tokenizer, path=tmp_path / "g", ngrams=(3, 10**20), progress=False)
+
+
 def test_stored_beside_the_graph_verified_and_tokenizer_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer, tmp_path):
     path, docs = csv_corpus
     graph = build_graph(path, bpe_tokenizer, path=tmp_path / "g", progress=False)

@@ -209,6 +209,52 @@ def test_generate_refuses_examples_longer_than_the_model_reads(graph_path, tiny_
     assert err.startswith("graphmax generate: error: --examples ") and "more than the model reads (128)" in err
 
 
+def test_generate_refuses_max_new_tokens_past_what_the_model_reads(graph_path, tiny_model, monkeypatch, capsys):
+    monkeypatch.setattr(generate, "warm_up", no_generation)  # the check must come before any token is generated
+    monkeypatch.setattr(generate, "generate_texts", no_generation)
+    assert main(["generate", "--path", str(graph_path), "--model", str(tiny_model), "--prompt", "the movie",
+                 "--max-new-tokens", "200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("graphmax generate: error: --max-new-tokens 200 and the longest prompt (") \
+        and "more than the model reads (128); lower --max-new-tokens" in err
+
+
+def no_generation(*args, **kwargs):
+    raise AssertionError("tokens were generated before --max-new-tokens was checked")
+
+
+def test_generate_refuses_a_fifo_as_examples_in_one_line(graph_path, no_model, tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+    import threading
+
+    monkeypatch.setattr(generate, "load_tokenizer", generate.load_model)  # the tokenizer's loading fails the test too
+    fifo = tmp_path / "examples.txt"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def writer():  # a reader blocked on the FIFO gets an empty file at once, instead of the test hanging
+        while not done.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                return
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: nobody reads it yet
+                    raise
+            done.wait(0.05)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", "--examples", str(fifo)]) == 2
+    finally:
+        done.set()
+        thread.join()
+    err = capsys.readouterr().err
+    assert err == f"graphmax generate: error: --examples {fifo} is a FIFO; write the examples to a file and pass " \
+                  f"that\n"
+
+
 @pytest.mark.slow
 def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
     assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",
