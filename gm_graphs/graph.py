@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from functools import cached_property
@@ -11,7 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from gm_graphs.count.ngrams import NgramCounts
-from gm_graphs.errors import GraphFormatError, TokenizerError
+from gm_graphs.errors import GraphBusyError, GraphFormatError, TokenizerError
 from gm_graphs.format.graph_files import GraphFiles, read_manifest, remove_unreferenced, write_manifest
 from gm_graphs.format.validate import check_decoder
 from gm_graphs.operators import OperatorSpec
@@ -179,16 +180,30 @@ class Graph:
         """The decoding choice stored by ``graphmax tune`` (None when the graph was never tuned)."""
         return self.manifest.get("decoder")
 
-    def set_decoder(self, choice: dict) -> None:
+    @property
+    def identity(self) -> str:
+        """SHA-256 of the manifest this object read, less its stored decoder: it changes with every build,
+        overwrite, merge or ``add_ngrams`` that writes other counts or tables, and not with ``set_decoder``."""
+        return _identity(self.manifest)
+
+    def set_decoder(self, choice: dict, *, expected: str | None = None) -> None:
         """Store a decoding choice in the manifest; ``GraphmaxLogitsProcessor.from_graph`` reads it.
 
-        Holds the graph's lock and replaces the manifest atomically, so a concurrent writer fails at once and a
-        kill leaves the old manifest or the new one.
+        The choice is stored only into the graph it was made on: ``expected`` (defaults to :attr:`identity`, the
+        graph as this object read it) must still be the graph's identity on disk, or ``GraphBusyError`` says the
+        graph was replaced meanwhile and nothing is written. Holds the graph's lock and replaces the manifest
+        atomically, so a concurrent writer fails at once and a kill leaves the old manifest or the new one.
         """
         check_decoder(self.path, choice)
         json.dumps(choice)  # refuse what the manifest cannot hold before touching it
+        expected = self.identity if expected is None else expected
         with locked(self.path), disk_errors(self.path):
             manifest = read_manifest(self.path)
+            if _identity(manifest) != expected:
+                raise GraphBusyError(
+                    f"graph {self.name!r} ({self.path}) was replaced or changed (a build --overwrite, merge or "
+                    f"add_ngrams) after it was opened, so a choice made on its earlier counts was not stored; "
+                    f"choose again on the graph as it is now (run graphmax tune again)")
             manifest["decoder"] = choice
             write_manifest(self.path, manifest)
             remove_unreferenced(self.path, manifest)
@@ -206,6 +221,11 @@ class Graph:
                 f"vocabulary {mine['vocab_sha256'][:12]}…), not {ident.name!r} ({ident.vocab_size} tokens, "
                 f"vocabulary {ident.vocab_sha256[:12]}…); rebuild the graph with this tokenizer"
             )
+
+
+def _identity(manifest: dict) -> str:
+    rest = {k: v for k, v in manifest.items() if k != "decoder"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 def load_graph(graph: str | os.PathLike, order: int = 1, mixture: int | None = None, *,

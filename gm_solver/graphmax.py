@@ -61,8 +61,10 @@ def _check_settings(lam: float, tol: float, solver: str) -> None:
 def _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace, check_every):
     _check_settings(lam, tol, solver)
     check_logits(logits, sync=check_every != 0)
+    op = get_operator(graph, logits.device, backend)
     z = logits.reshape(-1, logits.shape[-1]).to(dtype)
-    op = get_operator(graph, z.device, backend)
+    if op.backend == "numba":  # its kernels take values, as the context decoder's: the result carries no gradient
+        z = z.detach()
     if z.shape[-1] < op.n:
         raise ValueError(f"logits have {z.shape[-1]} entries but the graph has {op.n} nodes; the graph was "
                          f"built for a larger vocabulary: rebuild it with this model's tokenizer")

@@ -13,11 +13,15 @@ from collections.abc import Callable
 from gm_graphs import expand_corpus
 from gm_graphs.errors import CorpusError
 
-__all__ = ["integer", "number", "integers", "numbers", "nonblank", "CorpusFiles", "corpus_error"]
+__all__ = ["MAX_SEED", "integer", "number", "integers", "numbers", "nonblank", "CorpusFiles", "corpus_error"]
 
 
-def integer(minimum: int) -> Callable[[str], int]:
-    """An integer ≥ ``minimum``."""
+# the largest seed: numpy's legacy seeds, torch's and the split's hash key all take it
+MAX_SEED = 2**32 - 1
+
+
+def integer(minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An integer ≥ ``minimum`` (and ≤ ``maximum``, for the reason ``why`` the message gives)."""
 
     def parse(text: str) -> int:
         try:
@@ -26,6 +30,8 @@ def integer(minimum: int) -> Callable[[str], int]:
             value = None
         if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be an integer from {minimum} to {maximum:,}{why}, got {text!r}")
         return value
 
     return parse
@@ -48,8 +54,8 @@ def number(*, at_least: float | None = None, above: float | None = None,
     return parse
 
 
-def integers(minimum: int, example: str) -> Callable[[str], list[int]]:
-    """Comma-separated integers, each ≥ ``minimum``, at least one (``example`` shows the form)."""
+def integers(minimum: int, example: str, maximum: int | None = None) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each ≥ ``minimum`` (and ≤ ``maximum``), at least one (``example`` shows the form)."""
 
     def parse(text: str) -> list[int]:
         try:
@@ -59,6 +65,9 @@ def integers(minimum: int, example: str) -> Callable[[str], list[int]]:
         if not values or min(values) < minimum:
             raise argparse.ArgumentTypeError(f"must be integers >= {minimum} separated by commas, like {example}, "
                                              f"got {text!r}")
+        if maximum is not None and max(values) > maximum:
+            raise argparse.ArgumentTypeError(f"must be integers from {minimum} to {maximum:,} separated by commas, "
+                                             f"like {example}, got {text!r}")
         return values
 
     return parse

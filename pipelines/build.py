@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 from gm_graphs import PruneRule, build_graph, list_graphs, load_graph, merge_graphs
 from gm_graphs.build.graphs import ENGINES
+from gm_graphs.build.options import MAX_ORDER
+from gm_graphs.count.ngrams import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
 
 from .args import CorpusFiles, integer, integers, number
+
+MAX_TOP_K = 2**31 - 1  # more than any row holds (indices are int32 or int64 over a vocabulary)
+# a run's buffer of 8-byte entries is allocated whole: it must fit in this machine's memory
+MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+MAX_RUN_ENTRIES = MEMORY // 8
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:
@@ -22,11 +30,12 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_operator_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--orders", type=integers(1, "1,2"), default=[1],
+    p.add_argument("--orders", type=integers(1, "1,2", MAX_ORDER), default=[1],
                    help="powers Ãᵏ to materialise, e.g. 1,2 (default 1)")
-    p.add_argument("--mixture", type=integer(2), default=None, help="also materialise Ã+Ã²+…+Ãⁿ for this n ≥ 2")
+    p.add_argument("--mixture", type=integer(2, MAX_ORDER), default=None,
+                   help="also materialise Ã+Ã²+…+Ãⁿ for this n ≥ 2")
     p.add_argument("--eps", type=number(at_least=0), default=1e-8, help="ε in D_ii = Σ_j A_ij + ε (default 1e-8)")
-    p.add_argument("--prune-top-k", type=integer(0), default=64,
+    p.add_argument("--prune-top-k", type=integer(0, MAX_TOP_K, " (0 keeps all)"), default=64,
                    help="keep the K largest entries of each row of a higher order (default 64; 0 keeps all)")
     p.add_argument("--prune-min", type=number(at_least=0), default=0.0,
                    help="drop higher-order entries below this value")
@@ -63,10 +72,12 @@ def register(sub) -> None:
     p.add_argument("--text-column", default="text", help="column/field holding the text (default text)")
     p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags")
     p.add_argument("--bos-eos", action="store_true", help="add BOS→first and last→EOS edges per document")
-    p.add_argument("--ngrams", type=integers(3, "3,4"), metavar="ORDERS",
+    p.add_argument("--ngrams", type=integers(3, "3,4", MAX_NGRAM_ORDER), metavar="ORDERS",
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
                         "conditions on up to n−1 tokens; part of the same atomic build")
-    p.add_argument("--ngram-run-entries", type=integer(1), default=NGRAM_RUN_ENTRIES, metavar="N",
+    p.add_argument("--ngram-run-entries", type=integer(1, MAX_RUN_ENTRIES, f" (8 bytes each, in this machine's "
+                                                                      f"{MEMORY / 2**30:,.0f} GiB of memory)"),
+                   default=NGRAM_RUN_ENTRIES, metavar="N",
                    help=f"bigrams and n-grams of each order buffered in memory (8 bytes each) before they are "
                         f"sorted into a run in the build's temporary folder, merged at the end; bounds memory "
                         f"(default {NGRAM_RUN_ENTRIES:,}: 128 MB per order)")

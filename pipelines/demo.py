@@ -16,7 +16,7 @@ from gm_graphs.count.ngrams import ORDERS as NGRAM_ORDERS
 from gm_graphs.errors import GraphFormatError
 from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
-from .args import integer, number
+from .args import MAX_SEED, integer, number
 from .generate import generate_texts, warm_up
 from .models import load_model
 
@@ -50,7 +50,7 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="softmax vs graphmax on bundled movie reviews and SmolLM2-135M")
     p.add_argument("--lam", type=number(at_least=0), default=1.0, help="λ of the paper's graphmax (default 1.0)")
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0, MAX_SEED), default=0)
     p.set_defaults(run=run)
 
 

@@ -35,7 +35,7 @@ from gm_solver import (
 )
 
 from . import figures, report
-from .args import integer, number, numbers
+from .args import MAX_SEED, integer, number, numbers
 from .finetune import FinetuneResult, finetune_lora
 from .generate import decode_cost, generate_texts
 from .heldout import (
@@ -617,7 +617,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="eval-report",
                    help="report folder: new, empty, or a report graphmax wrote (default ./eval-report)")
     p.add_argument("--heldout-fraction", type=number(above=0, below=1), default=0.1)
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0, MAX_SEED), default=0)
     grid = {k: {g: ",".join(f"{v:g}" for v in PAPER_GRIDS[k][g]) for g in PAPER_GRIDS[k]} for k in PAPER_GRIDS}
     p.add_argument("--lams", type=numbers(at_least=0, example="0,0.1,1"), default=None,
                    help=f"λ grid of the paper's graphmax (default {grid['default']['lams']}; --full: "

@@ -8,6 +8,8 @@ count it.
 
 from __future__ import annotations
 
+import os
+import stat
 import statistics
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from gm_graphs import Graph, GraphmaxError, load_graph, load_tokenizer
+from gm_graphs.build.options import MAX_ORDER
 from gm_solver import (
     ContextGraphmaxLogitsProcessor,
     GraphmaxLogitsProcessor,
@@ -26,7 +29,7 @@ from gm_solver import (
     load_datastore,
 )
 
-from .args import integer, nonblank, number, numbers
+from .args import MAX_SEED, integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
 from .models import DEFAULT_MODEL, load_model
 from .prompt import SEPARATOR
@@ -111,7 +114,7 @@ def register(sub) -> None:
     p.add_argument("--prompt", action="append", required=True, type=nonblank, help="a prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=integer(1), default=32)
     p.add_argument("--sample", action="store_true", help="sample (top-k 50) instead of greedy")
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0, MAX_SEED), default=0)
     p.add_argument("--compare", action="store_true", help="also print the plain softmax continuation")
     p.add_argument("--examples", type=Path, metavar="FILE",
                    help="UTF-8 text the LM reads before every prompt, e.g. a few documents of your corpus separated "
@@ -126,8 +129,8 @@ def register(sub) -> None:
     p.add_argument("--solver", choices=SOLVERS,
                    help="paper: certified mirror descent (mirror, the default) or the paper's Algorithm 1 (paper)")
     p.add_argument("--max-iter", type=integer(1), help="paper: iterations per step (default 200)")
-    p.add_argument("--order", type=integer(1), help="paper: use Ãᵏ (default 1)")
-    p.add_argument("--mixture", type=integer(2), help="paper: use Ã+…+Ãⁿ (n ≥ 2)")
+    p.add_argument("--order", type=integer(1, MAX_ORDER), help="paper: use Ãᵏ (default 1)")
+    p.add_argument("--mixture", type=integer(2, MAX_ORDER), help="paper: use Ã+…+Ãⁿ (n ≥ 2)")
     p.add_argument("--divergence", choices=ContextGraphmaxLogitsProcessor.DIVERGENCES,
                    help="context: D(x, q) (default rkl)")
     p.add_argument("--kl-share", type=number(at_least=0), help="context: the share of λ on KL(x‖q) (default 0.15)")
@@ -230,8 +233,13 @@ def _show(value) -> str:
 
 def read_examples(path: Path) -> str:
     """The text of ``--examples``, ending in a blank line so that a prompt reads as the next document."""
-    with open(path, "rb") as fh:  # read to the cap only (a pipe has no size to look at first)
-        data = fh.read(MAX_EXAMPLES_BYTES + 1)
+    # opened without blocking and looked at before reading: a FIFO or a device would never end
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
+        mode = os.fstat(fh.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise GraphmaxError(f"--examples {path} is {kind}; write the examples to a file and pass that")
+        data = fh.read(MAX_EXAMPLES_BYTES + 1)  # to the cap only
     if len(data) > MAX_EXAMPLES_BYTES:
         raise GraphmaxError(f"--examples {path} is larger than {MAX_EXAMPLES_BYTES // 2**20} MiB, far more than the "
                             f"model reads; give a few documents")
@@ -254,13 +262,17 @@ def run(args) -> int:
     graph, proc, origin = build_decoder(args, len(prefix or ()))
     model, tok = load_model(args.model)
     graph.check_tokenizer(tok)
-    if prefix:
-        longest = len(prefix) + max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in args.prompt)
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit is not None and longest + args.max_new_tokens > limit:
+    longest = len(prefix or ()) + max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in args.prompt)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and longest + args.max_new_tokens > limit:  # past them a model's output is garbage
+        total = longest + args.max_new_tokens
+        if prefix:
             raise GraphmaxError(f"--examples {args.examples} ({len(prefix):,} tokens), the longest prompt and "
-                                f"--max-new-tokens make {longest + args.max_new_tokens:,} tokens, more than the "
-                                f"model reads ({limit:,}); give fewer or shorter examples")
+                                f"--max-new-tokens make {total:,} tokens, more than the model reads ({limit:,}); "
+                                f"give fewer or shorter examples")
+        raise GraphmaxError(f"--max-new-tokens {args.max_new_tokens:,} and the longest prompt ({longest:,} tokens) "
+                            f"make {total:,} tokens, more than the model reads ({limit:,}); lower --max-new-tokens")
+    if prefix:
         origin += f"; after {len(prefix):,} tokens of --examples"
     if isinstance(proc, KnnContextGraphmaxLogitsProcessor):
         proc.datastore.check_model(model)

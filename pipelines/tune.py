@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
 
 from gm_graphs import expand_corpus, iter_documents, load_graph
+from gm_graphs.corpus.read import fingerprint
+from gm_graphs.errors import OptionError
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
@@ -170,8 +172,26 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+def check_not_training_text(graph, files: list[Path]) -> None:
+    """Refuse validation files whose bytes are a file the graph was built from (by SHA-256, whatever the name):
+    λ chosen on text the graph's counts memorised would favour the graph beyond what it knows of new text."""
+    trained = {f["sha256"]: f["path"] for f in graph.manifest["corpus"]["files"]}
+    sizes = {f["bytes"] for f in graph.manifest["corpus"]["files"]}
+    for f in files:
+        if f.stat().st_size not in sizes:
+            continue  # only a file of a training file's size can be one; the rest need no hashing
+        sha = fingerprint([f])[0]["sha256"]
+        if sha in trained:
+            raise OptionError(f"the validation file {str(f)!r} is the text graph {graph.name!r} was built from "
+                              f"({trained[sha]!r}, SHA-256 {sha[:12]}…); tuning on it would choose λ on memorised "
+                              f"text: pass --corpus files held out of the build (e.g. split with "
+                              f"gm_graphs.split_corpus before building)")
+
+
 def run(args) -> int:
     graph = load_graph(graph_arg(args))  # a missing or broken graph (or datastore) is refused before the model loads
+    tuned_on = graph.identity  # the choice is stored only if the graph is still this one when tuning ends
+    check_not_training_text(graph, expand_corpus(args.corpus))
     datastore = None
     if args.datastore is not None:
         datastore = load_datastore(args.datastore)
@@ -196,7 +216,7 @@ def run(args) -> int:
         knn_choice = choice.knn
     else:
         choice = DecoderChoice(config=dataclasses.replace(best, source=source))
-    graph.set_decoder(choice.to_json())
+    graph.set_decoder(choice.to_json(), expected=tuned_on)
     print(f"{'divergence':<20} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:
         cfg = ContextConfig.from_dict(row)

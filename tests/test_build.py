@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from pathlib import Path
 
@@ -158,6 +159,22 @@ def test_cli_build_list_info(home, csv_corpus, bpe_tokenizer_file, capsys):
     assert main(["graphs", "info", "cli"]) == 0 and "distinct bigrams" in capsys.readouterr().out
     assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "cli"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_cli_build_reads_a_corpus_file_named_like_a_glob_as_that_file(home, tmp_path, bpe_tokenizer_file, capsys):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    docs = make_docs(30, seed=5)
+    for name, part in (("reviews [2019].csv", docs[:10]), ("*.csv", docs[10:20]), ("other.csv", docs[20:])):
+        pacsv.write_csv(pa.table({"text": part}), tmp_path / name)
+    for name in ("reviews [2019].csv", "*.csv"):
+        with pytest.warns() if name == "*.csv" else contextlib.nullcontext():
+            assert main(["build", str(tmp_path / name), "--tokenizer", str(bpe_tokenizer_file), "--path",
+                         str(tmp_path / f"g{len(name)}")]) == 0, capsys.readouterr().err
+        files = load_graph(tmp_path / f"g{len(name)}").manifest["corpus"]["files"]
+        assert [Path(f["path"]).name for f in files] == [name]
+        assert "10 documents" in capsys.readouterr().out
 
 
 def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_file, bpe_tokenizer, capsys):

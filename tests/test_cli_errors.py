@@ -30,6 +30,7 @@ BUILD = ["build", CORPUS, "--tokenizer", "smollm2", "--name", "g"]
 MERGE = ["merge", "a", "b", "--name", "m"]
 GENERATE = ["generate", "--graph", "g", "--prompt", "It was"]
 TUNE = ["tune", "g", "--corpus", CORPUS]
+HUGE = str(10**20)  # past int64: each such number is refused while parsing, never a traceback or a hang later
 
 BAD_ARGUMENTS = [  # argv, what the message says
     (BUILD + ["--orders", "0"], "argument --orders: must be integers >= 1 separated by commas, like 1,2, got '0'"),
@@ -47,6 +48,12 @@ BAD_ARGUMENTS = [  # argv, what the message says
     (BUILD + ["--ngrams", "2"], "argument --ngrams: must be integers >= 3 separated by commas, like 3,4, got '2'"),
     (BUILD + ["--ngrams", "3,2"], "argument --ngrams: must be integers >= 3"),
     (BUILD + ["--ngram-run-entries", "0"], "argument --ngram-run-entries: must be an integer >= 1, got '0'"),
+    (BUILD + ["--ngram-run-entries", HUGE], "argument --ngram-run-entries: must be an integer from 1 to "),
+    (BUILD + ["--prune-top-k", HUGE], "argument --prune-top-k: must be an integer from 0 to 2,147,483,647 (0 keeps "
+                                      "all)"),
+    (BUILD + ["--ngrams", f"3,{HUGE}"], "argument --ngrams: must be integers from 3 to 63 separated by commas"),
+    (BUILD + ["--orders", f"1,{HUGE}"], "argument --orders: must be integers from 1 to 999 separated by commas"),
+    (BUILD + ["--mixture", HUGE], "argument --mixture: must be an integer from 2 to 999"),
     (BUILD + ["--bogus"], "unrecognized arguments: --bogus"),
     (["build", CORPUS, "--name", "g"], "the following arguments are required: --tokenizer"),
     (MERGE + ["--orders", "0"], "argument --orders: must be integers >= 1"),
@@ -66,6 +73,9 @@ BAD_ARGUMENTS = [  # argv, what the message says
     (GENERATE + ["--order", "0"], "argument --order: must be an integer >= 1, got '0'"),
     (GENERATE + ["--mixture", "1"], "argument --mixture: must be an integer >= 2, got '1'"),
     (GENERATE + ["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (GENERATE + ["--seed", HUGE], "argument --seed: must be an integer from 0 to 4,294,967,295"),
+    (GENERATE + ["--decoder", "paper", "--order", HUGE], "argument --order: must be an integer from 1 to 999"),
+    (GENERATE + ["--decoder", "paper", "--mixture", HUGE], "argument --mixture: must be an integer from 2 to 999"),
     (GENERATE + ["--prompt", "  "], "argument --prompt: must not be empty or only spaces"),
     (GENERATE + ["--solver", "fast"], "argument --solver: invalid choice: 'fast'"),
     (["generate", "--prompt", "x"], "one of the arguments --graph --path is required"),
@@ -80,6 +90,8 @@ BAD_ARGUMENTS = [  # argv, what the message says
     (["eval", "--lams", ""], "argument --lams: must be finite numbers >= 0"),
     (["eval", "--mixture-lams", "x"], "argument --mixture-lams: must be finite numbers >= 0"),
     (["eval", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["eval", "--seed", HUGE], "argument --seed: must be an integer from 0 to 4,294,967,295"),
+    (["demo", "--seed", HUGE], "argument --seed: must be an integer from 0 to 4,294,967,295"),
     (["eval", "--shots", "-1"], "argument --shots: must be an integer >= 0"),
     *((["eval", f"--{size}", "0"], f"argument --{size}: must be an integer >= 1, got '0'")
       for size in ("ppl-docs", "positions", "tune-docs", "prompts", "new-tokens", "references")),

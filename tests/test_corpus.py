@@ -137,6 +137,23 @@ def test_glob_matching_nothing(tmp_path):
         expand_corpus(str(tmp_path / "*.csv"))
 
 
+def test_an_existing_path_is_read_as_that_file_whatever_glob_characters_its_name_holds(tmp_path):
+    for name in ("reviews [2019].csv", "[a].csv", "a.csv", "*.csv", "b.csv"):
+        pacsv.write_csv(pa.table({"text": [f"the text of {name}"]}), tmp_path / name)
+    assert expand_corpus(str(tmp_path / "reviews [2019].csv")) == [tmp_path / "reviews [2019].csv"]
+    with pytest.warns(UserWarning, match=r"read as the file of that name; as a glob it would also match 1 other"):
+        assert expand_corpus(str(tmp_path / "[a].csv")) == [tmp_path / "[a].csv"]  # not a.csv
+    with pytest.warns(UserWarning, match=r"would also match 4 other file\(s\)"):
+        files = expand_corpus(str(tmp_path / "*.csv"))
+    assert files == [tmp_path / "*.csv"]
+    assert list(iter_documents(files, "text")) == [["the text of *.csv"]]
+    (tmp_path / "*.csv").unlink()  # no such file now: the pattern is a glob again
+    assert [f.name for f in expand_corpus(str(tmp_path / "*.csv"))] == ["[a].csv", "a.csv", "b.csv",
+                                                                       "reviews [2019].csv"]
+    with pytest.raises(CorpusError, match=r"no file is named '.*\[x\].csv', and the glob .* matches no file"):
+        expand_corpus(str(tmp_path / "[x].csv"))
+
+
 def test_unknown_suffix(tmp_path):
     (tmp_path / "c.docx").write_text("x")
     with pytest.raises(CorpusError, match="cannot tell the format"):

@@ -16,7 +16,7 @@ from gm_solver.graphmax import Graphmax
 from gm_solver.objective import dual, primal
 from gm_solver.operator import TransitionOperator
 
-from .helpers import GRID, dense_l, random_graph
+from .helpers import GRID, dense_l, random_counts, random_graph
 
 LAMS = [0.1, 1.0, 10.0]
 
@@ -109,6 +109,26 @@ def test_wider_logits_treat_extra_ids_as_isolated_nodes():
     z = torch.randn(16, dtype=torch.float64)
     padded = sp.csr_matrix((a.data, a.indices, np.r_[a.indptr, np.full(6, a.indptr[-1])]), shape=(16, 16))
     torch.testing.assert_close(graphmax(z, a, 1.0), graphmax(z, padded, 1.0), atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_scores_that_require_grad_are_decoded_as_the_context_decoders_do(backend):
+    from gm_solver import ContextConfig, ContextReference, PaperAlgorithm1LogitsProcessor, PaperGraphmaxLogitsProcessor
+
+    a = random_graph(12, 0.3, 2)
+    z = torch.randn(2, 12, requires_grad=True)
+    plain = z.detach().clone()
+    ids = torch.tensor([[1, 2], [3, 4]])
+    context = ContextReference(random_counts(12, 2), ContextConfig(lam=1.0))
+    for solver in ("mirror", "paper"):
+        x = graphmax(z, a, 1.0, solver=solver, backend=backend)
+        torch.testing.assert_close(x, graphmax(plain, a, 1.0, solver=solver, backend=backend))
+    op = TransitionOperator(a, backend=backend)
+    for cls in (PaperGraphmaxLogitsProcessor, PaperAlgorithm1LogitsProcessor):
+        out = cls(op, lam=1.0)(ids, z)
+        torch.testing.assert_close(out, cls(op, lam=1.0)(ids, plain))
+        # a gradient flows exactly where the context decoder's on the same backend does
+        assert out.requires_grad == context.step(ids, z, backend=backend)[0].requires_grad
 
 
 def test_batch_equals_rows_and_dtype_is_kept():

@@ -11,7 +11,7 @@ import torch
 
 from gm_graphs import add_ngrams, build_graph, load_graph, merge_graphs
 from gm_graphs.build.ngrams import count_ngrams
-from gm_graphs.errors import GraphFormatError, TokenizerError
+from gm_graphs.errors import GraphFormatError, MergeError, TokenizerError
 from gm_solver import ContextConfig, ContextReference
 
 
@@ -86,6 +86,13 @@ def test_orders_are_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer):
         count_ngrams(path, smollm2_tokenizer, (5,), progress=False)
 
 
+def test_an_order_past_int64_keys_is_refused_in_one_line_before_any_work(tmp_path, bpe_tokenizer):
+    from gm_graphs.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"and at most 63 \(a key of n tokens fits in int64\), got \[3, 1000"):
+        build_graph(tmp_path / "missing.csv", bpe_tokenizer, path=tmp_path / "g", ngrams=(3, 10**20), progress=False)
+
+
 def test_stored_beside_the_graph_verified_and_tokenizer_checked(csv_corpus, bpe_tokenizer, smollm2_tokenizer, tmp_path):
     path, docs = csv_corpus
     graph = build_graph(path, bpe_tokenizer, path=tmp_path / "g", progress=False)
@@ -124,9 +131,35 @@ def test_merged_parts_equal_the_whole(csv_corpus, bpe_tokenizer, tmp_path):
         g = build_graph(tmp_path / f"part{i}.csv", bpe_tokenizer, path=tmp_path / f"g{i}", progress=False)
         add_ngrams(g, tmp_path / f"part{i}.csv", bpe_tokenizer, (3, 4) if i == 0 else (3,), progress=False)
         parts.append(g)
-    merged = merge_graphs(parts, path=tmp_path / "merged")
-    assert sorted(merged.ngrams) == [3]  # only the orders every part has
-    assert _as_counter(load_graph(tmp_path / "merged").ngrams[3]) == _expected(docs, bpe_tokenizer, 3)
+    with pytest.raises(MergeError, match=r"g1 stores n-gram tables of orders 3 but .*g0 stores 3,4; merging would "
+                                         r"drop .* --ngrams 3,4"):
+        merge_graphs(parts, path=tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    add_ngrams(parts[1], tmp_path / "part1.csv", bpe_tokenizer, (3, 4), progress=False)
+    merge_graphs(parts, path=tmp_path / "merged")
+    merged = load_graph(tmp_path / "merged")
+    assert sorted(merged.ngrams) == [3, 4]
+    for n in (3, 4):
+        assert _as_counter(merged.ngrams[n]) == _expected(docs, bpe_tokenizer, n)
+
+
+def test_cli_merge_refuses_parts_of_which_only_one_has_ngram_tables(home, csv_corpus, bpe_tokenizer, tmp_path,
+                                                                    capsys):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from pipelines.cli import main
+
+    _, docs = csv_corpus
+    for name, half in (("a", docs[:50]), ("b", docs[50:])):
+        pacsv.write_csv(pa.table({"text": half}), tmp_path / f"{name}.csv")
+        graph = build_graph(tmp_path / f"{name}.csv", bpe_tokenizer, name=name, progress=False)
+    add_ngrams(load_graph("a"), tmp_path / "a.csv", bpe_tokenizer, (3,), progress=False)
+    assert main(["merge", "a", "b", "--name", "m"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"graphmax merge: error: the graph {graph.path} stores n-gram "
+                                                   f"tables of orders none but ")
+    assert "--ngrams 3" in err and not (home / "graphs" / "m").exists()
 
 
 def test_reference_conditions_on_exactly_the_last_n_minus_one_tokens(csv_corpus, bpe_tokenizer, tmp_path):

@@ -209,6 +209,52 @@ def test_generate_refuses_examples_longer_than_the_model_reads(graph_path, tiny_
     assert err.startswith("graphmax generate: error: --examples ") and "more than the model reads (128)" in err
 
 
+def test_generate_refuses_max_new_tokens_past_what_the_model_reads(graph_path, tiny_model, monkeypatch, capsys):
+    monkeypatch.setattr(generate, "warm_up", no_generation)  # the check must come before any token is generated
+    monkeypatch.setattr(generate, "generate_texts", no_generation)
+    assert main(["generate", "--path", str(graph_path), "--model", str(tiny_model), "--prompt", "the movie",
+                 "--max-new-tokens", "200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("graphmax generate: error: --max-new-tokens 200 and the longest prompt (") \
+        and "more than the model reads (128); lower --max-new-tokens" in err
+
+
+def no_generation(*args, **kwargs):
+    raise AssertionError("tokens were generated before --max-new-tokens was checked")
+
+
+def test_generate_refuses_a_fifo_as_examples_in_one_line(graph_path, no_model, tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+    import threading
+
+    monkeypatch.setattr(generate, "load_tokenizer", generate.load_model)  # the tokenizer's loading fails the test too
+    fifo = tmp_path / "examples.txt"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def writer():  # a reader blocked on the FIFO gets an empty file at once, instead of the test hanging
+        while not done.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                return
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: nobody reads it yet
+                    raise
+            done.wait(0.05)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        assert main(["generate", "--path", str(graph_path), "--prompt", "the movie", "--examples", str(fifo)]) == 2
+    finally:
+        done.set()
+        thread.join()
+    err = capsys.readouterr().err
+    assert err == f"graphmax generate: error: --examples {fifo} is a FIFO; write the examples to a file and pass " \
+                  f"that\n"
+
+
 @pytest.mark.slow
 def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
     assert main(["generate", "--path", str(drug_graph.path), "--prompt", "This medication", "--lam", "1",
@@ -336,6 +382,55 @@ def test_tune_refuses_a_datastore_in_one_line_before_loading_the_model(graph_pat
         err = capsys.readouterr().err
         assert err.startswith("graphmax tune: error: ") and error in err and err.count("\n") == 1
     assert "decoder" not in load_graph(graph_path).manifest or load_graph(graph_path).decoder is None
+
+
+def test_tune_refuses_the_graphs_training_text_in_one_line_before_loading_the_model(graph_path, tmp_path,
+                                                                                      monkeypatch, capsys):
+    from pipelines import tune
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(tune, "load_model", fail)
+    trained = load_graph(graph_path).manifest["corpus"]["files"][0]["path"]
+    renamed = tmp_path / "validation.txt"
+    shutil.copyfile(trained, renamed)  # the same bytes under another name
+    for corpus in (trained, renamed):
+        assert main(["tune", "--path", str(graph_path), "--corpus", str(corpus)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"graphmax tune: error: the validation file {str(corpus)!r} is the text graph ") \
+            and f"({trained!r}, SHA-256 " in err and "memorised text" in err and err.count("\n") == 1
+    assert load_graph(graph_path).decoder is None
+    renamed.write_text("the movie was good\n")  # held-out text passes the check: the model is loaded next
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        main(["tune", "--path", str(graph_path), "--corpus", str(renamed)])
+
+
+def test_tune_stores_nothing_into_a_graph_replaced_while_it_tuned(graph_path, tiny_model, bpe_tokenizer_file,
+                                                                   tmp_path, monkeypatch, capsys):
+    from pipelines import tune
+
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(make_docs(50, seed=8)) + "\n")
+
+    def tune_then_replace(graph, heldout, **options):
+        chosen = real(graph, heldout, divergences=("l2",), lambdas=(1.0,), kl_shares=(0.0,),
+                      smoothings=tune.SMOOTHINGS[:1], order_weights=((1.0,),), lam_decays=(0.0,), progress=False)
+        # `graphmax build --path G --overwrite` in another process, while this one was tuning
+        write_graph(count_corpus(other, bpe_tokenizer_file, progress=False), graph_path, overwrite=True,
+                    progress=False)
+        return chosen
+
+    real = tune.tune_config
+    monkeypatch.setattr(tune, "tune_config", tune_then_replace)
+    valid = tmp_path / "valid.txt"
+    valid.write_text("\n".join(make_docs(4, seed=9)) + "\n")
+    assert main(["tune", "--path", str(graph_path), "--corpus", str(valid), "--model", str(tiny_model),
+                 "--docs", "2", "--positions", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"graphmax tune: error: graph 'g' ({graph_path}) was replaced or changed ")
+    assert "was not stored" in err
+    replaced = load_graph(graph_path)
+    assert replaced.decoder is None and replaced.manifest["corpus"]["files"][0]["path"] == str(other)
 
 
 def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsys):

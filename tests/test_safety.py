@@ -406,6 +406,23 @@ def test_merge_refuses_one_graph_the_same_graph_twice_and_other_tokenizers(home,
     assert not (home / "graphs" / "m").exists()
 
 
+def test_a_decoder_choice_is_stored_only_into_the_graph_it_was_made_on(home, tmp_path, csv_corpus, bpe_tokenizer):
+    build_graph(csv_corpus[0], bpe_tokenizer, name="g", progress=False)
+    opened = load_graph("g")
+    (tmp_path / "other.txt").write_text("\n".join(make_docs(40, seed=11)) + "\n")
+    build_graph(tmp_path / "other.txt", bpe_tokenizer, name="g", overwrite=True, progress=False)
+    with pytest.raises(GraphBusyError, match=r"graph 'g' \(.*\) was replaced or changed .* was not stored; "
+                                             r"choose again on the graph as it is now"):
+        opened.set_decoder({"mode": "context", "lam": 2.0})
+    with pytest.raises(GraphBusyError, match="was replaced or changed"):  # an identity kept from before, likewise
+        load_graph("g").set_decoder({"mode": "context", "lam": 2.0}, expected=opened.identity)
+    assert load_graph("g").decoder is None
+    current = load_graph("g")
+    current.set_decoder({"mode": "context", "lam": 2.0})
+    current.set_decoder({"mode": "paper", "lam": 1.0})  # a stored choice does not change the graph's identity
+    assert load_graph("g").decoder == {"mode": "paper", "lam": 1.0}
+
+
 def test_graphs_list_shows_a_broken_graph_and_the_others(home, csv_corpus, bpe_tokenizer, capsys):
     build_graph(csv_corpus[0], bpe_tokenizer, name="good", progress=False)
     shutil.copytree(home / "graphs" / "good", home / "graphs" / "bad")

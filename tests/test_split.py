@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gm_graphs import count_corpus, split_corpus
-from gm_graphs.errors import GraphExistsError
+from gm_graphs.errors import GraphExistsError, OptionError
 
 
 def test_split_is_deterministic_disjoint_and_complete(csv_corpus, tmp_path):
@@ -54,3 +54,20 @@ def test_a_split_is_never_written_over_a_file_a_user_put_into_it(csv_corpus, tmp
         split_corpus(path, tmp_path / "a", heldout_fraction=0.3, seed=2, overwrite=True)
     assert (tmp_path / "a" / "notes.txt").read_text() == "the user's" and a.texts("heldout") == split_corpus(
         path, tmp_path / "b", heldout_fraction=0.3, seed=1).texts("heldout")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"seed": 10**70}, r"seed must be an integer from 0 to 2\*\*64 - 1, got 1000"),
+    ({"seed": -1}, r"seed must be an integer from 0 to 2\*\*64 - 1, got -1"),
+    ({"seed": "1"}, r"seed must be an integer .* got '1'"),
+    ({"batch_docs": 0}, r"batch_docs must be an integer >= 1 \(documents read per batch\), got 0"),
+    ({"batch_docs": -5}, r"batch_docs must be an integer >= 1 .* got -5"),
+    ({"heldout_fraction": "0.1"}, r"heldout_fraction must be a number strictly between 0 and 1, got '0.1'"),
+    ({"heldout_fraction": float("nan")}, r"heldout_fraction must be a number strictly between 0 and 1, got nan"),
+])
+def test_each_bad_option_is_refused_in_one_line_naming_it_before_anything_is_written(csv_corpus, tmp_path, options,
+                                                                                      message):
+    with pytest.raises(OptionError, match=message):
+        split_corpus(csv_corpus[0], tmp_path / "s", **options)
+    assert not (tmp_path / "s").exists()
+

@@ -226,8 +226,9 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
     """Merge the counts of graphs built from disjoint parts of a corpus into one graph, as if built at once.
 
     ``graphs`` are :class:`Graph` objects, names or folders; the result goes to ``name`` or ``path``. n-gram
-    tables merge too, for the orders every part stores. Refused: fewer than two graphs, one graph twice (or a
-    corpus file counted in two of them), different tokenizers or counting options.
+    tables merge too, exactly. Refused: fewer than two graphs, one graph twice (or a corpus file counted in two of
+    them), different tokenizers or counting options, parts storing n-gram tables of different orders (the merge
+    could not hold the sum of a table some part lacks).
 
     Args:
         graphs (sequence of ``Graph``, ``str`` or ``os.PathLike``): the parts, at least two.
@@ -267,6 +268,7 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
             if real in seen:
                 raise MergeError(f"the graph {g.path} is given twice; merging it with itself would double its counts")
             seen.add(real)
+        _check_same_ngram_orders(sources)
         parts = [load_counts(g) for g in sources]
         merged = parts[0]
         for p in parts[1:]:
@@ -274,3 +276,25 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
         tables = merge_ngrams([g.ngrams for g in sources])
         source = {"merged_from": [str(g.path) for g in sources]} if tables else None
         return write_graph(merged, Path(target), ngrams=tables or None, ngram_source=source, **write_options)
+
+
+def _ngram_orders(graph: Graph) -> list[int]:
+    return sorted(int(order) for order in graph.manifest.get("ngrams", {}).get("orders", {}))
+
+
+def _listed(orders: list[int]) -> str:
+    return ",".join(map(str, orders)) or "none"
+
+
+def _check_same_ngram_orders(sources: list[Graph]) -> None:
+    """Refuse parts whose n-gram tables differ in order: a table some part lacks cannot be summed exactly."""
+    first = _ngram_orders(sources[0])
+    for g in sources[1:]:
+        orders = _ngram_orders(g)
+        if orders != first:
+            wanted = sorted(set(first) | set(orders))
+            raise MergeError(
+                f"the graph {g.path} stores n-gram tables of orders {_listed(orders)} but {sources[0].path} stores "
+                f"{_listed(first)}; merging would drop the tables not in every part: give every part the same "
+                f"tables (build each with --ngrams {_listed(wanted)}, or add_ngrams(graph, corpus, tokenizer, "
+                f"{tuple(wanted)!r}) in Python), then merge")

@@ -28,6 +28,7 @@ import os
 import re
 import stat
 import struct
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
@@ -84,7 +85,9 @@ def expand_corpus(corpus: CorpusSpec) -> list[Path]:
 
     Each file is checked here, before anything is built: it exists, is a regular
     file that can be read, is not empty, has a known format whose header is
-    intact, and is not inside a graph folder.
+    intact, and is not inside a graph folder. A path that exists is that file, whatever characters its name
+    holds (``reviews [2019].csv``, ``*.csv``); it is read as a glob only when no such file exists. Where an
+    existing file's name, read as a glob, would match other files too, a ``UserWarning`` says so.
 
     Args:
         corpus (``str``, ``os.PathLike`` or an iterable of them): files or globs (``"data/*.csv.gz"``,
@@ -112,21 +115,33 @@ def expand_corpus(corpus: CorpusSpec) -> list[Path]:
     files: list[Path] = []
     for spec in specs:
         spec = os.fspath(spec)
-        if glob.has_magic(spec):
+        if glob.has_magic(spec) and not os.path.lexists(spec):
             matches = sorted(glob.glob(spec, recursive=True))
             if not matches:
-                raise CorpusError(f"the glob {spec!r} matches no file; check the pattern and the folder")
+                raise CorpusError(f"no file is named {spec!r}, and the glob {spec!r} matches no file; check the "
+                                  f"path, the pattern and the folder")
             for m in matches:
                 if os.path.isdir(m) and not _named_like_corpus(m):
                     continue  # `data/**` also matches folders
                 files.append(Path(m))
         else:
+            if glob.has_magic(spec):
+                _warn_if_also_a_glob(spec)
             files.append(Path(spec))
     graphs = _GraphFolders()
     for f in files:
         _check_file(f, graphs)
     seen: set[Path] = set()
     return [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+
+
+def _warn_if_also_a_glob(spec: str) -> None:
+    """An existing file whose name reads as a glob is read alone; say so when the pattern names other files too."""
+    others = [m for m in glob.glob(spec, recursive=True) if os.path.realpath(m) != os.path.realpath(spec)]
+    if others:
+        warnings.warn(f"{spec!r} is read as the file of that name; as a glob it would also match {len(others)} "
+                      f"other file(s), e.g. {others[0]!r}: pass those by name to read them too",
+                      UserWarning, stacklevel=2)  # expand_corpus's line: once per process
 
 
 def detect_format(name: str) -> str:

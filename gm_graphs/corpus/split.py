@@ -9,6 +9,7 @@ split that a graph is built from.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,8 +100,12 @@ def split_corpus(corpus: CorpusSpec, path: str | os.PathLike, *, heldout_fractio
         >>> sorted(train + heldout) == sorted(docs), set(train).isdisjoint(heldout)
         (True, True)
     """
-    if not 0.0 < heldout_fraction < 1.0:
-        raise OptionError(f"heldout_fraction must be strictly between 0 and 1, got {heldout_fraction}")
+    if not (_is_number(heldout_fraction) and 0.0 < heldout_fraction < 1.0):
+        raise OptionError(f"heldout_fraction must be a number strictly between 0 and 1, got {heldout_fraction!r}")
+    if not (_is_int(seed) and 0 <= seed < 2**64):  # the key of the hash: at most 64 bytes of its digits
+        raise OptionError(f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}")
+    if not (_is_int(batch_docs) and batch_docs >= 1):
+        raise OptionError(f"batch_docs must be an integer >= 1 (documents read per batch), got {batch_docs!r}")
     files = expand_corpus(corpus)
     out = Path(path)
     counts = dict.fromkeys(SIDES, 0)
@@ -125,3 +130,11 @@ def split_corpus(corpus: CorpusSpec, path: str | os.PathLike, *, heldout_fractio
             raise CorpusError(f"the {empty[0]} split is empty ({counts}); the corpus is too small for "
                              f"heldout_fraction={heldout_fraction}: add documents or change the fraction")
     return CorpusSplit(out, counts)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

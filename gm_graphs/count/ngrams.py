@@ -25,6 +25,7 @@ from gm_graphs.count.runs import repack
 from gm_graphs.errors import OptionError
 
 ORDERS = (3, 4)
+MAX_ORDER = 63  # an n-gram's key packs its n tokens, at least one bit each, into an int64
 
 
 @dataclass
@@ -98,17 +99,18 @@ def check_orders(orders: Sequence[int], vocab_size: int | None = None) -> tuple[
     if isinstance(orders, (int, str)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in orders):
         raise OptionError(f"n-gram orders are a list of integers like (3, 4), got {orders!r}")
     orders = tuple(sorted(set(orders)))
-    if not orders or orders[0] < 3:
-        raise OptionError(f"n-gram orders are 3 or more (the graph itself holds the bigrams), got {list(orders)}; "
-                          f"use e.g. --ngrams 3,4")
-    if vocab_size is not None and float(vocab_size) ** orders[-1] >= 2.0 ** 63:
+    if not orders or orders[0] < 3 or orders[-1] > MAX_ORDER:
+        raise OptionError(f"n-gram orders are 3 or more (the graph itself holds the bigrams) and at most "
+                          f"{MAX_ORDER} (a key of n tokens fits in int64), got {list(orders)}; use e.g. --ngrams 3,4")
+    if vocab_size is not None and int(vocab_size) ** orders[-1] >= 2 ** 63:
         raise OptionError(f"order {orders[-1]} over a vocabulary of {vocab_size:,} tokens overflows int64 keys; "
                           f"use a lower order")
     return orders
 
 
 def merge_ngrams(parts: Sequence[dict[int, NgramCounts]]) -> dict[int, NgramCounts]:
-    """Sum the tables of corpus parts counted with one tokenizer; only the orders every part has are kept.
+    """Sum the tables of corpus parts counted with one tokenizer; only the orders every part has are kept
+    (``merge_graphs`` refuses parts whose orders differ, so that nothing is dropped there).
 
     Args:
         parts (sequence of ``dict[int, NgramCounts]``): the tables of each part, by order.
