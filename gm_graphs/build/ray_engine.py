@@ -81,6 +81,9 @@ STOP_GRACE_S = 5.0  # for a local Ray's processes to end after SIGTERM, before S
 _INIT = dict(log_to_driver=False, include_dashboard=False, configure_logging=True, logging_level=logging.ERROR)
 _RUN_MARK = "GRAPHMAX_RAY_RUN"  # in the environment of every process of a Ray a build started
 _MARK = "graphmax-block"  # tags a worker's error so the driver can find it in Ray's wrapping
+# how Ray says that a node died under a task, or took with it objects it could not rebuild
+_NODE_LOST = re.compile(r"NodeDiedError|ObjectLostError|ObjectReconstructionFailed\w*|OwnerDiedError|"
+                        r"node it was running on is dead")
 _STATS = 0  # the order of the rows that carry a unit's read statistics
 
 
@@ -112,7 +115,7 @@ def connect(ray, address: str | None) -> _Session:
     for the build; the session, to close when the build ends. Fails in one line, naming the time it waited, when
     nothing answers."""
     if ray.is_initialized():
-        return _Session(ray, None)
+        return _Session(ray, joined=False)
     if address is None:
         return _start_local(ray)
     hp = _host_port(address)
@@ -143,19 +146,21 @@ def connect(ray, address: str | None) -> _Session:
         e = done["error"]
         raise EngineError(f"cannot join Ray at {address!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
                           f"check --ray-address") from None
-    return _Session(ray, None)
+    return _Session(ray, joined=True)
 
 
 class _Session:
-    """The Ray a build runs on. ``owner`` is set when the build started it: the thread that started it, which
-    must outlive the build, and the mark its processes carry."""
+    """The Ray a build runs on. ``joined``: this build connected the driver (and so disconnects it); ``owner``
+    is set when the build also started Ray: the thread that started it, which must outlive the build, and the
+    mark its processes carry."""
 
-    def __init__(self, ray, owner: _Owner | None):
-        self.ray, self.owner = ray, owner
+    def __init__(self, ray, joined: bool, owner: _Owner | None = None):
+        self.ray, self.joined, self.owner = ray, joined, owner
 
     def close(self) -> None:
-        if self.owner is not None:
+        if self.joined:
             self.ray.shutdown()
+        if self.owner is not None:
             self.owner.release()
 
 
@@ -227,7 +232,7 @@ def _start_local(ray) -> _Session:
         raise EngineError(f"cannot start Ray on this machine ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
                           f"check that `python -c 'import ray; ray.init()'` works here, or pass --ray-address") \
             from None
-    return _Session(ray, owner)
+    return _Session(ray, joined=True, owner=owner)
 
 
 def _marked(mark: bytes) -> list[int]:
@@ -397,6 +402,7 @@ def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> Iterator[pa.Tabl
 def merge_range(group: pa.Table, vocab_size: int) -> pa.Table:
     """A task: the pieces of one (order, range) merged into unique keys and counts (int64); the rows carrying
     read statistics pass through. ``meta`` says how many bytes of pieces each unit sent here."""
+    fault_point("merge.range")
     order, rng = int(group["order"][0].as_py()), int(group["range"][0].as_py())
     if order == _STATS:
         empty = pa.array([b""] * group.num_rows, pa.large_binary())
@@ -486,6 +492,11 @@ def _block_error(e: BaseException) -> GraphmaxError:
     m = re.search(re.escape(_MARK) + r"\[(.*?)\]", text)
     if m is None:
         first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
+        lost = _NODE_LOST.search(text)
+        if lost:
+            return EngineError(f"a Ray node was lost during the build and Ray could not redo its work "
+                               f"({lost.group(0)}: {first.strip()[:160]}); nothing was written: check the cluster's "
+                               f"nodes (`ray status`) and build again")
         return EngineError(f"the Ray build failed ({type(e).__name__}: {first.strip()[:200]}); nothing was written")
     where, _, cause = m.group(1).partition(": ")
     kind = CorpusError if cause.startswith("CorpusError") else EngineError
