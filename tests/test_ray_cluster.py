@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 
 from gm_graphs import build_graph
+from gm_graphs.build import ray_engine
+from gm_graphs.build.ray_engine import EngineError
 
 from .helpers import REPO, assert_same_graph, graph_files, make_docs, write_jsonl
 
@@ -144,6 +146,43 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
         message = str(outcome)
         assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
         assert graph_files(target) == before
+
+
+def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_stays(two_workers, corpus,
+                                                                                     bpe_tokenizer_file, tmp_path,
+                                                                                     monkeypatch):
+    """The other outcome, forced: with no retries, the tasks on a removed node cannot be run again."""
+    cluster = two_workers
+    target = tmp_path / "graphs" / "g"
+    old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)
+    before = graph_files(old.path)
+    points = tmp_path / "points"
+    monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
+    monkeypatch.setattr(ray_engine, "TASK_RETRIES", 0)
+    done = threading.Event()
+
+    def remove_a_node_while_counting() -> None:
+        while not done.is_set():
+            if "count.batch" in _log(points):
+                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=remove_a_node_while_counting, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(EngineError) as failed:
+            build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
+                        ray_address=cluster.address, **KW)
+    finally:
+        done.set()
+        watcher.join()
+    message = str(failed.value)
+    print(f"\n[no retries] {message}")
+    assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
+    assert sorted(p.name for p in target.parent.iterdir()) == ["g"]
+    assert graph_files(target) == before
+    assert not ray.is_initialized()
 
 
 def test_a_driver_killed_mid_build_leaves_no_graph_and_the_next_build_succeeds(cluster, corpus, local_graph,

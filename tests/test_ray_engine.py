@@ -166,6 +166,7 @@ def test_the_cli_starts_a_local_ray_for_the_whole_build_and_stops_all_of_it(csv_
                  "--ngrams", "3"], tmp_path / "home", mark)
     left = processes_with_env("GRAPHMAX_TEST_RUN", mark)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""  # neither Ray's start nor Ray Data's plans on the console
     assert left == []
     local = build_graph(path, str(bpe_tokenizer_file), path=tmp_path / "local", ngrams=(3,), progress=False)
     assert_same_graph(local, load_graph(tmp_path / "home" / "graphs" / "g"))

@@ -82,7 +82,7 @@ _INIT = dict(log_to_driver=False, include_dashboard=False, configure_logging=Tru
 _RUN_MARK = "GRAPHMAX_RAY_RUN"  # in the environment of every process of a Ray a build started
 _MARK = "graphmax-block"  # tags a worker's error so the driver can find it in Ray's wrapping
 # how Ray says that a node died under a task, or took with it objects it could not rebuild
-_NODE_LOST = re.compile(r"NodeDiedError|ObjectLostError|ObjectReconstructionFailed\w*|OwnerDiedError|"
+_NODE_LOST = re.compile(r"NodeDiedError|ObjectLostError|ObjectReconstructionFailed\w*Error|OwnerDiedError|"
                         r"node it was running on is dead")
 _STATS = 0  # the order of the rows that carry a unit's read statistics
 
@@ -494,9 +494,11 @@ def _block_error(e: BaseException) -> GraphmaxError:
         first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
         lost = _NODE_LOST.search(text)
         if lost:
-            return EngineError(f"a Ray node was lost during the build and Ray could not redo its work "
-                               f"({lost.group(0)}: {first.strip()[:160]}); nothing was written: check the cluster's "
-                               f"nodes (`ray status`) and build again")
+            what = lost.group(0) if lost.group(0).endswith("Error") else "NodeDiedError"
+            node = re.search(r"node ID: ([0-9a-f]{12})", text)
+            return EngineError(f"a Ray node was lost during the build and Ray could not redo its work ({what}"
+                               f"{f', node {node.group(1)}…' if node else ''}); nothing was written: check the "
+                               f"cluster's nodes (`ray status`) and build again")
         return EngineError(f"the Ray build failed ({type(e).__name__}: {first.strip()[:200]}); nothing was written")
     where, _, cause = m.group(1).partition(": ")
     kind = CorpusError if cause.startswith("CorpusError") else EngineError
@@ -549,6 +551,12 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
     timings: dict = {}
     ctx = ray.data.DataContext.get_current()
     saved = (ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars)
+    # Ray Data's console lines (each plan, a failed task's traceback) stay in its log in Ray's session folder: on
+    # the console a build says what graphmax says, and an error is one line
+    console = [h for h in logging.getLogger("ray.data").handlers if isinstance(h, logging.StreamHandler)]
+    levels = [h.level for h in console]
+    for h in console:
+        h.setLevel(logging.CRITICAL + 1)
     try:
         with staged_folder(target, overwrite=overwrite, artefact=GRAPH) as tmp:
             fault_point("build.started")
@@ -590,6 +598,8 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
                            wall_s=time.perf_counter() - t0)
     finally:
         ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
+        for h, level in zip(console, levels):
+            h.setLevel(level)
         session.close()
     return opened_graph(target, timings)
 
