@@ -10,6 +10,9 @@ the module; a test that removes a worker node adds a fresh one after it.
 
 Fault points (``GRAPHMAX_FAULT_LOG``, which the engine hands on to the workers) say when the build reaches a phase:
 a thread removes the node as soon as the log shows it.
+
+The module takes about a minute on 2 cores, so it is deselected by default (``-m 'not cluster'`` in pyproject.toml):
+``python -m pytest tests/test_ray_cluster.py -m cluster`` runs it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from ray.cluster_utils import Cluster  # noqa: E402 - only where Ray is installed
+
+pytestmark = pytest.mark.cluster
 
 STORE = 80 << 20  # a small object store per node (Ray's least is 75 MiB)
 KW = dict(ngrams=(3,), batch_docs=100, progress=False)  # several batches per unit: a unit's task takes a while
