@@ -73,6 +73,21 @@ def test_generated_corpora_build_the_same_graph_on_ray(ray_local, generated, bpe
     assert sum(distributed.timings["sent_bytes"].values()) > 0
 
 
+def test_corpus_paths_are_recorded_as_given_like_the_local_engine(ray_local, generated, bpe_tokenizer, tmp_path,
+                                                                 monkeypatch):
+    """Relative paths stay relative in the manifest (the files' entries and the per-file counts), as the local
+    engine records them, though the workers read them by their absolute paths."""
+    monkeypatch.chdir(generated[0].parent)
+    names = [p.name for p in generated]
+    kw = dict(orders=(1,), ngrams=(3,), progress=False)
+    local = build_graph(names, bpe_tokenizer, path=tmp_path / "local", **kw)
+    distributed = build_graph(names, bpe_tokenizer, path=tmp_path / "ray", engine="ray", **kw)
+    corpus = distributed.manifest["corpus"]
+    assert [f["path"] for f in corpus["files"]] == names
+    assert sorted(corpus["per_file"]) == sorted(names)
+    assert_same_graph(local, distributed)
+
+
 def test_parquet_uris_are_read_by_ray_data(ray_local, generated, bpe_tokenizer, tmp_path):
     parquet = generated[3]
     kw = dict(orders=(1,), ngrams=(3,), progress=False)

@@ -358,20 +358,24 @@ def _count_docs(spec: CountSpec, pieces: _Pieces, docs: list[str], where: str) -
 
 
 def count_unit(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:
-    """A task: read one corpus file with graphmax's reader, tokenize and count it into pieces."""
-    unit, path = int(batch["unit"][0].as_py()), batch["path"][0].as_py()
+    """A task: read one corpus file with graphmax's reader, tokenize and count it into pieces. The file is read by
+    its absolute path (a worker's current folder is not the driver's) and named as given, as the local engine
+    names it, in the statistics and the errors."""
+    unit, path, given = int(batch["unit"][0].as_py()), batch["path"][0].as_py(), batch["given"][0].as_py()
     pieces = _Pieces(spec, unit)
     stats = ReadStats()
     documents = tokens = 0
     try:
         for docs in iter_documents([Path(path)], spec.text_column, clean=spec.clean, batch_docs=spec.batch_docs,
                                    stats=stats):
-            tokens += _count_docs(spec, pieces, docs, f"{path}, documents {documents:,}–{documents + len(docs):,}")
+            tokens += _count_docs(spec, pieces, docs, f"{given}, documents {documents:,}–{documents + len(docs):,}")
             documents += len(docs)
             yield from pieces.ready()
     except CorpusError:
         if documents or path not in stats.per_file:  # only "no documents at all" is for the driver to judge
             raise
+    stats.per_file = {given if name == path else name: n for name, n in stats.per_file.items()}
+    stats.skipped_members = [given + m[len(path):] if m.startswith(path + "!") else m for m in stats.skipped_members]
     yield from pieces.finish(stats, documents, tokens)
 
 
@@ -619,7 +623,8 @@ def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # max_retries and retry_exceptions as ray_remote_args: deprecated in 2.60
         if files:
-            units = ray.data.from_items([{"unit": i, "path": str(f.resolve())} for i, f in enumerate(files)],
+            units = ray.data.from_items([{"unit": i, "path": str(f.resolve()), "given": str(f)}
+                                         for i, f in enumerate(files)],
                                         override_num_blocks=len(files))
             counted = units.map_batches(count_unit, batch_size=1, batch_format="pyarrow", fn_kwargs={"spec": spec},
                                         **task)
