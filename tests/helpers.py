@@ -48,6 +48,41 @@ def forked(run, env: dict[str, str] | None = None, stderr: Path | None = None) -
             os._exit(code)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
+
+def processes_with_env(name: str, value: str) -> list[str]:
+    """The running processes (not zombies) whose environment holds ``name=value``, as "pid command" lines: what a
+    subprocess started with that variable left behind, its children's children included, wherever they were
+    reparented."""
+    mark = f"{name}={value}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                environ = fh.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                command = fh.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:  # gone, or another user's
+            continue
+        if mark in environ:
+            found.append(f"{pid} {command}")
+    return found
+
+
+def graph_files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_same_graph(local, distributed) -> None:
+    """Every array and table byte for byte; the manifests equal but for the name and the build section."""
+    a, b = graph_files(local.path), graph_files(distributed.path)
+    a.pop("manifest.json"), b.pop("manifest.json")
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+    ma, mb = (json.loads((g.path / "manifest.json").read_text()) for g in (local, distributed))
+    assert (ma.pop("build"), mb.pop("build")) == ({"engine": "local"}, {"engine": "ray"})
+    ma.pop("name"), mb.pop("name")
+    assert ma == mb
+
 # ---- the dtype × device grid --------------------------------------------------------------------------------------
 
 DTYPES = [torch.float32, torch.float64]

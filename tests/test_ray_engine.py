@@ -6,11 +6,12 @@ where the ``ray`` extra is not installed (``pip install 'graphmax[ray]'``, which
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,11 +20,11 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from gm_graphs import build_graph, bundled
+from gm_graphs import build_graph, bundled, load_graph
 from gm_graphs.build.ray_engine import EngineError
 from gm_graphs.errors import CorpusError, OptionError
 
-from .helpers import make_docs, write_jsonl
+from .helpers import assert_same_graph, graph_files, make_docs, processes_with_env, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,22 +38,6 @@ def ray_local():
                  configure_logging=False)
     yield ray
     ray.shutdown()
-
-
-def _files(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def assert_same_graph(local, distributed) -> None:
-    """Every array and table byte for byte; the manifests equal but for the name and the build section."""
-    a, b = _files(local.path), _files(distributed.path)
-    a.pop("manifest.json"), b.pop("manifest.json")
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k] != b[k]] == []
-    ma, mb = (json.loads((g.path / "manifest.json").read_text()) for g in (local, distributed))
-    assert (ma.pop("build"), mb.pop("build")) == ({"engine": "local"}, {"engine": "ray"})
-    ma.pop("name"), mb.pop("name")
-    assert ma == mb
 
 
 def test_drug_reviews_build_the_same_graph_on_ray(ray_local, smollm2_tokenizer, tmp_path):
@@ -88,12 +73,27 @@ def test_generated_corpora_build_the_same_graph_on_ray(ray_local, generated, bpe
     assert sum(distributed.timings["sent_bytes"].values()) > 0
 
 
+def test_corpus_paths_are_recorded_as_given_like_the_local_engine(ray_local, generated, bpe_tokenizer, tmp_path,
+                                                                 monkeypatch):
+    """Relative paths stay relative in the manifest (the files' entries and the per-file counts), as the local
+    engine records them, though the workers read them by their absolute paths."""
+    monkeypatch.chdir(generated[0].parent)
+    names = [p.name for p in generated]
+    kw = dict(orders=(1,), ngrams=(3,), progress=False)
+    local = build_graph(names, bpe_tokenizer, path=tmp_path / "local", **kw)
+    distributed = build_graph(names, bpe_tokenizer, path=tmp_path / "ray", engine="ray", **kw)
+    corpus = distributed.manifest["corpus"]
+    assert [f["path"] for f in corpus["files"]] == names
+    assert sorted(corpus["per_file"]) == sorted(names)
+    assert_same_graph(local, distributed)
+
+
 def test_parquet_uris_are_read_by_ray_data(ray_local, generated, bpe_tokenizer, tmp_path):
     parquet = generated[3]
     kw = dict(orders=(1,), ngrams=(3,), progress=False)
     local = build_graph(parquet, bpe_tokenizer, path=tmp_path / "local", **kw)
     distributed = build_graph(parquet.resolve().as_uri(), bpe_tokenizer, path=tmp_path / "ray", engine="ray", **kw)
-    a, b = _files(local.path), _files(distributed.path)
+    a, b = graph_files(local.path), graph_files(distributed.path)
     assert [k for k in a if k != "manifest.json" and a[k] != b.get(k)] == []
     assert distributed.manifest["corpus"]["files"][0]["sha256"] == local.manifest["corpus"]["files"][0]["sha256"]
 
@@ -158,6 +158,68 @@ def test_an_unreachable_address_fails_in_one_line_within_30_s(csv_corpus, bpe_to
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "cannot reach the Ray cluster" in lines[0] and f"127.0.0.1:{port}" in lines[0]
     assert seconds < 30
+    assert not (tmp_path / "home" / "graphs" / "g").exists()
+
+
+def _cli(args: list[str], home: Path, mark: str, *, code: str | None = None, timeout: float = 300):
+    """``graphmax ARGS`` in a fresh Python (no Ray in it yet), every process it starts marked with ``mark``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home), "GRAPHMAX_TEST_RUN": mark}
+    for name in ("RAY_ADDRESS", "RAY_gcs_server_port_wait_time_s"):
+        env.pop(name, None)
+    head = ["-c", code] if code else ["-m", "pipelines.cli"]
+    return subprocess.run([sys.executable, *head, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_cli_starts_a_local_ray_for_the_whole_build_and_stops_all_of_it(csv_corpus, bpe_tokenizer_file,
+                                                                              tmp_path):
+    """Without --ray-address the build starts Ray on this machine, in a fresh process: Ray's head processes must
+    outlive the call that started them, and none of Ray's processes outlive the command."""
+    pytest.importorskip("ray")
+    path, _ = csv_corpus
+    mark = os.urandom(8).hex()
+    proc = _cli(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--engine", "ray",
+                 "--ngrams", "3"], tmp_path / "home", mark)
+    left = processes_with_env("GRAPHMAX_TEST_RUN", mark)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""  # neither Ray's start nor Ray Data's plans on the console
+    assert left == []
+    local = build_graph(path, str(bpe_tokenizer_file), path=tmp_path / "local", ngrams=(3,), progress=False)
+    assert_same_graph(local, load_graph(tmp_path / "home" / "graphs" / "g"))
+
+
+def test_a_local_ray_that_does_not_answer_fails_in_one_line_naming_the_timeout_and_leaves_no_process(
+        csv_corpus, bpe_tokenizer_file, tmp_path):
+    """The start's GCS server is stopped (SIGSTOP) as soon as it appears, so the start never answers."""
+    pytest.importorskip("ray")
+    path, _ = csv_corpus
+    mark = os.urandom(8).hex()
+    stopped: list[str] = []
+    done = threading.Event()
+
+    def stop_the_gcs() -> None:
+        while not done.is_set() and not stopped:
+            for line in processes_with_env("GRAPHMAX_TEST_RUN", mark):
+                if "gcs_server" in line:
+                    os.kill(int(line.split()[0]), signal.SIGSTOP)
+                    stopped.append(line)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=stop_the_gcs, daemon=True)
+    watcher.start()
+    code = ("import sys; from gm_graphs.build import ray_engine; ray_engine.START_TIMEOUT_S = 8; "
+            "from pipelines.cli import main; sys.exit(main(sys.argv[1:]))")
+    try:
+        proc = _cli(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--engine", "ray"],
+                    tmp_path / "home", mark, code=code, timeout=120)
+    finally:
+        done.set()
+        watcher.join()
+    left = processes_with_env("GRAPHMAX_TEST_RUN", mark)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert stopped  # the GCS server did start, and never answered
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "Ray did not start on this machine within 8 s" in lines[0] and "--ray-address" in lines[0]
+    assert left == []
     assert not (tmp_path / "home" / "graphs" / "g").exists()
 
 

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -70,7 +73,17 @@ EXTRA = "pip install 'graphmax[ray]'  (Ray Data: ray[data]==2.60.*)"
 TASK_RETRIES = 3  # attempts after the first, for a failing or dying task
 CONNECT_TIMEOUT_S = 10.0  # to reach a cluster's address before Ray is asked to join it
 INIT_TIMEOUT_S = 25.0  # for ray.init to return once the address answers
+START_TIMEOUT_S = 60.0  # for a local Ray to start: gcs_server, raylet and agents, on a machine that may be busy
+GCS_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"  # Ray's own wait for its GCS server's port
+STOP_GRACE_S = 5.0  # for a local Ray's processes to end after SIGTERM, before SIGKILL
+# Ray's own warnings (no SIGTERM handler in a thread, token authentication on) are not the user's to act on: a
+# command's output stays graphmax's lines, and its errors one line
+_INIT = dict(log_to_driver=False, include_dashboard=False, configure_logging=True, logging_level=logging.ERROR)
+_RUN_MARK = "GRAPHMAX_RAY_RUN"  # in the environment of every process of a Ray a build started
 _MARK = "graphmax-block"  # tags a worker's error so the driver can find it in Ray's wrapping
+# how Ray says that a node died under a task, or took with it objects it could not rebuild
+_NODE_LOST = re.compile(r"NodeDiedError|ObjectLostError|ObjectReconstructionFailed\w*Error|OwnerDiedError|"
+                        r"node it was running on is dead")
 _STATS = 0  # the order of the rows that carry a unit's read statistics
 
 
@@ -97,29 +110,32 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def connect(ray, address: str | None) -> bool:
-    """Join the cluster at ``address`` (or the Ray already running in this process, or start a local one);
-    whether this call started Ray (and so should stop it). Fails in one line, within ~35 s, when nothing answers."""
+def connect(ray, address: str | None) -> _Session:
+    """Join the cluster at ``address`` (or the Ray already running in this process), or start Ray on this machine
+    for the build; the session, to close when the build ends. Fails in one line, naming the time it waited, when
+    nothing answers."""
     if ray.is_initialized():
-        return False
-    if address is not None:
-        hp = _host_port(address)
-        if hp is not None:
-            try:
-                socket.create_connection(hp, timeout=CONNECT_TIMEOUT_S).close()
-            except OSError as e:
-                raise EngineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
-                                  f"`ray start --head` there, or check --ray-address (the head's host:port, "
-                                  f"e.g. 10.0.0.1:6379, or 'auto' on a cluster node)") from None
+        return _Session(ray, joined=False)
+    if address is None:
+        return _start_local(ray)
+    hp = _host_port(address)
+    if hp is not None:
+        try:
+            socket.create_connection(hp, timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise EngineError(f"cannot reach the Ray cluster at {address!r} ({e.strerror or e}); start it with "
+                              f"`ray start --head` there, or check --ray-address (the head's host:port, "
+                              f"e.g. 10.0.0.1:6379, or 'auto' on a cluster node)") from None
     done: dict[str, Any] = {}
 
     def init() -> None:
         try:
-            ray.init(address=address, log_to_driver=False, include_dashboard=False, configure_logging=False)
+            ray.init(address=address, **_INIT)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             done["error"] = e
         done["ok"] = True
 
+    # joining starts no process, so the thread may end once it has joined
     thread = threading.Thread(target=init, daemon=True, name="graphmax-ray-init")
     thread.start()
     thread.join(INIT_TIMEOUT_S)
@@ -128,10 +144,118 @@ def connect(ray, address: str | None) -> bool:
                           f"check that it runs the same Ray version (2.60) and that the address is its head")
     if "error" in done:
         e = done["error"]
-        where = f"at {address!r}" if address else "locally"
-        raise EngineError(f"cannot start or join Ray {where} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+        raise EngineError(f"cannot join Ray at {address!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
                           f"check --ray-address") from None
-    return True
+    return _Session(ray, joined=True)
+
+
+class _Session:
+    """The Ray a build runs on. ``joined``: this build connected the driver (and so disconnects it); ``owner``
+    is set when the build also started Ray: the thread that started it, which must outlive the build, and the
+    mark its processes carry."""
+
+    def __init__(self, ray, joined: bool, owner: _Owner | None = None):
+        self.ray, self.joined, self.owner = ray, joined, owner
+
+    def close(self) -> None:
+        if self.joined:
+            self.ray.shutdown()
+        if self.owner is not None:
+            self.owner.release()
+
+
+class _Owner:
+    """A thread that starts a local Ray and stays alive until the build ends. Ray ties the head's processes
+    (gcs_server, raylet) to the thread that forks them (``PR_SET_PDEATHSIG``): started from a thread that then
+    returned, they are killed at once and the driver waits for them in vain. Every process of that Ray inherits
+    ``_RUN_MARK`` with a value of its own in its environment, which is how :meth:`release` finds the ones that
+    outlive ``ray.shutdown()`` (workers and agents orphaned by their raylet)."""
+
+    def __init__(self, ray):
+        self.mark = f"{_RUN_MARK}={os.urandom(8).hex()}".encode()
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(ray,), daemon=True, name="graphmax-ray-head")
+
+    def _run(self, ray) -> None:
+        name, _, value = self.mark.decode().partition("=")
+        env = {name: value}
+        # Ray waits for its GCS server's port for 30 s in a call that holds the GIL, so that this thread's timeout
+        # could not end the wait sooner: Ray is given the same time instead
+        env.setdefault(GCS_WAIT_VAR, os.environ.get(GCS_WAIT_VAR, str(max(1, math.ceil(START_TIMEOUT_S)))))
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            ray.init(**_INIT)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self.ready.set()
+        self.stop.wait()
+
+    def release(self) -> None:
+        """Let the thread end, and end the processes of this Ray still running: SIGTERM, then SIGKILL."""
+        self.stop.set()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = _marked(self.mark)
+            for pid in left:
+                try:
+                    os.kill(pid, sig)
+                    os.kill(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            while left and time.monotonic() < deadline:
+                time.sleep(0.1)
+                left = [pid for pid in left if _alive(pid)]
+
+
+def _start_local(ray) -> _Session:
+    owner = _Owner(ray)
+    t0 = time.monotonic()
+    owner.thread.start()
+    answered = owner.ready.wait(START_TIMEOUT_S)
+    if not answered or (owner.error is not None and time.monotonic() - t0 >= START_TIMEOUT_S):
+        owner.release()
+        raise EngineError(f"Ray did not start on this machine within {START_TIMEOUT_S:g} s; check that "
+                          f"`python -c 'import ray; ray.init()'` works here, or start Ray with `ray start --head` "
+                          f"and pass --ray-address")
+    if owner.error is not None:
+        owner.release()
+        e = owner.error
+        raise EngineError(f"cannot start Ray on this machine ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                          f"check that `python -c 'import ray; ray.init()'` works here, or pass --ray-address") \
+            from None
+    return _Session(ray, joined=True, owner=owner)
+
+
+def _marked(mark: bytes) -> list[int]:
+    """The processes of this user whose environment holds ``mark`` (none where /proc is missing)."""
+    pids = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as fh:
+                    if mark in fh.read().split(b"\0"):
+                        pids.append(int(name))
+            except OSError:  # gone, or another user's
+                continue
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ---- what the workers run -----------------------------------------------------------------------------------------
@@ -234,20 +358,24 @@ def _count_docs(spec: CountSpec, pieces: _Pieces, docs: list[str], where: str) -
 
 
 def count_unit(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:
-    """A task: read one corpus file with graphmax's reader, tokenize and count it into pieces."""
-    unit, path = int(batch["unit"][0].as_py()), batch["path"][0].as_py()
+    """A task: read one corpus file with graphmax's reader, tokenize and count it into pieces. The file is read by
+    its absolute path (a worker's current folder is not the driver's) and named as given, as the local engine
+    names it, in the statistics and the errors."""
+    unit, path, given = int(batch["unit"][0].as_py()), batch["path"][0].as_py(), batch["given"][0].as_py()
     pieces = _Pieces(spec, unit)
     stats = ReadStats()
     documents = tokens = 0
     try:
         for docs in iter_documents([Path(path)], spec.text_column, clean=spec.clean, batch_docs=spec.batch_docs,
                                    stats=stats):
-            tokens += _count_docs(spec, pieces, docs, f"{path}, documents {documents:,}–{documents + len(docs):,}")
+            tokens += _count_docs(spec, pieces, docs, f"{given}, documents {documents:,}–{documents + len(docs):,}")
             documents += len(docs)
             yield from pieces.ready()
     except CorpusError:
         if documents or path not in stats.per_file:  # only "no documents at all" is for the driver to judge
             raise
+    stats.per_file = {given if name == path else name: n for name, n in stats.per_file.items()}
+    stats.skipped_members = [given + m[len(path):] if m.startswith(path + "!") else m for m in stats.skipped_members]
     yield from pieces.finish(stats, documents, tokens)
 
 
@@ -278,6 +406,7 @@ def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> Iterator[pa.Tabl
 def merge_range(group: pa.Table, vocab_size: int) -> pa.Table:
     """A task: the pieces of one (order, range) merged into unique keys and counts (int64); the rows carrying
     read statistics pass through. ``meta`` says how many bytes of pieces each unit sent here."""
+    fault_point("merge.range")
     order, rng = int(group["order"][0].as_py()), int(group["range"][0].as_py())
     if order == _STATS:
         empty = pa.array([b""] * group.num_rows, pa.large_binary())
@@ -367,6 +496,13 @@ def _block_error(e: BaseException) -> GraphmaxError:
     m = re.search(re.escape(_MARK) + r"\[(.*?)\]", text)
     if m is None:
         first = next((line for line in text.splitlines() if line.strip()), type(e).__name__)
+        lost = _NODE_LOST.search(text)
+        if lost:
+            what = lost.group(0) if lost.group(0).endswith("Error") else "NodeDiedError"
+            node = re.search(r"node ID: ([0-9a-f]{12})", text)
+            return EngineError(f"a Ray node was lost during the build and Ray could not redo its work ({what}"
+                               f"{f', node {node.group(1)}…' if node else ''}); nothing was written: check the "
+                               f"cluster's nodes (`ray status`) and build again")
         return EngineError(f"the Ray build failed ({type(e).__name__}: {first.strip()[:200]}); nothing was written")
     where, _, cause = m.group(1).partition(": ")
     kind = CorpusError if cause.startswith("CorpusError") else EngineError
@@ -415,10 +551,16 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
                           f"{next(u for u in uris if not u.lower().endswith(('.parquet', '.pq')))!r}")
     files = expand_corpus(local) if local else []
     check_replaceable(target, overwrite, GRAPH)
-    started = connect(ray, ray_address)
+    session = connect(ray, ray_address)
     timings: dict = {}
     ctx = ray.data.DataContext.get_current()
     saved = (ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars)
+    # Ray Data's console lines (each plan, a failed task's traceback) stay in its log in Ray's session folder: on
+    # the console a build says what graphmax says, and an error is one line
+    console = [h for h in logging.getLogger("ray.data").handlers if isinstance(h, logging.StreamHandler)]
+    levels = [h.level for h in console]
+    for h in console:
+        h.setLevel(logging.CRITICAL + 1)
     try:
         with staged_folder(target, overwrite=overwrite, artefact=GRAPH) as tmp:
             fault_point("build.started")
@@ -460,8 +602,9 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
                            wall_s=time.perf_counter() - t0)
     finally:
         ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
-        if started:
-            ray.shutdown()
+        for h, level in zip(console, levels):
+            h.setLevel(level)
+        session.close()
     return opened_graph(target, timings)
 
 
@@ -480,7 +623,8 @@ def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # max_retries and retry_exceptions as ray_remote_args: deprecated in 2.60
         if files:
-            units = ray.data.from_items([{"unit": i, "path": str(f.resolve())} for i, f in enumerate(files)],
+            units = ray.data.from_items([{"unit": i, "path": str(f.resolve()), "given": str(f)}
+                                         for i, f in enumerate(files)],
                                         override_num_blocks=len(files))
             counted = units.map_batches(count_unit, batch_size=1, batch_format="pyarrow", fn_kwargs={"spec": spec},
                                         **task)

@@ -1,0 +1,222 @@
+"""The Ray engine on a cluster of three nodes on this machine (``ray.cluster_utils.Cluster``, as Ray's own tests
+do): a head with no CPUs, so that every task runs on one of two worker nodes of one CPU each. One cluster serves
+the module; a test that removes a worker node adds a fresh one after it.
+
+- the graph is the local engine's, byte for byte;
+- a worker node removed while the units are counted, or while the ranges are merged: the build completes with the
+  exact graph (Ray re-runs the tasks and rebuilds lost blocks from their lineage) or ends in one line saying that a
+  node was lost, and the graph that was there before is intact either way;
+- the driver killed (SIGKILL) mid-build: no graph, and the next build of that name succeeds.
+
+Fault points (``GRAPHMAX_FAULT_LOG``, which the engine hands on to the workers) say when the build reaches a phase:
+a thread removes the node as soon as the log shows it.
+
+The module takes about a minute on 2 cores, so it is deselected by default (``-m 'not cluster'`` in pyproject.toml):
+``python -m pytest tests/test_ray_cluster.py -m cluster`` runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gm_graphs import build_graph
+from gm_graphs.build import ray_engine
+from gm_graphs.build.ray_engine import EngineError
+
+from .helpers import REPO, assert_same_graph, graph_files, make_docs, write_jsonl
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+from ray.cluster_utils import Cluster  # noqa: E402 - only where Ray is installed
+
+pytestmark = pytest.mark.cluster
+
+STORE = 80 << 20  # a small object store per node (Ray's least is 75 MiB)
+KW = dict(ngrams=(3,), batch_docs=100, progress=False)  # several batches per unit: a unit's task takes a while
+# Ray's health checks, quickened so that a removed node is declared dead in about 2 s instead of about 15
+HEALTH = {"health_check_initial_delay_ms": 500, "health_check_period_ms": 500, "health_check_failure_threshold": 3}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():  # another module's local Ray: a build joins the cluster only from a fresh driver
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, object_store_memory=STORE,
+                                                         include_dashboard=False, _system_config=HEALTH))
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=1, object_store_memory=STORE)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture()
+def two_workers(cluster):
+    """The cluster with two worker nodes; after the test, a fresh node for each one it removed."""
+    yield cluster
+    while len(cluster.worker_nodes) < 2:
+        cluster.add_node(num_cpus=1, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("cluster-corpus")
+    for i in range(4):
+        write_jsonl(root / f"part-{i}.jsonl", make_docs(800, seed=40 + i))
+    return sorted(root.glob("*.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def local_graph(corpus, bpe_tokenizer_file, tmp_path_factory):
+    return build_graph(corpus, str(bpe_tokenizer_file), path=tmp_path_factory.mktemp("local") / "g", **KW)
+
+
+def _log(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def test_a_two_node_cluster_builds_the_local_graph_byte_for_byte(cluster, corpus, local_graph, bpe_tokenizer_file,
+                                                                 tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(tmp_path / "points"))
+    distributed = build_graph(corpus, str(bpe_tokenizer_file), path=tmp_path / "g", engine="ray",
+                              ray_address=cluster.address, **KW)
+    assert not ray.is_initialized()  # the build joined the cluster, and left it
+    assert_same_graph(local_graph, distributed)
+    assert _log(tmp_path / "points").count("count.batch") >= 4 * 8  # every unit counted, batch by batch
+    assert distributed.timings["units"] == 4
+
+
+@pytest.mark.parametrize("phase", ["count.batch", "merge.range"])
+def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_the_old_graph(
+        two_workers, corpus, local_graph, bpe_tokenizer_file, tmp_path, monkeypatch, phase):
+    cluster = two_workers
+    target = tmp_path / "graphs" / "g"
+    old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)  # the graph the build replaces
+    before = graph_files(old.path)
+    points = tmp_path / "points"
+    monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
+    seen: dict = {}
+    done = threading.Event()
+
+    def remove_a_node_when_the_phase_starts() -> None:
+        while not done.is_set():
+            log = _log(points)
+            if phase in log:
+                seen["log"] = log
+                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=remove_a_node_when_the_phase_starts, daemon=True)
+    watcher.start()
+    try:
+        distributed = build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
+                                  ray_address=cluster.address, **KW)
+        outcome = None
+    except Exception as e:  # noqa: BLE001 - one of the two outcomes, checked below
+        distributed, outcome = None, e
+    finally:
+        done.set()
+        watcher.join()
+    log = _log(points)
+    assert "log" in seen, f"the build never reached {phase}"
+    at = seen["log"]
+    # the node went while the build was in that phase: before the graph was committed, and (while counting)
+    # before any range was merged
+    assert not any(p.startswith(("stage.filled", "commit.")) for p in at)
+    if phase == "count.batch":
+        assert "merge.range" not in at
+    redone = {p: log.count(p) for p in ("count.batch", "merge.range")}
+    print(f"\n[{phase}] node removed after {len(at)} fault points ({at.count('count.batch')} count batches, "
+          f"{at.count('merge.range')} merges); in all {redone}; outcome: "
+          f"{'the exact graph' if outcome is None else repr(str(outcome))}")
+    assert sorted(p.name for p in target.parent.iterdir()) == ["g"]  # no staging folder, no lock
+    if outcome is None:
+        assert_same_graph(local_graph, distributed)
+        print(f"[{phase}] {sum(len(b) for b in graph_files(target).values()):,} bytes compared with the local build")
+    else:
+        message = str(outcome)
+        assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
+        assert graph_files(target) == before
+
+
+def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_stays(two_workers, corpus,
+                                                                                     bpe_tokenizer_file, tmp_path,
+                                                                                     monkeypatch):
+    """The other outcome, forced: with no retries, the tasks on a removed node cannot be run again."""
+    cluster = two_workers
+    target = tmp_path / "graphs" / "g"
+    old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)
+    before = graph_files(old.path)
+    points = tmp_path / "points"
+    monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
+    monkeypatch.setattr(ray_engine, "TASK_RETRIES", 0)
+    done = threading.Event()
+
+    def remove_a_node_while_counting() -> None:
+        while not done.is_set():
+            if "count.batch" in _log(points):
+                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=remove_a_node_while_counting, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(EngineError) as failed:
+            build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
+                        ray_address=cluster.address, **KW)
+    finally:
+        done.set()
+        watcher.join()
+    message = str(failed.value)
+    print(f"\n[no retries] {message}")
+    assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
+    assert sorted(p.name for p in target.parent.iterdir()) == ["g"]
+    assert graph_files(target) == before
+    assert not ray.is_initialized()
+
+
+def test_a_driver_killed_mid_build_leaves_no_graph_and_the_next_build_succeeds(cluster, corpus, local_graph,
+                                                                              bpe_tokenizer_file, tmp_path,
+                                                                              monkeypatch):
+    home = tmp_path / "home"
+    points = tmp_path / "points"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home), "GRAPHMAX_FAULT_LOG": str(points)}
+    driver = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "build", *map(str, corpus), "--tokenizer",
+                               str(bpe_tokenizer_file), "--name", "g", "--ngrams", "3", "--engine", "ray",
+                               "--ray-address", cluster.address],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while "count.batch" not in _log(points) and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert driver.poll() is None, "the build ended before it counted"
+        driver.kill()
+    finally:
+        driver.kill()
+        driver.wait()
+    at = _log(points)
+    assert "count.batch" in at and not any(p.startswith("commit.") for p in at)
+    graphs = home / "graphs"
+    assert not (graphs / "g").exists()
+    print(f"\ndriver killed after {len(at)} fault points; left in graphs/: {sorted(os.listdir(graphs))}")
+    cluster.wait_for_nodes()  # the cluster lost no node with its driver
+    monkeypatch.setenv("GRAPHMAX_HOME", str(home))
+    again = build_graph(corpus, str(bpe_tokenizer_file), "g", engine="ray", ray_address=cluster.address, **KW)
+    assert_same_graph(local_graph, again)
+    assert sorted(os.listdir(graphs)) == ["g"]  # the dead build's staging folder and lock are gone
+    assert len(cluster.worker_nodes) == 2
