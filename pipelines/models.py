@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gm_graphs import GraphmaxError, bundled
+from gm_graphs import GraphmaxError, bundled, load_tokenizer
 
 DEFAULT_MODEL = "smollm2"
 
@@ -23,13 +23,11 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {"local_files_only": True}
     folder = str(path.parent) if path.suffix == ".gguf" else str(path)
     try:
-        tok = AutoTokenizer.from_pretrained(folder, **kwargs)
+        tok = load_tokenizer(path) if path.suffix == ".gguf" else AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     except Exception as e:  # transformers raises many kinds here; all mean "cannot load"
         raise GraphmaxError(f"cannot load the model {spec!r} ({type(e).__name__}: {e}); pass 'smollm2', a .gguf "
                             f"file or a local model folder (no network)") from e
-    if path.suffix == ".gguf":
-        tok.name_or_path = str(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.eval()

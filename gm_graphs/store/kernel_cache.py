@@ -23,10 +23,10 @@ cannot be written (a full disk), although the kernel could run uncached. So grap
 files, ``<kernel>.gmi`` (the index) and ``<kernel>.<n>.gmc`` (one compiled signature each), written by
 :class:`_SealedCacheFile`:
 
-- each file is sealed: it starts with the SHA-256 of what it must be (numba's and llvmlite's versions, the
-  digest of all the sources, the kernel, and for a data file the signature and CPU it was compiled for) and of its
-  bytes. A file that is truncated, garbled, of another signature or written from other sources fails its seal and
-  is compiled again (and replaced), never unpickled;
+- each file is sealed (:mod:`gm_graphs.store.sealed`): it starts with the SHA-256 of what it must be (numba's and
+  llvmlite's versions, the digest of all the sources, the kernel, and for a data file the signature and CPU it was
+  compiled for) and of its bytes. A file that is truncated, garbled, of another signature or written from other
+  sources fails its seal and is compiled again (and replaced), never unpickled;
 - a save holds ``fcntl.flock`` on ``graphmax-kernels.lock`` in the cache folder, so the read-modify-write of an
   index is one process's at a time; each file is written whole to a temporary name and renamed over the old one,
   data before index, so a reader without the lock sees old or new files, never a mix that passes a seal;
@@ -44,7 +44,6 @@ import hashlib
 import os
 import pickle
 import tempfile
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +51,8 @@ from pathlib import Path
 import llvmlite
 import numba
 from numba.misc.appdirs import AppDirs
+
+from gm_graphs.store.sealed import read_sealed, write_sealed
 
 try:
     from numba.core import caching, dispatcher
@@ -66,7 +67,7 @@ _PACKAGES = tuple(sorted({path.parent for package in ("gm_graphs", "gm_solver")
 # numba's locators, in numba's order: NUMBA_CACHE_DIR, then the sources' __pycache__, then the user's cache folder
 # (named with a leading underscore in older numba, e.g. 0.59)
 _NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
-_SEAL = b"graphmax-kernel\n"  # a sealed file starts with these bytes, then the SHA-256 of its identity and payload
+_MAX_BYTES = 1 << 30  # a cached kernel is a few MB; a larger file is not one graphmax wrote
 _LOCK = "graphmax-kernels.lock"  # in each cache folder: held while saving into it
 _unwritable: set[str] = set()  # cache folders a save failed in: this process saves nothing more there
 
@@ -118,19 +119,6 @@ class _NowhereWritable(_AllSourcesStamp):
         return cls(py_func, py_file)  # without numba's check that the folder is writable
 
 
-def _digest(identity: tuple, payload: bytes) -> bytes:
-    digest = hashlib.sha256(repr(identity).encode())  # a repr holds no NUL byte: the two parts cannot run together
-    digest.update(b"\0")
-    digest.update(payload)
-    return digest.digest()
-
-
-def _unseal(identity: tuple, blob: bytes) -> bytes | None:
-    """The payload of a sealed ``blob``, or None when it was not sealed with ``identity`` or was changed since."""
-    head, payload = blob[:len(_SEAL) + 32], blob[len(_SEAL) + 32:]
-    return payload if head == _SEAL + _digest(identity, payload) else None
-
-
 @contextlib.contextmanager
 def _locked(folder: str) -> Iterator[None]:
     fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT, 0o666)
@@ -154,25 +142,14 @@ class _SealedCacheFile:
         return os.path.join(self._folder, name)
 
     def _read(self, name: str, identity: tuple) -> object | None:
+        payload = read_sealed(self._path(name), identity, _MAX_BYTES)
         try:
-            with open(self._path(name), "rb") as f:
-                payload = _unseal(identity, f.read())
             return None if payload is None else pickle.loads(payload)
-        except Exception:  # missing, unreadable, or sealed by a numba whose pickles this one cannot read: a miss
+        except Exception:  # sealed by a numba whose pickles this one cannot read: a miss
             return None
 
     def _write(self, name: str, identity: tuple, obj: object) -> None:
-        path = self._path(name)
-        temporary = f"{path}.{uuid.uuid4().hex[:16]}.tmp"
-        try:
-            with open(temporary, "xb") as f:
-                payload = dumps(obj)
-                f.write(_SEAL + _digest(identity, payload) + payload)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        write_sealed(self._path(name), identity, dumps(obj))
 
     def _index(self) -> dict:
         overloads = self._read(f"{self._base}.gmi", self._identity)

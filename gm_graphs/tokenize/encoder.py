@@ -15,6 +15,7 @@ import numpy as np
 from gm_graphs.corpus import bundled
 from gm_graphs.errors import TokenizerError
 from gm_graphs.tokenize.bytelevel import WordCache, cacheable
+from gm_graphs.tokenize.gguf import load_gguf_tokenizer
 
 # A name that resolves to the tokenizer inside the bundled SmolLM2 GGUF file.
 BUNDLED_ALIASES = {"smollm2": bundled.smollm2_gguf}
@@ -50,7 +51,8 @@ def word_tokenizer(words: list[str]):
 def load_tokenizer(spec: Any):
     """A transformers tokenizer from a loaded tokenizer, a name, a folder, a ``tokenizer.json`` or a GGUF file.
 
-    ``"smollm2"`` names the tokenizer of the bundled SmolLM2-135M GGUF file.
+    ``"smollm2"`` names the tokenizer of the bundled SmolLM2-135M GGUF file. A GGUF file's tokenizer is converted
+    once and then loaded from graphmax's cache (:mod:`gm_graphs.tokenize.gguf`).
     Nothing is downloaded: names must already be in the local Hugging Face cache.
 
     Args:
@@ -86,8 +88,7 @@ def load_tokenizer(spec: Any):
         if path.suffix == ".gguf":
             if not path.is_file():
                 raise FileNotFoundError(f"no GGUF file at {text}")
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            tok.name_or_path = str(path)
+            tok = load_gguf_tokenizer(path)
         elif path.suffix == ".json":
             if not path.is_file():
                 raise FileNotFoundError(f"no tokenizer file at {text}")

@@ -1,0 +1,101 @@
+"""The tokenizer inside a GGUF file, converted once and kept in a sealed cache file.
+
+transformers rebuilds a GGUF file's tokenizer on every load by reading all of the file's metadata: 5.7 s for the
+bundled SmolLM2 in a fresh process, against 1.3 s from the files it converts to (``benchmarks/startup.py``). Every
+command that loads the model or its tokenizer paid it, and so did every Ray worker of a build. The converted files
+are kept in ``$GRAPHMAX_HOME/tokenizers/<key>.gmt``, one sealed file (:mod:`gm_graphs.store.sealed`) per GGUF
+file, its key and seal naming the GGUF file's identity (real path, device, inode, size, mtime and ctime in ns)
+and the versions of transformers and tokenizers. A GGUF file replaced or touched gets a new entry; a damaged or
+foreign entry is a miss, converted again and replaced; a cache that cannot be written means the next load
+converts again. A cached tokenizer is loaded from a private copy of the sealed bytes, so nothing written into
+the cache folder after the check is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from gm_graphs.store.folders import graphmax_home
+from gm_graphs.store.sealed import read_sealed, write_sealed
+
+SUFFIX = ".gmt"
+_MAX_BYTES = 256 << 20  # a tokenizer's files: a few MB for a 50k vocabulary, tens for the largest
+_MAX_FILES = 16
+
+
+def _identity(path: Path) -> tuple:
+    import tokenizers
+    import transformers
+
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return ("gguf-tokenizer", transformers.__version__, tokenizers.__version__, real, st.st_dev, st.st_ino,
+            st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def cache_file(identity: tuple) -> Path:
+    """Where the tokenizer of the GGUF file of ``identity`` is cached."""
+    return graphmax_home() / "tokenizers" / (hashlib.sha256(repr(identity).encode()).hexdigest()[:32] + SUFFIX)
+
+
+def _from_files(files: dict[str, str]):
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="graphmax-tokenizer-") as folder:
+        for name, text in files.items():
+            Path(folder, name).write_text(text, encoding="utf-8")
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _cached(identity: tuple):
+    payload = read_sealed(cache_file(identity), identity, _MAX_BYTES)
+    if payload is None:
+        return None
+    try:
+        files = json.loads(payload.decode("utf-8"))
+        if not (isinstance(files, dict) and 0 < len(files) <= _MAX_FILES
+                and all(isinstance(k, str) and os.path.basename(k) == k and k not in ("", ".", "..")
+                        and isinstance(v, str) for k, v in files.items())):
+            return None
+        return _from_files(files)
+    except Exception:  # a sealed entry that does not load (another transformers wrote it): converted again
+        return None
+
+
+def _save(tok, identity: tuple) -> None:
+    with tempfile.TemporaryDirectory(prefix="graphmax-tokenizer-") as folder:
+        tok.save_pretrained(folder)
+        files = {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(folder).iterdir()) if p.is_file()}
+    target = cache_file(identity)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_sealed(target, identity, json.dumps(files, ensure_ascii=False).encode("utf-8"))
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer in the GGUF file ``path``, from the cache when it holds this file's; converted and cached
+    otherwise. Raises what transformers raises for a file it cannot read.
+
+    Example::
+
+        >>> from gm_graphs import bundled
+        >>> tok = load_gguf_tokenizer(bundled.smollm2_gguf())
+        >>> len(tok), tok.eos_token
+        (49152, '<|im_end|>')
+    """
+    path = Path(path)
+    identity = _identity(path)
+    tok = _cached(identity)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            _save(tok, identity)
+        except (OSError, UnicodeError):
+            pass  # an unwritable cache: the next load converts again
+    tok.name_or_path = str(path)
+    return tok
