@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -323,6 +324,36 @@ def test_disk_full_in_the_cli_is_one_line(home, csv_corpus, bpe_tokenizer_file, 
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # after the progress bars
     assert len(err) == 1 and err[0].startswith("graphmax build: error: cannot write") and "free space" in err[0]
     assert list((home / "graphs").iterdir()) == []
+
+
+def test_sigterm_during_a_build_removes_its_staged_folder_and_lock_and_keeps_the_old_graph(
+        home, tmp_path, csv_corpus, bpe_tokenizer, bpe_tokenizer_file):
+    path, _ = csv_corpus
+    build_graph(path, bpe_tokenizer, name="g", progress=False)
+    graphs, before = home / "graphs", _tree(home / "graphs" / "g", False)
+    log = tmp_path / "points"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home), "GRAPHMAX_FAULT_LOG": str(log),
+           "GRAPHMAX_FAULT": "build.started:pause"}
+    job = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "build", str(path), "--tokenizer",
+                            str(bpe_tokenizer_file), "--name", "g", "--overwrite"],
+                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # a bound on a stuck child, not a timing assertion
+        while job.poll() is None and time.monotonic() < deadline and \
+                "build.started" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.05)
+        left = sorted(p.name for p in graphs.iterdir())
+        assert ".g.lock" in left and any(n.startswith(".g.tmp-") for n in left), left  # what a kill would leave
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 143, err[-2000:]
+    assert err.replace("\r", "\n").strip().splitlines()[-1] == "graphmax build: terminated", err[-2000:]
+    assert sorted(p.name for p in graphs.iterdir()) == ["g"]
+    assert _tree(graphs / "g", False) == before
 
 
 # ---- the lock -----------------------------------------------------------------------------------------------------
