@@ -13,7 +13,13 @@ import scipy.sparse as sp
 
 from gm_graphs.count.ngrams import NgramCounts
 from gm_graphs.errors import GraphBusyError, GraphFormatError, TokenizerError
-from gm_graphs.format.graph_files import GraphFiles, read_manifest, remove_unreferenced, write_manifest
+from gm_graphs.format.graph_files import (
+    GraphFiles,
+    read_manifest,
+    read_manifest_and_key,
+    remove_unreferenced,
+    write_manifest,
+)
 from gm_graphs.format.validate import check_decoder
 from gm_graphs.operators import OperatorSpec
 from gm_graphs.store.folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
@@ -90,8 +96,8 @@ class Graph:
 
     def refresh(self) -> None:
         """Re-read the manifest (after another writer changed it) and forget the arrays opened so far."""
-        self.manifest = read_manifest(self.path)
-        self._files = GraphFiles(self.path, self.manifest, self.verify)
+        self.manifest, key = read_manifest_and_key(self.path)
+        self._files = GraphFiles(self.path, self.manifest, self.verify, key)
         for name in ("matrix", "base", "counts", "row_mass_kept", "ngrams", "stats"):
             self.__dict__.pop(name, None)
 

@@ -4,6 +4,11 @@ A user error ends one way: one line on stderr, ``graphmax <command>: error: <mes
 status 2. That covers bad arguments (refused while parsing, before any corpus or model is loaded),
 graphmax's own errors (``GraphmaxError``) and the file system's (no space, no permission, no such
 file), which name the path. Any other exception is a bug and keeps its traceback.
+
+SIGTERM (``kill``'s default, and what schedulers send) ends a command as Ctrl-C does: it is raised in the main
+thread as :class:`Terminated`, so the cleanup a failure runs (a staged folder removed, a lock released) runs too,
+and the command prints one line and exits with status 143 (128 + SIGTERM). A second SIGTERM while that cleanup
+runs ends the process at once, as a kill would; the next writer of that graph removes what it left.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import errno
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 from typing import NoReturn
 
 from gm_graphs import GraphmaxError
@@ -51,6 +58,16 @@ OS_ERRORS = {
     errno.ENFILE: ("too many open files in the system", "close other programs and run again"),
 }
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread is; a BaseException like KeyboardInterrupt, so that no ``except
+    Exception`` takes it for a failure and goes on."""
+
+
+def _terminate(signum, frame) -> NoReturn:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one while the cleanup runs: stop at once
+    raise Terminated
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -92,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad_corpus:
         commands[args.command].error(bad_corpus)
     prog = f"graphmax {args.command}"
+    # signal handlers can only be set from the main thread; a caller on another thread keeps its own, and a SIGTERM
+    # a parent set to be ignored stays ignored
+    on_main = threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
     try:
         return int(args.run(args) or 0)
     except GraphmaxError as e:
@@ -106,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if on_main:  # None: a handler set outside Python, which cannot be put back from here; the default instead
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def fail(prog: str, message: str) -> int:

@@ -29,12 +29,19 @@ def forked(run, env: dict[str, str] | None = None, stderr: Path | None = None) -
     """Run ``run()`` in a forked child with ``env`` set: its exit code (0 when ``run`` returns, 1 for a GraphmaxError,
     3 for anything else, or the code of a fault point's kill). A fork inherits the imported modules and compiled
     kernels, so a kill test pays for them once, not once per fault point; the child never returns into the caller."""
+    return os.waitstatus_to_exitcode(os.waitpid(fork_child(run, env, stderr), 0)[1])
+
+
+def fork_child(run, env: dict[str, str] | None = None, stderr: Path | None = None) -> int:
+    """:func:`forked`'s child, not waited for: its pid, for a test that signals it while it runs. ``run`` may end
+    the child with an exit code of its own (``os._exit``)."""
     pid = os.fork()
     if pid == 0:
         code = 3
         try:
             fd = os.open(stderr or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 2)
+            sys.stderr = open(2, "w", closefd=False)  # under pytest, sys.stderr is its capture, not fd 2
             os.environ.update(env or {})
             run()
             code = 0
@@ -46,7 +53,7 @@ def forked(run, env: dict[str, str] | None = None, stderr: Path | None = None) -
         finally:
             sys.stderr.flush()
             os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return pid
 
 
 def processes_with_env(name: str, value: str) -> list[str]:

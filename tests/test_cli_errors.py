@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import gzip
 import os
+import signal
 import subprocess
 import sys
 import zipfile
@@ -188,6 +189,21 @@ def test_interrupt_is_one_line(monkeypatch, home, capsys):
     assert main(["graphs", "list"]) == 130
     assert capsys.readouterr().err == "graphmax graphs: interrupted\n"
 
+
+def test_sigterm_is_one_line_and_the_handler_is_put_back(monkeypatch, home, capsys):
+    import pipelines.build
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def run_list(args):  # the handler main installed, called as the signal would call it
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), handler
+        handler(signal.SIGTERM, None)
+
+    monkeypatch.setattr(pipelines.build, "run_list", run_list)
+    assert main(["graphs", "list"]) == 143
+    assert capsys.readouterr().err == "graphmax graphs: terminated\n"
+    assert signal.getsignal(signal.SIGTERM) is before
 
 def test_one_line_escapes_control_characters():
     assert one_line("a\nb\r\n  c\x1b[31m\x00") == "a b c\\x1b[31m\\x00"

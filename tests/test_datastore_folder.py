@@ -108,6 +108,17 @@ def test_a_hostile_datastore_folder_is_one_line_error(tmp_path, damage):
     assert "\n" not in message and str(path) in message, message
 
 
+@pytest.mark.parametrize("version,got", [("2", "got '2' (a str)"), (2.0, "got 2.0 (a float)"),
+                                         (True, "got True (a bool)"), (None, "but it is missing (or null)")])
+def test_a_datastore_version_that_is_not_an_integer_is_named_as_such(tmp_path, version, got):
+    path = write_store(tmp_path / "ds", *random_keys(np.random.default_rng(0)))
+    rewrite_meta(path, version=version)
+    with pytest.raises(DatastoreError) as err:
+        dsmod.load_datastore(path)
+    assert f"datastore {path}: meta.json field version should be an integer, {got}; this graphmax reads version 2; " \
+           f"write it again" in str(err.value)
+
+
 def test_a_datastore_larger_than_the_memory_left_is_refused_before_it_is_read(tmp_path, monkeypatch):
     path = write_store(tmp_path / "ds", *random_keys(np.random.default_rng(0)))
     monkeypatch.setattr(gm_graphs.store.reader, "available_memory", lambda: 100)  # keys.npy holds 608 bytes

@@ -4,6 +4,7 @@ goes only into a new, empty or report folder."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -14,8 +15,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_graphs import build_graph, load_graph
-from gm_graphs.errors import GraphExistsError, GraphFormatError, GraphNameError, NotOwnedError
-from gm_graphs.store.folders import NAME, REPORT_MARKER, TEMP_MARKER, claim_folder, graph_path, graphs_root
+from gm_graphs.errors import GraphExistsError, GraphFormatError, GraphNameError, NotOwnedError, StorageError
+from gm_graphs.store.folders import (
+    NAME,
+    REPORT_MARKER,
+    TEMP_MARKER,
+    claim_folder,
+    disk_errors,
+    graph_path,
+    graphs_root,
+    locked,
+)
 from pipelines.cli import main
 
 # ---- names, folders and what graphmax may replace -----------------------------------------------------------------
@@ -141,3 +151,30 @@ def test_eval_writes_only_into_a_new_empty_or_report_folder(tmp_path, capsys):
         assert (claim_folder(folder) / REPORT_MARKER).is_file()
         (folder / "report.md").write_text("old report")
         assert claim_folder(folder) == folder  # a report folder graphmax wrote may be written again
+
+
+# ---- what a failed write says ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error,says", [
+    (OSError(errno.ENOSPC, "No space left on device"), "No space left on device; nothing was written"),
+    (OSError(errno.EFBIG, "File too large"), "File too large; nothing was written"),
+    (OSError(errno.ENOSPC, "No space left on device", "/x/g/counts.parquet"),
+     "No space left on device (/x/g/counts.parquet); nothing was written"),
+    (OSError(errno.EROFS, "Read-only file system"), "unchanged; choose a writable location"),
+])
+def test_a_full_disk_names_the_target_and_never_a_missing_path(tmp_path, error, says):
+    with pytest.raises(StorageError) as e, disk_errors(tmp_path / "g"):
+        raise error  # a write to an open file: the OS names no path
+    assert str(e.value).startswith(f"cannot write {tmp_path / 'g'}: ") and says in str(e.value)
+    assert "None" not in str(e.value)
+
+
+@pytest.mark.parametrize("points_to", ["elsewhere", "missing"])
+def test_a_symlinked_lock_file_is_named_as_a_link_graphmax_did_not_create(tmp_path, points_to):
+    (tmp_path / "elsewhere").write_text("a user's file")
+    (tmp_path / ".g.lock").symlink_to(tmp_path / points_to)
+    says = r"the lock file .*\.g\.lock is a symlink, which graphmax did not create and does not follow; remove the link"
+    with pytest.raises(StorageError, match=says), locked(tmp_path / "g"):
+        pass
+    assert (tmp_path / ".g.lock").is_symlink() and (tmp_path / "elsewhere").read_text() == "a user's file"
+    assert not (tmp_path / "missing").exists()

@@ -11,10 +11,12 @@ imports graphmax once: a child per fault point or crafted folder, so that a kill
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -29,7 +31,7 @@ from gm_graphs.errors import CorpusError, GraphBusyError, MergeError, NotOwnedEr
 from gm_graphs.store import pagecache
 from pipelines.cli import main
 
-from .helpers import forked, make_docs
+from .helpers import fork_child, forked, make_docs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -325,6 +327,40 @@ def test_disk_full_in_the_cli_is_one_line(home, csv_corpus, bpe_tokenizer_file, 
     assert list((home / "graphs").iterdir()) == []
 
 
+def test_sigterm_during_a_build_removes_its_staged_folder_and_lock_and_keeps_the_old_graph(
+        home, tmp_path, csv_corpus, bpe_tokenizer, bpe_tokenizer_file):
+    path, _ = csv_corpus
+    build_graph(path, bpe_tokenizer, name="g", progress=False)
+    graphs, before = home / "graphs", _tree(home / "graphs" / "g", False)
+    log, err = tmp_path / "points", tmp_path / "stderr"
+
+    def run():  # the console script's path: main's status is the process's
+        code = main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--overwrite"])
+        sys.stderr.flush()
+        os._exit(code)
+
+    pid = fork_child(run, {"GRAPHMAX_FAULT_LOG": str(log), "GRAPHMAX_FAULT": "build.started:pause"}, err)
+    try:
+        deadline = time.monotonic() + 300  # a bound on a stuck child, not a timing assertion
+        while time.monotonic() < deadline and "build.started" not in (log.read_text() if log.exists() else "") \
+                and os.waitpid(pid, os.WNOHANG) == (0, 0):
+            time.sleep(0.02)
+        left = sorted(p.name for p in graphs.iterdir())
+        assert ".g.lock" in left and any(n.startswith(".g.tmp-") for n in left), left  # what a kill would leave
+        os.kill(pid, signal.SIGTERM)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    text = err.read_text()
+    assert status == 143, text[-2000:]
+    assert text.replace("\r", "\n").strip().splitlines()[-1] == "graphmax build: terminated", text[-2000:]
+    assert sorted(p.name for p in graphs.iterdir()) == ["g"]
+    assert _tree(graphs / "g", False) == before
+
+
 # ---- the lock -----------------------------------------------------------------------------------------------------
 
 def test_a_second_writer_of_the_same_graph_fails_at_once(home, csv_corpus, bpe_tokenizer, tmp_path):
@@ -421,6 +457,37 @@ def test_a_decoder_choice_is_stored_only_into_the_graph_it_was_made_on(home, tmp
     current.set_decoder({"mode": "context", "lam": 2.0})
     current.set_decoder({"mode": "paper", "lam": 1.0})  # a stored choice does not change the graph's identity
     assert load_graph("g").decoder == {"mode": "paper", "lam": 1.0}
+
+
+def test_a_graph_replaced_after_it_was_opened_is_called_replaced_not_corrupted(home, tmp_path, csv_corpus,
+                                                                                bpe_tokenizer):
+    from gm_graphs import add_ngrams
+
+    build_graph(csv_corpus[0], bpe_tokenizer, name="g", ngrams=(3,), progress=False)
+    opened = [load_graph("g"), load_graph("g", verify=False)]
+    tuned = load_graph("g")
+    counts = tuned.counts.toarray()
+    load_graph("g").set_decoder({"mode": "context", "lam": 2.0})  # a new manifest that records the same files
+    assert (load_graph("g", verify=False).counts.toarray() == counts).all()
+    tuned.__dict__.pop("counts")
+    assert (tuned.counts.toarray() == counts).all() and sorted(tuned.ngrams) == [3]  # read as before
+    (tmp_path / "other.txt").write_text("\n".join(make_docs(40, seed=11)) + "\n")
+    extended = load_graph("g")
+    add_ngrams("g", tmp_path / "other.txt", bpe_tokenizer, (3,), progress=False)  # new tables, the same counts
+    assert (extended.counts.toarray() == counts).all()
+    with pytest.raises(GraphBusyError, match="was replaced"):
+        extended.ngrams  # noqa: B018 - its tables were removed
+    build_graph(tmp_path / "other.txt", bpe_tokenizer, name="g", overwrite=True, progress=False)
+    replaced = (r"graph .*/graphs/g was replaced \(a build --overwrite or merge\), changed \(add_ngrams\) or removed "
+                r"after it was opened: its files are not those of the manifest read then; load it again \(load_graph, "
+                r"or graph.refresh\(\)\)$")
+    for graph in opened:
+        for read in (lambda g: g.validate(), lambda g: g.stats, lambda g: g.counts, lambda g: g.matrix,
+                     lambda g: g.ngrams):
+            with pytest.raises(GraphBusyError, match=replaced):
+                read(graph)
+        graph.refresh()
+        assert graph.validate().manifest["corpus"]["documents"] == 40  # the new graph, whole
 
 
 def test_graphs_list_shows_a_broken_graph_and_the_others(home, csv_corpus, bpe_tokenizer, capsys):

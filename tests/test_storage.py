@@ -136,6 +136,20 @@ def test_structure_is_checked_without_verify_too(small_graph, tmp_path):
         load_graph(folder, verify=False).matrix
 
 
+@pytest.mark.parametrize("version,got", [("1", "got '1' (a str)"), (1.0, "got 1.0 (a float)"),
+                                         (True, "got True (a bool)"), (None, "but it is missing (or null)")])
+def test_a_format_version_that_is_not_an_integer_is_named_as_such(small_graph, tmp_path, version, got):
+    folder = _copy(small_graph, tmp_path)
+    _rewrite_manifest(folder, lambda m: m.update(format_version=version))
+    with pytest.raises(GraphFormatError) as e:
+        load_graph(folder)
+    assert str(e.value) == (f"graph {folder}: manifest field format_version should be an integer, {got}; this "
+                            f"graphmax reads version 1; rebuild the graph (graphmax build … --overwrite)")
+    _rewrite_manifest(folder, lambda m: m.update(format_version=2))  # an integer of another version: a mismatch
+    with pytest.raises(GraphFormatError, match="has format version 2; this graphmax reads version 1"):
+        load_graph(folder)
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True)
                     | st.text(max_size=8), lambda kids: st.lists(kids, max_size=3)
                     | st.dictionaries(st.text(max_size=6), kids, max_size=3), max_leaves=8)

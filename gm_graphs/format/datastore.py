@@ -390,8 +390,13 @@ def _read_meta(root: Path) -> dict:
             raise _bad(root, f"{META} is not JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _bad(root, f"{META} is not a graphmax datastore's (format {FORMAT!r})")
-    if meta.get("version") != VERSION:
-        raise _bad(root, f"it is of format version {meta.get('version')!r}; this graphmax reads version {VERSION}")
+    version = meta.get("version")
+    if not _int(version):  # '2', 2.0 or true would read as a mismatch of equal versions, or pass as 2
+        got = "but it is missing (or null)" if version is None else \
+            f"got {repr(version)[:60]} (a {type(version).__name__})"
+        raise _bad(root, f"{META} field version should be an integer, {got}; this graphmax reads version {VERSION}")
+    if version != VERSION:
+        raise _bad(root, f"it is of format version {version!r}; this graphmax reads version {VERSION}")
     if not all(_positive_int(meta, k) for k in ("keys", "dim", "vocab_size")) or meta["dim"] > _MAX_DIM \
             or meta["vocab_size"] >= 2**31:
         raise _bad(root, f"{META} has no valid keys, dim and vocab_size (ints >= 1)")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from gm_graphs.errors import GraphFormatError
+from gm_graphs.errors import GraphBusyError, GraphFormatError
 from gm_graphs.format import validate
 from gm_graphs.format.validate import FORMAT_VERSION, NGRAM_PARTS, STATS
 from gm_graphs.store import pagecache, verified
@@ -140,6 +140,17 @@ def _fail(root: Path, what: str) -> GraphFormatError:
 
 def read_manifest(root: Path) -> dict:
     """The manifest of the graph folder ``root``, schema-checked (types, ranges, file paths inside the folder)."""
+    return read_manifest_and_key(root)[0]
+
+
+def manifest_key(st: os.stat_result) -> tuple:
+    """What tells one manifest file from another: every writer replaces the manifest by a rename (a new inode), so
+    a Graph can tell whether the folder still holds the manifest it read."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def read_manifest_and_key(root: Path) -> tuple[dict, tuple]:
+    """:func:`read_manifest`, and the :func:`manifest_key` of the very file it read."""
     path = root / MANIFEST
     try:
         st = os.lstat(path)
@@ -155,6 +166,7 @@ def read_manifest(root: Path) -> dict:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as fh:
+            key = manifest_key(os.fstat(fh.fileno()))
             manifest = json.loads(fh.read(MAX_MANIFEST_BYTES + 1).decode("utf-8"))
     except UnicodeDecodeError as e:
         raise _fail(root, f"{MANIFEST} is not UTF-8 text (byte {e.start})") from None
@@ -163,7 +175,11 @@ def read_manifest(root: Path) -> dict:
     except OSError as e:
         raise GraphFormatError(f"cannot read {path}: {e.strerror}") from None
     validate.check_manifest(root, manifest)
-    return manifest
+    return manifest, key
+
+
+def _record(entry: dict) -> tuple:
+    return entry["file"], entry["bytes"], entry["sha256"]
 
 
 class _Opened(RecordedFile):
@@ -185,20 +201,60 @@ class GraphFiles:
 
     A file is hashed once per identity, and a unit's structure checked once per identity of its files
     (``gm_graphs.store.verified``); :meth:`trust_written` records what a build wrote.
+
+    Files are opened by path when first used, so another process may have replaced the folder (a build
+    ``--overwrite``, a merge) or its tables (``add_ngrams``) since ``manifest`` was read, and the files there are then
+    the new graph's, healthy but not those ``manifest`` records. Given ``key`` (the :func:`manifest_key` of the
+    manifest read), each unit's files, once open, count as this manifest's only while the folder's manifest is still
+    that one, or records the same files; else :class:`GraphBusyError` says the graph was replaced, not corrupted.
     """
 
-    def __init__(self, root: Path, manifest: dict, verify: bool = True):
-        self.root, self.manifest, self.verify = Path(root), manifest, verify
+    def __init__(self, root: Path, manifest: dict, verify: bool = True, key: tuple | None = None):
+        self.root, self.manifest, self.verify, self.key = Path(root), manifest, verify, key
         self.n = int(manifest["tokenizer"]["vocab_size"])
         self._real_root = os.path.realpath(self.root)
         self._trusted = False
+        self._now: tuple[tuple, set | None] | None = None  # the manifest on disk last seen, and its file records
+
+    def _check_not_replaced(self, entries: list[dict]) -> None:
+        """Raise GraphBusyError if the folder's manifest is no longer the one read and records other files than
+        ``entries``; a manifest that cannot be read now proves nothing, and the files' own checks decide."""
+        if self.key is None:
+            return
+        try:
+            now = manifest_key(os.stat(self.root / MANIFEST, follow_symlinks=False))
+        except OSError:
+            now = None
+        if now == self.key:
+            return
+        if now is None or self._now is None or self._now[0] != now:
+            try:
+                manifest, now = read_manifest_and_key(self.root)
+                records = {_record(e) for e in file_entries(manifest)}
+            except GraphFormatError:
+                records = None
+            self._now = (now, records)
+        records = self._now[1]
+        if records is None and now is not None:
+            return
+        if records is None or not all(_record(e) in records for e in entries):
+            raise GraphBusyError(f"graph {self.root} was replaced (a build --overwrite or merge), changed "
+                                 f"(add_ngrams) or removed after it was opened: its files are not those of the "
+                                 f"manifest read then; load it again (load_graph, or graph.refresh())")
 
     def _unit(self, kind: str, context: dict, entries: dict[str, tuple[dict, tuple]],
               check: Callable[[dict[str, np.ndarray]], None]) -> dict[str, np.ndarray]:
         opened: dict[str, _Opened] = {}
+        records = [entry for entry, _ in entries.values()]
         try:
-            for part, (entry, dtypes) in entries.items():
-                opened[part] = _Opened(self.root, self._real_root, entry, dtypes)
+            try:
+                for part, (entry, dtypes) in entries.items():
+                    opened[part] = _Opened(self.root, self._real_root, entry, dtypes)
+            except GraphFormatError:
+                self._check_not_replaced(records)  # a file missing or of another size: the new graph's, maybe
+                raise
+            # after opening: the descriptors hold this manifest's files whatever is written there next
+            self._check_not_replaced(records)
             for o in opened.values():
                 if (self.verify or self._trusted) and not verified.is_verified("sha256", {}, [o.identity]):
                     if not self._trusted and o.sha256() != o.entry["sha256"]:

@@ -47,6 +47,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _got(v) -> str:
+    """What a field holds instead of what it should, its type named: '1' and 1 must not read alike."""
+    if v is None:
+        return "but it is missing (or null)"
+    shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+    return f"got {shown} (a {type(v).__name__})"
+
+
 def is_sha256(v) -> bool:
     """Whether ``v`` is a SHA-256 as graphmax records them: 64 lowercase hex digits."""
     return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
@@ -121,7 +129,10 @@ def check_manifest(root, m) -> None:
     s = _Schema(root)
     s.need(isinstance(m, dict), "(top level)", "an object", type(m).__name__)
     version = m.get("format_version")
-    if version != FORMAT_VERSION or not _is_int(version):
+    if not _is_int(version):  # '1', 1.0 or true would read as a mismatch of equal versions
+        raise fail(root, f"manifest field format_version should be an integer, {_got(version)}; this graphmax "
+                         f"reads version {FORMAT_VERSION}")
+    if version != FORMAT_VERSION:
         raise GraphFormatError(f"graph {root} has format version {version!r}; this graphmax reads version "
                                f"{FORMAT_VERSION}; rebuild the graph with this version")
     s.need(m.get("format") == GRAPH_FORMAT, "format", repr(GRAPH_FORMAT), m.get("format"))

@@ -4,7 +4,9 @@
 
 - ``GRAPHMAX_FAULT=name`` ends the process there at once (``os._exit(137)``, as a SIGKILL would: no cleanup);
 - ``GRAPHMAX_FAULT=name:raise`` raises :class:`InjectedFault` there;
-- ``GRAPHMAX_FAULT=name:enospc`` raises ``OSError(ENOSPC)`` there, as a full disk would.
+- ``GRAPHMAX_FAULT=name:enospc`` raises ``OSError(ENOSPC)`` there, as a full disk would;
+- ``GRAPHMAX_FAULT=name:pause`` waits there (up to a minute, then goes on), so that a test can signal the process
+  at a known point: a signal handler that raises raises out of the wait.
 
 ``GRAPHMAX_FAULT_LOG=FILE`` appends the name of every point reached to FILE, so a test can list a job's points
 and then fail the job at each of them. ``GRAPHMAX_FAULT_ONCE=FILE`` makes the fault fire once across every process
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 
 class InjectedFault(RuntimeError):
@@ -42,4 +45,7 @@ def fault_point(name: str) -> None:
         raise InjectedFault(f"fault injected at {name}")
     if action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+    if action == "pause":
+        time.sleep(60)
+        return
     os._exit(137)

@@ -290,6 +290,9 @@ def _acquire(lock: Path, target: Path) -> int:
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP and os.path.islink(lock):  # O_NOFOLLOW refused it: not a folder's permissions
+                raise StorageError(f"the lock file {lock} is a symlink, which graphmax did not create and does not "
+                                   f"follow; remove the link and run again") from e
             raise StorageError(f"cannot create the lock file {lock}: {e.strerror}; check that its folder is "
                                f"writable") from e
         try:
@@ -444,8 +447,11 @@ def disk_errors(target: Path) -> Iterator[None]:
         yield
     except OSError as e:
         if e.errno in _FULL_DISK and not isinstance(e, StorageError):
-            raise StorageError(f"cannot write {target}: {e.strerror} ({e.filename}); nothing was written and what "
-                               f"was there is unchanged; free space and run again") from e
+            # a write to an open file names no path: the target, named first, is then all there is to say
+            where = "" if e.filename is None else f" ({os.fsdecode(e.filename)})"
+            fix = "choose a writable location" if e.errno == errno.EROFS else "free space and run again"
+            raise StorageError(f"cannot write {target}: {e.strerror}{where}; nothing was written and what "
+                               f"was there is unchanged; {fix}") from e
         raise
 
 
