@@ -284,7 +284,7 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     assert main(["eval", "--corpus", "drug-reviews",  # a bundled corpus by name: its file, column and cleaning
                  "--out", str(out), "--heldout-fraction", "0.2", "--lams", "0,1", "--mixture-lams", "1",
                  "--ppl-docs", "2", "--positions", "4", "--tune-docs", "2", "--prompts", "2",
-                 "--new-tokens", "3", "--references", "40", "--finetune-budget-s", "3", "--datastore-docs", "20",
+                 "--new-tokens", "3", "--references", "40", "--finetune-budget-s", "1", "--datastore-docs", "20",
                  "--shots", "2"]) == 0
     for name in ("report.md", "perplexity.csv", "generation.csv", "tuning.csv", "ab_sheet.csv", "ab_sheet.html",
                  "ab_key.csv", "lambda_bleu.png", "lambda_perplexity.png", "solver_convergence.png",

@@ -206,7 +206,7 @@ def test_a_local_ray_that_does_not_answer_fails_in_one_line_naming_the_timeout_a
 
     watcher = threading.Thread(target=stop_the_gcs, daemon=True)
     watcher.start()
-    code = ("import sys; from gm_graphs.build import ray_engine; ray_engine.START_TIMEOUT_S = 8; "
+    code = ("import sys; from gm_graphs.build import ray_engine; ray_engine.START_TIMEOUT_S = 5; "
             "from pipelines.cli import main; sys.exit(main(sys.argv[1:]))")
     try:
         proc = _cli(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--engine", "ray"],
