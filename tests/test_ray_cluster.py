@@ -17,11 +17,13 @@ The module takes about a minute on 2 cores, so it is deselected by default (``-m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,31 @@ def _log(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
+@contextlib.contextmanager
+def _a_worker_removed_at(cluster, points: Path, phase: str) -> Iterator[dict]:
+    """Removes a worker node of ``cluster`` as soon as the fault log ``points`` shows ``phase``, while the body
+    runs; the dict yielded gets "log", the fault points seen then, once the node is removed."""
+    seen: dict = {}
+    done = threading.Event()
+
+    def remove_a_node_when_the_phase_starts() -> None:
+        while not done.is_set():
+            log = _log(points)
+            if phase in log:
+                seen["log"] = log
+                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=remove_a_node_when_the_phase_starts, daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        watcher.join()
+
+
 def test_a_two_node_cluster_builds_the_local_graph_byte_for_byte(cluster, corpus, local_graph, bpe_tokenizer_file,
                                                                  tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(tmp_path / "points"))
@@ -108,29 +135,13 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
     before = graph_files(old.path)
     points = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
-    seen: dict = {}
-    done = threading.Event()
-
-    def remove_a_node_when_the_phase_starts() -> None:
-        while not done.is_set():
-            log = _log(points)
-            if phase in log:
-                seen["log"] = log
-                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
-                return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=remove_a_node_when_the_phase_starts, daemon=True)
-    watcher.start()
-    try:
-        distributed = build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
-                                  ray_address=cluster.address, **KW)
-        outcome = None
-    except Exception as e:  # noqa: BLE001 - one of the two outcomes, checked below
-        distributed, outcome = None, e
-    finally:
-        done.set()
-        watcher.join()
+    with _a_worker_removed_at(cluster, points, phase) as seen:
+        try:
+            distributed = build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
+                                      ray_address=cluster.address, **KW)
+            outcome = None
+        except Exception as e:  # noqa: BLE001 - one of the two outcomes, checked below
+            distributed, outcome = None, e
     log = _log(points)
     assert "log" in seen, f"the build never reached {phase}"
     at = seen["log"]
@@ -164,24 +175,9 @@ def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_sta
     points = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
     monkeypatch.setattr(ray_engine, "TASK_RETRIES", 0)
-    done = threading.Event()
-
-    def remove_a_node_while_counting() -> None:
-        while not done.is_set():
-            if "count.batch" in _log(points):
-                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
-                return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=remove_a_node_while_counting, daemon=True)
-    watcher.start()
-    try:
-        with pytest.raises(EngineError) as failed:
-            build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
-                        ray_address=cluster.address, **KW)
-    finally:
-        done.set()
-        watcher.join()
+    with _a_worker_removed_at(cluster, points, "count.batch"), pytest.raises(EngineError) as failed:
+        build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
+                    ray_address=cluster.address, **KW)
     message = str(failed.value)
     print(f"\n[no retries] {message}")
     assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
