@@ -485,3 +485,17 @@ def test_datastore_checks_its_out_folder_before_loading_the_model(tmp_path, monk
         err = capsys.readouterr().err
         assert err.startswith("graphmax datastore: error: ") and error in err and err.count("\n") == 1
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("name", ["missing.gguf", "missing-folder", "empty-folder"])
+def test_a_model_that_cannot_load_is_one_error_naming_it_and_the_fix_once(tmp_path, name):
+    from gm_graphs import GraphmaxError
+    from pipelines.models import load_model
+
+    (tmp_path / "empty-folder").mkdir()
+    with pytest.raises(GraphmaxError) as failed:
+        load_model(str(tmp_path / name))
+    message = str(failed.value)
+    assert message.startswith(f"cannot load the model '{tmp_path / name}' (") and "\n" not in message
+    assert message.count("pass ") == 1 and message.endswith("pass 'smollm2', a .gguf file or a local model folder "
+                                                            "(no network)"), message
