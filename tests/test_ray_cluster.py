@@ -91,9 +91,10 @@ def _log(path: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _a_worker_removed_at(cluster, points: Path, phase: str) -> Iterator[dict]:
-    """Removes a worker node of ``cluster`` as soon as the fault log ``points`` shows ``phase``, while the body
-    runs; the dict yielded gets "log", the fault points seen then, once the node is removed."""
+def _a_worker_removed_at(cluster, points: Path, phase: str, every: bool = False) -> Iterator[dict]:
+    """Removes a worker node of ``cluster`` (``every``: all of them, then adds a fresh one) as soon as the fault log
+    ``points`` shows ``phase``, while the body runs; the dict yielded gets "log", the fault points seen then, once
+    the nodes are removed."""
     seen: dict = {}
     done = threading.Event()
 
@@ -102,7 +103,10 @@ def _a_worker_removed_at(cluster, points: Path, phase: str) -> Iterator[dict]:
             log = _log(points)
             if phase in log:
                 seen["log"] = log
-                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
+                for node in list(cluster.worker_nodes)[:None if every else 1]:
+                    cluster.remove_node(node, allow_graceful=False)
+                if every:
+                    cluster.add_node(num_cpus=1, object_store_memory=STORE)
                 return
             time.sleep(0.01)
 
@@ -126,16 +130,18 @@ def test_a_two_node_cluster_builds_the_local_graph_byte_for_byte(cluster, corpus
     assert distributed.timings["units"] == 4
 
 
-@pytest.mark.parametrize("phase", ["count.batch", "merge.range"])
+@pytest.mark.parametrize("phase, every", [("count.batch", False), ("merge.range", False), ("count.batch", True)])
 def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_the_old_graph(
-        two_workers, corpus, local_graph, bpe_tokenizer_file, tmp_path, monkeypatch, phase):
+        two_workers, corpus, local_graph, bpe_tokenizer_file, tmp_path, monkeypatch, phase, every):
+    """``every``: all worker nodes go at once and a fresh one joins: every running task and every object the
+    workers held is lost."""
     cluster = two_workers
     target = tmp_path / "graphs" / "g"
     old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)  # the graph the build replaces
     before = graph_files(old.path)
     points = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
-    with _a_worker_removed_at(cluster, points, phase) as seen:
+    with _a_worker_removed_at(cluster, points, phase, every) as seen:
         try:
             distributed = build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
                                       ray_address=cluster.address, **KW)
@@ -151,7 +157,7 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
     if phase == "count.batch":
         assert "merge.range" not in at
     redone = {p: log.count(p) for p in ("count.batch", "merge.range")}
-    print(f"\n[{phase}] node removed after {len(at)} fault points ({at.count('count.batch')} count batches, "
+    print(f"\n[{phase}{', every node' if every else ''}] removed after {len(at)} fault points ({at.count('count.batch')} count batches, "
           f"{at.count('merge.range')} merges); in all {redone}; outcome: "
           f"{'the exact graph' if outcome is None else repr(str(outcome))}")
     assert sorted(p.name for p in target.parent.iterdir()) == ["g"]  # no staging folder, no lock
@@ -167,7 +173,9 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
 def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_stays(two_workers, corpus,
                                                                                      bpe_tokenizer_file, tmp_path,
                                                                                      monkeypatch):
-    """The other outcome, forced: with no retries, the tasks on a removed node cannot be run again."""
+    """The other outcome, forced: with no retries, the tasks that ran on the removed nodes cannot be run again
+    (every worker node goes, so that some task surely ran there; a fresh node joins, so the build is not left
+    waiting for CPUs)."""
     cluster = two_workers
     target = tmp_path / "graphs" / "g"
     old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)
@@ -175,7 +183,7 @@ def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_sta
     points = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
     monkeypatch.setattr(ray_engine, "TASK_RETRIES", 0)
-    with _a_worker_removed_at(cluster, points, "count.batch"), pytest.raises(EngineError) as failed:
+    with _a_worker_removed_at(cluster, points, "count.batch", every=True), pytest.raises(EngineError) as failed:
         build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
                     ray_address=cluster.address, **KW)
     message = str(failed.value)

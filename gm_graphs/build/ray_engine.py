@@ -65,7 +65,7 @@ from gm_graphs.errors import CorpusError, GraphmaxError, OptionError
 from gm_graphs.format.graph_files import (
     GRAPH,
 )
-from gm_graphs.format.writer import LaidOutRange, write_range
+from gm_graphs.format.writer import RANGE_PARTS, LaidOutRange, write_range
 from gm_graphs.graph import Graph
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import (
@@ -565,6 +565,8 @@ class _Stream:
                 yield laid
                 self.read_back += laid.read_back
                 self.laid += 1
+                for part in RANGE_PARTS:  # in the table now: the disk holds each range once, not twice
+                    laid.path(part).unlink(missing_ok=True)
                 continue
             self.received += len(row["keys"]) + len(row["counts"])
             yield np.frombuffer(row["keys"], dtype=np.int64), np.frombuffer(row["counts"], dtype=np.int64)
