@@ -13,8 +13,10 @@ same ids).
 Printed per size: tokens/s of each and the build's ratio to both, seconds per stage, CPU seconds (user/sys) of each
 process, peak RSS, peak and final disk use of the graph folder and its temporary folders, distinct 2-/3-/4-grams,
 and the load average while it ran (other jobs on the machine slow every stage). ``--ray`` sizes are also built
-with ``--engine ray`` on a local Ray (``ray.init(num_cpus=2)``), with the volume its shuffle moved and what 4, 16
-and 64 nodes would move.
+with ``--engine ray`` on a local Ray (``ray.init(num_cpus=2)``), or with ``--ray-nodes P`` on a local cluster of P
+worker nodes, with the volume its shuffle moved, what 4, 16 and 64 nodes would move, and what reached the driver.
+One build alone, its measurements as JSON: ``GRAPHMAX_BENCH_RAY_NODES=2 python3 benchmarks/build.py --child ray OUT
+SHARD…``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (500_000, 1_000_000, 2_000_000, 4_000_000)
 NODES = (4, 16, 64)
+NODES_VAR = "GRAPHMAX_BENCH_RAY_NODES"  # --ray-nodes, for the child processes
 
 
 def _shards(corpus: Path, docs: int) -> list[str]:
@@ -99,8 +102,20 @@ def _child(job: str, files: list[str], out: str) -> dict:
     else:
         target = Path(out)
         target.parent.mkdir(parents=True, exist_ok=True)
-        ray = None
-        if job == "ray":
+        ray = cluster = address = None
+        nodes = int(os.environ.get(NODES_VAR, "0"))
+        if job == "ray" and nodes:
+            from ray.cluster_utils import Cluster
+
+            # a head without CPUs and ``nodes`` worker nodes sharing this machine's cores: the driver is this
+            # process, as on a cluster, and every task runs on a worker node
+            cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, object_store_memory=2 << 30,
+                                                                         include_dashboard=False))
+            for _ in range(nodes):
+                cluster.add_node(num_cpus=max(1, (os.cpu_count() or 2) // nodes), object_store_memory=2 << 30)
+            cluster.wait_for_nodes()
+            address = cluster.address
+        elif job == "ray":
             import ray
 
             ray.init(num_cpus=2, object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False,
@@ -108,15 +123,20 @@ def _child(job: str, files: list[str], out: str) -> dict:
         disk = _Disk(target)
         t0 = time.perf_counter()
         g = build_graph(files, tok, path=target, orders=(1, 2), ngrams=(3, 4), progress=False, overwrite=True,
-                        engine="local" if job == "local" else "ray")
+                        engine="local" if job == "local" else "ray", ray_address=address)
         seconds = time.perf_counter() - t0
         c, ng = g.manifest["corpus"], g.manifest["ngrams"]["orders"]
         result = {"seconds": seconds, "tokens": c["tokens"], "documents": c["documents"],
                   "distinct": {"2": c["distinct_bigrams"], "3": ng["3"]["entries"], "4": ng["4"]["entries"]},
                   "timings": g.timings, "peak_disk": disk.stop(), "final_disk": disk.size(),
                   "merged_bytes": 16 * (c["distinct_bigrams"] + ng["3"]["entries"] + ng["4"]["entries"])}
+        merged = result["merged_bytes"]  # what a driver that receives every merged range receives
+        result["received_bytes"] = g.timings.get("received_bytes", merged) if job == "ray" else 0
+        result["read_back_bytes"] = g.timings.get("read_back_bytes", 0)
         if ray is not None:
             ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     load.append(os.getloadavg()[0])
     result["load"] = load
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -147,6 +167,9 @@ def main() -> None:
     ap.add_argument("--docs", type=int, nargs="+", choices=SIZES, default=[SIZES[0]], help="corpus sizes to build")
     ap.add_argument("--ray", type=int, nargs="*", choices=SIZES, default=[],
                     help="sizes to build with --engine ray as well (needs pip install 'graphmax[ray]')")
+    ap.add_argument("--ray-nodes", type=int, default=0,
+                    help="build the --ray sizes on a local cluster of this many worker nodes (ray.cluster_utils."
+                         "Cluster: a head without CPUs, the cores shared out) instead of one local Ray")
     ap.add_argument("--work", type=Path, default=None, help="where graphs are built (default: a temporary folder)")
     ap.add_argument("--keep", type=Path, default=None,
                     help="move the largest size's local graph here instead of deleting it (a new folder, on the "
@@ -155,6 +178,7 @@ def main() -> None:
                     help="time the tokenizer alone again after each size's builds and compare the builds with the "
                          "mean of both runs (this machine's speed drifts by up to ±10 %% within minutes)")
     args = ap.parse_args()
+    os.environ[NODES_VAR] = str(args.ray_nodes)
     if args.keep and args.keep.exists():
         ap.error(f"--keep {args.keep} exists; name a new folder")
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
@@ -228,14 +252,16 @@ def _print_tables(rows) -> None:
     ray_rows = [(docs, b) for docs, job, _, b in rows if job == "ray"]
     if ray_rows:
         print("\nRay shuffle: bytes of sorted counts the count tasks sent to the range merges (S), what one node of "
-              "P would send to the others, S/P·(P−1)/P, and what the driver receives (the merged counts, F)")
+              "P would send to the others, S/P·(P−1)/P, the merged counts (F), what of them the driver received "
+              "(R) and the bytes of laid-out ranges it read back from the shared folder (their indptr, B)")
         print(f"{'docs':>10} {'units':>6} {'S GB':>7} {'largest unit GB':>16} " +
-              " ".join(f"{f'P={p} GB/node':>13}" for p in NODES) + f" {'F GB':>7}")
+              " ".join(f"{f'P={p} GB/node':>13}" for p in NODES) + f" {'F GB':>7} {'R GB':>7} {'B GB':>7}")
         for docs, b in ray_rows:
             sent = b["timings"]["sent_bytes"]
             s = sum(sent.values())
             print(f"{docs:>10,} {len(sent):>6} {_gb(s):>7} {_gb(max(sent.values())):>16} " +
-                  " ".join(f"{_gb(s / p * (p - 1) / p):>13}" for p in NODES) + f" {_gb(b['merged_bytes']):>7}")
+                  " ".join(f"{_gb(s / p * (p - 1) / p):>13}" for p in NODES) +
+                  f" {_gb(b['merged_bytes']):>7} {_gb(b['received_bytes']):>7} {_gb(b['read_back_bytes']):>7}")
 
 
 if __name__ == "__main__":

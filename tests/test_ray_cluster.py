@@ -17,13 +17,11 @@ The module takes about a minute on 2 cores, so it is deselected by default (``-m
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,29 +88,36 @@ def _log(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-@contextlib.contextmanager
-def _a_worker_removed_at(cluster, points: Path, phase: str) -> Iterator[dict]:
-    """Removes a worker node of ``cluster`` as soon as the fault log ``points`` shows ``phase``, while the body
-    runs; the dict yielded gets "log", the fault points seen then, once the node is removed."""
-    seen: dict = {}
-    done = threading.Event()
+def _build_removing_workers(cluster, points: Path, phase: str, every: bool, target: Path, corpus, tokenizer):
+    """Build ``corpus`` into ``target`` on ``cluster`` in a thread while this thread removes a worker node
+    (``every``: all of them, then adds a fresh one, which Ray starts only from the main thread) as soon as the
+    fault log ``points`` shows ``phase``. Returns the graph or the exception, and the fault points seen when the
+    nodes were removed (None if the build never reached ``phase``)."""
+    result: dict = {}
 
-    def remove_a_node_when_the_phase_starts() -> None:
-        while not done.is_set():
-            log = _log(points)
-            if phase in log:
-                seen["log"] = log
-                cluster.remove_node(next(iter(cluster.worker_nodes)), allow_graceful=False)
-                return
-            time.sleep(0.01)
+    def build() -> None:
+        try:
+            result["graph"] = build_graph(corpus, tokenizer, path=target, overwrite=True, engine="ray",
+                                          ray_address=cluster.address, **KW)
+        except Exception as e:  # noqa: BLE001 - the caller checks which outcome
+            result["error"] = e
 
-    watcher = threading.Thread(target=remove_a_node_when_the_phase_starts, daemon=True)
-    watcher.start()
-    try:
-        yield seen
-    finally:
-        done.set()
-        watcher.join()
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    seen = None
+    while builder.is_alive():
+        log = _log(points)
+        if phase in log:
+            seen = log
+            for node in list(cluster.worker_nodes)[:None if every else 1]:
+                cluster.remove_node(node, allow_graceful=False)
+            if every:
+                cluster.add_node(num_cpus=1, object_store_memory=STORE)
+            break
+        time.sleep(0.01)
+    builder.join(timeout=300)
+    assert not builder.is_alive(), "the build still ran 300 s after the nodes were removed"
+    return result.get("graph"), result.get("error"), seen
 
 
 def test_a_two_node_cluster_builds_the_local_graph_byte_for_byte(cluster, corpus, local_graph, bpe_tokenizer_file,
@@ -126,38 +131,35 @@ def test_a_two_node_cluster_builds_the_local_graph_byte_for_byte(cluster, corpus
     assert distributed.timings["units"] == 4
 
 
-@pytest.mark.parametrize("phase", ["count.batch", "merge.range"])
+@pytest.mark.parametrize("phase, every", [("count.batch", False), ("merge.range", False), ("count.batch", True)])
 def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_the_old_graph(
-        two_workers, corpus, local_graph, bpe_tokenizer_file, tmp_path, monkeypatch, phase):
+        two_workers, corpus, local_graph, bpe_tokenizer_file, tmp_path, monkeypatch, phase, every):
+    """``every``: all worker nodes go at once and a fresh one joins: every running task and every object the
+    workers held is lost."""
     cluster = two_workers
     target = tmp_path / "graphs" / "g"
     old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)  # the graph the build replaces
     before = graph_files(old.path)
     points = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
-    with _a_worker_removed_at(cluster, points, phase) as seen:
-        try:
-            distributed = build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
-                                      ray_address=cluster.address, **KW)
-            outcome = None
-        except Exception as e:  # noqa: BLE001 - one of the two outcomes, checked below
-            distributed, outcome = None, e
+    distributed, outcome, at = _build_removing_workers(cluster, points, phase, every, target, corpus,
+                                                       str(bpe_tokenizer_file))
     log = _log(points)
-    assert "log" in seen, f"the build never reached {phase}"
-    at = seen["log"]
+    assert at is not None, f"the build never reached {phase}"
     # the node went while the build was in that phase: before the graph was committed, and (while counting)
     # before any range was merged
     assert not any(p.startswith(("stage.filled", "commit.")) for p in at)
     if phase == "count.batch":
         assert "merge.range" not in at
     redone = {p: log.count(p) for p in ("count.batch", "merge.range")}
-    print(f"\n[{phase}] node removed after {len(at)} fault points ({at.count('count.batch')} count batches, "
+    what = f"{phase}{', every node' if every else ''}"
+    print(f"\n[{what}] removed after {len(at)} fault points ({at.count('count.batch')} count batches, "
           f"{at.count('merge.range')} merges); in all {redone}; outcome: "
           f"{'the exact graph' if outcome is None else repr(str(outcome))}")
     assert sorted(p.name for p in target.parent.iterdir()) == ["g"]  # no staging folder, no lock
     if outcome is None:
         assert_same_graph(local_graph, distributed)
-        print(f"[{phase}] {sum(len(b) for b in graph_files(target).values()):,} bytes compared with the local build")
+        print(f"[{what}] {sum(len(b) for b in graph_files(target).values()):,} bytes compared with the local build")
     else:
         message = str(outcome)
         assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
@@ -167,7 +169,9 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
 def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_stays(two_workers, corpus,
                                                                                      bpe_tokenizer_file, tmp_path,
                                                                                      monkeypatch):
-    """The other outcome, forced: with no retries, the tasks on a removed node cannot be run again."""
+    """The other outcome, forced: with no retries, the tasks that ran on the removed nodes cannot be run again
+    (every worker node goes, so that some task surely ran there; a fresh node joins, so the build is not left
+    waiting for CPUs)."""
     cluster = two_workers
     target = tmp_path / "graphs" / "g"
     old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)
@@ -175,10 +179,10 @@ def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_sta
     points = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
     monkeypatch.setattr(ray_engine, "TASK_RETRIES", 0)
-    with _a_worker_removed_at(cluster, points, "count.batch"), pytest.raises(EngineError) as failed:
-        build_graph(corpus, str(bpe_tokenizer_file), path=target, overwrite=True, engine="ray",
-                    ray_address=cluster.address, **KW)
-    message = str(failed.value)
+    graph, failed, at = _build_removing_workers(cluster, points, "count.batch", True, target, corpus,
+                                                str(bpe_tokenizer_file))
+    assert at is not None and graph is None and isinstance(failed, EngineError)
+    message = str(failed)
     print(f"\n[no retries] {message}")
     assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
     assert sorted(p.name for p in target.parent.iterdir()) == ["g"]

@@ -71,6 +71,10 @@ def test_generated_corpora_build_the_same_graph_on_ray(ray_local, generated, bpe
     assert_same_graph(local, distributed)
     assert distributed.timings["units"] == 4 and distributed.timings["ranges"] >= 8
     assert sum(distributed.timings["sent_bytes"].values()) > 0
+    # the n-gram ranges were laid out by the merge tasks beside the graph, and left nothing there
+    assert distributed.timings["laid_ranges"] > 0
+    assert distributed.timings["received_bytes"] == 16 * distributed.manifest["corpus"]["distinct_bigrams"]
+    assert not (tmp_path / "ray" / ".ranges").exists()
 
 
 def test_corpus_paths_are_recorded_as_given_like_the_local_engine(ray_local, generated, bpe_tokenizer, tmp_path,
@@ -239,7 +243,7 @@ def test_merged_rows_asked_for_out_of_order_raise_instead_of_coming_back_empty()
     from gm_graphs.build.ray_engine import _Stream
 
     def row(order, key):
-        return {"order": order, "meta": "{}", "keys": np.array([key], np.int64).tobytes(),
+        return {"order": order, "meta": '{"sent": {}, "laid": null}', "keys": np.array([key], np.int64).tobytes(),
                 "counts": np.array([1], np.int64).tobytes()}
 
     stream = _Stream([row(2, 5), row(3, 7), row(4, 9)])

@@ -18,7 +18,7 @@ from gm_graphs.count.bigrams import BigramCounts
 from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import validate
 from gm_graphs.format.graph_files import ngram_dtypes
-from gm_graphs.format.writer import NgramWriter
+from gm_graphs.format.writer import LaidOutRange, NgramWriter, write_range
 from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
@@ -93,8 +93,11 @@ def test_a_mixture_and_powers_are_written_beside_order1(tmp_path: Path):
 
 
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 60), entries=st.integers(1, 400), cuts=st.integers(1, 6),
-       largest=st.sampled_from([2, 1 << 20, 1 << 40]))
-def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory, seed, n, entries, cuts, largest):
+       largest=st.sampled_from([2, 1 << 20, 2**31 - 1, 1 << 40]), laid=st.integers(0, 127))
+def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory, seed, n, entries, cuts, largest,
+                                                               laid):
+    """Ranges handed over as arrays, or laid out in files first (``write_range``, as Ray's merge tasks do; bit i of
+    ``laid`` for range i), make the same table: copied where the dtypes agree, widened where they do not."""
     rng = np.random.default_rng(seed)
     keys = np.unique(rng.integers(0, n ** 3, entries)).astype(np.int64)
     counts = rng.integers(1, largest, keys.size, endpoint=True)
@@ -105,8 +108,11 @@ def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory,
     edges = [0, *sorted(rng.choice(changes, min(cuts, changes.size), replace=False).tolist()), keys.size]
     root = tmp_path_factory.mktemp("ngrams")
     w = NgramWriter(root, "ng", 3, n, None, total)
-    for a, b in zip(edges[:-1], edges[1:]):
-        w.add(keys[a:b], counts[a:b])
+    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        if laid >> i & 1:
+            w.add_written(LaidOutRange(root / "laid", write_range(root / "laid", 3, i, n, keys[a:b], counts[a:b])))
+        else:
+            w.add(keys[a:b], counts[a:b])
     entry = w.close()
     stored = {part: np.load(root / "ng" / "3" / f"{part}.npy") for part in ("contexts", "indptr", "next", "counts")}
     first = np.concatenate(([True], contexts[1:] != contexts[:-1]))
@@ -170,6 +176,29 @@ def test_the_writers_range_checks_find_what_the_loaded_tables_check_finds(seed, 
     except GraphFormatError:
         refused = True
     assert refused == (fault is not None) == any(problems), (fault, problems)
+
+
+@pytest.mark.parametrize("bad", ["out of order", "file cut short", "another order"])
+def test_a_laid_out_range_that_does_not_fit_stops_the_writer_before_it_is_appended(tmp_path, bad):
+    w = NgramWriter(tmp_path, "ng", 3, 10, None, 100)
+    w.add(np.array([505, 507], dtype=np.int64), np.array([1, 2]))
+    keys = np.array([501] if bad == "out of order" else [600, 601], dtype=np.int64)
+    meta = write_range(tmp_path / "laid", 4 if bad == "another order" else 3, 1, 10, keys, np.ones(keys.size, int))
+    laid = LaidOutRange(tmp_path / "laid", meta)
+    if bad == "file cut short":
+        with open(laid.path("next"), "r+b") as fh:
+            fh.truncate(4)
+    message = {"out of order": "first context is not above", "another order": "4-gram table came in its place",
+               "file cut short": "next has 4 bytes, its writer reported 2 values"}[bad]
+    with pytest.raises(AssertionError, match=message):
+        w.add_written(laid)
+    assert (w.entries, w.contexts, w.files["contexts"].length) == (2, 1, 1)  # refused before anything was appended
+
+
+def test_write_range_refuses_a_range_it_would_lay_out_wrong(tmp_path):
+    with pytest.raises(AssertionError, match="range 3 of the 3-gram table: count 1 of the range is 0"):
+        write_range(tmp_path, 3, 3, 10, np.array([505, 507], np.int64), np.array([1, 0]))
+    assert not (tmp_path / "3").exists()
 
 
 @pytest.mark.parametrize("bad", ["out of order", "count 0"])

@@ -16,7 +16,11 @@ cluster's workers:
    pieces are concatenated, sorted and summed into unique keys and counts.
 4. *write*, here on the driver: the merged ranges stream, in order, into the local engine's writers
    (``gm_graphs.format.writer``): counts, stats, Ã, Ã² (by the fused kernel on this machine) and the n-gram tables, in
-   a staging folder committed atomically (``gm_graphs.store.folders``).
+   a staging folder committed atomically (``gm_graphs.store.folders``). Where a merge task sees that staging folder
+   (storage every node shares; a probe file with a token says so), it lays its n-gram range out there itself
+   (``writer.write_range``) and sends the driver a few numbers instead of the range: the driver checks them and the
+   kernel copies the files into the tables, so that the driver holds no range of the tables (the bulk of a graph).
+   A merge task that does not see the folder sends its range, as every bigram range is sent.
 
 A task that fails is retried by Ray (``TASK_RETRIES`` times); one that keeps failing ends the build with one line
 naming the input block (file, and documents or rows), and the staging folder is removed.
@@ -61,10 +65,12 @@ from gm_graphs.errors import CorpusError, GraphmaxError, OptionError
 from gm_graphs.format.graph_files import (
     GRAPH,
 )
+from gm_graphs.format.writer import RANGE_PARTS, LaidOutRange, write_range
 from gm_graphs.graph import Graph
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import (
     check_replaceable,
+    remove_tree,
     staged_folder,
 )
 from gm_graphs.tokenize.encoder import BatchEncoder, TokenizerIdentity, load_tokenizer
@@ -85,6 +91,8 @@ _MARK = "graphmax-block"  # tags a worker's error so the driver can find it in R
 _NODE_LOST = re.compile(r"NodeDiedError|ObjectLostError|ObjectReconstructionFailed\w*Error|OwnerDiedError|"
                         r"node it was running on is dead")
 _STATS = 0  # the order of the rows that carry a unit's read statistics
+_RANGES = ".ranges"  # in the staging folder: where merge tasks lay out n-gram ranges
+_PROBE = "probe"  # in _RANGES: a token that a merge task must read there to lay out its range
 
 
 class EngineError(GraphmaxError, RuntimeError):
@@ -403,9 +411,21 @@ def count_arrow(batch: pa.Table, spec: CountSpec, unit: int) -> Iterator[pa.Tabl
     yield from pieces.finish(stats, documents, tokens)
 
 
-def merge_range(group: pa.Table, vocab_size: int) -> pa.Table:
+def _sees(stage: tuple[str, str] | None) -> bool:
+    """Whether this task sees the driver's staging folder: its probe holds the build's token."""
+    if stage is None:
+        return False
+    try:
+        return (Path(stage[0]) / _PROBE).read_text() == stage[1]
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def merge_range(group: pa.Table, vocab_size: int, stage: tuple[str, str] | None = None) -> pa.Table:
     """A task: the pieces of one (order, range) merged into unique keys and counts (int64); the rows carrying
-    read statistics pass through. ``meta`` says how many bytes of pieces each unit sent here."""
+    read statistics pass through. ``meta`` says how many bytes of pieces each unit sent here (``sent``) and, for
+    an n-gram range laid out in ``stage`` (the ranges' folder and the build's token), what ``write_range`` reported
+    (``laid``): its keys and counts are then empty."""
     fault_point("merge.range")
     order, rng = int(group["order"][0].as_py()), int(group["range"][0].as_py())
     if order == _STATS:
@@ -419,8 +439,13 @@ def merge_range(group: pa.Table, vocab_size: int) -> pa.Table:
     sent: dict[int, int] = {}
     for u, d in zip(group["unit"].to_pylist(), datas):
         sent[u] = sent.get(u, 0) + len(d)
+    laid = None
+    if order > 2 and _sees(stage):
+        laid = write_range(Path(stage[0]), order, rng, vocab_size, keys, counts)
+        keys, counts = keys[:0], counts[:0]
     return pa.table({"order": pa.array([order], pa.int32()), "range": pa.array([rng], pa.int32()),
-                     "unit": pa.array([-1], pa.int32()), "meta": pa.array([json.dumps(sent)], pa.large_string()),
+                     "unit": pa.array([-1], pa.int32()),
+                     "meta": pa.array([json.dumps({"sent": sent, "laid": laid})], pa.large_string()),
                      "keys": pa.array([keys.tobytes()], pa.large_binary()),
                      "counts": pa.array([counts.tobytes()], pa.large_binary())})
 
@@ -513,10 +538,14 @@ def _block_error(e: BaseException) -> GraphmaxError:
 class _Stream:
     """The merged rows, in (order, range) order, handed out order by order."""
 
-    def __init__(self, rows):
+    def __init__(self, rows, folder: Path | None = None):
         self._rows = iter(rows)
         self._next = next(self._rows, None)
+        self.folder = folder  # where merge tasks lay out n-gram ranges
         self.sent: dict[int, int] = {}  # bytes of pieces each unit sent to the merges
+        self.received = 0  # bytes of merged keys and counts that came to the driver
+        self.read_back = 0  # bytes of laid-out ranges' files the driver read (their indptr)
+        self.laid = 0  # ranges laid out by the merge tasks
 
     def take(self, order: int):
         if self._next is not None and self._next["order"] < order:  # the rows of a lower order would be skipped
@@ -528,8 +557,18 @@ class _Stream:
 
     def ranges(self, order: int):
         for row in self.take(order):
-            for unit, size in json.loads(row["meta"]).items():
+            meta = json.loads(row["meta"])
+            for unit, size in meta["sent"].items():
                 self.sent[int(unit)] = self.sent.get(int(unit), 0) + size
+            if meta["laid"] is not None:
+                laid = LaidOutRange(self.folder, meta["laid"])
+                yield laid
+                self.read_back += laid.read_back
+                self.laid += 1
+                for part in RANGE_PARTS:  # in the table now: the disk holds each range once, not twice
+                    laid.path(part).unlink(missing_ok=True)
+                continue
+            self.received += len(row["keys"]) + len(row["counts"])
             yield np.frombuffer(row["keys"], dtype=np.int64), np.frombuffer(row["counts"], dtype=np.int64)
 
 
@@ -572,8 +611,12 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
             spec = CountSpec(ray.put(tok), ident.vocab_size, (2, *ngrams),
                              _bounds(_sample(files, uris, read, ray, 4 * batch_docs), encoder, n_ranges),
                              text_column, clean, bos_eos, batch_docs, options.ngram_run_entries)
+            folder = tmp / _RANGES
+            folder.mkdir()
+            token = os.urandom(16).hex()
+            (folder / _PROBE).write_text(token)
             try:
-                stream, file_entries = _run(ray, spec, files, uris)
+                stream, file_entries = _run(ray, spec, files, uris, (str(folder.resolve()), token))
                 meta = [json.loads(r["meta"]) for r in stream.take(_STATS)]
                 timings["count_s"] = time.perf_counter() - t0  # the first merged rows: every count has finished
                 documents = sum(m["documents"] for m in meta)
@@ -592,14 +635,15 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
                                    for o in ngrams}, source,
                                   {"engine": "ray"}, timings)
                 write_graph_into(tmp, src, name=target.name, options=options, progress=progress)
+                remove_tree(folder)  # the laid-out ranges are in the tables now
             except GraphmaxError:
                 raise
             except Exception as e:
                 if type(e).__module__.startswith("ray") or _MARK in str(e):
                     raise _block_error(e) from None
                 raise
-            timings.update(ranges=n_ranges, units=len(meta), sent_bytes=stream.sent,
-                           wall_s=time.perf_counter() - t0)
+            timings.update(ranges=n_ranges, units=len(meta), sent_bytes=stream.sent, received_bytes=stream.received,
+                           read_back_bytes=stream.read_back, laid_ranges=stream.laid, wall_s=time.perf_counter() - t0)
     finally:
         ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
         for h, level in zip(console, levels):
@@ -608,8 +652,9 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
     return opened_graph(target, timings)
 
 
-def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):
-    """Plan and start the count and merge; the merged rows as a stream, and the inputs' manifest entries."""
+def _run(ray, spec: CountSpec, files: list[Path], uris: list[str], stage: tuple[str, str]):
+    """Plan and start the count and merge (n-gram ranges laid out in ``stage`` where a merge task sees it); the
+    merged rows as a stream, and the inputs' manifest entries."""
     from ray.data.context import DataContext, ShuffleStrategy
 
     env = {k: v for k, v in os.environ.items() if k.startswith("GRAPHMAX_FAULT")}  # fault tests reach the workers
@@ -636,8 +681,8 @@ def _run(ray, spec: CountSpec, files: list[Path], uris: list[str]):
             remote = ray.remote(max_retries=TASK_RETRIES, retry_exceptions=True)(_uri_fingerprint)
             entries = ray.get([remote.remote(u) for u in uris])
         merged = counted.groupby(["order", "range"]).map_groups(
-            merge_range, batch_format="pyarrow", fn_kwargs={"vocab_size": spec.vocab_size}, **task)
-    return _Stream(merged.iter_rows()), entries
+            merge_range, batch_format="pyarrow", fn_kwargs={"vocab_size": spec.vocab_size, "stage": stage}, **task)
+    return _Stream(merged.iter_rows(), Path(stage[0])), entries
 
 
 def _count_arrow_block(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:

@@ -6,12 +6,20 @@ bigram counts a range of whole rows at a time, the n-gram tables a range of whol
 length and filled in at close, then the file is read back and hashed (by a thread pool, beside the next work).
 What is written does not depend on where the ranges were cut: shards split at row boundaries by ``shard_nnz``
 alone and Parquet row groups hold ``ROW_GROUP`` rows, so every engine writes the same bytes.
+
+An n-gram range can also arrive already laid out in files (``write_range``, run by a Ray worker where the graph's
+folder is on storage every node sees): the table's writer then checks what the worker reports and copies the files
+into the table inside the kernel (``copy_file_range``), so that the bytes never pass through the writing process.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
@@ -24,11 +32,15 @@ from gm_graphs.format.validate import ngram_range_problem
 from gm_graphs.store import npy
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.kernel_cache import ensure_cache_dir
-from gm_graphs.store.pagecache import DropBehind
+from gm_graphs.store.pagecache import CHUNK, DropBehind
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
 ROW_GROUP = 1 << 20  # rows per Parquet row group
+RANGE_PARTS = ("contexts", "indptr", "next", "counts")  # the files of a range laid out by ``write_range``
+# copy_file_range cannot copy between these two files (another file system on an old kernel, a file system without
+# it): the bytes are copied through this process instead
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
 
 
 class Hasher:
@@ -75,6 +87,39 @@ class NpyWriter:
         values = np.ascontiguousarray(values, dtype=self.dtype)
         self._out.write(values)
         self.length += values.size
+
+    def append_file(self, path: Path, dtype, size: int, add: int = 0) -> int:
+        """Append the ``size`` values of the raw little-endian file ``path`` (``dtype``), plus ``add``; the bytes this
+        process read (0 when the file's bytes are the array's: they are copied by the kernel)."""
+        dtype = np.dtype(dtype)
+        with open(path, "rb") as src:
+            if dtype == self.dtype and add == 0 and self._copy_in_kernel(src, size * dtype.itemsize):
+                self.length += size
+                return 0
+            per = max(1, CHUNK // dtype.itemsize)
+            for start in range(0, size, per):
+                values = np.fromfile(src, dtype=dtype, count=min(per, size - start))
+                if values.size < min(per, size - start):
+                    raise AssertionError(f"{path} ended after {start + values.size:,} of its {size:,} values")
+                self.append(values.astype(self.dtype, copy=False) + add if add else values)
+        return size * dtype.itemsize
+
+    def _copy_in_kernel(self, src, nbytes: int) -> bool:
+        self._fh.flush()
+        at = self._fh.tell()
+        done = 0
+        try:
+            while done < nbytes:
+                moved = os.copy_file_range(src.fileno(), self._fh.fileno(), nbytes - done, done, at + done)
+                if moved == 0:
+                    raise AssertionError(f"{src.name} ended after {done:,} of its {nbytes:,} bytes")
+                done += moved
+        except OSError as e:
+            if e.errno not in _NO_KERNEL_COPY or done:
+                raise
+            return False
+        self._fh.seek(at + nbytes)
+        return True
 
     def close(self) -> Future | None:
         """The manifest entry (a Future: the file is hashed by the hasher's threads)."""
@@ -332,16 +377,92 @@ class NgramWriter:
         self.entries += keys.size
         self.contexts += m
 
+    def add_written(self, laid: LaidOutRange) -> int:
+        """Append a range a worker laid out (:func:`write_range`), after checking what it reports against the ranges
+        before it; the bytes of its files this process read (its indptr, moved by the entries before it)."""
+        m = laid.meta
+        if not m["entries"]:
+            return 0
+        problem = None
+        if m["order"] != self.order:
+            problem = f"a range of the {m['order']}-gram table came in its place"
+        elif m["first"] <= self._last:
+            problem = "its first context is not above the last context of the range before it"
+        self.counted += m["sum"]
+        if not problem and self.counted > self.total:
+            problem = f"more n-grams than the {self.total:,} counted"
+        if problem:
+            raise AssertionError(f"the {self.order}-gram table being written, range {m['range']}: {problem}")
+        sizes = {part: m["contexts"] if part in ("contexts", "indptr") else m["entries"] for part in RANGE_PARTS}
+        for part, size in sizes.items():
+            found = laid.path(part).stat().st_size
+            if found != size * np.dtype(m["dtypes"][part]).itemsize:
+                raise AssertionError(f"{laid.path(part)} has {found:,} bytes, its writer reported {size:,} values of "
+                                     f"{np.dtype(m['dtypes'][part])}")
+        read = 0
+        for part, size in sizes.items():
+            read += self.files[part].append_file(laid.path(part), m["dtypes"][part], size,
+                                                 self.entries if part == "indptr" else 0)
+        self._last = m["last"]
+        self.entries += m["entries"]
+        self.contexts += m["contexts"]
+        return read
+
     def close(self) -> dict:
         self.files["indptr"].append(np.array([self.entries], dtype=np.int64))
         return {"contexts": self.contexts, "entries": self.entries,
                 "files": {part: w.close() for part, w in self.files.items()}}
 
 
+@dataclass
+class LaidOutRange:
+    """One n-gram range as :func:`write_range` left it: its files in ``folder`` and what the worker reported."""
+
+    folder: Path
+    meta: dict
+    read_back: int = 0  # set by the table's writer: the bytes of the range's files it read
+
+    def path(self, part: str) -> Path:
+        return self.folder / str(self.meta["order"]) / f"{self.meta['range']}.{part}"
+
+
+def write_range(folder: Path, order: int, rng: int, vocab_size: int, keys: np.ndarray, counts: np.ndarray) -> dict:
+    """Lay out one merged range of an order's n-gram table as :class:`NgramWriter` would append it (contexts, indptr
+    from 0, next tokens, counts), checked as it checks a range, in raw files ``folder/<order>/<rng>.<part>``, each
+    written under another name and renamed (a task run twice leaves one whole file). Returns what the table's
+    writer needs to check and copy them (:class:`LaidOutRange`'s ``meta``)."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    counts = np.ascontiguousarray(counts)
+    index = np.int32 if keys.size < 2**31 else np.int64  # indptr from 0: the range's own entries
+    contexts, indptr, nxt = np.empty(keys.size, np.int64), np.empty(keys.size, index), np.empty(keys.size, np.int32)
+    m = _split_keys(keys, np.int64(vocab_size), np.int64(0), contexts, indptr, nxt)
+    problem = ngram_range_problem(order, contexts[:m], nxt, counts, vocab_size, -1)
+    if problem:
+        raise AssertionError(f"range {rng} of the {order}-gram table: {problem}")
+    # counts as the table stores them below 2³¹ n-grams (``ngram_dtypes``), so that they are copied, not converted
+    small = not counts.size or counts.max() < 2**31
+    arrays = {"contexts": contexts[:m], "indptr": indptr[:m], "next": nxt,
+              "counts": counts.astype(np.int32) if small else counts}
+    out = folder / str(order)
+    out.mkdir(parents=True, exist_ok=True)
+    for part, values in arrays.items():
+        final = out / f"{rng}.{part}"
+        partial = out / f".{rng}.{part}.{uuid.uuid4().hex[:8]}"
+        values.astype(values.dtype.newbyteorder("<"), copy=False).tofile(partial)
+        os.replace(partial, final)
+    return {"order": order, "range": rng, "entries": int(keys.size), "contexts": int(m),
+            "first": int(contexts[0]) if m else -1, "last": int(contexts[m - 1]) if m else -1,
+            "sum": int(counts.sum()), "dtypes": {part: values.dtype.str for part, values in arrays.items()}}
+
+
 def write_ngrams(root: Path, folder: str, order: int, vocab_size: int, ranges: Iterable,
                  hasher: Hasher | None, total: int) -> dict:
-    """Write one order's table of ``total`` n-grams from its merged ranges; its manifest entry (with Futures)."""
+    """Write one order's table of ``total`` n-grams from its ranges (``(keys, counts)`` or :class:`LaidOutRange`);
+    its manifest entry (with Futures)."""
     w = NgramWriter(root, folder, order, vocab_size, hasher, total)
-    for keys, counts in ranges:
-        w.add(keys, counts)
+    for r in ranges:
+        if isinstance(r, LaidOutRange):
+            r.read_back = w.add_written(r)
+        else:
+            w.add(*r)
     return w.close()
