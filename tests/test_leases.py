@@ -133,8 +133,8 @@ def test_a_file_too_large_to_read_in_is_mapped_unprotected_with_one_warning(home
     monkeypatch.setattr(reader, "_warned", False)
     with open(a / DATA, "r+b"):
         with pytest.warns(UserWarning, match=r"counts/shard-00000/data.npy is memory-mapped without protection "
-                                             r"\(another process has it open for writing, and it takes more than a "
-                                             r"quarter of the memory available.*\): a program that rewrites it in "
+                                             r"\(another process has it open for writing, and it is too large to "
+                                             r"read in\): a program that rewrites it in "
                                              r"place .* will crash this process \(SIGBUS\); own the files"):
             counts = load_graph(a).counts
     assert isinstance(counts.data, np.memmap)

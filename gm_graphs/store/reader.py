@@ -24,6 +24,7 @@ from gm_graphs.errors import GraphmaxError
 from gm_graphs.store import leases, npy
 from gm_graphs.store.leases import Lease, available_memory
 
+READ_IN_MAX = 256 << 20  # the largest file read into memory where no lease protects its mapping
 Fail = Callable[[str], GraphmaxError]  # what is wrong → the error of the folder's kind, naming the folder and the fix
 
 
@@ -134,7 +135,8 @@ class RecordedFile:
     def array(self) -> np.ndarray:
         """The array, read-only, in a form that another program rewriting the file in place cannot crash (SIGBUS) or
         change: memory-mapped under a read lease (:attr:`lease`, ``gm_graphs.store.leases``) where the kernel grants
-        one; else read into memory where it takes at most a quarter of the memory available; else memory-mapped
+        one; else read into memory where it takes at most ``READ_IN_MAX`` and a quarter of the memory available (a
+        graph on a file system without leases, e.g. NFS, would otherwise be read whole at every load); else mapped
         unprotected, with one warning that names the fix. Not on Linux (no leases), memory-mapped as such.
         """
         if self.length == 0:
@@ -146,7 +148,7 @@ class RecordedFile:
         except leases.Refused as refused:
             why = str(refused)
         available = available_memory()
-        if available is not None and self.stat.st_size <= available // 4:
+        if available is not None and self.stat.st_size <= min(available // 4, READ_IN_MAX):
             values = self.read()
             self._unchanged()
             values.flags.writeable = False
@@ -205,7 +207,7 @@ def _warn_unprotected(root: Path, rel: str, why: str) -> None:
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"{root}/{rel} is memory-mapped without protection ({why}, and it takes more than a quarter "
-                      f"of the memory available, too much to read in): a program that rewrites it in place (cp or "
-                      f"rsync --inplace over it) while this process reads it will crash this process (SIGBUS); own "
-                      f"the files (chown) on a local file system, or replace them only by renaming", stacklevel=4)
+        warnings.warn(f"{root}/{rel} is memory-mapped without protection ({why}, and it is too large to read "
+                      f"in): a program that rewrites it in place (cp or rsync --inplace over it) while this process "
+                      f"reads it will crash this process (SIGBUS); own the files (chown) on a local file system, or "
+                      f"replace them only by renaming", stacklevel=4)
