@@ -176,6 +176,13 @@ class Graph:
         """
         return self._files.stats()
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`GraphBusyError` if another program opened a file of this graph's arrays for writing (``cp``
+        or ``rsync --inplace`` over it) after they were handed out. The decoders call it at every step. The arrays
+        stay readable, holding the bytes they were checked with (``gm_graphs.store.leases``): nothing crashes, but
+        they are no longer the graph on disk; load it again."""
+        self._files.check_unchanged()
+
     def validate(self) -> Graph:
         """Check every file of the graph now (the arrays are otherwise checked when first used); returns self."""
         self._files.check_all()

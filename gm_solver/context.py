@@ -274,6 +274,7 @@ class ContextReference:
         tables = getattr(source, "ngrams", None) or {}
         if not _is_graph(source):  # a Graph's arrays are checked at load (gm_graphs); these reach numba unchecked
             _check_structure(counts, tables)
+        self._graph = source if _is_graph(source) else None
         self.indptr = _frozen(counts.indptr, np.int64)
         self.indices = _frozen(counts.indices, np.int32)
         self.counts = _frozen(counts.data, np.int64)
@@ -407,11 +408,21 @@ class ContextReference:
         if width < self.n:
             raise ValueError(f"width {width} is narrower than the graph's {self.n} tokens")
         knn = self._check_knn(knn, input_ids.shape[0], width)
+        self._check_graph()
         if input_ids.device.type != "cpu":
-            return self._rows_torch(input_ids, width, knn).to(dtype)
-        q = np.empty((input_ids.shape[0], width))
-        context_kernel.reference_rows(*self._kernel_args(input_ids, knn), q, np.empty_like(q))
-        return torch.from_numpy(q).to(dtype)
+            q = self._rows_torch(input_ids, width, knn)
+        else:
+            q = np.empty((input_ids.shape[0], width))
+            context_kernel.reference_rows(*self._kernel_args(input_ids, knn), q, np.empty_like(q))
+            q = torch.from_numpy(q)
+        self._check_graph()
+        return q.to(dtype)
+
+    def _check_graph(self) -> None:
+        """Raise ``GraphBusyError`` if the graph the counts came from had a file rewritten in place since
+        (``gm_graphs.Graph.check_unchanged``); nothing for counts given as a matrix."""
+        if self._graph is not None:
+            self._graph.check_unchanged()
 
     def restricted(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """q(· | ``input_ids``) over the tokens ``scores`` allows: zero where a score is ``-inf``, renormalised over
@@ -462,6 +473,14 @@ class ContextReference:
             >>> [round(v, 3) for v in logp.exp()[0].tolist()], bool(info.gap.max() <= 1e-6)
             ([0.206, 0.583, 0.211], True)
         """
+        self._check_graph()
+        out = self._solve(input_ids, scores, lam, tol, max_iter, check_every, backend, knn)
+        self._check_graph()  # a file rewritten during the step may have been read as zeros (gm_graphs.store.leases)
+        return out
+
+    def _solve(self, input_ids: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor | None, tol: float,
+               max_iter: int | None, check_every: int | None, backend: str,
+               knn: tuple | None) -> tuple[torch.Tensor, SolveInfo]:
         if backend not in ("auto", "numba", "torch"):
             raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
         if not isinstance(scores, torch.Tensor) or scores.dim() != 2:

@@ -211,12 +211,17 @@ class _OperatorDecoder(GraphmaxLogitsProcessor):
         return self.config.lam
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        check = getattr(self.graph, "check_unchanged", None)  # a gm_graphs.Graph's: a file rewritten in place
+        if check is not None:
+            check()
         if scores.device != self.operator.device:
             self.operator = get_operator(self.graph, scores.device)
         c = self.config
         logp, self.last_info = log_graphmax(scores, self.operator, c.lam, tol=c.tol, max_iter=c.max_iter,
                                             solver="paper" if c.algorithm1 else "mirror",
                                             check_every=self.check_every, return_info=True)
+        if check is not None:
+            check()
         return logp
 
     def _shape(self) -> tuple[int, torch.device]:

@@ -2,8 +2,10 @@
 
 Opening a file (:class:`GraphFiles`) walks its path component by component from the folder without following
 symlinks, accepts only regular files of the recorded size, reads the ``.npy`` header itself (dtype, 1-D shape,
-size) and memory-maps the descriptor it checked. Arrays are handed out only after ``gm_graphs.format.validate``'s
-checks, once per file identity (``gm_graphs.store.verified``).
+size) and memory-maps the descriptor it checked, under a read lease (``gm_graphs.store.leases``): another program
+that rewrites a mapped file in place cannot crash the process, and :meth:`GraphFiles.check_unchanged` then raises
+``GraphBusyError``. Arrays are handed out only after ``gm_graphs.format.validate``'s checks, once per file identity
+(``gm_graphs.store.verified``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import scipy.sparse as sp
 from gm_graphs.errors import GraphBusyError, GraphFormatError
 from gm_graphs.format import validate
 from gm_graphs.format.validate import FORMAT_VERSION, NGRAM_PARTS, STATS
-from gm_graphs.store import pagecache, verified
+from gm_graphs.store import leases, pagecache, verified
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, Artefact, fsync_dir, is_graph_folder
 from gm_graphs.store.reader import RecordedFile
@@ -207,6 +209,9 @@ class GraphFiles:
     the new graph's, healthy but not those ``manifest`` records. Given ``key`` (the :func:`manifest_key` of the
     manifest read), each unit's files, once open, count as this manifest's only while the folder's manifest is still
     that one, or records the same files; else :class:`GraphBusyError` says the graph was replaced, not corrupted.
+
+    The arrays are mapped under read leases (``gm_graphs.store.leases``): another program that opens one of their
+    files for writing is held until the mapping holds a copy of its bytes, and :meth:`check_unchanged` then raises.
     """
 
     def __init__(self, root: Path, manifest: dict, verify: bool = True, key: tuple | None = None):
@@ -215,6 +220,24 @@ class GraphFiles:
         self._real_root = os.path.realpath(self.root)
         self._trusted = False
         self._now: tuple[tuple, set | None] | None = None  # the manifest on disk last seen, and its file records
+        self._leases: list[leases.Lease] = []  # of the arrays handed out
+        self._revocations = leases.revocations()  # the process' count when the leases were last looked at
+        self._rewritten: str | None = None  # the file of a revoked lease
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`GraphBusyError` if another program opened a file of an array handed out for writing (``cp``
+        or ``rsync --inplace`` over it) since; the arrays themselves stay readable (the lease's copy). Costs a
+        comparison of two integers while no lease of the process was revoked."""
+        if leases.revocations() != self._revocations:
+            self._revocations = leases.revocations()
+            if self._rewritten is None:
+                self._rewritten = next((lease.name for lease in self._leases if lease.revoked), None)
+            self._leases = [lease for lease in self._leases if lease.held]
+        if self._rewritten is not None:
+            raise GraphBusyError(f"graph {self.root} was rewritten in place while this process had it loaded: another "
+                                 f"program opened {self._rewritten} for writing (cp or rsync --inplace over it?); "
+                                 f"load it again once it is whole (load_graph) and make the decoder anew from it; "
+                                 f"replace a graph's files only by renaming")
 
     def _check_not_replaced(self, entries: list[dict]) -> None:
         """Raise GraphBusyError if the folder's manifest is no longer the one read and records other files than
@@ -255,18 +278,22 @@ class GraphFiles:
                 raise
             # after opening: the descriptors hold this manifest's files whatever is written there next
             self._check_not_replaced(records)
+            # mapped (under a lease) or read before the checks: the bytes checked are the bytes handed out
+            arrays = {part: o.array() for part, o in opened.items() if o.dtype is not None}
+            self._leases += [o.lease for o in opened.values() if o.lease is not None]
             for o in opened.values():
                 if (self.verify or self._trusted) and not verified.is_verified("sha256", {}, [o.identity]):
                     if not self._trusted and o.sha256() != o.entry["sha256"]:
+                        self.check_unchanged()  # rewritten while it was hashed: busy, not corrupted
                         raise GraphFormatError(f"graph {self.root}: {o.rel} fails its SHA-256 checksum "
                                                f"(corrupted); {validate.REBUILD}")
                     verified.remember("sha256", {}, [o.identity])
-            arrays = {part: o.memmap() for part, o in opened.items() if o.dtype is not None}
             ids = [o.identity for o in opened.values()]
             if arrays and not verified.is_verified(kind, context, ids):
                 if not (self._trusted and kind == "ngrams"):  # NgramWriter checked them range by range
                     check(arrays)
                 verified.remember(kind, context, ids)
+            self.check_unchanged()  # a file opened for writing while it was checked: what passed may be a copy
             return arrays
         finally:
             for o in opened.values():

@@ -4,8 +4,9 @@ A file is opened inside its folder through no symlink (each path component is ch
 one before), as a regular file only (a FIFO or a device node is never opened: opening one can block, or act on the
 device), and its size must be the one the folder's record (manifest.json, meta.json) gives. An array's ``.npy``
 header is read without numpy's parser (``gm_graphs.store.npy``) and must be 1-D, of an expected dtype, and fill the
-file exactly. Only then is its data memory-mapped or read. Each folder kind passes the error it raises (a
-one-line message naming the folder and the fix), so every check reads the same for graphs and datastores.
+file exactly. Only then is its data memory-mapped (under a read lease, ``gm_graphs.store.leases``) or read. Each
+folder kind passes the error it raises (a one-line message naming the folder and the fix), so every check reads the
+same for graphs and datastores.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from gm_graphs.errors import GraphmaxError
-from gm_graphs.store import npy
+from gm_graphs.store import leases, npy
+from gm_graphs.store.leases import Lease, available_memory
 
+READ_IN_MAX = 256 << 20  # the largest file read into memory where no lease protects its mapping
 Fail = Callable[[str], GraphmaxError]  # what is wrong → the error of the folder's kind, naming the folder and the fix
 
 
@@ -78,7 +82,7 @@ class RecordedFile:
         >>> folder = Path(tempfile.mkdtemp()); np.save(folder / "a.npy", np.arange(3, dtype="<i4"))
         >>> with RecordedFile(folder, "a.npy", (folder / "a.npy").stat().st_size, ValueError, "the record") as f:
         ...     f.read_header((np.dtype("<i4"),), 3)
-        ...     f.memmap().tolist()
+        ...     f.array().tolist()
         [0, 1, 2]
         >>> RecordedFile(folder, "a.npy", 7, ValueError, "the record")
         Traceback (most recent call last):
@@ -87,7 +91,9 @@ class RecordedFile:
     """
 
     def __init__(self, root: Path, rel: str, size: int, fail: Fail, record: str):
-        self.rel, self.fail = rel, fail
+        self.root, self.rel, self.fail = root, rel, fail
+        self.lease: Lease | None = None  # what protects the array from a rewrite in place, once mapped
+        self._bytes: bytearray | None = None  # the file, where it was read into memory instead
         fd = open_inside(root, rel, fail)
         try:
             self.stat = os.fstat(fd)
@@ -126,11 +132,38 @@ class RecordedFile:
             self.close()
             raise
 
-    def memmap(self) -> np.ndarray:
-        """The array, memory-mapped read-only (an empty one in memory)."""
+    def array(self) -> np.ndarray:
+        """The array, read-only, in a form that another program rewriting the file in place cannot crash (SIGBUS) or
+        change: memory-mapped under a read lease (:attr:`lease`, ``gm_graphs.store.leases``) where the kernel grants
+        one; else read into memory where it takes at most ``READ_IN_MAX`` and a quarter of the memory available (a
+        graph on a file system without leases, e.g. NFS, would otherwise be read whole at every load); else mapped
+        unprotected, with one warning that names the fix. Not on Linux (no leases), memory-mapped as such.
+        """
         if self.length == 0:
             return np.zeros(0, dtype=self.dtype)
+        try:
+            values, self.lease = leases.map_leased(self.fh, self.rel, self.dtype, self.offset, self.length,
+                                                   self._unchanged)
+            return values
+        except leases.Refused as refused:
+            why = str(refused)
+        available = available_memory()
+        if available is not None and self.stat.st_size <= min(available // 4, READ_IN_MAX):
+            values = self.read()
+            self._unchanged()
+            values.flags.writeable = False
+            return values
+        if available is not None:
+            _warn_unprotected(self.root, self.rel, why)
+        self._unchanged()
         return np.memmap(self.fh, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.length,))
+
+    def _unchanged(self) -> None:
+        """Raise the folder's error if the file was written since it was opened (its size, mtime or ctime)."""
+        now = os.fstat(self.fh.fileno())
+        if (now.st_size, now.st_mtime_ns, now.st_ctime_ns) != (self.stat.st_size, self.stat.st_mtime_ns,
+                                                              self.stat.st_ctime_ns):
+            raise self.fail(f"{self.rel} changed while it was loaded")
 
     def read(self, sha256: str | None = None) -> np.ndarray:
         """The array read once into memory through this descriptor (``sha256``: the bytes checked against it), so
@@ -149,12 +182,16 @@ class RecordedFile:
         self.fh.seek(0)
         if self.fh.readinto(raw) != size:
             raise self.fail(f"{self.rel} changed while it was read")
+        self._bytes = raw
         if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
             raise self.fail(f"{self.rel} fails its SHA-256 checksum (corrupted)")
         return np.frombuffer(raw, dtype=self.dtype, count=self.length, offset=self.offset)
 
     def sha256(self) -> str:
-        """The SHA-256 of the whole file, read through this descriptor."""
+        """The SHA-256 of the whole file: of the bytes read into memory where it was (what the array holds), else
+        read through this descriptor."""
+        if self._bytes is not None:
+            return hashlib.sha256(self._bytes).hexdigest()
         self.fh.seek(0)
         return hashlib.file_digest(self.fh, "sha256").hexdigest()
 
@@ -162,13 +199,15 @@ class RecordedFile:
         self.fh.close()
 
 
-def available_memory() -> int | None:
-    """Bytes of memory the kernel can give without swapping (Linux' MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+_warned = False
+
+
+def _warn_unprotected(root: Path, rel: str, why: str) -> None:
+    """One warning per process: a file mapped without a lease can still crash it when rewritten in place."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"{root}/{rel} is memory-mapped without protection ({why}, and it is too large to read "
+                      f"in): a program that rewrites it in place (cp or rsync --inplace over it) while this process "
+                      f"reads it will crash this process (SIGBUS); own the files (chown) on a local file system, or "
+                      f"replace them only by renaming", stacklevel=4)
