@@ -165,11 +165,15 @@ def test_an_unreachable_address_fails_in_one_line_within_30_s(csv_corpus, bpe_to
     assert not (tmp_path / "home" / "graphs" / "g").exists()
 
 
-def _cli(args: list[str], home: Path, mark: str, *, code: str | None = None, timeout: float = 300):
-    """``graphmax ARGS`` in a fresh Python (no Ray in it yet), every process it starts marked with ``mark``."""
+def _cli(args: list[str], home: Path, mark: str, *, code: str | None = None, timeout: float = 300,
+         ray_address: str | None = None):
+    """``graphmax ARGS`` in a fresh Python (no Ray in it yet), every process it starts marked with ``mark``;
+    ``ray_address``: the environment's RAY_ADDRESS."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home), "GRAPHMAX_TEST_RUN": mark}
     for name in ("RAY_ADDRESS", "RAY_gcs_server_port_wait_time_s"):
         env.pop(name, None)
+    if ray_address is not None:
+        env["RAY_ADDRESS"] = ray_address
     head = ["-c", code] if code else ["-m", "pipelines.cli"]
     return subprocess.run([sys.executable, *head, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -177,12 +181,16 @@ def _cli(args: list[str], home: Path, mark: str, *, code: str | None = None, tim
 def test_the_cli_starts_a_local_ray_for_the_whole_build_and_stops_all_of_it(csv_corpus, bpe_tokenizer_file,
                                                                               tmp_path):
     """Without --ray-address the build starts Ray on this machine, in a fresh process: Ray's head processes must
-    outlive the call that started them, and none of Ray's processes outlive the command."""
+    outlive the call that started them, and none of Ray's processes outlive the command. A Ray of its own, even
+    where RAY_ADDRESS names a cluster (here one that is gone, as /tmp/ray's record of a dead `ray start` would)."""
     pytest.importorskip("ray")
     path, _ = csv_corpus
     mark = os.urandom(8).hex()
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
     proc = _cli(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--engine", "ray",
-                 "--ngrams", "3"], tmp_path / "home", mark)
+                 "--ngrams", "3"], tmp_path / "home", mark, ray_address=gone)
     left = processes_with_env("GRAPHMAX_TEST_RUN", mark)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == ""  # neither Ray's start nor Ray Data's plans on the console

@@ -195,7 +195,9 @@ class _Owner:
         before = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            ray.init(**_INIT)
+            # "local": a Ray of its own, as documented, never a cluster that RAY_ADDRESS or /tmp/ray's record of the
+            # last `ray start` names (a record that outlived its cluster made every such build time out)
+            ray.init(address="local", **_INIT)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             self.error = e
         finally:
