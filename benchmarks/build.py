@@ -118,8 +118,8 @@ def _child(job: str, files: list[str], out: str) -> dict:
         elif job == "ray":
             import ray
 
-            ray.init(num_cpus=2, object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            ray.init(address="local", num_cpus=2, object_store_memory=2 << 30, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
         disk = _Disk(target)
         t0 = time.perf_counter()
         g = build_graph(files, tok, path=target, orders=(1, 2), ngrams=(3, 4), progress=False, overwrite=True,

@@ -34,8 +34,8 @@ def ray_local():
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address="local", num_cpus=2, object_store_memory=512 << 20, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 
