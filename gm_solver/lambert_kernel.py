@@ -206,11 +206,12 @@ def _is_far(kind, ti, ai, x):
 
 
 @jit(inline="always")
-def _dual_logit(kind, ti, ai, lam, x, lx, c):
+def _dual_logit(kind, ti, ai, lam, x, lx, c, far):
     # y = t − λ∇D(x) up to a per-row constant, for the certificate: t + a/x (rkl, a = λq̂), t − 2λx + a (l2,
-    # a = 2λq̂); t itself at λ = 0; log x + c for a far token (``far_term``). An x that underflows to 0 is read at
-    # 1e-300 by ∇D, as ``divergences.certificate_toward`` does (and adds nothing to Σ x(log x − y)).
-    if _is_far(kind, ti, ai, x):
+    # a = 2λq̂); t itself at λ = 0; log x + c for a far token (``far_term``) where the row may have one (``far``).
+    # An x that underflows to 0 is read at 1e-300 by ∇D, as ``divergences.certificate_toward`` does (and adds
+    # nothing to Σ x(log x − y)).
+    if far and _is_far(kind, ti, ai, x):
         return lx + c
     return ti + ai / max(x, _TINY) if kind == RKL else ti - 2.0 * lam * x + ai
 
@@ -245,7 +246,7 @@ def certificate(kind, t, a, lam, logx):
         if logx[i] > -np.inf:
             x = math.exp(logx[i])
             if not _is_far(kind, t[i], a[i], x):
-                y[i] = _dual_logit(kind, t[i], a[i], lam, x, logx[i], 0.0)
+                y[i] = _dual_logit(kind, t[i], a[i], lam, x, logx[i], 0.0, False)
                 top = max(top, y[i])
                 held += x
     c = 0.0
@@ -296,6 +297,10 @@ SERIAL, ROWS, LOCKSTEP = 0, 1, 2
 # a row's state between passes: one float64 row of ``state`` per logits row
 LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, TOTAL, TOP = range(16)
 STATE = TOP + 1  # the width of ``state``
+# a row whose largest z + w·log q (w = λm, the weight of KL(x‖q)'s share; z alone without one) lies within ±NEAR
+# is solved as it comes, where rounding at |z| ≤ 64 costs ε·64 ≈ 1e-14, as the table does; any other is shifted
+# (:func:`_row_peak`), at the cost of a second first pass
+NEAR = 64.0
 
 
 @jit()
@@ -303,28 +308,20 @@ def _span(c, width):
     return c * CHUNK, min(width, (c + 1) * CHUNK)
 
 
-@jit(fastmath=LOOP)
-def _finite_max(z, lo, hi):
-    # the largest finite z over lo:hi (−inf if none): the row's shift
-    top = -np.inf
-    for i in range(lo, hi):
-        zi = z[i]
-        top = max(top, zi if zi < np.inf else -np.inf)
-    return top
-
-
 @jit()
-def _row_top(z):
-    # the row's largest finite score, or 0 when it has none (its status is then an error): what _prepare subtracts
-    top = _finite_max(z, 0, z.size)
-    return top if top > -np.inf else 0.0
+def _finite_max(z):
+    # the largest finite z (a row that reaches it has one)
+    top = -np.inf
+    for i in range(z.size):
+        if z[i] < np.inf:
+            top = max(top, z[i])
+    return top
 
 
 @jit(fastmath=LOOP)
 def _prepare(kind, z, peak, q, logq, have_logq, w, need_base, v, base, lo, hi, sums):
-    # tokens lo:hi of one row, its scores shifted by ``peak``, the row's largest finite score: x and the objective
-    # are the same (⟨x, z − peak⟩ = ⟨x, z⟩ − peak on the simplex), and every quantity below stays of the size of
-    # the scores' spread instead of their magnitude, where 1e20 would round λ, q and ν away.
+    # tokens lo:hi of one row, its scores shifted by ``peak`` (see :func:`_row_peak`): x and the objective are the
+    # same (⟨x, z − peak⟩ = ⟨x, z⟩ − peak on the simplex).
     # v = z, or with KL(x‖q)'s share w = λm > 0 the logits leaned toward q,
     # (z + w·log q)/(1 + w) (−inf where q = 0: KL(x‖q) keeps x there at 0); base = log q − v (rkl's
     # s = log a − t + ν, less a per-row constant); log q read from ``logq`` when the caller has it.
@@ -364,6 +361,42 @@ def _prepare(kind, z, peak, q, logq, have_logq, w, need_base, v, base, lo, hi, s
         for i in range(lo, hi):
             total += exp(v[i] - top)
     sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = mass, top, total, nan, posinf, finite
+
+
+@jit()
+def _row_peak(z, v, sums, w):
+    """What :func:`_prepare` is to subtract from a row it went through unshifted (``v``, its chunks' ``sums``,
+    chunks × 6, KL(x‖q)'s share ``w``): 0 when (1 + w)·max v, the largest z + w·log q, lies within :data:`NEAR`
+    of 0 (or the row has no v > −inf), else the score of the token with the largest v (the largest z when w = 0).
+    Shifted, that token's leaned logit is w·log q/(1 + w), the largest, and every quantity stays of the size of
+    the scores' spread instead of their magnitude: unshifted, log x = base + v + … and t = v − lse lose ε·|z|
+    (at 1e20, λ, q and ν round away)."""
+    top = sums[:, 1].max()
+    if not (abs(top) * (1.0 + w) > NEAR and top > -np.inf):
+        return 0.0
+    if w == 0.0:
+        return top
+    for i in range(v.size):  # a row with scores this large: the rare path
+        if v[i] == top:
+            return z[i] if abs(z[i]) > NEAR else 0.0
+    return 0.0
+
+
+@jit()
+def _prepare_chunks(kind, z, peak, q, logq, have_logq, lam, share, v, base, sums):
+    for c in range((z.size + CHUNK - 1) // CHUNK):
+        lo, hi = _span(c, z.size)
+        _prepare(kind, z, peak, q, logq, have_logq, lam * share, kind == RKL and lam * (1.0 - share) > 0.0, v, base,
+                 lo, hi, sums[c])
+
+
+@jit()
+def _prepare_row(kind, z, q, logq, have_logq, lam, share, v, base, sums, st):
+    # a row's chunks through _prepare, and again shifted by st[TOP] when _row_peak says so (scores beyond ±NEAR)
+    _prepare_chunks(kind, z, 0.0, q, logq, have_logq, lam, share, v, base, sums)
+    st[TOP] = _row_peak(z, v, sums[:(z.size + CHUNK - 1) // CHUNK], lam * share)
+    if st[TOP] != 0.0:
+        _prepare_chunks(kind, z, st[TOP], q, logq, have_logq, lam, share, v, base, sums)
 
 
 @jit(fastmath=LOOP)
@@ -414,18 +447,15 @@ def _sums(kind, v, q, base, shift, soft_shift, kap, inv_c, table, lo, hi):
     return total, slope, curve
 
 
-@jit(fastmath=LOOP)
-def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
-    # log x over lo:hi at the last ν evaluated (its Lambert argument s as in _sums, at ν), and the certificate's
-    # sums: Σ x(log x − y) and Σ e^(y − ν). At the optimum y = log x + ν (the stationarity condition), so ν
-    # is a safe shift for the logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic gives e^δ to
-    # rounding for |δ| < 1e-4 (one exp per token instead of two). Where ν is no safe shift (rare), the caller
-    # sums again from the max (:func:`_gap`).
-    # two loops, each with a short chain of dependent operations per token (a table lookup; then exp, a division
-    # and a cubic), so that more tokens are in flight at once: 9.5 instead of 13.7 ns per token. ``out`` holds v
-    # on entry (it is the solve's buffer), so the first loop moves v to ``kept`` as it writes log x. A far token
-    # (FAR) takes log a from q and its dual logit log x + ν, and adds ``far_term`` to the inner sum.
-    far = 0.0
+@jit(inline="always")
+def _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept,
+                   far):
+    # the two loops of :func:`_finish` (``far`` False) and :func:`_finish_far` (True; a literal at both, so that
+    # each compiles to its own loops), and how many tokens have t < −FAR and x > 0 (far ones, when rkl's: x of
+    # any other rounds to 0 there; masked ones have t = −inf and x = 0): counted in the second loop, where it
+    # costs nothing (in the first, 0.6 ms per 16 rows of 49,152 tokens)
+    extra = 0.0
+    count = 0
     for i in range(lo, hi):
         vi = v[i]
         kept[i] = vi
@@ -436,11 +466,11 @@ def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_tota
         elif kind == RKL:
             if q[i] > 0.0:  # log x = log a − ω, and log a = log κ + base + v
                 omega = lambert_omega(base[i] + shift, table)
-                if vi - lse < -FAR:
+                if far and vi - lse < -FAR:
                     lx = math.log(kap * q[i]) - omega - log_total
                     x = exp(lx)
                     if x > 0.0:
-                        far += far_term(vi - lse, kap * q[i], x, lx, nu)
+                        extra += far_term(vi - lse, kap * q[i], x, lx, nu)
                     out[i] = lx
                 else:
                     out[i] = base[i] + vi + log_kap - omega - log_total
@@ -453,11 +483,38 @@ def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_tota
     for i in range(lo, hi):  # no branch and no store per token, so that it vectorizes; masked tokens give 0
         lx = out[i]
         x = exp(lx)
-        y = _dual_logit(kind, kept[i] - lse, kap * q[i], lam, x, lx, nu)
+        ti = kept[i] - lse
+        y = _dual_logit(kind, ti, kap * q[i], lam, x, lx, nu, far)
         inner += x * (lx - y) if x > 0.0 else 0.0
         d = y - nu - lx
         total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if abs(d) < 1e-4 else exp(y - nu)
-    return inner + far, total
+        count += (ti < -FAR) & (x > 0.0)
+    return inner + extra, total, count
+
+
+@jit(fastmath=LOOP)
+def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
+    # log x over lo:hi at the last ν evaluated (its Lambert argument s as in _sums, at ν), the certificate's sums
+    # Σ x(log x − y) and Σ e^(y − ν), and how many tokens have t < −FAR and x > 0 (rkl: far tokens, FAR, for which the
+    # caller goes through the chunk again with :func:`_finish_far`). At the optimum y = log x + ν (the stationarity
+    # condition), so ν is a safe shift for the logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic
+    # gives e^δ to rounding for |δ| < 1e-4 (one exp per token instead of two). Where ν is no safe shift (rare), the
+    # caller sums again from the max (:func:`_gap`).
+    # two loops, each with a short chain of dependent operations per token (a table lookup; then exp, a division
+    # and a cubic), so that more tokens are in flight at once: 9.5 instead of 13.7 ns per token. ``out`` holds v
+    # on entry (it is the solve's buffer), so the first loop moves v to ``kept`` as it writes log x.
+    return _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out,
+                          kept, False)
+
+
+@jit(fastmath=LOOP)
+def _finish_far(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
+    # :func:`_finish` for a chunk with far tokens (FAR): they take log a from q (base + v gives it back with an
+    # error ε·|t|) and the dual logit log x + ν, and add ``far_term`` to the inner sum. Apart, because the checks
+    # cost _finish's loops about 1 ms per 16 rows of 49,152 tokens (3%) where no token is far; other tokens come
+    # out as from _finish.
+    return _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out,
+                          kept, True)
 
 
 @jit()
@@ -489,7 +546,8 @@ def _begin(kind, z, out, sums, lam, share, st):
     st[LSE] = _combine(sums[:, 1], sums[:, 2])
     soft = lam == 0.0 or not st[MASS] > 0.0
     st[SOFT] = soft
-    if soft and lam * share > 0.0:  # out holds the leaned logits: softmax is of z itself (shifted, as _prepare's)
+    if soft and lam * share > 0.0:  # out holds the leaned logits: softmax is of z itself, shifted by its largest
+        st[TOP] = _finite_max(z)
         for i in range(z.size):
             out[i] = z[i] - st[TOP]
         st[LSE] = _logsumexp(out)
@@ -561,8 +619,12 @@ def _finish_at(kind, v, q, base, kept, st, table, lo, hi, out, sums):
         for i in range(lo, hi):
             out[i] -= st[LSE]
         return
-    sums[0], sums[1] = _finish(kind, v, q, base, _shift(kind, st, st[AT]), st[LSE], st[KAP], st[LAM],
-                                        st[LOG_KAP], st[LOG_C], st[AT], math.log(st[TOTAL]), table, lo, hi, out, kept)
+    shift, log_total = _shift(kind, st, st[AT]), math.log(st[TOTAL])
+    sums[0], sums[1], far = _finish(kind, v, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP], st[LOG_C],
+                                    st[AT], log_total, table, lo, hi, out, kept)
+    if far > 0 and kind == RKL:  # huge scores: the chunk again (v is in ``kept`` now)
+        sums[0], sums[1], _ = _finish_far(kind, kept, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP],
+                                          st[LOG_C], st[AT], log_total, table, lo, hi, out, kept)
 
 
 @jit()
@@ -578,7 +640,7 @@ def _gap(kind, st, sums, logx, kept, q):
         for i in range(logx.size):
             if logx[i] > -np.inf:
                 y[i] = _dual_logit(kind, kept[i] - st[LSE], st[KAP] * q[i], st[LAM], math.exp(logx[i]), logx[i],
-                                   st[AT])
+                                   st[AT], True)
         lse_y = _logsumexp(y)
     return st[SCALE] * max(_ordered(sums[:, 0]) + lse_y, 0.0)
 
@@ -595,11 +657,7 @@ def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, bas
     added in the order the lockstep driver adds them, so the row comes out bit for bit the same."""
     width = z.size
     chunks = (width + CHUNK - 1) // CHUNK
-    st[TOP] = _row_top(z)
-    for c in range(chunks):
-        lo, hi = _span(c, width)
-        _prepare(kind, z, st[TOP], q, logq, have_logq, lam * share, kind == RKL and lam * (1.0 - share) > 0.0, out,
-                 base, lo, hi, sums[c])
+    _prepare_row(kind, z, q, logq, have_logq, lam, share, out, base, sums, st)
     status = _begin(kind, z, out, sums[:chunks], lam, share, st)
     if status != FINE:
         return status, 0, 0.0
@@ -646,13 +704,22 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
     rows, width = z.shape
     chunks = (width + CHUNK - 1) // CHUNK
     part = np.empty((rows * chunks, 6))
-    for b in range(rows):  # serially: a parallel region costs more than a pass that vectorizes over a few rows
-        state[b, TOP] = _row_top(z[b])
     for t in numba.prange(rows * chunks):
         b, c = t // chunks, t % chunks
         lo, hi = _span(c, width)
-        _prepare(kind, z[b], state[b, TOP], q[b], logq[b], have_logq, lam[b] * share,
+        _prepare(kind, z[b], 0.0, q[b], logq[b], have_logq, lam[b] * share,
                  kind == RKL and lam[b] * (1.0 - share) > 0.0, out[b], base[b], lo, hi, part[t])
+    shifted = False  # rows whose scores lie beyond ±NEAR go through _prepare again, shifted (_prepare_row)
+    for b in range(rows):
+        state[b, TOP] = _row_peak(z[b], out[b], part[b * chunks:(b + 1) * chunks], lam[b] * share)
+        shifted |= state[b, TOP] != 0.0
+    if shifted:
+        for t in numba.prange(rows * chunks):
+            b, c = t // chunks, t % chunks
+            if state[b, TOP] != 0.0:
+                lo, hi = _span(c, width)
+                _prepare(kind, z[b], state[b, TOP], q[b], logq[b], have_logq, lam[b] * share,
+                         kind == RKL and lam[b] * (1.0 - share) > 0.0, out[b], base[b], lo, hi, part[t])
     for b in range(rows):
         status = _begin(kind, z[b], out[b], part[b * chunks:(b + 1) * chunks], lam[b], share, state[b])
         if status != FINE:
