@@ -20,7 +20,7 @@ import numpy as np
 
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .lambert_kernel import CHUNK, FINE, LOCKSTEP, LOOP, ROWS, TOTAL, jit, solve_batch, solve_row
+from .lambert_kernel import CHUNK, FINE, LOCKSTEP, LOOP, ROWS, STATE, jit, solve_batch, solve_row
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
@@ -218,7 +218,7 @@ def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, succes
         return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, work[2:], out, iters, gaps, mode)
     rows, width = z.shape
     status = np.zeros(rows, dtype=np.int64)
-    state = np.empty((rows, TOTAL + 1))
+    state = np.empty((rows, STATE))
     part = np.empty((rows, (width + CHUNK - 1) // CHUNK, 6))
     if mode == ROWS:
         _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,

@@ -54,7 +54,8 @@ def _grad(divergence: str, x: torch.Tensor, q: torch.Tensor, logx: torch.Tensor)
     if divergence == "kl":
         return logx - torch.log(q.clamp_min(_TINY))
     if divergence == "rkl":
-        return -q / x.clamp_min(_TINY)
+        # the floor of x, in a dtype where 1e-300 would round to 0 its smallest normal number (not 0/0)
+        return -q / x.clamp_min(max(_TINY, torch.finfo(x.dtype).tiny))
     return 2.0 * (x - q)
 
 
@@ -84,11 +85,29 @@ def certificate_toward(logx: torch.Tensor, z: torch.Tensor, q: torch.Tensor, lam
         >>> bool(certificate_toward(torch.log_softmax(z, -1), z, q, 1.0, "l2") > 1e-3)   # softmax is not optimal
         True
     """
+    finite = torch.isfinite(z)
+    # the gap is the same for z shifted by a constant per row; by its largest finite score, |z| is its spread
+    peak = torch.where(finite, z, -torch.inf).amax(-1, keepdim=True)
+    z = z - torch.where(torch.isfinite(peak), peak, 0.0)
     x = torch.exp(logx)
     y = z - lam * _grad(divergence, x, q, logx)
     if divergence == "kl":  # tokens with q = 0 are excluded by the KL term itself
         y = torch.where(q > 0, y, torch.full_like(y, -torch.inf))
-    return gap(x, torch.where(torch.isfinite(z), y, torch.full_like(y, -torch.inf)))
+    y = torch.where(finite, y, torch.full_like(y, -torch.inf))
+    if divergence != "rkl":
+        return gap(x, y)
+    # far tokens (``lambert_kernel.FAR``): the dual logit log x + c, c making softmax(y) agree with x on the others,
+    # and the Fenchel–Young residual of that dual point (``lambert_kernel.far_term``)
+    a = lam * q
+    far = finite & (a > 0) & (x > 0) & (z - torch.logsumexp(z, -1, keepdim=True) < -lambert_kernel.FAR)
+    near_y = torch.where(far, -torch.inf, y)
+    held = torch.where(far, 0.0, x).sum(-1, keepdim=True)
+    c = torch.where(held > 0, torch.logsumexp(near_y, -1, keepdim=True) - torch.log(held), 0.0)
+    y = torch.where(far, logx + c, y)
+    w = torch.where(far, x * (logx + c - z) / torch.where(far, a, 1.0), 1.0)
+    d = w - 1.0
+    residual = torch.where(w > 0, a * (d - torch.log1p(d)), torch.inf)
+    return gap(x, y) + torch.where(far, residual, 0.0).sum(-1)
 
 
 def restrict_reference(q: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

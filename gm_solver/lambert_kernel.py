@@ -78,6 +78,13 @@ S_LO, S_HI, PER_UNIT = -24.0, 64.0, 32
 _COLUMNS = 12  # per interval: the quintic's 6 coefficients for ω, then 6 for e^ω
 _TINY = 1e-300  # divergences._TINY: the floor of x in ∇D
 
+# A token whose log-softmaxed logit t lies more than FAR below 0 is far (huge scores: |z| of 1e6 and beyond). There
+# rkl's x ≈ λq/|t| and both t and λq/x are of size |t|, so the dual logit t + λq/x of the certificate cancels to
+# ν + log x with an error of ε·|t|·|log x| (1e4 at |t| = 1e20), which its logsumexp turns into any gap, and
+# base + v gives back log q with an error ε·|t|. Far tokens take log q and the dual logit log x + c directly
+# (``far_term``); below FAR the plain forms lose at most 1e-8.
+FAR = 1e6
+
 
 @intrinsic
 def _float_from_bits(typingctx, bits):
@@ -193,11 +200,33 @@ def lambert_e(s, table):
 
 
 @jit(inline="always")
-def _dual_logit(kind, ti, ai, lam, x):
+def _is_far(kind, ti, ai, x):
+    # a token whose dual logit is log x + c (see FAR): rkl, reference mass, x > 0, t < −FAR
+    return kind == RKL and ai > 0.0 and x > 0.0 and ti < -FAR
+
+
+@jit(inline="always")
+def _dual_logit(kind, ti, ai, lam, x, lx, c, far):
     # y = t − λ∇D(x) up to a per-row constant, for the certificate: t + a/x (rkl, a = λq̂), t − 2λx + a (l2,
-    # a = 2λq̂); t itself at λ = 0. An x that underflows to 0 is read at 1e-300 by ∇D, as
-    # ``divergences.certificate_toward`` does (and adds nothing to Σ x(log x − y)).
+    # a = 2λq̂); t itself at λ = 0; log x + c for a far token (``far_term``) where the row may have one (``far``).
+    # An x that underflows to 0 is read at 1e-300 by ∇D, as ``divergences.certificate_toward`` does (and adds
+    # nothing to Σ x(log x − y)).
+    if far and _is_far(kind, ti, ai, x):
+        return lx + c
     return ti + ai / max(x, _TINY) if kind == RKL else ti - 2.0 * lam * x + ai
+
+
+@jit(inline="always")
+def far_term(ti, ai, x, lx, c):
+    """What a far token adds to the certificate when its dual logit is y = log x + c instead of t + a/x: the
+    Fenchel–Young residual a·φ(w) of h(x) = −a·log x at the dual point u = y − t, φ(w) = w − 1 − log w,
+    w = x·u/a (0 when u = a/x, as for the plain dual logit; +inf when u ≤ 0). Any u gives a lower bound of the
+    dual, so the gap stays a certificate; this one loses no digits to rounding at |t| ≫ 1 (see FAR)."""
+    w = x * (lx + c - ti) / ai
+    if not w > 0.0:
+        return np.inf
+    d = w - 1.0
+    return ai * (d - math.log1p(d))
 
 
 @jit()
@@ -209,15 +238,33 @@ def certificate(kind, t, a, lam, logx):
     sums the same terms in its last pass.
     """
     y = np.full(t.size, -np.inf)
-    inner = 0.0
+    # the other tokens first: far tokens' y = log x + c, with c = logsumexp(their y) − log(their Σx), the shift
+    # that makes softmax(y) agree with x on them (at the optimum, y = log x + logsumexp(y) for every token)
     top = -np.inf
+    held = 0.0
     for i in range(t.size):
         if logx[i] > -np.inf:
             x = math.exp(logx[i])
-            y[i] = _dual_logit(kind, t[i], a[i], lam, x)
+            if not _is_far(kind, t[i], a[i], x):
+                y[i] = _dual_logit(kind, t[i], a[i], lam, x, logx[i], 0.0, False)
+                top = max(top, y[i])
+                held += x
+    c = 0.0
+    if held > 0.0:
+        total = 0.0
+        for i in range(t.size):
+            total += math.exp(y[i] - top)
+        c = top + math.log(total) - math.log(held)
+    inner = 0.0
+    for i in range(t.size):
+        if logx[i] > -np.inf:
+            x = math.exp(logx[i])
+            if _is_far(kind, t[i], a[i], x):
+                y[i] = logx[i] + c
+                inner += far_term(t[i], a[i], x, logx[i], c)
+                top = max(top, y[i])
             if x > 0.0:
                 inner += x * (logx[i] - y[i])
-            top = max(top, y[i])
     total = 0.0
     for i in range(t.size):
         total += math.exp(y[i] - top)
@@ -248,7 +295,12 @@ FINE, HAS_NAN, HAS_POSINF, ALL_MASKED = 0, 1, 2, 3
 # how solve_batch spreads a batch over the threads (see schedule)
 SERIAL, ROWS, LOCKSTEP = 0, 1, 2
 # a row's state between passes: one float64 row of ``state`` per logits row
-LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, TOTAL = range(15)
+LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, TOTAL, TOP = range(16)
+STATE = TOP + 1  # the width of ``state``
+# a row whose largest z + w·log q (w = λm, the weight of KL(x‖q)'s share; z alone without one) lies within ±NEAR
+# is solved as it comes, where rounding at |z| ≤ 64 costs ε·64 ≈ 1e-14, as the table does; any other is shifted
+# (:func:`_row_peak`), at the cost of a second first pass
+NEAR = 64.0
 
 
 @jit()
@@ -256,9 +308,21 @@ def _span(c, width):
     return c * CHUNK, min(width, (c + 1) * CHUNK)
 
 
+@jit()
+def _finite_max(z):
+    # the largest finite z (a row that reaches it has one)
+    top = -np.inf
+    for i in range(z.size):
+        if z[i] < np.inf:
+            top = max(top, z[i])
+    return top
+
+
 @jit(fastmath=LOOP)
-def _prepare(kind, z, q, logq, have_logq, w, need_base, v, base, lo, hi, sums):
-    # tokens lo:hi of one row: v = z, or with KL(x‖q)'s share w = λm > 0 the logits leaned toward q,
+def _prepare(kind, z, peak, q, logq, have_logq, w, need_base, v, base, lo, hi, sums):
+    # tokens lo:hi of one row, its scores shifted by ``peak`` (see :func:`_row_peak`): x and the objective are the
+    # same (⟨x, z − peak⟩ = ⟨x, z⟩ − peak on the simplex).
+    # v = z, or with KL(x‖q)'s share w = λm > 0 the logits leaned toward q,
     # (z + w·log q)/(1 + w) (−inf where q = 0: KL(x‖q) keeps x there at 0); base = log q − v (rkl's
     # s = log a − t + ν, less a per-row constant); log q read from ``logq`` when the caller has it.
     # sums ← (q's mass on the finite logits, max v, Σ e^(v − max), #NaN, #+inf, #finite z).
@@ -281,12 +345,12 @@ def _prepare(kind, z, q, logq, have_logq, w, need_base, v, base, lo, hi, sums):
         finite += 1
         qi = q[i]
         mass += qi
-        vi = zi
+        vi = zi - peak
         if w > 0.0 or need_base:
             if qi > 0.0:
                 lq = logq[i] if have_logq else math.log(qi)
                 if w > 0.0:
-                    vi = (zi + w * lq) * lean
+                    vi = (vi + w * lq) * lean
                 base[i] = lq - vi
             elif w > 0.0:
                 vi = -np.inf
@@ -297,6 +361,42 @@ def _prepare(kind, z, q, logq, have_logq, w, need_base, v, base, lo, hi, sums):
         for i in range(lo, hi):
             total += exp(v[i] - top)
     sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = mass, top, total, nan, posinf, finite
+
+
+@jit()
+def _row_peak(z, v, sums, w):
+    """What :func:`_prepare` is to subtract from a row it went through unshifted (``v``, its chunks' ``sums``,
+    chunks × 6, KL(x‖q)'s share ``w``): 0 when (1 + w)·max v, the largest z + w·log q, lies within :data:`NEAR`
+    of 0 (or the row has no v > −inf), else the score of the token with the largest v (the largest z when w = 0).
+    Shifted, that token's leaned logit is w·log q/(1 + w), the largest, and every quantity stays of the size of
+    the scores' spread instead of their magnitude: unshifted, log x = base + v + … and t = v − lse lose ε·|z|
+    (at 1e20, λ, q and ν round away)."""
+    top = sums[:, 1].max()
+    if not (abs(top) * (1.0 + w) > NEAR and top > -np.inf):
+        return 0.0
+    if w == 0.0:
+        return top
+    for i in range(v.size):  # a row with scores this large: the rare path
+        if v[i] == top:
+            return z[i] if abs(z[i]) > NEAR else 0.0
+    return 0.0
+
+
+@jit()
+def _prepare_chunks(kind, z, peak, q, logq, have_logq, lam, share, v, base, sums):
+    for c in range((z.size + CHUNK - 1) // CHUNK):
+        lo, hi = _span(c, z.size)
+        _prepare(kind, z, peak, q, logq, have_logq, lam * share, kind == RKL and lam * (1.0 - share) > 0.0, v, base,
+                 lo, hi, sums[c])
+
+
+@jit()
+def _prepare_row(kind, z, q, logq, have_logq, lam, share, v, base, sums, st):
+    # a row's chunks through _prepare, and again shifted by st[TOP] when _row_peak says so (scores beyond ±NEAR)
+    _prepare_chunks(kind, z, 0.0, q, logq, have_logq, lam, share, v, base, sums)
+    st[TOP] = _row_peak(z, v, sums[:(z.size + CHUNK - 1) // CHUNK], lam * share)
+    if st[TOP] != 0.0:
+        _prepare_chunks(kind, z, st[TOP], q, logq, have_logq, lam, share, v, base, sums)
 
 
 @jit(fastmath=LOOP)
@@ -347,16 +447,15 @@ def _sums(kind, v, q, base, shift, soft_shift, kap, inv_c, table, lo, hi):
     return total, slope, curve
 
 
-@jit(fastmath=LOOP)
-def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
-    # log x over lo:hi at the last ν evaluated (its Lambert argument s as in _sums, at ν), and the certificate's
-    # sums: Σ x(log x − y) and Σ e^(y − ν). At the optimum y = log x + ν (the stationarity condition), so ν
-    # is a safe shift for the logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic gives e^δ to
-    # rounding for |δ| < 1e-4 (one exp per token instead of two). Where ν is no safe shift (rare), the caller
-    # sums again from the max (:func:`_gap`).
-    # two loops, each with a short chain of dependent operations per token (a table lookup; then exp, a division
-    # and a cubic), so that more tokens are in flight at once: 9.5 instead of 13.7 ns per token. ``out`` holds v
-    # on entry (it is the solve's buffer), so the first loop moves v to ``kept`` as it writes log x.
+@jit(inline="always")
+def _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept,
+                   far):
+    # the two loops of :func:`_finish` (``far`` False) and :func:`_finish_far` (True; a literal at both, so that
+    # each compiles to its own loops), and how many tokens have t < −FAR and x > 0 (far ones, when rkl's: x of
+    # any other rounds to 0 there; masked ones have t = −inf and x = 0): counted in the second loop, where it
+    # costs nothing (in the first, 0.6 ms per 16 rows of 49,152 tokens)
+    extra = 0.0
+    count = 0
     for i in range(lo, hi):
         vi = v[i]
         kept[i] = vi
@@ -366,7 +465,15 @@ def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_tota
             out[i] = vi - lse
         elif kind == RKL:
             if q[i] > 0.0:  # log x = log a − ω, and log a = log κ + base + v
-                out[i] = base[i] + vi + log_kap - lambert_omega(base[i] + shift, table) - log_total
+                omega = lambert_omega(base[i] + shift, table)
+                if far and vi - lse < -FAR:
+                    lx = math.log(kap * q[i]) - omega - log_total
+                    x = exp(lx)
+                    if x > 0.0:
+                        extra += far_term(vi - lse, kap * q[i], x, lx, nu)
+                    out[i] = lx
+                else:
+                    out[i] = base[i] + vi + log_kap - omega - log_total
             else:
                 out[i] = vi - lse - nu - log_total
         else:  # l2: x = e^ω / c
@@ -376,11 +483,38 @@ def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_tota
     for i in range(lo, hi):  # no branch and no store per token, so that it vectorizes; masked tokens give 0
         lx = out[i]
         x = exp(lx)
-        y = _dual_logit(kind, kept[i] - lse, kap * q[i], lam, x)
+        ti = kept[i] - lse
+        y = _dual_logit(kind, ti, kap * q[i], lam, x, lx, nu, far)
         inner += x * (lx - y) if x > 0.0 else 0.0
         d = y - nu - lx
         total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if abs(d) < 1e-4 else exp(y - nu)
-    return inner, total
+        count += (ti < -FAR) & (x > 0.0)
+    return inner + extra, total, count
+
+
+@jit(fastmath=LOOP)
+def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
+    # log x over lo:hi at the last ν evaluated (its Lambert argument s as in _sums, at ν), the certificate's sums
+    # Σ x(log x − y) and Σ e^(y − ν), and how many tokens have t < −FAR and x > 0 (rkl: far tokens, FAR, for which the
+    # caller goes through the chunk again with :func:`_finish_far`). At the optimum y = log x + ν (the stationarity
+    # condition), so ν is a safe shift for the logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic
+    # gives e^δ to rounding for |δ| < 1e-4 (one exp per token instead of two). Where ν is no safe shift (rare), the
+    # caller sums again from the max (:func:`_gap`).
+    # two loops, each with a short chain of dependent operations per token (a table lookup; then exp, a division
+    # and a cubic), so that more tokens are in flight at once: 9.5 instead of 13.7 ns per token. ``out`` holds v
+    # on entry (it is the solve's buffer), so the first loop moves v to ``kept`` as it writes log x.
+    return _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out,
+                          kept, False)
+
+
+@jit(fastmath=LOOP)
+def _finish_far(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
+    # :func:`_finish` for a chunk with far tokens (FAR): they take log a from q (base + v gives it back with an
+    # error ε·|t|) and the dual logit log x + ν, and add ``far_term`` to the inner sum. Apart, because the checks
+    # cost _finish's loops about 1 ms per 16 rows of 49,152 tokens (3%) where no token is far; other tokens come
+    # out as from _finish.
+    return _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out,
+                          kept, True)
 
 
 @jit()
@@ -412,9 +546,11 @@ def _begin(kind, z, out, sums, lam, share, st):
     st[LSE] = _combine(sums[:, 1], sums[:, 2])
     soft = lam == 0.0 or not st[MASS] > 0.0
     st[SOFT] = soft
-    if soft and lam * share > 0.0:  # out holds the leaned logits: softmax is of z itself
-        out[:] = z
-        st[LSE] = _logsumexp(z)
+    if soft and lam * share > 0.0:  # out holds the leaned logits: softmax is of z itself, shifted by its largest
+        st[TOP] = _finite_max(z)
+        for i in range(z.size):
+            out[i] = z[i] - st[TOP]
+        st[LSE] = _logsumexp(out)
     st[KAP] = (1.0 if kind == RKL else 2.0) * st[LAM] / (1.0 if soft else st[MASS])
     st[LOG_KAP] = math.log(max(st[KAP], _TINY))
     st[LOG_C] = math.log(max(2.0 * st[LAM], _TINY))
@@ -483,8 +619,12 @@ def _finish_at(kind, v, q, base, kept, st, table, lo, hi, out, sums):
         for i in range(lo, hi):
             out[i] -= st[LSE]
         return
-    sums[0], sums[1] = _finish(kind, v, q, base, _shift(kind, st, st[AT]), st[LSE], st[KAP], st[LAM],
-                                        st[LOG_KAP], st[LOG_C], st[AT], math.log(st[TOTAL]), table, lo, hi, out, kept)
+    shift, log_total = _shift(kind, st, st[AT]), math.log(st[TOTAL])
+    sums[0], sums[1], far = _finish(kind, v, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP], st[LOG_C],
+                                    st[AT], log_total, table, lo, hi, out, kept)
+    if far > 0 and kind == RKL:  # huge scores: the chunk again (v is in ``kept`` now)
+        sums[0], sums[1], _ = _finish_far(kind, kept, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP],
+                                          st[LOG_C], st[AT], log_total, table, lo, hi, out, kept)
 
 
 @jit()
@@ -499,7 +639,8 @@ def _gap(kind, st, sums, logx, kept, q):
         y = np.full(logx.size, -np.inf)
         for i in range(logx.size):
             if logx[i] > -np.inf:
-                y[i] = _dual_logit(kind, kept[i] - st[LSE], st[KAP] * q[i], st[LAM], math.exp(logx[i]))
+                y[i] = _dual_logit(kind, kept[i] - st[LSE], st[KAP] * q[i], st[LAM], math.exp(logx[i]), logx[i],
+                                   st[AT], True)
         lse_y = _logsumexp(y)
     return st[SCALE] * max(_ordered(sums[:, 0]) + lse_y, 0.0)
 
@@ -516,10 +657,7 @@ def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, bas
     added in the order the lockstep driver adds them, so the row comes out bit for bit the same."""
     width = z.size
     chunks = (width + CHUNK - 1) // CHUNK
-    for c in range(chunks):
-        lo, hi = _span(c, width)
-        _prepare(kind, z, q, logq, have_logq, lam * share, kind == RKL and lam * (1.0 - share) > 0.0, out, base, lo,
-                 hi, sums[c])
+    _prepare_row(kind, z, q, logq, have_logq, lam, share, out, base, sums, st)
     status = _begin(kind, z, out, sums[:chunks], lam, share, st)
     if status != FINE:
         return status, 0, 0.0
@@ -569,8 +707,19 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
     for t in numba.prange(rows * chunks):
         b, c = t // chunks, t % chunks
         lo, hi = _span(c, width)
-        _prepare(kind, z[b], q[b], logq[b], have_logq, lam[b] * share, kind == RKL and lam[b] * (1.0 - share) > 0.0,
-                 out[b], base[b], lo, hi, part[t])
+        _prepare(kind, z[b], 0.0, q[b], logq[b], have_logq, lam[b] * share,
+                 kind == RKL and lam[b] * (1.0 - share) > 0.0, out[b], base[b], lo, hi, part[t])
+    shifted = False  # rows whose scores lie beyond ±NEAR go through _prepare again, shifted (_prepare_row)
+    for b in range(rows):
+        state[b, TOP] = _row_peak(z[b], out[b], part[b * chunks:(b + 1) * chunks], lam[b] * share)
+        shifted |= state[b, TOP] != 0.0
+    if shifted:
+        for t in numba.prange(rows * chunks):
+            b, c = t // chunks, t % chunks
+            if state[b, TOP] != 0.0:
+                lo, hi = _span(c, width)
+                _prepare(kind, z[b], state[b, TOP], q[b], logq[b], have_logq, lam[b] * share,
+                         kind == RKL and lam[b] * (1.0 - share) > 0.0, out[b], base[b], lo, hi, part[t])
     for b in range(rows):
         status = _begin(kind, z[b], out[b], part[b * chunks:(b + 1) * chunks], lam[b], share, state[b])
         if status != FINE:
@@ -647,7 +796,7 @@ def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, 
     any ν step.
     """
     rows, width = z.shape
-    state = np.empty((rows, TOTAL + 1))
+    state = np.empty((rows, STATE))
     if mode == ROWS:
         return _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, work[0], work[1], state,
                            iters, gaps)

@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mpmath
 import numpy as np
 import pytest
 import scipy.optimize
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gm_solver import certificate_toward, solve_toward
@@ -60,6 +61,84 @@ def test_agrees_with_an_independent_solve(seed, rows, divergence, kl_share, back
     assert (info.gap <= 1e-6).all()
     for b in range(rows):
         np.testing.assert_allclose(logx[b].exp().numpy(), _bfgs(z[b], q[b], lam[b], divergence, kl_share), atol=1e-6)
+
+
+@settings(max_examples=100)  # 39 scales × 3 divergences × 2 shares × 3 backends: more than the profile's 30
+@given(st.integers(0, 38), st.integers(0, 10_000), st.sampled_from(DIVERGENCES), st.sampled_from([0.0, 0.15]),
+       st.sampled_from([("numba", torch.float64), ("torch", torch.float64), ("torch", torch.float32)]))
+def test_every_scale_of_scores_gives_a_certified_distribution(k, seed, divergence, kl_share, case):
+    # the problem moves by a constant when z does; at 1e20 it is dominated by ⟨x, z⟩, but the certificate is a
+    # difference of objectives, and x* is still a distribution (rkl keeps about λq/|Δz| off the argmax)
+    backend, dtype = case
+    g = torch.Generator().manual_seed(seed)
+    scale = min(10.0 ** k, 3e38)
+    z = scale * (2 * torch.rand(4, 20, generator=g, dtype=torch.float64) - 1)
+    z[1] = scale  # all scores equal
+    z[2, :4] = -torch.inf
+    q = torch.rand(4, 20, generator=g, dtype=torch.float64) ** 4
+    q[3, :10] = 0
+    z, q = z.to(dtype), (q / q.sum(-1, keepdim=True)).to(dtype)
+    logx, info = solve_toward(z, q, 1.2, divergence, kl_share=kl_share, backend=backend)
+    torch.testing.assert_close(logx.double().exp().sum(-1), torch.ones(4, dtype=torch.float64), rtol=0,
+                               atol=1e-12 if dtype == torch.float64 else 1e-6)
+    assert (info.gap <= 1e-6).all() and (logx[2, :4] == -torch.inf).all()
+    if kl_share == 0 and dtype == torch.float64:  # from scratch, on z as given and q renormalised where z is finite
+        q_hat = torch.where(torch.isfinite(z), q, 0.0)
+        assert (certificate_toward(logx, z, q_hat / q_hat.sum(-1, keepdim=True), 1.2, divergence) <= 1e-6).all()
+
+
+def _exact(z: np.ndarray, q: np.ndarray, lam: float, divergence: str, kl_share: float) -> np.ndarray:
+    """The solution from its optimality conditions in 50-digit arithmetic (BFGS through a softmax stalls on the
+    tokens softmax starves once |z| is in the tens): with c = 1 + λm, r = z − max z + λm·log q, each log x
+    for a multiplier ν in closed form, c·log x − λ(1−m)q/x = r + ν (rkl), c·log x + 2λ(1−m)(x − q) = r + ν
+    (l2), c·log x = r + ν (kl, m = 1), and ν found so that Σx = 1."""
+    with mpmath.workdps(50):
+        return _exact_50_digits(z, q, lam, divergence, kl_share)
+
+
+def _exact_50_digits(z, q, lam, divergence, kl_share):
+    mp = mpmath.mp
+    m = 1.0 if divergence == "kl" else kl_share
+    c = 1 + mp.mpf(lam) * m
+    b = mp.mpf(lam) * (1 - m) * (2 if divergence == "l2" else 1)
+    keep = [i for i in range(len(z)) if q[i] > 0 or m == 0]  # KL(x‖q) keeps x at 0 where q = 0
+    r = {i: mp.mpf(z[i]) - mp.mpf(max(z)) + (mp.mpf(lam) * m * mp.log(q[i]) if m > 0 else 0) for i in keep}
+
+    def log_x(i, nu):
+        if divergence == "rkl" and q[i] > 0:
+            return (r[i] + nu) / c + mpmath.lambertw(b * q[i] / c * mp.exp(-(r[i] + nu) / c)).real
+        if divergence == "l2":
+            right = r[i] + nu + b * q[i]
+            return right / c - mpmath.lambertw(b / c * mp.exp(right / c)).real
+        return (r[i] + nu) / c
+
+    def log_mass(nu):  # increasing in ν
+        return mp.log(mp.fsum(mp.exp(log_x(i, nu)) for i in keep))
+
+    lo, hi = mp.mpf(-1), mp.mpf(1)
+    while log_mass(lo) > 0:
+        lo *= 2
+    while log_mass(hi) < 0:
+        hi *= 2
+    nu = mpmath.findroot(log_mass, (lo, hi), solver="anderson")
+    x = np.zeros(len(z))
+    for i in keep:
+        x[i] = float(mp.exp(log_x(i, nu)))
+    return x
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 9, 20, 38])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_large_scores_agree_with_an_independent_solve(divergence, backend, k):
+    # every token to 1e-6 relatively, the smallest too (rkl keeps about λq/|Δz| on them: 1e-40 at |z| = 1e38)
+    rng = np.random.default_rng(k)
+    z, q = rng.uniform(-1, 1, size=(2, 7)) * 10.0 ** k, rng.dirichlet(np.ones(7), size=2)
+    logx, info = solve_toward(torch.tensor(z), torch.tensor(q), 1.5, divergence, kl_share=0.15, backend=backend)
+    assert (info.gap <= 1e-6).all()
+    for b in range(2):
+        np.testing.assert_allclose(logx[b].exp().numpy(), _exact(z[b], q[b], 1.5, divergence, 0.15), rtol=1e-6,
+                                   atol=1e-300)
 
 
 @given(CASES, st.sampled_from(["rkl", "l2"]), st.floats(0.01, 0.99))
