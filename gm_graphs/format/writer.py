@@ -336,6 +336,17 @@ def _split_keys(keys, n, base, contexts, indptr, nxt):
     return m
 
 
+def _split_checked(order: int, n: int, keys: np.ndarray, counts: np.ndarray, base: int, after: int, buffers):
+    """A range's sorted keys split into its contexts, indptr (from ``base``) and next tokens, in ``buffers`` (at least
+    as long as the keys), and what :func:`ngram_range_problem` finds wrong with them (contexts above ``after``), or
+    None: the checks a loaded table gets, run on the range while it is in memory, so that a build trusts its tables
+    without reading them back (GraphFiles.trust_written), which took ~10 s at 4M documents."""
+    contexts, indptr, nxt = buffers
+    m = _split_keys(np.ascontiguousarray(keys, dtype=np.int64), np.int64(n), np.int64(base), contexts, indptr, nxt)
+    contexts, indptr, nxt = contexts[:m], indptr[:m], nxt[:keys.size]
+    return contexts, indptr, nxt, ngram_range_problem(order, contexts, nxt, counts, n, after)
+
+
 class NgramWriter:
     """One order's n-gram table streamed in ascending ranges of whole contexts → ``<folder>/<n>/*.npy``."""
 
@@ -358,24 +369,25 @@ class NgramWriter:
             return
         if self._buffers[0].size < keys.size:
             self._buffers = self._allocate(keys.size)
-        contexts, indptr, nxt = self._buffers
-        m = _split_keys(np.ascontiguousarray(keys, dtype=np.int64), np.int64(self.n), np.int64(self.entries),
-                        contexts, indptr, nxt)
-        # the checks a loaded table gets, run on the range while it is in memory: the build then trusts its tables
-        # without reading them back (GraphFiles.trust_written), which took ~10 s at 4M documents
-        problem = ngram_range_problem(self.order, contexts[:m], nxt[:keys.size], counts, self.n, self._last)
-        self.counted += int(counts.sum())
+        contexts, indptr, nxt, problem = _split_checked(self.order, self.n, keys, counts, self.entries, self._last,
+                                                        self._buffers)
+        self._admit(problem, int(counts.sum()), "")
+        self._last = int(contexts[-1])
+        self.files["contexts"].append(contexts)
+        self.files["indptr"].append(indptr)
+        self.files["next"].append(nxt)
+        self.files["counts"].append(counts)
+        self.entries += keys.size
+        self.contexts += contexts.size
+
+    def _admit(self, problem: str | None, count_sum: int, where: str) -> None:
+        """Count a range's n-grams in, or raise for its ``problem`` or for more n-grams than ``total`` (which chose
+        the dtypes: a count beyond it could wrap around)."""
+        self.counted += count_sum
         if not problem and self.counted > self.total:
             problem = f"more n-grams than the {self.total:,} counted"
         if problem:
-            raise AssertionError(f"the {self.order}-gram table being written: {problem}")
-        self._last = int(contexts[m - 1])
-        self.files["contexts"].append(contexts[:m])
-        self.files["indptr"].append(indptr[:m])
-        self.files["next"].append(nxt[:keys.size])
-        self.files["counts"].append(counts)
-        self.entries += keys.size
-        self.contexts += m
+            raise AssertionError(f"the {self.order}-gram table being written{where}: {problem}")
 
     def add_written(self, laid: LaidOutRange) -> int:
         """Append a range a worker laid out (:func:`write_range`), after checking what it reports against the ranges
@@ -388,11 +400,7 @@ class NgramWriter:
             problem = f"a range of the {m['order']}-gram table came in its place"
         elif m["first"] <= self._last:
             problem = "its first context is not above the last context of the range before it"
-        self.counted += m["sum"]
-        if not problem and self.counted > self.total:
-            problem = f"more n-grams than the {self.total:,} counted"
-        if problem:
-            raise AssertionError(f"the {self.order}-gram table being written, range {m['range']}: {problem}")
+        self._admit(problem, m["sum"], f", range {m['range']}")
         sizes = {part: m["contexts"] if part in ("contexts", "indptr") else m["entries"] for part in RANGE_PARTS}
         for part, size in sizes.items():
             found = laid.path(part).stat().st_size
@@ -431,27 +439,26 @@ def write_range(folder: Path, order: int, rng: int, vocab_size: int, keys: np.nd
     from 0, next tokens, counts), checked as it checks a range, in raw files ``folder/<order>/<rng>.<part>``, each
     written under another name and renamed (a task run twice leaves one whole file). Returns what the table's
     writer needs to check and copy them (:class:`LaidOutRange`'s ``meta``)."""
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
     counts = np.ascontiguousarray(counts)
     index = np.int32 if keys.size < 2**31 else np.int64  # indptr from 0: the range's own entries
-    contexts, indptr, nxt = np.empty(keys.size, np.int64), np.empty(keys.size, index), np.empty(keys.size, np.int32)
-    m = _split_keys(keys, np.int64(vocab_size), np.int64(0), contexts, indptr, nxt)
-    problem = ngram_range_problem(order, contexts[:m], nxt, counts, vocab_size, -1)
+    buffers = np.empty(keys.size, np.int64), np.empty(keys.size, index), np.empty(keys.size, np.int32)
+    contexts, indptr, nxt, problem = _split_checked(order, vocab_size, keys, counts, 0, -1, buffers)
     if problem:
         raise AssertionError(f"range {rng} of the {order}-gram table: {problem}")
     # counts as the table stores them below 2³¹ n-grams (``ngram_dtypes``), so that they are copied, not converted
     small = not counts.size or counts.max() < 2**31
-    arrays = {"contexts": contexts[:m], "indptr": indptr[:m], "next": nxt,
+    arrays = {"contexts": contexts, "indptr": indptr, "next": nxt,
               "counts": counts.astype(np.int32) if small else counts}
+    # little-endian, as the files and the dtypes reported (which the table's writer reads them as) both say
+    arrays = {part: a.astype(a.dtype.newbyteorder("<"), copy=False) for part, a in arrays.items()}
     out = folder / str(order)
     out.mkdir(parents=True, exist_ok=True)
     for part, values in arrays.items():
-        final = out / f"{rng}.{part}"
         partial = out / f".{rng}.{part}.{uuid.uuid4().hex[:8]}"
-        values.astype(values.dtype.newbyteorder("<"), copy=False).tofile(partial)
-        os.replace(partial, final)
-    return {"order": order, "range": rng, "entries": int(keys.size), "contexts": int(m),
-            "first": int(contexts[0]) if m else -1, "last": int(contexts[m - 1]) if m else -1,
+        values.tofile(partial)
+        os.replace(partial, out / f"{rng}.{part}")
+    return {"order": order, "range": rng, "entries": int(keys.size), "contexts": int(contexts.size),
+            "first": int(contexts[0]) if contexts.size else -1, "last": int(contexts[-1]) if contexts.size else -1,
             "sum": int(counts.sum()), "dtypes": {part: values.dtype.str for part, values in arrays.items()}}
 
 
