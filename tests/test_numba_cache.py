@@ -285,3 +285,49 @@ def test_with_no_folder_writable_the_kernels_run_uncached_with_one_warning(tmp_p
     warnings_shown = [line for line in out.stderr.splitlines() if "Warning" in line]
     assert len(warnings_shown) == 1
     assert f"graphmax cannot write its kernel cache in {tmp_path / 'home' / 'numba'}" in warnings_shown[0]
+
+
+NESTED = '''
+import numba
+import numpy as np
+
+from gm_graphs.store.kernel_cache import ensure_cache_dir
+
+ensure_cache_dir()
+
+
+@numba.njit(cache=True, parallel=True)
+def inner(x):
+    out = np.zeros(x.size)
+    for i in numba.prange(x.size):
+        out[i] = x[i] * 2
+    return out
+
+
+@numba.njit(cache=True)
+def outer(x):
+    return inner(x).sum()
+'''
+
+
+def test_a_kernel_cached_after_loading_its_parallel_callee_from_the_cache_runs_from_the_cache(tmp_path):
+    # context_kernel.reference_rows (serial) calls _fill_rows (parallel): a process that loaded _fill_rows from the
+    # cache and compiled reference_rows cached it without the step that launches numba's threads, and every later
+    # process that loaded it from the cache died of SIGSEGV in _fill_rows' parallel region (numba issue 8578)
+    site = tmp_path / "site"
+    _copy_packages(site)
+    (site / "gm_solver" / "nested_probe.py").write_text(NESTED)
+    (tmp_path / "home").mkdir()
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("NUMBA_CACHE_DIR", None)
+    prelude = "import numpy as np; from gm_solver import nested_probe as m; x = np.arange(5, dtype=np.float32); "
+    steps = ["print(m.inner(x).sum())",  # the callee compiled and cached
+             "print(m.outer(x), sum(m.inner.stats.cache_hits.values()))",  # callee loaded, caller compiled
+             "print(m.outer(x), sum(m.outer.stats.cache_hits.values()))"]  # the caller loaded
+    outputs = []
+    for step in steps:
+        out = subprocess.run([sys.executable, "-c", prelude + step], env=env, cwd=tmp_path, capture_output=True,
+                             text=True)
+        assert out.returncode == 0, (step, out.returncode, out.stderr[-2000:])
+        outputs.append(out.stdout.split())
+    assert outputs == [["20.0"], ["20.0", "1"], ["20.0", "1"]]

@@ -174,6 +174,18 @@ class _SealedCacheFile:
             self._write(f"{self._base}.gmi", self._identity, {})
 
 
+def _keep_reload_init(overload) -> None:
+    """Give a kernel loaded from the cache the start-up steps its code needs (``reload_init``: for a parallel
+    kernel, launching numba's threads) on its code library too, where a kernel compiled later that calls it
+    inherits them (numba does so at link time). numba's rebuilt library has none: a caller compiled after loading
+    a cached parallel callee was cached without them, and a later process that loaded the caller from the cache
+    ran the callee's parallel region before any thread was launched (SIGSEGV; numba issue 8578)."""
+    steps = getattr(overload, "reload_init", None)
+    inherited = getattr(getattr(overload, "library", None), "_reload_init", None)
+    if steps and isinstance(inherited, set):
+        inherited.update(steps)
+
+
 class _SealedCache:
     """Mixed into numba's ``FunctionCache``: a graphmax kernel's cache is kept in :class:`_SealedCacheFile`, any
     failure to load it is a miss, and a failure to save it a warning; other kernels keep numba's own."""
@@ -191,9 +203,11 @@ class _SealedCache:
             return super().load_overload(sig, target_context)
         target_context.refresh()
         try:
-            return self._load_overload(sig, target_context)
+            overload = self._load_overload(sig, target_context)
         except Exception:  # a file that passed its seal but does not rebuild: compiled again
             return None
+        _keep_reload_init(overload)
+        return overload
 
     def save_overload(self, sig, data) -> None:
         if not self._sealed:
