@@ -18,6 +18,7 @@ The module takes about a minute on 2 cores, so it is deselected by default (``-m
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -88,6 +89,16 @@ def _log(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
+def _assert_no_ray_lines(capfd) -> None:
+    # the driver's Ray listener printed a "(raylet) Task … failed … node … is dead" paragraph per task the lost node
+    # took (lines that start with the prefix; the nodes' own raylets, this test's children, log to its stderr with
+    # a time stamp first, as they would on their own machines)
+    out, err = capfd.readouterr()
+    printed = [line for line in (out + err).splitlines() if re.match(r"(\x1b\[\d+m)?\(raylet\)", line)]
+    assert not printed, printed[:3]
+    sys.stdout.write(out)  # the build's own lines stay in the test's output
+
+
 def _build_removing_workers(cluster, points: Path, phase: str, every: bool, target: Path, corpus, tokenizer):
     """Build ``corpus`` into ``target`` on ``cluster`` in a thread while this thread removes a worker node
     (``every``: all of them, then adds a fresh one, which Ray starts only from the main thread) as soon as the
@@ -133,7 +144,7 @@ def test_a_two_node_cluster_builds_the_local_graph_byte_for_byte(cluster, corpus
 
 @pytest.mark.parametrize("phase, every", [("count.batch", False), ("merge.range", False), ("count.batch", True)])
 def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_the_old_graph(
-        two_workers, corpus, local_graph, bpe_tokenizer_file, tmp_path, monkeypatch, phase, every):
+        two_workers, corpus, local_graph, bpe_tokenizer_file, tmp_path, monkeypatch, capfd, phase, every):
     """``every``: all worker nodes go at once and a fresh one joins: every running task and every object the
     workers held is lost."""
     cluster = two_workers
@@ -146,6 +157,7 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
                                                        str(bpe_tokenizer_file))
     log = _log(points)
     assert at is not None, f"the build never reached {phase}"
+    _assert_no_ray_lines(capfd)
     # the node went while the build was in that phase: before the graph was committed, and (while counting)
     # before any range was merged
     assert not any(p.startswith(("stage.filled", "commit.")) for p in at)
@@ -168,7 +180,7 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
 
 def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_stays(two_workers, corpus,
                                                                                      bpe_tokenizer_file, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, capfd):
     """The other outcome, forced: with no retries, the tasks that ran on the removed nodes cannot be run again
     (every worker node goes, so that some task surely ran there; a fresh node joins, so the build is not left
     waiting for CPUs)."""
@@ -182,6 +194,7 @@ def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_sta
     graph, failed, at = _build_removing_workers(cluster, points, "count.batch", True, target, corpus,
                                                 str(bpe_tokenizer_file))
     assert at is not None and graph is None and isinstance(failed, EngineError)
+    _assert_no_ray_lines(capfd)
     message = str(failed)
     print(f"\n[no retries] {message}")
     assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message

@@ -36,6 +36,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -86,6 +87,7 @@ STOP_GRACE_S = 5.0  # for a local Ray's processes to end after SIGTERM, before S
 # command's output stays graphmax's lines, and its errors one line
 _INIT = dict(log_to_driver=False, include_dashboard=False, configure_logging=True, logging_level=logging.ERROR)
 _RUN_MARK = "GRAPHMAX_RAY_RUN"  # in the environment of every process of a Ray a build started
+RAY_LOG = logging.getLogger("gm_graphs.ray")  # what Ray reports to the driver during a build
 _MARK = "graphmax-block"  # tags a worker's error so the driver can find it in Ray's wrapping
 # how Ray says that a node died under a task, or took with it objects it could not rebuild
 _NODE_LOST = re.compile(r"NodeDiedError|ObjectLostError|ObjectReconstructionFailed\w*Error|OwnerDiedError|"
@@ -164,12 +166,38 @@ class _Session:
 
     def __init__(self, ray, joined: bool, owner: _Owner | None = None):
         self.ray, self.joined, self.owner = ray, joined, owner
+        self.errors = _RayErrorsLogged()
 
     def close(self) -> None:
         if self.joined:
             self.ray.shutdown()
+        self.errors.restore()
         if self.owner is not None:
             self.owner.release()
+
+
+class _RayErrorsLogged:
+    """While a build runs, the error messages that Ray's listener thread prints on the driver's stdout (a
+    ``(raylet) Task … failed … node … is dead`` paragraph for each task a lost node took, whatever
+    ``log_to_driver`` says) go to the logger ``gm_graphs.ray`` (level INFO) instead: the build reports a lost node
+    in its own one line. Ray looks its printer up in its module at each message, which is where this one goes."""
+
+    def __init__(self):
+        self._module = sys.modules.get("ray._private.worker")
+        self._printer = getattr(self._module, "print_to_stdstream", None)
+        if callable(self._printer):
+            self._module.print_to_stdstream = self._route
+
+    def _route(self, data, ignore_prefix):
+        if isinstance(data, dict) and data.get("pid") == "raylet":
+            for line in data.get("lines") or ():
+                RAY_LOG.info("%s", line)
+            return None
+        return self._printer(data, ignore_prefix)
+
+    def restore(self) -> None:
+        if getattr(self._module, "print_to_stdstream", None) == self._route:
+            self._module.print_to_stdstream = self._printer
 
 
 class _Owner:
