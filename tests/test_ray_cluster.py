@@ -99,11 +99,12 @@ def _assert_no_ray_lines(capfd) -> None:
     sys.stdout.write(out)  # the build's own lines stay in the test's output
 
 
-def _build_removing_workers(cluster, points: Path, phase: str, every: bool, target: Path, corpus, tokenizer):
+def _build_removing_workers(cluster, points: Path, phase: str, every: bool, target: Path, corpus, tokenizer,
+                            join: bool = True):
     """Build ``corpus`` into ``target`` on ``cluster`` in a thread while this thread removes a worker node
-    (``every``: all of them, then adds a fresh one, which Ray starts only from the main thread) as soon as the
-    fault log ``points`` shows ``phase``. Returns the graph or the exception, and the fault points seen when the
-    nodes were removed (None if the build never reached ``phase``)."""
+    (``every``: all of them, then, if ``join``, adds a fresh one, which Ray starts only from the main thread) as
+    soon as the fault log ``points`` shows ``phase``. Returns the graph or the exception, and the fault points seen
+    when the nodes were removed (None if the build never reached ``phase``)."""
     result: dict = {}
 
     def build() -> None:
@@ -122,7 +123,7 @@ def _build_removing_workers(cluster, points: Path, phase: str, every: bool, targ
             seen = log
             for node in list(cluster.worker_nodes)[:None if every else 1]:
                 cluster.remove_node(node, allow_graceful=False)
-            if every:
+            if every and join:
                 cluster.add_node(num_cpus=1, object_store_memory=STORE)
             break
         time.sleep(0.01)
@@ -201,6 +202,62 @@ def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_sta
     assert sorted(p.name for p in target.parent.iterdir()) == ["g"]
     assert graph_files(target) == before
     assert not ray.is_initialized()
+
+
+def test_every_worker_node_lost_and_none_joining_ends_in_one_line_after_the_wait(two_workers, corpus,
+                                                                                  bpe_tokenizer_file, tmp_path,
+                                                                                  monkeypatch, capfd):
+    """Ray waits for CPUs without end; the build waits ``NO_CPU_WAIT_S`` (here 3 s) once the cluster has none. The
+    build runs in a thread here (the watch raises in it); the next test runs one in a driver's main thread."""
+    cluster = two_workers
+    target = tmp_path / "graphs" / "g"
+    old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)
+    before = graph_files(old.path)
+    points = tmp_path / "points"
+    monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
+    monkeypatch.setattr(ray_engine, "NO_CPU_WAIT_S", 3.0)
+    t0 = time.monotonic()
+    graph, failed, at = _build_removing_workers(cluster, points, "count.batch", True, target, corpus,
+                                                str(bpe_tokenizer_file), join=False)
+    waited = time.monotonic() - t0
+    assert at is not None and graph is None and isinstance(failed, EngineError), (graph, failed)
+    message = str(failed)
+    print(f"\n[every node, none joining] after {waited:.1f} s: {message}")
+    assert "\n" not in message and "none joined within 3 s" in message and "nothing was written" in message
+    _assert_no_ray_lines(capfd)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["g"]
+    assert graph_files(target) == before
+    assert not ray.is_initialized()
+
+
+def test_a_cli_build_whose_nodes_are_all_lost_ends_in_one_line(two_workers, corpus, bpe_tokenizer_file, tmp_path):
+    # the driver's main thread: interrupted as by Ctrl-C, and the error is graphmax's one line, exit status 2
+    cluster = two_workers
+    home, points = tmp_path / "home", tmp_path / "points"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home), "GRAPHMAX_FAULT_LOG": str(points)}
+    code = ("import sys; from gm_graphs.build import ray_engine; ray_engine.NO_CPU_WAIT_S = 3.0; "
+            "from pipelines.cli import main; sys.exit(main(sys.argv[1:]))")
+    driver = subprocess.Popen([sys.executable, "-c", code, "build", *map(str, corpus), "--tokenizer",
+                               str(bpe_tokenizer_file), "--name", "g", "--ngrams", "3", "--engine", "ray",
+                               "--ray-address", cluster.address],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "count.batch" not in _log(points) and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert driver.poll() is None, "the build ended before it counted"
+        for node in list(cluster.worker_nodes):
+            cluster.remove_node(node, allow_graceful=False)
+        out, err = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+        driver.wait()
+    print(f"\n[cli, every node, none joining] exit {driver.returncode}: {err.strip()}")
+    assert driver.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "none joined within 3 s" in lines[0] and "nothing was written" in lines[0], err
+    assert not any(re.match(r"(\x1b\[\d+m)?\(raylet\)", line) for line in out.splitlines()), out
+    assert sorted(os.listdir(home / "graphs")) == []
 
 
 def test_a_driver_killed_mid_build_leaves_no_graph_and_the_next_build_succeeds(cluster, corpus, local_graph,

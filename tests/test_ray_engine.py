@@ -260,3 +260,48 @@ def test_merged_rows_asked_for_out_of_order_raise_instead_of_coming_back_empty()
         list(stream.ranges(4))
     assert [k.tolist() for k, _ in stream.ranges(3)] == [[7]]
     assert [k.tolist() for k, _ in stream.ranges(4)] == [[9]]
+
+
+class _Cpus:
+    """A stand-in for ``ray`` as the CPU watch sees it: the cluster's CPUs at each poll, the last one kept."""
+
+    def __init__(self, *cpus: float):
+        self.cpus = list(cpus)
+
+    def cluster_resources(self) -> dict:
+        return {"CPU": self.cpus.pop(0) if len(self.cpus) > 1 else self.cpus[0]}
+
+
+@pytest.mark.parametrize("cpus, done_early, fires", [
+    ((2, 1, 0), False, True),  # had CPUs, then none for the wait: the build thread is interrupted
+    ((0,), False, False),  # never had any (an autoscaler's cluster starting from zero): waits as Ray does
+    ((1, 0, 1), False, False),  # none at one look, then a node joined: the wait starts again
+    ((1, 0), True, False),  # every range had come (done) before the wait ran out
+])
+def test_the_cpu_watch_interrupts_the_build_only_after_its_cpus_were_all_gone_for_the_wait(cpus, done_early,
+                                                                                            fires):
+    from gm_graphs.build.ray_engine import _CpuWatch, _NoCpus
+
+    outcome: dict = {}
+
+    def build() -> None:  # waits in Python, as Ray Data's iterator does for blocks
+        watch = _CpuWatch(_Cpus(*cpus), wait_s=0.05, poll_s=0.01)
+        outcome["watch"] = watch
+        if done_early:
+            watch.done()
+        try:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                time.sleep(0.005)
+            outcome["ended"] = "waited"
+        except _NoCpus:
+            outcome["ended"] = "interrupted"
+        watch.done()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join(5)
+    assert outcome["ended"] == ("interrupted" if fires else "waited")
+    assert outcome["watch"].fired is fires
+    if fires:
+        assert "none joined within 0.05 s" in str(outcome["watch"].error())

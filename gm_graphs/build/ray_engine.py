@@ -28,6 +28,8 @@ naming the input block (file, and documents or rows), and the staging folder is 
 
 from __future__ import annotations
 
+import _thread
+import ctypes
 import dataclasses
 import json
 import logging
@@ -83,6 +85,9 @@ INIT_TIMEOUT_S = 25.0  # for ray.init to return once the address answers
 START_TIMEOUT_S = 60.0  # for a local Ray to start: gcs_server, raylet and agents, on a machine that may be busy
 GCS_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"  # Ray's own wait for its GCS server's port
 STOP_GRACE_S = 5.0  # for a local Ray's processes to end after SIGTERM, before SIGKILL
+# once every node with CPUs is gone, how long a build waits for one to join before it ends (an autoscaler takes
+# minutes to replace a node; Ray alone would wait without end)
+NO_CPU_WAIT_S = 300.0
 # Ray's own warnings (no SIGTERM handler in a thread, token authentication on) are not the user's to act on: a
 # command's output stays graphmax's lines, and its errors one line
 _INIT = dict(log_to_driver=False, include_dashboard=False, configure_logging=True, logging_level=logging.ERROR)
@@ -565,17 +570,83 @@ def _block_error(e: BaseException) -> GraphmaxError:
                 f"remove that input and build again")
 
 
+class _NoCpus(BaseException):
+    """Raised in the build's thread by :class:`_CpuWatch` (a BaseException, as KeyboardInterrupt is, so that Ray
+    Data's iterator shuts its executor down on the way out and no ``except Exception`` holds it)."""
+
+
+class _CpuWatch:
+    """Ends a build that waits for CPUs in vain. Ray waits without end for a node to run a task (an autoscaler may
+    add one): with every worker node lost and none joining, a build waited for ever. Once the cluster, which had
+    CPUs, has had none for ``wait_s`` while the merged ranges still have to come, the build's thread is
+    interrupted: the main thread as by Ctrl-C (``KeyboardInterrupt``, which Ray's waits heed), another thread by
+    :class:`_NoCpus` raised in it at its next Python line (Ray Data's wait for blocks polls). :meth:`done` ends
+    the watch, under the lock that an interruption takes, so that none comes after the ranges have all come."""
+
+    def __init__(self, ray, wait_s: float, poll_s: float = 1.0):
+        self.ray, self.wait_s, self.poll_s = ray, wait_s, poll_s
+        self.target = threading.current_thread()
+        self.fired = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="graphmax-ray-cpus")
+        self._thread.start()
+
+    def _cpus(self) -> float | None:
+        try:
+            return float(self.ray.cluster_resources().get("CPU", 0))
+        except Exception:  # noqa: BLE001 - Ray going down with the build: nothing to watch
+            return None
+
+    def _watch(self) -> None:
+        seen, since = False, None
+        while not self._stop.wait(self.poll_s):
+            cpus = self._cpus()
+            if cpus is None or cpus > 0:
+                seen, since = seen or cpus is not None, None
+                continue
+            since = time.monotonic() if since is None else since
+            if seen and time.monotonic() - since >= self.wait_s:
+                with self._lock:
+                    if not self._stop.is_set():
+                        self.fired = True
+                        self._interrupt()
+                return
+
+    def _interrupt(self) -> None:
+        if self.target is threading.main_thread():
+            _thread.interrupt_main()
+        else:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.target.ident), ctypes.py_object(_NoCpus))
+
+    def done(self) -> None:
+        with self._lock:
+            self._stop.set()
+
+    def error(self) -> EngineError:
+        return EngineError(f"every Ray node with CPUs was lost during the build and none joined within "
+                           f"{self.wait_s:g} s; nothing was written: add nodes to the cluster (`ray status` shows "
+                           f"them) and build again")
+
+
 class _Stream:
     """The merged rows, in (order, range) order, handed out order by order."""
 
-    def __init__(self, rows, folder: Path | None = None):
+    def __init__(self, rows, folder: Path | None = None, watch: _CpuWatch | None = None):
         self._rows = iter(rows)
-        self._next = next(self._rows, None)
+        self._watch = watch
+        self._next = self._pull()
         self.folder = folder  # where merge tasks lay out n-gram ranges
         self.sent: dict[int, int] = {}  # bytes of pieces each unit sent to the merges
         self.received = 0  # bytes of merged keys and counts that came to the driver
         self.read_back = 0  # bytes of laid-out ranges' files the driver read (their indptr)
         self.laid = 0  # ranges laid out by the merge tasks
+
+    def _pull(self):
+        row = next(self._rows, None)
+        if row is None and self._watch is not None:
+            self._watch.done()  # every range has come: no more CPUs are needed
+        return row
 
     def take(self, order: int):
         if self._next is not None and self._next["order"] < order:  # the rows of a lower order would be skipped
@@ -583,7 +654,7 @@ class _Stream:
                                  f"come in ascending order")
         while self._next is not None and self._next["order"] == order:
             yield self._next
-            self._next = next(self._rows, None)
+            self._next = self._pull()
 
     def ranges(self, order: int):
         for row in self.take(order):
@@ -621,6 +692,7 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
     files = expand_corpus(local) if local else []
     check_replaceable(target, overwrite, GRAPH)
     session = connect(ray, ray_address)
+    watch = None
     timings: dict = {}
     ctx = ray.data.DataContext.get_current()
     saved = (ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars)
@@ -646,7 +718,8 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
             token = os.urandom(16).hex()
             (folder / _PROBE).write_text(token)
             try:
-                stream, file_entries = _run(ray, spec, files, uris, (str(folder.resolve()), token))
+                watch = _CpuWatch(ray, NO_CPU_WAIT_S)
+                stream, file_entries = _run(ray, spec, files, uris, (str(folder.resolve()), token), watch)
                 meta = [json.loads(r["meta"]) for r in stream.take(_STATS)]
                 timings["count_s"] = time.perf_counter() - t0  # the first merged rows: every count has finished
                 documents = sum(m["documents"] for m in meta)
@@ -674,7 +747,13 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
                 raise
             timings.update(ranges=n_ranges, units=len(meta), sent_bytes=stream.sent, received_bytes=stream.received,
                            read_back_bytes=stream.read_back, laid_ranges=stream.laid, wall_s=time.perf_counter() - t0)
+    except (_NoCpus, KeyboardInterrupt):
+        if watch is None or not watch.fired:
+            raise  # the user's Ctrl-C
+        raise watch.error() from None
     finally:
+        if watch is not None:
+            watch.done()
         ctx.shuffle_strategy, ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
         for h, level in zip(console, levels):
             h.setLevel(level)
@@ -682,9 +761,9 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
     return opened_graph(target, timings)
 
 
-def _run(ray, spec: CountSpec, files: list[Path], uris: list[str], stage: tuple[str, str]):
+def _run(ray, spec: CountSpec, files: list[Path], uris: list[str], stage: tuple[str, str], watch: _CpuWatch):
     """Plan and start the count and merge (n-gram ranges laid out in ``stage`` where a merge task sees it); the
-    merged rows as a stream, and the inputs' manifest entries."""
+    merged rows as a stream (which ends ``watch`` when the last has come), and the inputs' manifest entries."""
     from ray.data.context import DataContext, ShuffleStrategy
 
     env = {k: v for k, v in os.environ.items() if k.startswith("GRAPHMAX_FAULT")}  # fault tests reach the workers
@@ -712,7 +791,7 @@ def _run(ray, spec: CountSpec, files: list[Path], uris: list[str], stage: tuple[
             entries = ray.get([remote.remote(u) for u in uris])
         merged = counted.groupby(["order", "range"]).map_groups(
             merge_range, batch_format="pyarrow", fn_kwargs={"vocab_size": spec.vocab_size, "stage": stage}, **task)
-    return _Stream(merged.iter_rows(), Path(stage[0])), entries
+    return _Stream(merged.iter_rows(), Path(stage[0]), watch), entries
 
 
 def _count_arrow_block(batch: pa.Table, spec: CountSpec) -> Iterator[pa.Table]:
