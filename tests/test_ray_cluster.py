@@ -179,52 +179,33 @@ def test_a_worker_node_removed_mid_build_gives_the_exact_graph_or_one_line_and_t
         assert graph_files(target) == before
 
 
-def test_a_node_lost_with_no_retries_left_ends_in_one_line_and_the_old_graph_stays(two_workers, corpus,
-                                                                                     bpe_tokenizer_file, tmp_path,
-                                                                                     monkeypatch, capfd):
-    """The other outcome, forced: with no retries, the tasks that ran on the removed nodes cannot be run again
-    (every worker node goes, so that some task surely ran there; a fresh node joins, so the build is not left
-    waiting for CPUs)."""
+@pytest.mark.parametrize("case, setting, join, expected", [
+    ("no retries", ("TASK_RETRIES", 0), True, "a Ray node was lost"),
+    ("none joining", ("NO_CPU_WAIT_S", 3.0), False, "none joined within 3 s"),
+])
+def test_every_worker_node_lost_for_good_ends_in_one_line_and_the_old_graph_stays(two_workers, corpus,
+                                                                                   bpe_tokenizer_file, tmp_path,
+                                                                                   monkeypatch, capfd, case,
+                                                                                   setting, join, expected):
+    """The other outcome, forced: every worker node goes, so that some task surely ran there. ``no retries``: a
+    fresh node joins, but the tasks that ran on the removed nodes cannot be run again. ``none joining``: Ray would
+    wait for CPUs without end; the build waits ``NO_CPU_WAIT_S`` (here 3 s). The build runs in a thread here (the
+    watch raises in it); the next test runs one in a driver's main thread."""
     cluster = two_workers
     target = tmp_path / "graphs" / "g"
     old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)
     before = graph_files(old.path)
     points = tmp_path / "points"
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
-    monkeypatch.setattr(ray_engine, "TASK_RETRIES", 0)
-    graph, failed, at = _build_removing_workers(cluster, points, "count.batch", True, target, corpus,
-                                                str(bpe_tokenizer_file))
-    assert at is not None and graph is None and isinstance(failed, EngineError)
-    _assert_no_ray_lines(capfd)
-    message = str(failed)
-    print(f"\n[no retries] {message}")
-    assert "\n" not in message and "a Ray node was lost" in message and "nothing was written" in message
-    assert sorted(p.name for p in target.parent.iterdir()) == ["g"]
-    assert graph_files(target) == before
-    assert not ray.is_initialized()
-
-
-def test_every_worker_node_lost_and_none_joining_ends_in_one_line_after_the_wait(two_workers, corpus,
-                                                                                  bpe_tokenizer_file, tmp_path,
-                                                                                  monkeypatch, capfd):
-    """Ray waits for CPUs without end; the build waits ``NO_CPU_WAIT_S`` (here 3 s) once the cluster has none. The
-    build runs in a thread here (the watch raises in it); the next test runs one in a driver's main thread."""
-    cluster = two_workers
-    target = tmp_path / "graphs" / "g"
-    old = build_graph(corpus[:1], str(bpe_tokenizer_file), path=target, **KW)
-    before = graph_files(old.path)
-    points = tmp_path / "points"
-    monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(points))
-    monkeypatch.setattr(ray_engine, "NO_CPU_WAIT_S", 3.0)
+    monkeypatch.setattr(ray_engine, *setting)
     t0 = time.monotonic()
     graph, failed, at = _build_removing_workers(cluster, points, "count.batch", True, target, corpus,
-                                                str(bpe_tokenizer_file), join=False)
-    waited = time.monotonic() - t0
+                                                str(bpe_tokenizer_file), join=join)
     assert at is not None and graph is None and isinstance(failed, EngineError), (graph, failed)
-    message = str(failed)
-    print(f"\n[every node, none joining] after {waited:.1f} s: {message}")
-    assert "\n" not in message and "none joined within 3 s" in message and "nothing was written" in message
     _assert_no_ray_lines(capfd)
+    message = str(failed)
+    print(f"\n[{case}] after {time.monotonic() - t0:.1f} s: {message}")
+    assert "\n" not in message and expected in message and "nothing was written" in message
     assert sorted(p.name for p in target.parent.iterdir()) == ["g"]
     assert graph_files(target) == before
     assert not ray.is_initialized()
