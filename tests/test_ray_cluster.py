@@ -12,7 +12,8 @@ Fault points (``GRAPHMAX_FAULT_LOG``, which the engine hands on to the workers) 
 a thread removes the node as soon as the log shows it.
 
 The module takes about a minute on 2 cores, so it is deselected by default (``-m 'not cluster'`` in pyproject.toml):
-``python -m pytest tests/test_ray_cluster.py -m cluster`` runs it.
+``python -m pytest tests/test_ray_cluster.py -m cluster -n 0`` runs it (in one process: the module shares one
+cluster, and two workers would start two on two cores).
 """
 
 from __future__ import annotations
