@@ -18,6 +18,7 @@ cluster, and two workers would start two on two cores).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -90,12 +91,15 @@ def _log(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
+# a line of the driver's Ray listener, which printed a "(raylet) Task … failed … node … is dead" paragraph per task
+# a lost node took: it starts with the prefix (the nodes' own raylets, this test's children, log to its stderr with
+# a time stamp first, as they would on their own machines)
+RAY_LINE = re.compile(r"(\x1b\[\d+m)?\(raylet\)")
+
+
 def _assert_no_ray_lines(capfd) -> None:
-    # the driver's Ray listener printed a "(raylet) Task … failed … node … is dead" paragraph per task the lost node
-    # took (lines that start with the prefix; the nodes' own raylets, this test's children, log to its stderr with
-    # a time stamp first, as they would on their own machines)
     out, err = capfd.readouterr()
-    printed = [line for line in (out + err).splitlines() if re.match(r"(\x1b\[\d+m)?\(raylet\)", line)]
+    printed = [line for line in (out + err).splitlines() if RAY_LINE.match(line)]
     assert not printed, printed[:3]
     sys.stdout.write(out)  # the build's own lines stay in the test's output
 
@@ -212,33 +216,40 @@ def test_every_worker_node_lost_for_good_ends_in_one_line_and_the_old_graph_stay
     assert not ray.is_initialized()
 
 
-def test_a_cli_build_whose_nodes_are_all_lost_ends_in_one_line(two_workers, corpus, bpe_tokenizer_file, tmp_path):
-    # the driver's main thread: interrupted as by Ctrl-C, and the error is graphmax's one line, exit status 2
-    cluster = two_workers
-    home, points = tmp_path / "home", tmp_path / "points"
+@contextlib.contextmanager
+def _counting_driver(cluster, corpus, tokenizer, home: Path, points: Path, prelude: str = ""):
+    """``graphmax build … --engine ray --ray-address`` in a child process (run after ``prelude``, Python), yielded
+    once the fault log ``points`` shows that it counts; killed on the way out if it still runs."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home), "GRAPHMAX_FAULT_LOG": str(points)}
-    code = ("import sys; from gm_graphs.build import ray_engine; ray_engine.NO_CPU_WAIT_S = 3.0; "
-            "from pipelines.cli import main; sys.exit(main(sys.argv[1:]))")
-    driver = subprocess.Popen([sys.executable, "-c", code, "build", *map(str, corpus), "--tokenizer",
-                               str(bpe_tokenizer_file), "--name", "g", "--ngrams", "3", "--engine", "ray",
-                               "--ray-address", cluster.address],
+    code = f"import sys\n{prelude}\nfrom pipelines.cli import main\nsys.exit(main(sys.argv[1:]))"
+    driver = subprocess.Popen([sys.executable, "-c", code, "build", *map(str, corpus), "--tokenizer", str(tokenizer),
+                               "--name", "g", "--ngrams", "3", "--engine", "ray", "--ray-address", cluster.address],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while "count.batch" not in _log(points) and driver.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert driver.poll() is None, "the build ended before it counted"
-        for node in list(cluster.worker_nodes):
-            cluster.remove_node(node, allow_graceful=False)
-        out, err = driver.communicate(timeout=120)
+        yield driver
     finally:
         driver.kill()
         driver.wait()
+
+
+def test_a_cli_build_whose_nodes_are_all_lost_ends_in_one_line(two_workers, corpus, bpe_tokenizer_file, tmp_path):
+    # the driver's main thread: interrupted as by Ctrl-C, and the error is graphmax's one line, exit status 2
+    cluster = two_workers
+    home = tmp_path / "home"
+    with _counting_driver(cluster, corpus, bpe_tokenizer_file, home, tmp_path / "points",
+                          "from gm_graphs.build import ray_engine; ray_engine.NO_CPU_WAIT_S = 3.0") as driver:
+        for node in list(cluster.worker_nodes):
+            cluster.remove_node(node, allow_graceful=False)
+        out, err = driver.communicate(timeout=120)
     print(f"\n[cli, every node, none joining] exit {driver.returncode}: {err.strip()}")
     assert driver.returncode == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "none joined within 3 s" in lines[0] and "nothing was written" in lines[0], err
-    assert not any(re.match(r"(\x1b\[\d+m)?\(raylet\)", line) for line in out.splitlines()), out
+    assert not any(RAY_LINE.match(line) for line in out.splitlines()), out
     assert sorted(os.listdir(home / "graphs")) == []
 
 
@@ -247,20 +258,8 @@ def test_a_driver_killed_mid_build_leaves_no_graph_and_the_next_build_succeeds(c
                                                                               monkeypatch):
     home = tmp_path / "home"
     points = tmp_path / "points"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GRAPHMAX_HOME": str(home), "GRAPHMAX_FAULT_LOG": str(points)}
-    driver = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "build", *map(str, corpus), "--tokenizer",
-                               str(bpe_tokenizer_file), "--name", "g", "--ngrams", "3", "--engine", "ray",
-                               "--ray-address", cluster.address],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while "count.batch" not in _log(points) and driver.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert driver.poll() is None, "the build ended before it counted"
+    with _counting_driver(cluster, corpus, bpe_tokenizer_file, home, points) as driver:
         driver.kill()
-    finally:
-        driver.kill()
-        driver.wait()
     at = _log(points)
     assert "count.batch" in at and not any(p.startswith("commit.") for p in at)
     graphs = home / "graphs"
