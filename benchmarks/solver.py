@@ -256,7 +256,7 @@ def step_tables(sections: set[int], model, tok, graph, prompts: list[str]) -> No
                 apps.append(info.operator_applications)
                 gaps.append(float(info.gap))
             it = sorted(iters)
-            label = f"{'ours' if solver == 'auto' else 'paper Alg. 1'} λ={lam:g}"
+            label = f"{'ours' if solver == 'mirror' else 'paper Alg. 1'} λ={lam:g}"
             print(f"  {label:<34} {1e3 * statistics.median(times):>8.1f} {it[len(it) // 2]:>9} "
                   f"{it[int(0.9 * (len(it) - 1))]:>4} {it[-1]:>4} {sorted(apps)[len(apps) // 2]:>13} "
                   f"{max(gaps):>9.1e} {statistics.median(gaps):>9.1e}")

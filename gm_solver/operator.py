@@ -149,7 +149,7 @@ class TransitionOperator:
             # copied by numpy: torch's __setitem__ from the transposed view takes ~40× longer
             out.numpy()[:, :n] = res.T
         else:
-            out[:, :n] = (csr @ x[:, :n].T).T
+            out[:, :n] = (csr @ x[:, :n].T.to(csr.dtype)).T.to(x.dtype)  # M is stored in float64
         return out
 
     def _chain(self, csr, x: torch.Tensor) -> torch.Tensor:

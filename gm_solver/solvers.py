@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from . import mirror_kernel
 from .objective import dual_logits, gap, primal
 from .operator import TransitionOperator
 
@@ -77,65 +79,89 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
     start = op.applications
     s = torch.log_softmax(z, dim=-1)
     x = torch.exp(s)
-    lx, y = dual_logits(z, x, lam, op)
-    f = primal(x, z, lx, lam)
-    g = gap(x, y)
+    f, g, ly = _score(z, valid, s, x, op, lam)
     eta = torch.ones_like(f)
     iters = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
-    state = [s, y, f, g, eta, iters, torch.zeros_like(s)]  # the last: the previous residual (0: none)
+    # the state of each row: log x, x, log softmax(y), f, gap, η, iterations, the previous residual (0: none)
+    state = [s, x, ly, f, g, eta, iters, torch.zeros_like(s)]
+    step = _fused_step if op.backend == "numba" else _mirror_step
     info = SolveInfo(iters, g, g <= tol, 0)
     if trace:
         info.gap_trace.append(g.clone())
     if check_every == 0:  # no host synchronisation: every row takes max_iter steps, frozen once converged
         for _ in range(max_iter):
-            state = _mirror_step(z, valid, *state, op, lam, tol)
+            state = step(z, valid, *state, op, lam, tol)
             if trace:
-                info.gap_trace.append(state[3].clone())
-                info.step_trace.append(state[4].clone())
+                info.gap_trace.append(state[4].clone())
+                info.step_trace.append(state[5].clone())
     else:
         done = 0
         while done < max_iter:
-            rows = torch.nonzero(state[3] > tol).squeeze(1)
+            rows = torch.nonzero(state[4] > tol).squeeze(1)
             if rows.numel() == 0:
                 break
             part = [t.index_select(0, rows) for t in state]
             zr, vr = z.index_select(0, rows), valid.index_select(0, rows)
             for _ in range(min(check_every, max_iter - done)):
-                part = _mirror_step(zr, vr, *part, op, lam, tol)
+                part = step(zr, vr, *part, op, lam, tol)
                 done += 1
             for full, p in zip(state, part):
                 full.index_copy_(0, rows, p)
             if trace:
-                info.gap_trace.append(state[3].clone())
-                info.step_trace.append(state[4].clone())
-    s, _, _, g, _, iters, _ = state
+                info.gap_trace.append(state[4].clone())
+                info.step_trace.append(state[5].clone())
+    s, _, _, _, g, _, iters, _ = state
     info.iterations, info.gap, info.converged = iters, g, g <= tol
     info.operator_applications = op.applications - start
     return s, info
 
 
-def _mirror_step(z, valid, s, y, f, g, eta, iters, r_prev, op, lam, tol):
+def _score(z, valid, s, x, op, lam):
+    """(f, gap, log softmax(y)) of the rows x = exp(s)."""
+    lx, gram = op.residual_and_gram(x)
+    if op.backend == "numba":
+        f, g, ly = (torch.empty_like(z[:, 0]), torch.empty_like(z[:, 0]), torch.empty_like(z))
+        mirror_kernel.score_rows(z.numpy(), valid.numpy(), s.numpy(), x.numpy(), lx.numpy(), gram.numpy(), lam,
+                                 ly.numpy(), f.numpy(), g.numpy())
+        return f, g, ly
+    y = z - 2.0 * lam * gram
+    return primal(x, z, lx, lam), gap(x, y), torch.log_softmax(y, dim=-1)
+
+
+def _fused_step(z, valid, s, x, ly, f, g, eta, iters, r_prev, op, lam, tol):
+    """:func:`_mirror_step` with its vector work in ``mirror_kernel``'s fused passes (the numba backend's)."""
+    state = [t.contiguous() for t in (s, x, ly, f, g, eta, iters, r_prev)]
+    s, x, ly, f, g, eta, iters, r_prev = (t.numpy() for t in state)  # updated in place by the kernels
+    z, valid = z.contiguous().numpy(), valid.contiguous().numpy()
+    cand, xc, r = np.empty_like(s), np.empty_like(s), np.empty_like(s)
+    mirror_kernel.propose_rows(valid, s, x, ly, r_prev, eta, g, tol, cand, xc, r)
+    lx, gram = op.residual_and_gram(torch.from_numpy(xc))
+    mirror_kernel.judge_rows(z, valid, lam, tol, cand, xc, lx.numpy(), gram.numpy(), r, np.empty_like(s), s, x, ly,
+                             f, g, eta, iters, r_prev)
+    return state
+
+
+def _mirror_step(z, valid, s, x, ly, f, g, eta, iters, r_prev, op, lam, tol):
     """One step of :func:`mirror_descent` on a working batch; rows already at gap ≤ tol stay as they are."""
     active = g > tol
-    r = torch.where(valid, torch.log_softmax(y, dim=-1) - s, torch.zeros_like(s))
-    x = torch.exp(s)
+    r = torch.where(valid, ly - s, torch.zeros_like(s))
     den = (x * r_prev * r_prev).sum(-1)
     rho = (x * r * r_prev).sum(-1) / torch.where(den > 0, den, torch.ones_like(den))
-    eta = torch.where(den > 0, (eta / (1.0 - rho).clamp_min(1e-3)).clamp(0.02, 1.0), eta)
+    eta = torch.where(active & (den > 0), (eta / (1.0 - rho).clamp_min(1e-3)).clamp(0.02, 1.0), eta)
     cand = torch.log_softmax(_masked(s + eta[:, None] * r, valid), dim=-1)
     x_c = torch.exp(cand)
     lx_c, y_c = dual_logits(z, x_c, lam, op)
     f_c = primal(x_c, z, lx_c, lam)
-    # a relative slack absorbs float64 rounding of f near the optimum
-    accept = active & (f_c <= f + 1e-13 * f.abs().clamp_min(1.0))
+    accept = active & (f_c <= f + mirror_kernel.SLACK * f.abs().clamp_min(1.0))
     a = accept[:, None]
-    s, y = torch.where(a, cand, s), torch.where(a, y_c, y)
+    s, x = torch.where(a, cand, s), torch.where(a, x_c, x)
+    ly = torch.where(a, torch.log_softmax(y_c, dim=-1), ly)
     g = torch.where(accept, gap(x_c, y_c), g)
     f = torch.where(accept, f_c, f)
     # a refused step halves η and forgets r: ρ compares residuals of accepted steps only
     r_prev = torch.where(a, r, torch.where(active[:, None], torch.zeros_like(r), r_prev))
     eta = torch.where(accept | ~active, eta, eta * 0.5)
-    return s, y, f, g, eta, iters + active.long(), r_prev
+    return s, x, ly, f, g, eta, iters + active.long(), r_prev
 
 
 def project_simplex(v: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ solver, which stops short of the optimum."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,6 +28,40 @@ def test_checking_convergence_less_often_gives_the_same_certified_rows():
     never, info_never = mirror_descent(z, op, 1.0, check_every=0, max_iter=80)  # converged rows stay frozen
     torch.testing.assert_close(never.exp(), every.exp(), atol=1e-12, rtol=0)
     assert torch.equal(info_never.iterations, info_every.iterations)
+
+
+@given(n=st.integers(2, 40), density=st.floats(0.0, 0.6), seed=st.integers(0, 10_000), batch=st.integers(1, 5),
+       lam=st.sampled_from([0.1, 1.0, 10.0]), masked=st.integers(0, 3), pad=st.integers(0, 2),
+       check_every=st.sampled_from([0, 1, 3]))
+def test_the_fused_cpu_steps_take_the_torch_steps_path(n, density, seed, batch, lam, masked, pad, check_every):
+    # mirror_kernel's passes (the numba backend) against solvers._mirror_step (torch sparse, here on the CPU): the
+    # same steps accepted, the same iterations, the same rows to rounding (in float64: in float32 a gap of 1e-6
+    # sits at the rounding, where either may accept a step the other refuses)
+    a = random_graph(n, density, seed)
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(batch, n + pad, generator=g, dtype=torch.float64) * 4
+    z[:, :min(masked, n - 1)] = -torch.inf
+    runs = {backend: mirror_descent(z, TransitionOperator(a, backend=backend), lam, check_every=check_every,
+                                    max_iter=60, trace=True) for backend in ("numba", "torch")}
+    (fused, fused_info), (plain, plain_info) = runs["numba"], runs["torch"]
+    assert torch.equal(fused_info.iterations, plain_info.iterations)
+    assert torch.equal(fused_info.converged, plain_info.converged)
+    assert len(fused_info.gap_trace) == len(plain_info.gap_trace)
+    assert torch.equal(torch.isinf(fused), torch.isinf(plain))
+    assert bool((fused[:, :min(masked, n - 1)] == -torch.inf).all())
+    torch.testing.assert_close(fused.exp(), plain.exp(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(fused_info.gap, plain_info.gap, atol=1e-12, rtol=0)
+    torch.testing.assert_close(fused_info.step_trace, plain_info.step_trace, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_a_float32_solve_is_certified_and_near_the_float64_one(backend):
+    a = random_graph(40, 0.15, 5)
+    z = torch.randn(3, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 4
+    z[0, :4] = -torch.inf
+    x32, info = graphmax(z, a, 1.0, backend=backend, dtype=torch.float32, return_info=True)
+    assert x32.dtype == torch.float64 and bool((info.gap <= 1e-6).all()) and bool((x32[0, :4] == 0).all())
+    torch.testing.assert_close(x32, graphmax(z, a, 1.0, backend=backend), atol=2e-3, rtol=0)
 
 
 @given(v=st.lists(st.floats(-5, 5), min_size=1, max_size=20))
