@@ -100,13 +100,17 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
             rows = torch.nonzero(state[4] > tol).squeeze(1)
             if rows.numel() == 0:
                 break
-            part = [t.index_select(0, rows) for t in state]
-            zr, vr = z.index_select(0, rows), valid.index_select(0, rows)
+            every = rows.numel() == z.shape[0]  # no row has converged yet: the batch as it is, without copies
+            part = state if every else [t.index_select(0, rows) for t in state]
+            zr, vr = (z, valid) if every else (z.index_select(0, rows), valid.index_select(0, rows))
             for _ in range(min(check_every, max_iter - done)):
                 part = step(zr, vr, *part, op, lam, tol)
                 done += 1
-            for full, p in zip(state, part):
-                full.index_copy_(0, rows, p)
+            if every:
+                state = part
+            else:
+                for full, p in zip(state, part):
+                    full.index_copy_(0, rows, p)
             if trace:
                 info.gap_trace.append(state[4].clone())
                 info.step_trace.append(state[5].clone())
