@@ -1,6 +1,7 @@
 """What a kNN datastore costs at decoding time: prints tables, not a test.
 
     python3 benchmarks/datastore.py --graph-path DIR --datastore DIR [--sizes 50000,250000,1000000] [--ivf-lists N]
+    python3 benchmarks/datastore.py --graph-path DIR --random-keys 1000000 --sections 2,3
 
 1. The search alone: ms per ``Datastore.neighbours`` call (k = 1,024) at batches of 1, 8 and 48, over datastores
    of each size, with the keys in float32 and in bfloat16 (random keys of the model's width: a search that reads
@@ -12,6 +13,11 @@
    the time to index it; per nprobe, ms per search at batch 1 and 8, the share of the exact 1,024 nearest keys
    found, and the total variation between p_knn (T = 50) and the exact search's, over the model's own states along
    greedy continuations of the prompts; then table 2 again with the indexed datastore (nprobe 32).
+
+``--random-keys N`` times tables 2 and 3 on a datastore of N random keys of the model's width (written to a
+temporary folder) instead of ``--datastore``: a search that reads every key costs what a real one does, whatever the
+keys hold; an index's lists are more even over random keys than over a model's states, and its recall over them
+says nothing of a real datastore's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gm_graphs import load_graph
@@ -131,6 +138,21 @@ def ivf_table(model, tok, datastore_path: Path, lists: int, new_tokens: int) -> 
     return copy
 
 
+def random_datastore(path: Path, model, tok, keys: int, chunk: int = 100_000) -> Path:
+    """A datastore of ``keys`` random keys (normal, the model's width) and random next tokens, for the model."""
+    from gm_graphs.format.datastore import write_datastore
+    from gm_graphs.tokenize.encoder import TokenizerIdentity
+    from gm_solver.datastore import model_fingerprint
+
+    identity = TokenizerIdentity.of(tok).to_dict()
+    rng = np.random.default_rng(0)
+    dim = model.config.hidden_size
+    chunks = ((rng.standard_normal((min(chunk, keys - lo), dim), dtype=np.float32),
+               rng.integers(0, identity["vocab_size"], min(chunk, keys - lo))) for lo in range(0, keys, chunk))
+    return write_datastore(path, chunks, dim=dim, tokenizer=identity, model="smollm2",
+                           model_sha256=model_fingerprint(model), positions=64, documents=-(-keys // 64))
+
+
 def _recall(exact: Datastore, store: Datastore, states: torch.Tensor) -> float:
     """The share of the exact 1,024 nearest distances the index also returns (keys at equal distance count once)."""
     want, _ = exact.neighbours(states, 1024)
@@ -148,24 +170,34 @@ def _total_variation(p: tuple, q: tuple, vocab: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graph-path", type=Path, required=True, help="a graph built with SmolLM2's tokenizer")
-    p.add_argument("--datastore", type=Path, required=True, help="a datastore built with SmolLM2")
+    p.add_argument("--datastore", type=Path, help="a datastore built with SmolLM2")
+    p.add_argument("--random-keys", type=int, default=0,
+                   help="instead of --datastore: a datastore of N random keys (tables 2 and 3 measure cost only)")
     p.add_argument("--sizes", default="50000,250000,1000000")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--ivf-lists", type=int, default=0, help="lists of the index in table 3 (default ~4·√keys)")
     p.add_argument("--sections", default="1,2,3")
     args = p.parse_args()
+    if (args.datastore is None) == (args.random_keys == 0):
+        p.error("give --datastore DIR or --random-keys N (one of them)")
     sections = {int(s) for s in args.sections.split(",")}
     torch.set_num_threads(2)
     model, tok = load_model("smollm2")
     graph = load_graph(args.graph_path)
     if 1 in sections:
         search_table(model.config.hidden_size, [int(s) for s in args.sizes.split(",")])
-    if 2 in sections:
-        generate_table(model, tok, graph, load_datastore(args.datastore), args.new_tokens)
-    if 3 in sections:
-        copy = ivf_table(model, tok, args.datastore, args.ivf_lists, args.new_tokens)
-        generate_table(model, tok, graph, load_datastore(copy, nprobe=32), args.new_tokens)
-        shutil.rmtree(copy.parent)
+    with tempfile.TemporaryDirectory(prefix="graphmax-bench-") as tmp:
+        datastore = args.datastore
+        if args.random_keys:
+            t0 = time.perf_counter()
+            datastore = random_datastore(Path(tmp) / "random", model, tok, args.random_keys)
+            print(f"a datastore of {args.random_keys:,} random keys written in {time.perf_counter() - t0:.1f} s")
+        if 2 in sections:
+            generate_table(model, tok, graph, load_datastore(datastore), args.new_tokens)
+        if 3 in sections:
+            copy = ivf_table(model, tok, datastore, args.ivf_lists, args.new_tokens)
+            generate_table(model, tok, graph, load_datastore(copy, nprobe=32), args.new_tokens)
+            shutil.rmtree(copy.parent)
 
 
 if __name__ == "__main__":
