@@ -51,7 +51,8 @@ def test_the_fused_cpu_steps_take_the_torch_steps_path(n, density, seed, batch, 
     assert bool((fused[:, :min(masked, n - 1)] == -torch.inf).all())
     torch.testing.assert_close(fused.exp(), plain.exp(), atol=1e-12, rtol=0)
     torch.testing.assert_close(fused_info.gap, plain_info.gap, atol=1e-12, rtol=0)
-    torch.testing.assert_close(fused_info.step_trace, plain_info.step_trace, atol=1e-12, rtol=0)
+    # η comes from a ratio of residuals that near the optimum are ~1e-4: its rounding is relative
+    torch.testing.assert_close(fused_info.step_trace, plain_info.step_trace, atol=0, rtol=1e-8)
 
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
