@@ -32,7 +32,8 @@ def register(sub) -> None:
     p.add_argument("--positions", type=integer(1), default=64, help="keys per document, its first (default 64)")
     p.add_argument("--ivf-lists", type=integer(0), default=0,
                    help="an inverted-file index of N lists (faiss): each search reads --knn-nprobe lists instead of "
-                        "every key; worth it beyond ~100k keys, ~4·√keys lists (default 0: none)")
+                        "every key; worth it beyond ~100k keys, ~4·√keys lists; its k-means grows as lists × "
+                        "keys, so fewer on a small machine (benchmarks/RESULTS.md) (default 0: none)")
     p.add_argument("--overwrite", action="store_true", help="replace a datastore graphmax wrote at --out")
     p.set_defaults(run=run)
 
