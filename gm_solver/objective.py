@@ -45,7 +45,11 @@ def dual(u: torch.Tensor, z: torch.Tensor, lam: float, op: TransitionOperator) -
 
 def gap(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """f(x) − g(2λLx) = KL(x ‖ softmax(y)) per row, clamped at 0 against rounding."""
-    log_t = torch.log_softmax(y, dim=-1)
+    return gap_to(x, torch.log_softmax(y, dim=-1))
+
+
+def gap_to(x: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
+    """:func:`gap` for ``log_t`` = log softmax(y) already at hand."""
     logx = torch.log(torch.where(x > 0, x, torch.ones_like(x)))
     kl = torch.where(x > 0, x * (logx - log_t), torch.zeros_like(x)).sum(-1)
     return kl.clamp_min(0.0)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from . import mirror_kernel
-from .objective import dual_logits, gap, primal
+from .objective import dual_logits, gap, gap_to, primal
 from .operator import TransitionOperator
 
 
@@ -128,8 +128,8 @@ def _score(z, valid, s, x, op, lam):
         mirror_kernel.score_rows(z.numpy(), valid.numpy(), s.numpy(), x.numpy(), lx.numpy(), gram.numpy(), lam,
                                  ly.numpy(), f.numpy(), g.numpy())
         return f, g, ly
-    y = z - 2.0 * lam * gram
-    return primal(x, z, lx, lam), gap(x, y), torch.log_softmax(y, dim=-1)
+    ly = torch.log_softmax(z - 2.0 * lam * gram, dim=-1)
+    return primal(x, z, lx, lam), gap_to(x, ly), ly
 
 
 def _fused_step(z, valid, s, x, ly, f, g, eta, iters, r_prev, op, lam, tol):
@@ -158,9 +158,9 @@ def _mirror_step(z, valid, s, x, ly, f, g, eta, iters, r_prev, op, lam, tol):
     f_c = primal(x_c, z, lx_c, lam)
     accept = active & (f_c <= f + mirror_kernel.SLACK * f.abs().clamp_min(1.0))
     a = accept[:, None]
-    s, x = torch.where(a, cand, s), torch.where(a, x_c, x)
-    ly = torch.where(a, torch.log_softmax(y_c, dim=-1), ly)
-    g = torch.where(accept, gap(x_c, y_c), g)
+    ly_c = torch.log_softmax(y_c, dim=-1)
+    s, x, ly = torch.where(a, cand, s), torch.where(a, x_c, x), torch.where(a, ly_c, ly)
+    g = torch.where(accept, gap_to(x_c, ly_c), g)
     f = torch.where(accept, f_c, f)
     # a refused step halves η and forgets r: ρ compares residuals of accepted steps only
     r_prev = torch.where(a, r, torch.where(active[:, None], torch.zeros_like(r), r_prev))
