@@ -164,8 +164,9 @@ class Graph:
     @cached_property
     def ngrams(self) -> dict[int, NgramCounts]:
         """The stored n-gram tables by order (``NgramCounts``), memory-mapped; empty if the graph has none."""
-        return {order: NgramCounts(order, self.vocab_size, **arrays)
-                for order, arrays in self._files.ngram_arrays().items()}
+        levels = tuple(self._files.ngram_levels())
+        orders = self.manifest.get("ngrams", {}).get("orders", {})
+        return {int(o): NgramCounts(int(o), self.vocab_size, levels[:int(o) - 1]) for o in sorted(orders, key=int)}
 
     @cached_property
     def stats(self) -> dict[str, np.ndarray]:

@@ -42,6 +42,9 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from gm_graphs.errors import GraphFormatError
+from gm_graphs.format import validate
+from gm_graphs.format.ngram_trie import empty_view
 from gm_graphs.operators import normalize
 
 from . import context_kernel, lambert_kernel
@@ -206,12 +209,15 @@ def _check_structure(counts: sp.csr_matrix, tables: dict) -> None:
     if indices.size and (indices.min() < 0 or indices.max() >= n):
         raise ValueError(f"the count matrix has column indices outside [0, {n}); pass a valid scipy CSR matrix")
     for order, t in tables.items():
-        contexts, ptr, nxt, cnt = (np.asarray(a) for a in (t.contexts, t.indptr, t.next, t.counts))
-        if (ptr.shape != (contexts.size + 1,) or ptr[0] != 0 or ptr[-1] != nxt.size or cnt.shape != nxt.shape
-                or (np.diff(ptr) < 0).any() or (np.diff(contexts) <= 0).any()
-                or (nxt.size and (nxt.min() < 0 or nxt.max() >= n or cnt.min() < 1))):
-            raise ValueError(f"the order-{order} n-gram table is malformed (contexts ascending, indptr monotone from "
-                             f"0, next tokens in [0, {n}), counts >= 1); rebuild it with gm_graphs.add_ngrams")
+        try:
+            parents = n
+            for level in t.levels:
+                validate.check_level("(in memory)", level.depth, level.arrays, parents, level.nodes, n,
+                                     level.depth == order)
+                parents = level.nodes
+        except (GraphFormatError, KeyError) as e:
+            raise ValueError(f"the order-{order} n-gram table is malformed ({e}); rebuild it with "
+                             f"gm_graphs.add_ngrams") from None
 
 
 def _frozen(a: np.ndarray, dtype) -> np.ndarray:
@@ -220,6 +226,23 @@ def _frozen(a: np.ndarray, dtype) -> np.ndarray:
     a = np.ascontiguousarray(a, dtype=dtype).view(np.ndarray)
     a.flags.writeable = False
     return a
+
+
+def _kernel_tables(ngrams: dict, n: int) -> tuple:
+    """The kernel's view of the n-gram tables: (chains, orders), each table's trie levels 2 … as read-only arrays,
+    padded with empty levels to one length (at least 3) and with empty tables to at least two (order 0), so that
+    the usual graphs (no tables, or orders 3 and 4) share one compiled kernel."""
+    depth = max([4, *ngrams]) - 1
+    empty = empty_view(n)
+    chains, orders = [], []
+    for order, t in ngrams.items():
+        views = list(t.kernel_views())
+        chains.append(tuple(views + [empty] * (depth - len(views))))
+        orders.append(order)
+    while len(chains) < 2:
+        chains.append((empty,) * depth)
+        orders.append(0)
+    return tuple(chains), np.array(orders, dtype=np.int64)
 
 
 @dataclass
@@ -288,16 +311,7 @@ class ContextReference:
         self.log_unigram = np.log(self.unigram)
         self.ngrams = {n: t for n, t in sorted(tables.items()) if n <= config.ngram_order and t.entries > 0}
         self.tail = max([self.orders, *(n - 1 for n in self.ngrams)])  # the context tokens a row reads
-        # the kernel's view of the tables, padded with empty ones to at least two (orders 3 and 4), so that the
-        # usual graphs (no tables, or one or two) share one compiled kernel; indptr and counts keep their stored
-        # int32 (``storage.ngram_dtypes``) unless one table holds int64 (2³¹ n-grams or more, an older graph, or
-        # tables counted in memory), when all become int64: the kernel indexes the tables as one uniform tuple
-        wide = {np.dtype(a.dtype) for t in self.ngrams.values() for a in (t.indptr, t.counts)} - {np.dtype(np.int32)}
-        index = np.int64 if wide else np.int32
-        empty = (_frozen([], np.int64), _frozen([0], index), _frozen([], np.int32), _frozen([], index), 0)
-        self._tables = tuple((_frozen(t.contexts, np.int64), _frozen(t.indptr, index), _frozen(t.next, np.int32),
-                              _frozen(t.counts, index), order) for order, t in self.ngrams.items())
-        self._tables += (empty,) * (2 - len(self._tables))
+        self._tables = _kernel_tables(self.ngrams, self.n)
         self._transition = None
         self._row = lru_cache(maxsize=cache_rows)(self._power_row)
         self._devices: dict[str, _DeviceTables] = {}
@@ -546,9 +560,11 @@ class ContextReference:
 
         with warnings.catch_warnings():  # read-only memory maps (torch only reads them); sparse CSR "in beta"
             warnings.simplefilter("ignore", UserWarning)
-            ngrams = [(order, tensor(t.contexts, torch.int64), tensor(t.indptr, torch.int64),
-                       tensor(t.next, torch.int64), tensor(t.counts, torch.float64),
-                       int(np.diff(np.asarray(t.indptr)).max())) for order, t in self.ngrams.items()]
+            ngrams = []
+            for order, t in self.ngrams.items():
+                contexts, indptr, nxt, counts = t.dense()
+                ngrams.append((order, tensor(contexts, torch.int64), tensor(indptr, torch.int64),
+                               tensor(nxt, torch.int64), tensor(counts, torch.float64), int(np.diff(indptr).max())))
             transition_t = None
             if any(b > 0 for b in self.config.order_weights[1:]):
                 a_t = self.transition.T.tocsr()

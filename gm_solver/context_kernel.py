@@ -4,7 +4,7 @@ structure, then ``lambert_kernel.solve_batch``, in one numba call.
 The reference of one row (``context.ContextReference`` gives the formulas) is
 α·u plus a few sparse pieces: the bigram row of the previous token (its counts,
 discounted under Kneser–Ney), the successors of each n-gram context the corpus
-saw (found by binary search on the table's sorted contexts), and, for orders
+saw (found by walking the context down the n-gram trie), and, for orders
 k ≥ 2, the rows of Ãᵏ, which the caller computes and passes as ``extra``
 pieces. An n-gram context that is found discounts everything below it, so the
 kernel walks the tables from the highest order down, carrying the factor
@@ -18,6 +18,7 @@ import math
 import numba
 import numpy as np
 
+from gm_graphs.format.ngram_trie import count_at, find_context, ptr_at
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 from .lambert_kernel import CHUNK, FINE, LOCKSTEP, LOOP, ROWS, STATE, jit, solve_batch, solve_row
@@ -45,18 +46,6 @@ def count_stats(indptr, indices, data, n):
 
 
 @jit()
-def _ngram_key(ctx, width, n):
-    # the context's last ``width`` tokens in base n (oldest first), or −1 if one lies outside the vocabulary
-    key = 0
-    for j in range(ctx.size - width, ctx.size):
-        tok = ctx[j]
-        if tok < 0 or tok >= n:
-            return -1
-        key = key * n + tok
-    return key
-
-
-@jit()
 def _coefficients(ctx, beta1, row_counts, successors, tables, kneser_ney, discount, kappa, extra_alpha, extra_ptr,
                   extra_idx, extra_val):
     """Each row's reference as α·u + ``below``·(the bigram row of ``prev``, less ``discount`` under Kneser–Ney)
@@ -64,33 +53,35 @@ def _coefficients(ctx, beta1, row_counts, successors, tables, kneser_ney, discou
     n-gram context's discounted successors and the ``extra`` orders k ≥ 2 (already weighted)."""
     rows, length = ctx.shape
     n = row_counts.size
+    chains, orders = tables
     alpha = extra_alpha.copy()
     below = np.zeros(rows)
     prev = np.zeros(rows, dtype=np.int64)
-    found = np.full((rows, len(tables)), -1, dtype=np.int64)  # each table's row of the context, or −1
-    scales = np.zeros((rows, len(tables)))
+    found = np.zeros((rows, orders.size, 2), dtype=np.int64)  # each table's entries after the context (lo, hi)
+    scales = np.zeros((rows, orders.size))
     size = extra_idx.size
     for b in range(rows):
         if not (beta1 > 0.0 and length >= 1):
             continue
         factor = beta1  # what the orders below the current table get
-        for j in range(len(tables) - 1, -1, -1):
-            contexts, table_ptr, _, table_counts, order = tables[j]
+        for j in range(orders.size - 1, -1, -1):
+            order = orders[j]
             if order == 0 or length < order - 1:
                 continue
-            key = _ngram_key(ctx[b], order - 1, n)
-            if key < 0:
+            node = find_context(chains[j], ctx[b], length - (order - 1), order - 1, n)
+            if node < 0:
                 continue
-            i = np.searchsorted(contexts, key)
-            if i == contexts.size or contexts[i] != key:
+            level = chains[j][order - 2]
+            lo, hi = ptr_at(level, node), ptr_at(level, node + 1)
+            if hi == lo:  # an (n−1)-gram only ever at a document's end
                 continue
             total = 0.0
-            for p in range(table_ptr[i], table_ptr[i + 1]):
-                total += table_counts[p]
-            found[b, j] = i
+            for p in range(lo, hi):
+                total += count_at(level, p)
+            found[b, j, 0], found[b, j, 1] = lo, hi
             scales[b, j] = factor / total
-            size += table_ptr[i + 1] - table_ptr[i]
-            factor *= discount * (table_ptr[i + 1] - table_ptr[i]) / total
+            size += hi - lo
+            factor *= discount * (hi - lo) / total
         v = ctx[b, length - 1]
         c = row_counts[v] if 0 <= v < n else 0.0
         if c == 0.0:  # a context the corpus never continued: the unigram
@@ -108,13 +99,12 @@ def _coefficients(ctx, beta1, row_counts, successors, tables, kneser_ney, discou
     piece_val = np.empty(size)
     m = 0
     for b in range(rows):
-        for j in range(len(tables)):
-            if found[b, j] >= 0:
-                _, table_ptr, table_next, table_counts, _ = tables[j]
-                i = found[b, j]
-                for p in range(table_ptr[i], table_ptr[i + 1]):
-                    piece_idx[m] = table_next[p]
-                    piece_val[m] = scales[b, j] * max(table_counts[p] - discount, 0.0)
+        for j in range(orders.size):
+            if found[b, j, 1] > found[b, j, 0]:
+                level = chains[j][orders[j] - 2]
+                for p in range(found[b, j, 0], found[b, j, 1]):
+                    piece_idx[m] = level[4][p]
+                    piece_val[m] = scales[b, j] * max(count_at(level, p) - discount, 0.0)
                     m += 1
         for p in range(extra_ptr[b], extra_ptr[b + 1]):
             piece_idx[m] = extra_idx[p]
@@ -162,8 +152,8 @@ def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, 
     """Fill ``q`` (B, V ≥ N) with the reference after each row of ``ctx`` (B, L; its last tokens, oldest first),
     zeros past the graph, and ``logq`` with its logs.
 
-    ``beta1`` is order 1's weight β₁/Σβ (0: order 1 left out); ``tables`` a tuple of
-    (contexts, indptr, next, counts, n) by ascending n (n = 0: an empty one, skipped);
+    ``beta1`` is order 1's weight β₁/Σβ (0: order 1 left out); ``tables`` is (chains, orders): per n-gram table
+    by ascending order n (n = 0: an empty one, skipped), the kernel views of the trie's levels 2 … above it;
     ``extra_alpha`` (B,) and the CSR ``extra_ptr``/``extra_idx``/``extra_val`` the orders
     k ≥ 2, already weighted: their unigram coefficient and sparse part. The lookups
     run first, serially (binary searches); the rows are then filled in parallel.

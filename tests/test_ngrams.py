@@ -12,6 +12,7 @@ import torch
 from gm_graphs import add_ngrams, build_graph, load_graph, merge_graphs
 from gm_graphs.build.ngrams import count_ngrams
 from gm_graphs.errors import GraphFormatError, MergeError, TokenizerError
+from gm_graphs.format.ngram_trie import COUNT_PARTS, PTR_PARTS, part_dtypes
 from gm_solver import ContextConfig, ContextReference
 
 
@@ -25,14 +26,12 @@ def _expected(docs, tok, n: int) -> Counter:
 
 def _as_counter(table) -> Counter:
     got = Counter()
-    for i, ctx in enumerate(table.contexts):
-        history, c = [], int(ctx)
-        for _ in range(table.order - 1):
-            c, t = divmod(c, table.vocab_size)
-            history.insert(0, t)
-        a, b = table.indptr[i], table.indptr[i + 1]
-        for w, k in zip(table.next[a:b], table.counts[a:b]):
-            got[(*history, int(w))] += int(k)
+    for key, k in zip(table.keys().tolist(), table.count_values().tolist()):
+        gram = []
+        for _ in range(table.order):
+            key, t = divmod(key, table.vocab_size)
+            gram.insert(0, t)
+        got[tuple(gram)] += k
     return got
 
 
@@ -43,7 +42,7 @@ def test_counts_equal_a_direct_count_within_documents(csv_corpus, bpe_tokenizer)
     for n in (3, 4):
         expected = _expected(docs, bpe_tokenizer, n)
         assert _as_counter(tables[n]) == expected
-        assert np.all(np.diff(tables[n].contexts) > 0)
+        assert np.all(np.diff(tables[n].keys()) > 0)
         gram, c = expected.most_common(1)[0]
         nxt, cnt = tables[n].successors(gram[:-1])
         assert dict(zip(nxt.tolist(), cnt.tolist()))[gram[-1]] == c
@@ -58,11 +57,11 @@ def test_counts_spilled_to_sorted_runs_equal_the_counts_in_memory(csv_corpus, bp
     spilled = count_ngrams(path, bpe_tokenizer, (3, 4), batch_docs=7, progress=False, work=tmp_path / "w",
                            run_entries=60)
     for n in (3, 4):
-        assert isinstance(spilled[n].counts, np.memmap)  # the merged table is on disk, not in memory
-        for name in ("contexts", "indptr", "next", "counts"):
-            np.testing.assert_array_equal(getattr(spilled[n], name), getattr(in_memory[n], name))
-        assert sorted(p.name for p in (tmp_path / "w" / str(n)).iterdir()) == [
-            "contexts.npy", "counts.npy", "indptr.npy", "next.npy"]  # the runs are gone
+        assert isinstance(spilled[n].table.arrays["counts"], np.memmap)  # the merged table is on disk
+        np.testing.assert_array_equal(spilled[n].keys(), in_memory[n].keys())
+        np.testing.assert_array_equal(spilled[n].count_values(), in_memory[n].count_values())
+        assert sorted(p.name for p in (tmp_path / "w" / str(n)).iterdir()) == sorted(
+            f"{part}.npy" for part in part_dtypes(1, True))  # the runs are gone
 
 
 def test_add_ngrams_leaves_no_runs_behind(csv_corpus, bpe_tokenizer, tmp_path):
@@ -74,7 +73,8 @@ def test_add_ngrams_leaves_no_runs_behind(csv_corpus, bpe_tokenizer, tmp_path):
     added = sorted(set(p.name for p in graph.path.iterdir()) - set(before))
     assert len(added) == 1 and added[0].startswith("ngrams-")  # the tables' folder, and no work folder in it
     assert sorted(p.relative_to(graph.path / added[0]).as_posix() for p in (graph.path / added[0]).rglob("*")) == [
-        "3", "3/contexts.npy", "3/counts.npy", "3/indptr.npy", "3/next.npy"]
+        "2", *sorted(f"2/{part}.npy" for part in PTR_PARTS), "3",
+        *sorted(f"3/{part}.npy" for part in PTR_PARTS + COUNT_PARTS)]
     assert _as_counter(load_graph(tmp_path / "graphs" / "g").ngrams[3]) == _expected(docs, bpe_tokenizer, 3)
 
 
@@ -105,12 +105,12 @@ def test_stored_beside_the_graph_verified_and_tokenizer_checked(csv_corpus, bpe_
     reloaded = load_graph(tmp_path / "g").ngrams
     assert sorted(reloaded) == sorted(stored) == [3, 4]
     for n in (3, 4):
-        assert np.array_equal(reloaded[n].contexts, tables[n].contexts)
-        assert np.array_equal(reloaded[n].counts, tables[n].counts)
-        assert np.array_equal(stored[n].counts, tables[n].counts)
+        assert np.array_equal(reloaded[n].keys(), tables[n].keys())
+        assert np.array_equal(reloaded[n].count_values(), tables[n].count_values())
+        assert np.array_equal(stored[n].count_values(), tables[n].count_values())
     add_ngrams(graph, path, bpe_tokenizer, (3,), progress=False)  # replacing keeps exactly the new tables
     folders = [p.name for p in (tmp_path / "g").iterdir() if "ngrams" in p.name]
-    assert len(folders) == 1 and graph.manifest["ngrams"]["orders"]["3"]["files"]["counts"]["file"].startswith(
+    assert len(folders) == 1 and graph.manifest["ngrams"]["levels"]["3"]["files"]["counts"]["file"].startswith(
         folders[0] + "/")
     assert sorted(load_graph(tmp_path / "g").ngrams) == [3]
     with open(tmp_path / "g" / folders[0] / "3" / "counts.npy", "r+b") as fh:

@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from gm_graphs.build.local import counters
 from gm_graphs.build.options import BuildOptions
 from gm_graphs.build.source import GraphSource, opened_graph, write_graph_into
@@ -141,7 +139,7 @@ def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", cl
 def _source_of(cc: CorpusCounts, ngrams: dict[int, NgramCounts] | None, ngram_source: dict | None) -> GraphSource:
     corpus = {"files": cc.files, **cc.read, "options": cc.options, "documents": cc.counts.documents,
               "tokens": cc.counts.tokens}
-    tables = {order: (int(np.asarray(t.counts).sum()), lambda t=t: [(t.keys(), np.asarray(t.counts))])
+    tables = {order: (int(t.count_values().sum()), lambda t=t: [(t.keys(), t.count_values())])
               for order, t in (ngrams or {}).items()}
     return GraphSource(cc.tokenizer, corpus, cc.counts.ranges, tables, ngram_source, {"engine": "memory"})
 

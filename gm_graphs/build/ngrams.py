@@ -25,7 +25,7 @@ from gm_graphs.format.graph_files import (
     remove_unreferenced,
     write_manifest,
 )
-from gm_graphs.format.validate import NGRAM_PARTS
+from gm_graphs.format.ngram_trie import Level
 from gm_graphs.format.writer import Hasher, resolve, write_ngrams
 from gm_graphs.graph import Graph, load_graph
 from gm_graphs.store.faults import fault_point
@@ -97,11 +97,10 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
             fault_point("ngrams.counted")
             hasher = Hasher(WORKERS)
             try:
-                tables = resolve({str(o): write_table(root, o, n, runs[o], folder, hasher) for o in orders})
+                tables = resolve(write_tables(root, n, runs, folder, hasher))
             finally:
                 hasher.close()
-            entry = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column,
-                     "orders": tables}
+            entry = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column, **tables}
             shutil.rmtree(work)
             sync_tree(root / folder)
             fault_point("ngrams.written")
@@ -178,20 +177,31 @@ def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, 
                progress=progress, desc="count n-grams")
     if work is None:
         return {order: NgramCounts.from_keys(order, *runs[order].merged(), n) for order in orders}
-    return {order: write_table(Path(work), order, n, runs[order]) for order in orders}
+    return read_tables(Path(work), n, write_tables(Path(work), n, runs))
 
 
-def write_table(root: Path, order: int, vocab_size: int, runs: SortedRuns, folder: str = ".",
-                hasher: Hasher | None = None) -> NgramCounts | dict:
-    """Merge ``runs`` into ``root/folder/<order>/*.npy`` and delete them. With a ``hasher``: the manifest entry
-    (its hashes as Futures); without: the table, memory-mapped."""
+def write_tables(root: Path, vocab_size: int, runs: dict[int, SortedRuns], folder: str = ".",
+                 hasher: Hasher | None = None) -> dict:
+    """Merge each order's ``runs`` into the trie's levels ``root/folder/<d>/*.npy``, deleting an order's runs once its
+    table is written; the manifest entry (with a ``hasher``: its hashes as Futures)."""
+    def tables():
+        for order, r in sorted(runs.items()):
+            try:
+                yield order, r.windows, r.ranges()
+            finally:
+                r.remove()
+                if r.folder is not None and r.folder.is_dir():
+                    r.folder.rmdir()
     try:
-        entry = write_ngrams(root, folder, order, vocab_size, runs.ranges(), hasher, runs.windows)
+        return write_ngrams(root, folder, vocab_size, tables(), hasher)
     finally:
-        runs.remove()
-    if runs.folder is not None and runs.folder.is_dir():
-        runs.folder.rmdir()
-    if hasher is not None:
-        return entry
-    out = root / folder / str(order)
-    return NgramCounts(order, vocab_size, **{part: np.load(out / f"{part}.npy", mmap_mode="r") for part in NGRAM_PARTS})
+        for r in runs.values():
+            r.remove()
+
+
+def read_tables(folder: Path, vocab_size: int, entry: dict) -> dict[int, NgramCounts]:
+    """The tables this process just wrote into ``folder`` (``write_tables``' entry), memory-mapped, unchecked."""
+    levels = [Level(int(d), e["parents"], {part: np.load(folder / d / f"{part}.npy", mmap_mode="r")
+                                           for part in e["files"]})
+              for d, e in sorted(entry["levels"].items(), key=lambda kv: int(kv[0]))]
+    return {int(o): NgramCounts(int(o), vocab_size, tuple(levels[:int(o) - 1])) for o in entry["orders"]}

@@ -103,8 +103,8 @@ def write_graph_into(tmp: Path, src: GraphSource, *, name: str, options: BuildOp
 
         def ngram_tables() -> dict:
             t0 = time.perf_counter()
-            tables = {str(order): write_ngrams(tmp, NGRAMS, order, n, ranges(), hasher, total)
-                      for order, (total, ranges) in sorted(src.ngrams.items())}
+            tables = write_ngrams(tmp, NGRAMS, n, ((order, total, ranges())
+                                                   for order, (total, ranges) in sorted(src.ngrams.items())), hasher)
             timings["ngrams_s"] = time.perf_counter() - t0
             timings["peak_rss_mb_ngrams"] = peak_rss_mb()
             return tables
@@ -134,7 +134,7 @@ def write_graph_into(tmp: Path, src: GraphSource, *, name: str, options: BuildOp
                             "rule": "order k = apply order1 k times; mixture n = sum of orders 1..n"},
         }
         if tables is not None:
-            manifest[NGRAMS] = {**(src.ngram_source or {}), "orders": tables}
+            manifest[NGRAMS] = {**(src.ngram_source or {}), **tables}
             fault_point("build.ngrams_written")
         t = time.perf_counter()
         manifest = resolve(manifest)

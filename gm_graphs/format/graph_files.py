@@ -25,7 +25,8 @@ import scipy.sparse as sp
 
 from gm_graphs.errors import GraphBusyError, GraphFormatError
 from gm_graphs.format import validate
-from gm_graphs.format.validate import FORMAT_VERSION, NGRAM_PARTS, STATS
+from gm_graphs.format.ngram_trie import Level, part_dtypes
+from gm_graphs.format.validate import FORMAT_VERSION, STATS
 from gm_graphs.store import leases, pagecache, verified
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, Artefact, fsync_dir, is_graph_folder
@@ -39,15 +40,6 @@ _DTYPES = {  # the dtypes each kind of array may have on disk
     "indptr": _INDEX, "indices": _INDEX, "weights": (np.dtype("<f4"),), "counts": _INT64, "stats": _INT64,
     "row_mass": (np.dtype("<f4"),),
 }
-NGRAM_DTYPES = {"contexts": _INT64, "indptr": _INDEX, "next": (np.dtype("<i4"),), "counts": _INDEX}
-
-
-def ngram_dtypes(total: int) -> dict[str, np.dtype]:
-    """The dtypes of an n-gram table of ``total`` n-grams (the sum of its counts): indptr and counts int32 below 2³¹,
-    where neither an entry's index nor a count can reach it (a table of 4-grams of a 4M-document corpus is ~1.2 GB
-    smaller than in int64), else int64."""
-    wide = np.dtype("<i8") if total >= 2**31 else np.dtype("<i4")
-    return {"contexts": np.dtype("<i8"), "indptr": wide, "next": np.dtype("<i4"), "counts": wide}
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -290,7 +282,7 @@ class GraphFiles:
                     verified.remember("sha256", {}, [o.identity])
             ids = [o.identity for o in opened.values()]
             if arrays and not verified.is_verified(kind, context, ids):
-                if not (self._trusted and kind == "ngrams"):  # NgramWriter checked them range by range
+                if not (self._trusted and kind == "ngram_level"):  # NgramWriter checked them range by range
                     check(arrays)
                 verified.remember(kind, context, ids)
             self.check_unchanged()  # a file opened for writing while it was checked: what passed may be a copy
@@ -324,22 +316,24 @@ class GraphFiles:
                             lambda a: validate.check_row_mass(self.root, entry["file"], a["row_mass"], self.n))
         return arrays["row_mass"]
 
-    def ngram_arrays(self) -> dict[int, dict[str, np.ndarray]]:
-        """The n-gram tables' arrays by order (empty if the graph has none)."""
+    def ngram_levels(self) -> list[Level]:
+        """The n-gram trie's levels 2 … m, checked (empty if the graph has no tables)."""
         entry = self.manifest.get(NGRAMS)
         if entry is None:
-            return {}
-        tables = {}
-        for key, e in sorted(entry["orders"].items(), key=lambda kv: int(kv[0])):
-            order = int(key)
-            files = e["files"]
-            context = {"order": order, "n": self.n, "contexts": e["contexts"], "entries": e["entries"]}
-            tables[order] = self._unit(
-                "ngrams", context, {part: (files[part], NGRAM_DTYPES[part]) for part in NGRAM_PARTS},
-                lambda a, order=order, e=e: validate.check_ngram_table(
-                    self.root, order, a["contexts"], a["indptr"], a["next"], a["counts"], self.n, e["contexts"],
-                    e["entries"]))
-        return tables
+            return []
+        counted = {int(o) for o in entry["orders"]}
+        levels = []
+        for key, e in sorted(entry["levels"].items(), key=lambda kv: int(kv[0])):
+            depth = int(key)
+            dtypes = part_dtypes(self.n, depth in counted)
+            context = {"depth": depth, "n": self.n, "parents": e["parents"], "nodes": e["nodes"],
+                       "counted": depth in counted}
+            arrays = self._unit(
+                "ngram_level", context, {part: (e["files"][part], (dt,)) for part, dt in dtypes.items()},
+                lambda a, depth=depth, e=e: validate.check_level(self.root, depth, a, e["parents"], e["nodes"],
+                                                                 self.n, depth in counted))
+            levels.append(Level(depth, e["parents"], arrays))
+        return levels
 
     def stats(self) -> dict[str, np.ndarray]:
         entry = self.manifest["stats"]
@@ -363,7 +357,7 @@ class GraphFiles:
             self.plain_file(op["edges"])
             if "row_mass" in op:
                 self.row_mass(op["row_mass"])
-        self.ngram_arrays()
+        self.ngram_levels()
         self.stats()
 
     def trust_written(self, only: str | None = None) -> None:
@@ -374,6 +368,6 @@ class GraphFiles:
         """
         self._trusted = True
         try:
-            self.ngram_arrays() if only == NGRAMS else self.check_all()
+            self.ngram_levels() if only == NGRAMS else self.check_all()
         finally:
             self._trusted = False

@@ -20,18 +20,20 @@ import numba
 import numpy as np
 
 from gm_graphs.errors import GraphFormatError
+from gm_graphs.format.ngram_trie import COUNT_ESCAPE, PTR_ESCAPE, bases_for, part_dtypes, ptr_at
 from gm_graphs.store.folders import GRAPH_FORMAT
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the n-gram tables as one trie (gm_graphs.format.ngram_trie); 1 stored them flat
 REBUILD = "rebuild the graph (graphmax build … --overwrite)"
 OPERATOR_NAME = re.compile(r"(order|mixture)[1-9][0-9]{0,2}")
 NGRAM_ORDER = re.compile(r"[3-9]")
+NGRAM_LEVEL = re.compile(r"[2-9]")
 STATS = ("row_counts", "successors", "predecessors", "column_counts")
 CSR_PARTS = ("indptr", "indices", "data")
-NGRAM_PARTS = ("contexts", "indptr", "next", "counts")
+V1_NGRAM_PARTS = ("contexts", "indptr", "next", "counts")  # format 1's flat tables, read by gm_graphs.upgrade
 _SHA = re.compile(r"[0-9a-f]{64}")
 MAX_INDEX = 2**31 - 1  # vocabularies and rows fit int32 node ids
 
@@ -132,7 +134,10 @@ def check_manifest(root, m) -> None:
     if not _is_int(version):  # '1', 1.0 or true would read as a mismatch of equal versions
         raise fail(root, f"manifest field format_version should be an integer, {_got(version)}; this graphmax "
                          f"reads version {FORMAT_VERSION}")
-    if version != FORMAT_VERSION:
+    if version == 1 and "ngrams" in m:
+        raise GraphFormatError(f"graph {root} stores its n-gram tables in format 1; convert it in place with "
+                               f"`graphmax graphs upgrade {m.get('name', '<name>')}` (or gm_graphs.upgrade_graph)")
+    if version not in (1, FORMAT_VERSION):  # a format-1 graph without n-gram tables is laid out as format 2
         raise GraphFormatError(f"graph {root} has format version {version!r}; this graphmax reads version "
                                f"{FORMAT_VERSION}; rebuild the graph with this version")
     s.need(m.get("format") == GRAPH_FORMAT, "format", repr(GRAPH_FORMAT), m.get("format"))
@@ -174,24 +179,50 @@ def check_manifest(root, m) -> None:
             s.file(op, "row_mass", where)
     ngrams = s.dict(m, "ngrams", "", optional=True)
     if ngrams is not None:
-        orders = s.dict(ngrams, "orders", "ngrams")
-        for order, e in orders.items():
-            where = f"ngrams.orders.{order}"
-            s.need(bool(NGRAM_ORDER.fullmatch(order)) and float(n) ** int(order) < 2.0 ** 63, "ngrams.orders",
-                   f"orders 3..9 whose keys fit int64 for N = {n}", order)
-            s.need(isinstance(e, dict), where, "an object", e)
-            s.int(e, "contexts", where)
-            s.int(e, "entries", where)
-            parts = s.dict(e, "files", where)
-            s.need(sorted(parts) == sorted(NGRAM_PARTS), f"{where}.files", f"the files {NGRAM_PARTS}", sorted(parts))
-            for part in NGRAM_PARTS:
-                s.file(parts, part, f"{where}.files")
+        check_ngram_levels(s, ngrams, n)
     stats = s.dict(m, "stats", "")
     s.need(sorted(stats) == sorted(STATS), "stats", f"the files {STATS}", sorted(stats))
     for name in STATS:
         s.file(stats, name, "stats")
     if m.get("decoder") is not None:
         check_decoder(root, m["decoder"])
+
+
+def check_ngram_levels(s: _Schema, ngrams: dict, n: int) -> None:
+    """The n-gram trie's entry: levels 2 … m (consecutive), the orders n₀ … m each a counted level, the levels
+    below n₀ uncounted, each level's parents the nodes of the one below (N at level 2)."""
+    levels = s.dict(ngrams, "levels", "ngrams")
+    orders = s.dict(ngrams, "orders", "ngrams")
+    s.need(all(isinstance(d, str) and NGRAM_LEVEL.fullmatch(d) for d in levels) and len(levels) >= 2,
+           "ngrams.levels", "levels like 2, 3, 4", sorted(levels))
+    depths = sorted(int(d) for d in levels)
+    s.need(depths == list(range(2, depths[-1] + 1)) and float(n) ** depths[-1] < 2.0 ** 63, "ngrams.levels",
+           f"consecutive levels from 2 whose keys fit int64 for N = {n}", sorted(levels))
+    s.need(all(isinstance(o, str) and NGRAM_ORDER.fullmatch(o) for o in orders) and orders, "ngrams.orders",
+           "orders like 3, 4", sorted(orders))
+    counted = sorted(int(o) for o in orders)
+    s.need(counted == list(range(counted[0], depths[-1] + 1)), "ngrams.orders",
+           f"the consecutive orders up to the top level {depths[-1]}", sorted(orders))
+    parents = n
+    for d in depths:
+        where = f"ngrams.levels.{d}"
+        e = levels[str(d)]
+        s.need(isinstance(e, dict), where, "an object", e)
+        s.need(e.get("parents") == parents and _is_int(e.get("parents")), f"{where}.parents",
+               f"{parents} (the nodes of the level below)", e.get("parents"))
+        parents = s.int(e, "nodes", where)
+        parts = s.dict(e, "files", where)
+        want = sorted(part_dtypes(n, d in counted))
+        s.need(sorted(parts) == want, f"{where}.files", f"the files {want}", sorted(parts))
+        for part in want:
+            s.file(parts, part, f"{where}.files")
+    for o in counted:
+        where = f"ngrams.orders.{o}"
+        e = orders[str(o)]
+        s.need(isinstance(e, dict), where, "an object", e)
+        s.int(e, "contexts", where)
+        s.need(e.get("entries") == levels[str(o)]["nodes"], f"{where}.entries",
+               f"the nodes of level {o} ({levels[str(o)]['nodes']})", e.get("entries"))
 
 
 def check_shards(s: _Schema, shards, where: str, n: int) -> list[dict]:
@@ -355,7 +386,91 @@ def check_csr(root, what: str, indptr: np.ndarray, indices: np.ndarray, data: np
                           f"{'counts must be >= 1' if counts else 'weights must be finite and >= 0'}")
 
 
-def check_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n_contexts: int, entries: int) -> None:
+@numba.njit(cache=True)
+def _escape_problem(narrow, at, values, a, b, j, escape):
+    """In narrow[a:b]: every ``escape`` value has its position next in the side table (``at[j]``) with a value
+    ≥ ``escape``, and the side table names no other position. (first bad position or −1, the next j)."""
+    for i in range(a, b):
+        if narrow[i] == escape:
+            if j >= at.size or at[j] != i or values[j] < escape:
+                return i, j
+            j += 1
+        elif j < at.size and at[j] <= i:
+            return i, j
+    return -1, j
+
+
+@numba.njit(cache=True)
+def _ptr_next_problem(level, a, b, prev, n):
+    """indptr[a:b] of a level (its side table checked) from 0, never decreasing, within the nodes, and each parent's
+    next tokens in [0, n) and strictly ascending: (code, position, the last indptr value)."""
+    nxt = level[4]
+    for i in range(a, b):
+        v = ptr_at(level, i)
+        if i == 0 and v != 0:
+            return 1, i, prev
+        if v < prev:
+            return 2, i, prev
+        if v > nxt.size:
+            return 3, i, prev
+        for e in range(prev, v):
+            if np.int64(nxt[e]) < 0 or np.int64(nxt[e]) >= n:
+                return 4, e, prev
+            if e > prev and nxt[e] <= nxt[e - 1]:
+                return 5, e, prev
+        prev = v
+    return 0, 0, prev
+
+
+_LEVEL_PROBLEMS = {1: "indptr does not start at 0", 2: "indptr decreases", 3: "indptr goes past the nodes",
+                   4: "a next token is outside [0, N)", 5: "a parent's next tokens do not ascend"}
+
+
+def check_level(root, depth: int, a: dict[str, np.ndarray], parents: int, nodes: int, n: int, counted: bool) -> None:
+    """One level of the n-gram trie (``ngram_trie``): sizes, side tables, indptr from 0 to the nodes, next tokens
+    in [0, N) ascending under each parent, counts ≥ 1; windows at a time."""
+    what = f"level {depth} of the n-gram tables"
+    sizes = {"indptr_base": bases_for(parents), "indptr": parents + 1, "next": nodes}
+    if counted:
+        sizes["counts"] = nodes
+    for part, size in sizes.items():
+        if a[part].shape != (size,):
+            raise fail(root, f"{what}: {part} has {a[part].shape[0]:,} values, expected {size:,}")
+    sides = [("indptr", PTR_ESCAPE)] + ([("counts", COUNT_ESCAPE)] if counted else [])
+    for part, escape in sides:
+        at, values = a[f"{part}_wide_at"], a[f"{part}_wide"]
+        if at.shape != values.shape:
+            raise fail(root, f"{what}: {part}_wide_at and {part}_wide differ in length")
+        j = 0
+        for lo in range(0, a[part].shape[0], _WINDOW):
+            hi = min(a[part].shape[0], lo + _WINDOW)
+            pos, j = _escape_problem(a[part], at, values, lo, hi, j, escape)
+            _drop_pages(a[part], lo, hi)
+            if pos >= 0:
+                raise fail(root, f"{what}: {part} {pos} disagrees with its side table of wide values")
+        if j != at.shape[0]:
+            raise fail(root, f"{what}: {part}_wide_at names positions that are not escaped")
+    view = (a["indptr_base"], a["indptr"], a["indptr_wide_at"], a["indptr_wide"], a["next"])
+    prev = 0
+    for lo in range(0, parents + 1, _WINDOW):
+        hi = min(parents + 1, lo + _WINDOW)
+        code, pos, last = _ptr_next_problem(view, lo, hi, prev, n)
+        _drop_pages(a["indptr"], lo, hi)
+        _drop_pages(a["next"], prev, last)
+        if code:
+            raise fail(root, f"{what}: {_LEVEL_PROBLEMS[code]} (at position {pos})")
+        prev = last
+    if prev != nodes:
+        raise fail(root, f"{what}: indptr ends at {prev:,}, not at its {nodes:,} nodes")
+    if counted:
+        pos = _scan(_first_below, a["counts"], 1)
+        if pos >= 0:
+            raise fail(root, f"{what}: count {pos} is 0; counts must be >= 1")
+
+
+def check_v1_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n_contexts: int,
+                         entries: int) -> None:
+    """A format-1 table (contexts, indptr, next, counts), before ``gm_graphs.upgrade`` converts it."""
     what = f"the {order}-gram table"
     if indptr.dtype != counts.dtype:
         raise fail(root, f"{what}: indptr is {indptr.dtype} but counts is {counts.dtype} (they must agree)")
@@ -378,7 +493,7 @@ def check_ngram_table(root, order: int, contexts, indptr, nxt, counts, n: int, n
 
 
 def ngram_range_problem(order: int, contexts, nxt, counts, n: int, after: int) -> str | None:
-    """What :func:`check_ngram_table` would find wrong in one range of a table as its writer produces it, or None:
+    """What :func:`check_v1_ngram_table` would find wrong in one range of a table as its writer produces it, or None:
     contexts ascending from above ``after`` and below N^(order−1), next tokens in [0, N), counts ≥ 1. (The writer
     makes indptr itself, ascending from 0 to the entries, and counts the contexts and entries of the manifest.)"""
     pos = _first_not_ascending(contexts, n ** (order - 1))

@@ -7,14 +7,13 @@ length and filled in at close, then the file is read back and hashed (by a threa
 What is written does not depend on where the ranges were cut: shards split at row boundaries by ``shard_nnz``
 alone and Parquet row groups hold ``ROW_GROUP`` rows, so every engine writes the same bytes.
 
-An n-gram range can also arrive already laid out in files (``write_range``, run by a Ray worker where the graph's
-folder is on storage every node sees): the table's writer then checks what the worker reports and copies the files
-into the table inside the kernel (``copy_file_range``), so that the bytes never pass through the writing process.
+The n-gram tables are the levels of one trie (``gm_graphs.format.ngram_trie``), encoded as their ranges come. A range
+can also arrive laid out in files (``write_range``, run by a Ray worker where the graph's folder is on storage every
+node sees): the tables' writer checks what the worker reports, then reads the files a range at a time.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import uuid
 from collections.abc import Iterable
@@ -27,20 +26,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gm_graphs.format.graph_files import ngram_dtypes, sha256_file
+from gm_graphs.format.graph_files import sha256_file
+from gm_graphs.format.ngram_trie import HigherOrder, Level, LevelStream, LowestOrder, part_dtypes
 from gm_graphs.format.validate import ngram_range_problem
 from gm_graphs.store import npy
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.kernel_cache import ensure_cache_dir
-from gm_graphs.store.pagecache import CHUNK, DropBehind
+from gm_graphs.store.pagecache import DropBehind
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
 ROW_GROUP = 1 << 20  # rows per Parquet row group
 RANGE_PARTS = ("contexts", "indptr", "next", "counts")  # the files of a range laid out by ``write_range``
-# copy_file_range cannot copy between these two files (another file system on an old kernel, a file system without
-# it): the bytes are copied through this process instead
-_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
 
 
 class Hasher:
@@ -87,39 +84,6 @@ class NpyWriter:
         values = np.ascontiguousarray(values, dtype=self.dtype)
         self._out.write(values)
         self.length += values.size
-
-    def append_file(self, path: Path, dtype, size: int, add: int = 0) -> int:
-        """Append the ``size`` values of the raw little-endian file ``path`` (``dtype``), plus ``add``; the bytes this
-        process read (0 when the file's bytes are the array's: they are copied by the kernel)."""
-        dtype = np.dtype(dtype)
-        with open(path, "rb") as src:
-            if dtype == self.dtype and add == 0 and self._copy_in_kernel(src, size * dtype.itemsize):
-                self.length += size
-                return 0
-            per = max(1, CHUNK // dtype.itemsize)
-            for start in range(0, size, per):
-                values = np.fromfile(src, dtype=dtype, count=min(per, size - start))
-                if values.size < min(per, size - start):
-                    raise AssertionError(f"{path} ended after {start + values.size:,} of its {size:,} values")
-                self.append(values.astype(self.dtype, copy=False) + add if add else values)
-        return size * dtype.itemsize
-
-    def _copy_in_kernel(self, src, nbytes: int) -> bool:
-        self._fh.flush()
-        at = self._fh.tell()
-        done = 0
-        try:
-            while done < nbytes:
-                moved = os.copy_file_range(src.fileno(), self._fh.fileno(), nbytes - done, done, at + done)
-                if moved == 0:
-                    raise AssertionError(f"{src.name} ended after {done:,} of its {nbytes:,} bytes")
-                done += moved
-        except OSError as e:
-            if e.errno not in _NO_KERNEL_COPY or done:
-                raise
-            return False
-        self._fh.seek(at + nbytes)
-        return True
 
     def close(self) -> Future | None:
         """The manifest entry (a Future: the file is hashed by the hasher's threads)."""
@@ -348,41 +312,87 @@ def _split_checked(order: int, n: int, keys: np.ndarray, counts: np.ndarray, bas
 
 
 class NgramWriter:
-    """One order's n-gram table streamed in ascending ranges of whole contexts → ``<folder>/<n>/*.npy``."""
+    """The n-gram tables of one folder streamed in: a level of the trie per length d (``<folder>/<d>/*.npy``,
+    ``gm_graphs.format.ngram_trie``), order after order (ascending, consecutive), each order from ascending ranges of
+    whole contexts."""
 
-    def __init__(self, root: Path, folder: str, order: int, vocab_size: int, hasher: Hasher | None, total: int):
-        self.order, self.n, self.total = order, vocab_size, total
-        dtypes = ngram_dtypes(total)
-        self.files = {part: NpyWriter(root, f"{folder}/{order}/{part}.npy", dt, hasher) for part, dt in dtypes.items()}
-        self.counted = 0  # the n-grams written, never above ``total`` (which chose the dtypes)
+    def __init__(self, root: Path, folder: str, vocab_size: int, hasher: Hasher | None):
+        self.root, self.folder, self.n, self.hasher = root, folder, vocab_size, hasher
+        self.levels: dict[str, dict] = {}
+        self.orders: dict[str, dict] = {}
+        self._below: list[Level] = []  # the levels written so far, memory-mapped
+
+    def _stream(self, depth: int, counted: bool) -> tuple[LevelStream, dict[str, NpyWriter]]:
+        dtypes = part_dtypes(self.n, counted)
+        files = {part: NpyWriter(self.root, f"{self.folder}/{depth}/{part}.npy", dt, self.hasher)
+                 for part, dt in dtypes.items()}
+        return LevelStream(depth, self.n, counted, lambda part, values: files[part].append(values)), files
+
+    def write_order(self, order: int, total: int, ranges: Iterable) -> None:
+        """Write the order-``order`` table of ``total`` n-grams from its ranges (``(keys, counts)`` or
+        :class:`LaidOutRange`, whose ``read_back`` is set)."""
+        first = not self._below
+        if not first and order != self._below[-1].depth + 1:
+            raise AssertionError(f"the {order}-gram table does not follow the {self._below[-1].depth}-gram table")
+        depths = range(2, order + 1) if first else (order,)
+        made = {d: self._stream(d, counted=d == order) for d in depths}
+        streams = {d: m[0] for d, m in made.items()}
+        encoder = (LowestOrder(order, self.n, streams) if first
+                   else HigherOrder(order, self.n, streams[order], self._below))
+        table = _TableRanges(order, self.n, total, encoder.add)
+        for r in ranges:
+            if isinstance(r, LaidOutRange):
+                r.read_back = table.add_written(r)
+            else:
+                table.add(*r)
+        encoder.finish()
+        for d, (stream, files) in made.items():
+            self.levels[str(d)] = {"parents": stream.parents, "nodes": stream.nodes,
+                                   "files": {part: w.close() for part, w in files.items()}}
+            self._below.append(Level(d, stream.parents, {part: np.load(w.path, mmap_mode="r")
+                                                         for part, w in files.items()}))
+        self.orders[str(order)] = {"contexts": table.contexts, "entries": table.entries}
+
+    def close(self) -> dict:
+        """The manifest entry of the tables: their ``levels`` (with Futures) and ``orders``."""
+        self._below = []
+        return {"levels": self.levels, "orders": self.orders}
+
+
+class _TableRanges:
+    """One order's ranges, checked (contexts ascending across ranges, no more n-grams than ``total``) and split into
+    (contexts, entries per context, next tokens, counts) for the trie's encoder."""
+
+    def __init__(self, order: int, vocab_size: int, total: int, add):
+        self.order, self.n, self.total, self._add = order, vocab_size, total, add
+        self.counted = 0
         self.entries = 0
         self.contexts = 0
         self._last = -1  # the last context written
-        self._index = dtypes["indptr"]  # the split writes indptr in the file's dtype: no conversion per range
         self._buffers = self._allocate(0)  # reused per range
 
-    def _allocate(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return np.empty(size, np.int64), np.empty(size, self._index), np.empty(size, np.int32)
+    @staticmethod
+    def _allocate(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size, np.int32)
 
     def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
         if not keys.size:
             return
         if self._buffers[0].size < keys.size:
             self._buffers = self._allocate(keys.size)
-        contexts, indptr, nxt, problem = _split_checked(self.order, self.n, keys, counts, self.entries, self._last,
+        contexts, indptr, nxt, problem = _split_checked(self.order, self.n, keys, counts, 0, self._last,
                                                         self._buffers)
         self._admit(problem, int(counts.sum()), "")
+        self._put(contexts, np.diff(np.append(indptr, keys.size)), nxt, counts)
+
+    def _put(self, contexts, lengths, nxt, counts) -> None:
+        self._add(contexts, lengths, nxt, counts)
         self._last = int(contexts[-1])
-        self.files["contexts"].append(contexts)
-        self.files["indptr"].append(indptr)
-        self.files["next"].append(nxt)
-        self.files["counts"].append(counts)
-        self.entries += keys.size
+        self.entries += nxt.size
         self.contexts += contexts.size
 
     def _admit(self, problem: str | None, count_sum: int, where: str) -> None:
-        """Count a range's n-grams in, or raise for its ``problem`` or for more n-grams than ``total`` (which chose
-        the dtypes: a count beyond it could wrap around)."""
+        """Count a range's n-grams in, or raise for its ``problem`` or for more n-grams than ``total``."""
         self.counted += count_sum
         if not problem and self.counted > self.total:
             problem = f"more n-grams than the {self.total:,} counted"
@@ -390,8 +400,8 @@ class NgramWriter:
             raise AssertionError(f"the {self.order}-gram table being written{where}: {problem}")
 
     def add_written(self, laid: LaidOutRange) -> int:
-        """Append a range a worker laid out (:func:`write_range`), after checking what it reports against the ranges
-        before it; the bytes of its files this process read (its indptr, moved by the entries before it)."""
+        """A range a worker laid out (:func:`write_range`), after checking what it reports against the ranges before
+        it; the bytes of its files this process read."""
         m = laid.meta
         if not m["entries"]:
             return 0
@@ -402,24 +412,16 @@ class NgramWriter:
             problem = "its first context is not above the last context of the range before it"
         self._admit(problem, m["sum"], f", range {m['range']}")
         sizes = {part: m["contexts"] if part in ("contexts", "indptr") else m["entries"] for part in RANGE_PARTS}
+        arrays = {}
         for part, size in sizes.items():
-            found = laid.path(part).stat().st_size
-            if found != size * np.dtype(m["dtypes"][part]).itemsize:
-                raise AssertionError(f"{laid.path(part)} has {found:,} bytes, its writer reported {size:,} values of "
-                                     f"{np.dtype(m['dtypes'][part])}")
-        read = 0
-        for part, size in sizes.items():
-            read += self.files[part].append_file(laid.path(part), m["dtypes"][part], size,
-                                                 self.entries if part == "indptr" else 0)
-        self._last = m["last"]
-        self.entries += m["entries"]
-        self.contexts += m["contexts"]
-        return read
-
-    def close(self) -> dict:
-        self.files["indptr"].append(np.array([self.entries], dtype=np.int64))
-        return {"contexts": self.contexts, "entries": self.entries,
-                "files": {part: w.close() for part, w in self.files.items()}}
+            path, dtype = laid.path(part), np.dtype(m["dtypes"][part])
+            found = path.stat().st_size
+            if found != size * dtype.itemsize:
+                raise AssertionError(f"{path} has {found:,} bytes, its writer reported {size:,} values of {dtype}")
+            arrays[part] = np.fromfile(path, dtype=dtype)
+        lengths = np.diff(np.append(arrays["indptr"].astype(np.int64), m["entries"]))
+        self._put(arrays["contexts"], lengths, arrays["next"], arrays["counts"].astype(np.int64))
+        return sum(a.nbytes for a in arrays.values())
 
 
 @dataclass
@@ -438,14 +440,13 @@ def write_range(folder: Path, order: int, rng: int, vocab_size: int, keys: np.nd
     """Lay out one merged range of an order's n-gram table as :class:`NgramWriter` would append it (contexts, indptr
     from 0, next tokens, counts), checked as it checks a range, in raw files ``folder/<order>/<rng>.<part>``, each
     written under another name and renamed (a task run twice leaves one whole file). Returns what the table's
-    writer needs to check and copy them (:class:`LaidOutRange`'s ``meta``)."""
+    writer needs to check and read them (:class:`LaidOutRange`'s ``meta``)."""
     counts = np.ascontiguousarray(counts)
     index = np.int32 if keys.size < 2**31 else np.int64  # indptr from 0: the range's own entries
     buffers = np.empty(keys.size, np.int64), np.empty(keys.size, index), np.empty(keys.size, np.int32)
     contexts, indptr, nxt, problem = _split_checked(order, vocab_size, keys, counts, 0, -1, buffers)
     if problem:
         raise AssertionError(f"range {rng} of the {order}-gram table: {problem}")
-    # counts as the table stores them below 2³¹ n-grams (``ngram_dtypes``), so that they are copied, not converted
     small = not counts.size or counts.max() < 2**31
     arrays = {"contexts": contexts, "indptr": indptr, "next": nxt,
               "counts": counts.astype(np.int32) if small else counts}
@@ -462,14 +463,12 @@ def write_range(folder: Path, order: int, rng: int, vocab_size: int, keys: np.nd
             "sum": int(counts.sum()), "dtypes": {part: values.dtype.str for part, values in arrays.items()}}
 
 
-def write_ngrams(root: Path, folder: str, order: int, vocab_size: int, ranges: Iterable,
-                 hasher: Hasher | None, total: int) -> dict:
-    """Write one order's table of ``total`` n-grams from its ranges (``(keys, counts)`` or :class:`LaidOutRange`);
-    its manifest entry (with Futures)."""
-    w = NgramWriter(root, folder, order, vocab_size, hasher, total)
-    for r in ranges:
-        if isinstance(r, LaidOutRange):
-            r.read_back = w.add_written(r)
-        else:
-            w.add(*r)
+def write_ngrams(root: Path, folder: str, vocab_size: int, tables: Iterable[tuple[int, int, Iterable]],
+                 hasher: Hasher | None) -> dict:
+    """Write the n-gram tables ``(order, total n-grams, ranges)`` (orders ascending and consecutive; ranges of
+    ``(keys, counts)`` or :class:`LaidOutRange`) into ``root/folder``; their manifest entry (with Futures when
+    hashed)."""
+    w = NgramWriter(root, folder, vocab_size, hasher)
+    for order, total, ranges in tables:
+        w.write_order(order, total, ranges)
     return w.close()
