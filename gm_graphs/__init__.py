@@ -10,7 +10,7 @@ datastore folders) → ``operators`` → ``count`` → ``tokenize`` → ``corpus
 
 from gm_graphs.build.counts import count_corpus, merge_graphs, write_graph
 from gm_graphs.build.graphs import build_graph
-from gm_graphs.build.ngrams import add_ngrams
+from gm_graphs.build.ngrams import add_ngrams, upgrade_graph
 from gm_graphs.corpus import bundled
 from gm_graphs.corpus.read import expand_corpus, iter_documents
 from gm_graphs.corpus.split import split_corpus
@@ -24,7 +24,7 @@ __all__ = [
     # graphs: build, open, list, merge, and where they live
     "Graph", "build_graph", "graph_path", "graphmax_home", "list_graphs", "load_graph", "merge_graphs",
     # a graph's parts: its counts in memory, the pruning of its higher orders, its n-gram tables
-    "PruneRule", "add_ngrams", "count_corpus", "write_graph",
+    "PruneRule", "add_ngrams", "count_corpus", "upgrade_graph", "write_graph",
     # corpora: reading, splitting, the bundled ones
     "bundled", "expand_corpus", "iter_documents", "split_corpus",
     # tokenizers

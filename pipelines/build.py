@@ -8,12 +8,13 @@ import os
 import time
 from pathlib import Path
 
-from gm_graphs import PruneRule, build_graph, list_graphs, load_graph, merge_graphs
+from gm_graphs import PruneRule, build_graph, graph_path, list_graphs, load_graph, merge_graphs, upgrade_graph
 from gm_graphs.build.graphs import ENGINES
 from gm_graphs.build.options import MAX_ORDER
 from gm_graphs.count.ngrams import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
+from gm_graphs.format.validate import FORMAT_VERSION
 
 from .args import CorpusFiles, integer, integers, number
 
@@ -99,12 +100,15 @@ def register(sub) -> None:
     p.set_defaults(run=run_merge)
 
     p = sub.add_parser("graphs", help="list built graphs or show one")
-    gsub = p.add_subparsers(dest="graphs_command", required=True, metavar="{list,info}")
+    gsub = p.add_subparsers(dest="graphs_command", required=True, metavar="{list,info,upgrade}")
     gsub.add_parser("list", help="the graphs under $GRAPHMAX_HOME").set_defaults(run=run_list)
     info = gsub.add_parser("info", help="a graph's manifest summary")
     add_graph_arguments(info)
     info.add_argument("--json", action="store_true", help="print the whole manifest")
     info.set_defaults(run=run_info)
+    upgrade = gsub.add_parser("upgrade", help="convert a graph of an older format in place (atomically)")
+    add_graph_arguments(upgrade)
+    upgrade.set_defaults(run=run_upgrade)
 
 
 def run_build(args) -> int:
@@ -171,6 +175,23 @@ def run_list(args) -> int:
         print(f"{name:<20} {m['corpus']['documents']:>10,} docs {m['corpus']['tokens']:>14,} tokens  "
               f"operators: {', '.join(sorted(m['operators']))}")
     return 0
+
+
+def run_upgrade(args) -> int:
+    target = graph_arg(args)
+    before = _folder_bytes(graph_path(target))
+    t0 = time.perf_counter()
+    if not upgrade_graph(target):
+        print(f"graph {target} is already format {FORMAT_VERSION}; nothing to do")
+        return 0
+    after = _folder_bytes(graph_path(target))
+    print(f"graph {target} converted to format {FORMAT_VERSION} in {time.perf_counter() - t0:.1f} s: "
+          f"{before:,} -> {after:,} bytes")
+    return 0
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def run_info(args) -> int:

@@ -194,7 +194,7 @@ def _contexts(graph: SimpleNamespace, seed: int, rows: int, length: int) -> torc
     table = graph.ngrams[4]
     for b in range(0, rows, 2):
         if length >= 3:
-            ids[b, -3:] = np.unravel_index(rng.choice(table.contexts), (n, n, n))
+            ids[b, -3:] = np.unravel_index(rng.choice(table.dense()[0]), (n, n, n))
     return torch.from_numpy(ids)
 
 
@@ -344,20 +344,21 @@ def _broken_index(g):
 
 
 def _broken_next(g):
-    g.ngrams[3].next[0] = 12
+    g.ngrams[3].table.arrays["next"][0] = 12
 
 
-def _broken_contexts(g):
-    g.ngrams[4].contexts[:2] = g.ngrams[4].contexts[1::-1]
+def _broken_indptr(g):
+    g.ngrams[4].table.arrays["indptr"][1] = g.ngrams[4].entries + 1
 
 
 @pytest.mark.parametrize("damage, error", [(_broken_index, "column indices outside"),
                                            (_broken_next, "order-3 n-gram table is malformed"),
-                                           (_broken_contexts, "order-4 n-gram table is malformed")])
+                                           (_broken_indptr, "order-4 n-gram table is malformed")])
 def test_arrays_that_would_send_the_kernel_out_of_bounds_are_refused(damage, error):
     graph = _graph(5)
-    graph.ngrams = {n: dataclasses.replace(t, contexts=t.contexts.copy(), next=t.next.copy())
-                    for n, t in graph.ngrams.items()}
+    graph.ngrams = {n: dataclasses.replace(t, levels=tuple(
+        dataclasses.replace(level, arrays={k: np.array(v) for k, v in level.arrays.items()}) for level in t.levels))
+        for n, t in graph.ngrams.items()}
     damage(graph)
     with pytest.raises(ValueError, match=error):
         ContextReference(graph)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from gm_graphs import build_graph, load_graph, merge_graphs
-from gm_graphs.errors import CorpusError, GraphBusyError, MergeError, NotOwnedError, OptionError
+from gm_graphs.errors import CorpusError, GraphBusyError, GraphFormatError, MergeError, NotOwnedError, OptionError
 from gm_graphs.store import pagecache
 from pipelines.cli import main
 
@@ -80,19 +80,49 @@ def _state(home: Path) -> dict:
     return state
 
 
+def as_format_1(folder: Path) -> None:
+    """Rewrite a graph's n-gram tables as format 1 stored them (flat contexts, indptr, next, counts), as a graph
+    built before format 2 has them."""
+    from gm_graphs.format.graph_files import sha256_file
+
+    m = json.loads((folder / "manifest.json").read_text())
+    tables = load_graph(folder).ngrams
+    out = folder / "ngrams-00000000000f"
+    orders = {}
+    for order, t in tables.items():
+        contexts, indptr, nxt, counts = t.dense()
+        arrays = {"contexts": contexts, "indptr": indptr.astype(np.int32), "next": nxt.astype(np.int32),
+                  "counts": counts.astype(np.int32)}
+        files = {}
+        for part, a in arrays.items():
+            (out / str(order)).mkdir(parents=True, exist_ok=True)
+            np.save(out / str(order) / f"{part}.npy", a)
+            p = out / str(order) / f"{part}.npy"
+            files[part] = {"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
+                           "sha256": sha256_file(p)}
+        orders[str(order)] = {"contexts": int(contexts.size), "entries": int(nxt.size), "files": files}
+    shutil.rmtree(folder / m["ngrams"]["levels"]["2"]["files"]["next"]["file"].split("/")[0])
+    m["ngrams"] = {"corpus": m["ngrams"]["corpus"], "clean": m["ngrams"]["clean"],
+                   "text_column": m["ngrams"]["text_column"], "orders": orders}
+    m["format_version"] = 1
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
 def _jobs(tok, corpora: dict[str, str]):
-    from gm_graphs import add_ngrams
+    from gm_graphs import add_ngrams, graph_path, upgrade_graph
 
     def build(a: str, name: str = "g", **kw):
         return lambda: build_graph(corpora[a], tok, name=name, orders=(1, 2), ngrams=(3,), overwrite=True,
                                    progress=False, **kw)
 
     setups = {"build": [], "overwrite": [build("a")], "add_ngrams": [build("a")], "set_decoder": [build("a")],
-              "merge": [build("a"), build("b1", "p1"), build("b2", "p2")]}
+              "merge": [build("a"), build("b1", "p1"), build("b2", "p2")],
+              "upgrade": [build("a"), lambda: as_format_1(graph_path("g"))]}
     jobs = {"build": build("b"), "overwrite": build("b"),
             "merge": lambda: merge_graphs(["p1", "p2"], name="g", orders=(1, 2), overwrite=True, progress=False),
             "add_ngrams": lambda: add_ngrams("g", corpora["b"], tok, (3, 4), progress=False),
-            "set_decoder": lambda: load_graph("g").set_decoder({"mode": "context", "lam": 2.0})}
+            "set_decoder": lambda: load_graph("g").set_decoder({"mode": "context", "lam": 2.0}),
+            "upgrade": lambda: upgrade_graph("g")}
     return setups, jobs
 
 
@@ -227,7 +257,7 @@ def corpora(tmp_path_factory) -> dict[str, str]:
 
 
 FAULT_CASES = {**{f"kill {job}": ("kill", job, False) for job in ("build", "overwrite", "merge", "add_ngrams",
-                                                                   "set_decoder")},
+                                                                   "set_decoder", "upgrade")},
                **{f"raise {job}": ("raise", job, False) for job in ("overwrite", "add_ngrams")},
                "kill overwrite without exchange": ("kill", "overwrite", True),
                **{f"enospc {job}": ("enospc", job, False) for job in ("build", "overwrite", "add_ngrams")}}
@@ -264,9 +294,11 @@ POINTS = {  # at least these; a job passes whatever points it reaches
     "add_ngrams": {"write.array", "ngrams.counted", "ngrams.written", "manifest.written", "manifest.replaced",
                    "ngrams.committed", "remove.emptied"} | SYNCED,
     "set_decoder": {"manifest.written", "manifest.replaced"},
+    "upgrade": {"write.array", "upgrade.written", "manifest.written", "manifest.replaced", "upgrade.committed",
+                "remove.emptied"},
 }
 
-@pytest.mark.parametrize("job", ["build", "overwrite", "merge", "add_ngrams", "set_decoder"])
+@pytest.mark.parametrize("job", ["build", "overwrite", "merge", "add_ngrams", "set_decoder", "upgrade"])
 def test_a_kill_at_any_fault_point_leaves_the_old_graph_or_the_new_one(job, faults):
     r = faults[f"kill {job}"]
     old, new = r["old"], r["new"]
@@ -276,8 +308,8 @@ def test_a_kill_at_any_fault_point_leaves_the_old_graph_or_the_new_one(job, faul
         after, recovered = res["after"], res["recovered"]
         assert after["exit"] == 137, (point, after["stderr"])
         assert after["referenced"] in (old["referenced"], new["referenced"]), point
-        if after["referenced"] is not None:
-            assert after["valid"] == "ok", (point, after["valid"])
+        if after["referenced"] is not None:  # the old graph as it was (a format-1 graph: refused as before)
+            assert after["valid"] == ("ok" if after["referenced"] == new["referenced"] else old["valid"]), point
         # the next writer of the same graph succeeds and leaves nothing of the dead one behind
         assert recovered["exit"] == 0, (point, recovered["stderr"])
         assert recovered["full"] == new["full"] and recovered["siblings"] == new["siblings"], point
@@ -543,7 +575,7 @@ def decodable(tmp_path_factory, bpe_tokenizer):
     (root / "c.txt").write_text("\n".join(make_docs(150, seed=31)) + "\n")
     g = build_graph(root / "c.txt", bpe_tokenizer, path=root / "g", ngrams=(3, 4), progress=False)
     table = g.ngrams[4]
-    ctx, n = int(table.contexts[0]), g.vocab_size
+    ctx, n = int(table.dense()[0][0]), g.vocab_size
     return g, [ctx // n // n, ctx // n % n, ctx % n]
 
 
@@ -653,16 +685,18 @@ CRAFTS = {
     "shards not a list": _edit_manifest(lambda m, f: _entry(m, "operators", "order1").update(shards={"a": 1})),
     "decoder not an object": _edit_manifest(lambda m, f: m.update(decoder=["context"])),
     "decoder over its cap": _edit_manifest(lambda m, f: m.update(decoder={"note": "x" * (64 << 10)})),
-    "n-gram contexts unsorted": _edit_array("ngrams/4/contexts.npy", lambda a: a[::-1].copy()),
-    "n-gram context >= N^3": _edit_array("ngrams/4/contexts.npy", _set(-1, N_ ** 3)),
     "n-gram next >= N": _edit_array("ngrams/3/next.npy", _set(0, N_)),
-    "n-gram next negative": _edit_array("ngrams/4/next.npy", _set(-1, -5)),
-    "n-gram indptr decreasing": _edit_array("ngrams/4/indptr.npy", _set(1, 10**6)),
+    "n-gram next not ascending": _edit_array("ngrams/2/next.npy", lambda a: a[::-1].copy()),
+    "n-gram indptr past the nodes": _edit_array("ngrams/4/indptr.npy", _set(1, 60000)),
+    "n-gram indptr escaped without a side entry": _edit_array("ngrams/3/indptr.npy", _set(1, 0xFFFF)),
+    "n-gram side table of another length": _edit_array("ngrams/3/counts_wide_at.npy", lambda a: np.append(a, 5)),
+    "n-gram base negative": _edit_array("ngrams/3/indptr_base.npy", _set(-1, -5)),
     "n-gram count zero": _edit_array("ngrams/3/counts.npy", _set(0, 0)),
-    "n-gram counts wider than indptr": _edit_array("ngrams/3/counts.npy", lambda a: a.astype(np.int64)),
-    "n-gram counts unsigned": _edit_array("ngrams/4/counts.npy", lambda a: a.astype(np.uint32)),
+    "n-gram counts of another dtype": _edit_array("ngrams/4/counts.npy", lambda a: a.astype(np.int32)),
     "n-gram indptr of floats": _edit_array("ngrams/4/indptr.npy", lambda a: a.astype(np.float32)),
     "n-gram order 2": _edit_manifest(lambda m, f: m["ngrams"]["orders"].update({"2": m["ngrams"]["orders"]["3"]})),
+    "n-gram level missing": _edit_manifest(lambda m, f: m["ngrams"]["levels"].pop("2")),
+    "n-gram parents wrong": _edit_manifest(lambda m, f: m["ngrams"]["levels"]["3"].update(parents=7)),
     "npy header unclosed": _header(IDX, b"{"),
     "npy header nested": _header(IDX, b"-" * 9000 + b"1"),
     "npy header huge shape": _header(PTR, b"{'descr': '<i8', 'fortran_order': False, 'shape': (0x" + b"f" * 3600
@@ -693,29 +727,30 @@ def test_crafted_graph_folders_end_in_a_one_line_graph_format_error(decodable, t
         _one_line_error(r["stderr"], "GraphFormatError")
 
 
-def test_a_graph_with_int64_ngram_tables_still_loads_and_decodes_the_same(decodable, tmp_path):
-    """Graphs written before the tables' int32 indptr and counts (``storage.ngram_dtypes``) stored them as int64:
-    they load, and their reference rows are the same to the bit (the kernel compiled for either dtype)."""
+def test_a_format_1_graph_is_refused_in_one_line_and_upgraded_in_place_decoding_the_same(decodable, tmp_path, capsys):
+    """A graph built before format 2 is refused naming the command that converts it; converted, it holds the same
+    n-grams and its reference rows are the same to the bit."""
     from gm_solver import ContextConfig, ContextReference
 
     graph, context = decodable
-    assert {graph.ngrams[o].counts.dtype for o in (3, 4)} == {graph.ngrams[o].indptr.dtype for o in (3, 4)} == {
-        np.dtype(np.int32)}
     old = tmp_path / "g"
     shutil.copytree(graph.path, old)
+    as_format_1(old)
+    with pytest.raises(GraphFormatError, match=r"format 1; convert it in place with `graphmax graphs upgrade "):
+        load_graph(old)
+    assert main(["graphs", "upgrade", "--path", str(old)]) == 0
+    assert "converted to format 2" in capsys.readouterr().out
+    new = load_graph(old)
+    assert new.manifest["format_version"] == 2 and not list(old.glob("ngrams-00000000000f"))
     for order in (3, 4):
-        for part in ("indptr", "counts"):
-            _edit_array(f"ngrams/{order}/{part}.npy", lambda a: a.astype(np.int64))(old)
-    _rehash(old)
-    wide = load_graph(old)
-    assert wide.ngrams[4].counts.dtype == wide.ngrams[3].indptr.dtype == np.int64
+        np.testing.assert_array_equal(new.ngrams[order].keys(), graph.ngrams[order].keys())
+        np.testing.assert_array_equal(new.ngrams[order].count_values(), graph.ngrams[order].count_values())
     rng = np.random.default_rng(5)
-    # the first row ends in a context of the 4-gram table (so every table is looked up), the others are random
     ids = torch.tensor([[0, *context], *rng.integers(0, graph.vocab_size, (7, 4)).tolist()])
-    rows = [ContextReference(g, ContextConfig())(ids, graph.vocab_size) for g in (graph, wide)]
+    rows = [ContextReference(g, ContextConfig())(ids, graph.vocab_size) for g in (graph, new)]
     assert torch.equal(rows[0], rows[1])
-    assert rows[0].shape == (8, graph.vocab_size)
-    assert torch.allclose(rows[0].sum(-1), torch.ones(8, dtype=rows[0].dtype))
+    assert main(["graphs", "upgrade", "--path", str(old)]) == 0
+    assert "already format 2" in capsys.readouterr().out
 
 
 if __name__ == "__main__":

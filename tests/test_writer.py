@@ -8,17 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gm_graphs import PruneRule, load_graph
+from gm_graphs.build.ngrams import read_tables
 from gm_graphs.build.options import BuildOptions
 from gm_graphs.build.source import GraphSource, write_graph_into
 from gm_graphs.count.bigrams import BigramCounts
+from gm_graphs.count.ngrams import NgramCounts
 from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import validate
-from gm_graphs.format.graph_files import ngram_dtypes
-from gm_graphs.format.writer import LaidOutRange, NgramWriter, write_range
+from gm_graphs.format.writer import LaidOutRange, OrderRanges, write_ngrams, write_range
 from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
@@ -92,54 +93,72 @@ def test_a_mixture_and_powers_are_written_beside_order1(tmp_path: Path):
     assert g.manifest["build"] == {}  # what write_graph_into was given
 
 
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 60), entries=st.integers(1, 400), cuts=st.integers(1, 6),
-       largest=st.sampled_from([2, 1 << 20, 2**31 - 1, 1 << 40]), laid=st.integers(0, 127))
-def test_ngram_table_equals_a_direct_split_whatever_the_ranges(tmp_path_factory, seed, n, entries, cuts, largest,
-                                                               laid):
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([2, 7, 60, 70_000]), entries=st.integers(1, 400),
+       cuts=st.integers(1, 6), largest=st.sampled_from([2, 300, 2**31 - 1, 1 << 40]), laid=st.integers(0, 127),
+       orders=st.sampled_from([(3,), (3, 4), (4,)]))
+def test_ngram_tables_equal_a_direct_count_whatever_the_ranges(tmp_path_factory, seed, n, entries, cuts, largest,
+                                                               laid, orders):
     """Ranges handed over as arrays, or laid out in files first (``write_range``, as Ray's merge tasks do; bit i of
-    ``laid`` for range i), make the same table: copied where the dtypes agree, widened where they do not."""
+    ``laid`` for range i), make the same trie, which gives back every key and count (wide ones from the side
+    tables) and equals the one encoded in memory."""
+    assume(n ** orders[-1] < 2**63)
     rng = np.random.default_rng(seed)
-    keys = np.unique(rng.integers(0, n ** 3, entries)).astype(np.int64)
-    counts = rng.integers(1, largest, keys.size, endpoint=True)
-    total = int(counts.sum())
-    contexts = keys // n
-    # ranges of whole contexts, cut at random context changes, as SortedRuns.ranges hands them over
-    changes = np.flatnonzero(np.diff(contexts)) + 1
-    edges = [0, *sorted(rng.choice(changes, min(cuts, changes.size), replace=False).tolist()), keys.size]
+    top = np.unique(rng.integers(0, n ** orders[-1], entries)).astype(np.int64)
+    tables = {}
+    for order in orders:  # every order's n-grams are the prefixes of the top order's (one corpus)
+        keys = np.unique(top // n ** (orders[-1] - order))
+        tables[order] = keys, rng.integers(1, largest, keys.size, endpoint=True)
     root = tmp_path_factory.mktemp("ngrams")
-    w = NgramWriter(root, "ng", 3, n, None, total)
-    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
-        if laid >> i & 1:
-            w.add_written(LaidOutRange(root / "laid", write_range(root / "laid", 3, i, n, keys[a:b], counts[a:b])))
-        else:
-            w.add(keys[a:b], counts[a:b])
-    entry = w.close()
-    stored = {part: np.load(root / "ng" / "3" / f"{part}.npy") for part in ("contexts", "indptr", "next", "counts")}
-    first = np.concatenate(([True], contexts[1:] != contexts[:-1]))
-    assert (entry["contexts"], entry["entries"]) == (int(first.sum()), keys.size)
-    np.testing.assert_array_equal(stored["contexts"], contexts[first])
-    np.testing.assert_array_equal(stored["indptr"], [*np.flatnonzero(first), keys.size])
-    np.testing.assert_array_equal(stored["next"], keys % n)
-    np.testing.assert_array_equal(stored["counts"], counts)
-    index = np.int64 if total >= 2**31 else np.int32  # the narrow dtypes hold every count and entry index
-    assert stored["next"].dtype == np.int32 and stored["contexts"].dtype == np.int64
-    assert stored["indptr"].dtype == stored["counts"].dtype == index
+
+    def ranges(order):
+        keys, counts = tables[order]
+        changes = np.flatnonzero(np.diff(keys // n)) + 1  # cut at context changes, as SortedRuns.ranges does
+        edges = [0, *sorted(rng.choice(changes, min(cuts, changes.size), replace=False).tolist()), keys.size]
+        for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+            if laid >> i & 1:
+                yield LaidOutRange(root / "laid", write_range(root / "laid", order, i, n, keys[a:b], counts[a:b]))
+            else:
+                yield keys[a:b], counts[a:b]
+
+    entry = write_ngrams(root, "ng", n, ((o, int(tables[o][1].sum()), ranges(o)) for o in orders), None)
+    stored = read_tables(root / "ng", n, entry)
+    for order in orders:
+        keys, counts = tables[order]
+        np.testing.assert_array_equal(stored[order].keys(), keys)
+        np.testing.assert_array_equal(stored[order].count_values(), counts)
+        assert entry["orders"][str(order)] == {"contexts": np.unique(keys // n).size, "entries": keys.size}
+        memory = NgramCounts.from_keys(order, keys, counts, n)
+        np.testing.assert_array_equal(memory.keys(), keys)
+        for part in ("next", "counts"):
+            np.testing.assert_array_equal(memory.table.arrays[part], stored[order].table.arrays[part])
+        assert stored[order].table.arrays["next"].dtype == (np.uint16 if n <= 65536 else np.int32)
+        assert stored[order].table.arrays["counts"].dtype == np.uint8
+        ctx = keys[rng.integers(keys.size)] // n
+        nxt, cnt = stored[order].successors([ctx // n ** j % n for j in range(order - 2, -1, -1)])
+        np.testing.assert_array_equal(nxt, keys[keys // n == ctx] % n)
+        np.testing.assert_array_equal(cnt, counts[keys // n == ctx])
 
 
-@pytest.mark.parametrize("total, index", [(1, np.int32), (2**31 - 1, np.int32), (2**31, np.int64), (2**40, np.int64)])
-def test_ngram_dtypes_narrow_below_two_to_the_31(total, index):
-    dtypes = ngram_dtypes(total)
-    assert (dtypes["indptr"], dtypes["counts"], dtypes["contexts"], dtypes["next"]) == (index, index, np.int64,
-                                                                                      np.int32)
+def test_indptr_offsets_past_uint16_come_from_the_side_table(tmp_path):
+    """Contexts with tens of thousands of successors push a block's offsets past 65,535: the trie stores them in
+    the side table, and the loaded, checked table reads every context's successors back."""
+    n = 70_000
+    keys = np.concatenate([(c * n * n) + np.arange(0, 2 * 40_000, 2) for c in (1, 2, 3)]).astype(np.int64)
+    counts = np.ones(keys.size, dtype=np.int64)
+    entry = write_ngrams(tmp_path, "ng", n, [(3, keys.size, [(keys, counts)])], None)
+    level = read_tables(tmp_path / "ng", n, entry)[3].table
+    assert level.arrays["indptr_wide_at"].size > 0
+    validate.check_level("g", 3, level.arrays, entry["levels"]["3"]["parents"], keys.size, n, True)
+    np.testing.assert_array_equal(read_tables(tmp_path / "ng", n, entry)[3].keys(), keys)
 
 
-def test_a_table_with_more_ngrams_than_its_total_stops_its_writer(tmp_path):
-    """The total chose the dtypes, so a count beyond it could wrap around in int32: the writer refuses it first."""
-    w = NgramWriter(tmp_path, "ng", 3, 10, None, 4)
+def test_a_table_with_more_ngrams_than_its_total_stops_its_writer():
+    got = []
+    w = OrderRanges(3, 10, 4, lambda *a: got.append(a))
     w.add(np.array([505, 507], dtype=np.int64), np.array([1, 2]))
     with pytest.raises(AssertionError, match="more n-grams than the 4 counted"):
         w.add(np.array([600], dtype=np.int64), np.array([2]))
-    assert w.entries == 2 and w.counted == 5
+    assert len(got) == 1 and w.counted == 5
 
 
 @given(seed=st.integers(0, 2**16), cuts=st.integers(0, 6),
@@ -170,7 +189,7 @@ def test_the_writers_range_checks_find_what_the_loaded_tables_check_finds(seed, 
                                                      counts[indptr[a]:indptr[b]], n, last))
         last = int(table_contexts[b - 1])
     try:
-        validate.check_ngram_table("g", order, table_contexts, indptr, nxt, counts, n, table_contexts.size,
+        validate.check_v1_ngram_table("g", order, table_contexts, indptr, nxt, counts, n, table_contexts.size,
                                    keys.size)
         refused = False
     except GraphFormatError:
@@ -180,7 +199,8 @@ def test_the_writers_range_checks_find_what_the_loaded_tables_check_finds(seed, 
 
 @pytest.mark.parametrize("bad", ["out of order", "file cut short", "another order"])
 def test_a_laid_out_range_that_does_not_fit_stops_the_writer_before_it_is_appended(tmp_path, bad):
-    w = NgramWriter(tmp_path, "ng", 3, 10, None, 100)
+    got = []
+    w = OrderRanges(3, 10, 100, lambda *a: got.append(a))
     w.add(np.array([505, 507], dtype=np.int64), np.array([1, 2]))
     keys = np.array([501] if bad == "out of order" else [600, 601], dtype=np.int64)
     meta = write_range(tmp_path / "laid", 4 if bad == "another order" else 3, 1, 10, keys, np.ones(keys.size, int))
@@ -192,7 +212,7 @@ def test_a_laid_out_range_that_does_not_fit_stops_the_writer_before_it_is_append
                "file cut short": "next has 4 bytes, its writer reported 2 values"}[bad]
     with pytest.raises(AssertionError, match=message):
         w.add_written(laid)
-    assert (w.entries, w.contexts, w.files["contexts"].length) == (2, 1, 1)  # refused before anything was appended
+    assert (w.entries, w.contexts, len(got)) == (2, 1, 1)  # refused before anything was appended
 
 
 def test_write_range_refuses_a_range_it_would_lay_out_wrong(tmp_path):
@@ -203,12 +223,13 @@ def test_write_range_refuses_a_range_it_would_lay_out_wrong(tmp_path):
 
 @pytest.mark.parametrize("bad", ["out of order", "count 0"])
 def test_a_range_the_writer_was_handed_wrong_stops_it_before_anything_is_written(tmp_path, bad):
-    w = NgramWriter(tmp_path, "ng", 3, 10, None, 100)
+    got = []
+    w = OrderRanges(3, 10, 100, lambda *a: got.append(a))
     w.add(np.array([505, 507], dtype=np.int64), np.array([1, 2]))
     keys, counts = (np.array([501]), np.array([1])) if bad == "out of order" else (np.array([600]), np.array([0]))
     with pytest.raises(AssertionError, match="the 3-gram table being written"):
         w.add(keys, counts)
-    assert w.entries == 2 and w.contexts == 1  # the bad range was not appended
+    assert w.entries == 2 and w.contexts == 1 and len(got) == 1  # the bad range was not appended
 
 
 def test_a_build_trusts_the_ngram_tables_it_checked_as_it_wrote_them_and_a_load_elsewhere_checks_them(
@@ -216,8 +237,8 @@ def test_a_build_trusts_the_ngram_tables_it_checked_as_it_wrote_them_and_a_load_
     from gm_graphs import build_graph
 
     calls = []
-    original = validate.check_ngram_table
-    monkeypatch.setattr(validate, "check_ngram_table", lambda *a: (calls.append(a[1]), original(*a))[1])
+    original = validate.check_level
+    monkeypatch.setattr(validate, "check_level", lambda *a: (calls.append(a[1]), original(*a))[1])
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(make_docs(80, seed=3)) + "\n")
     monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
@@ -225,4 +246,4 @@ def test_a_build_trusts_the_ngram_tables_it_checked_as_it_wrote_them_and_a_load_
     assert calls == []  # not read back
     monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "other-home"))  # no record of what was verified
     assert sorted(load_graph(tmp_path / "g").ngrams) == [3, 4]
-    assert sorted(calls) == [3, 4]
+    assert sorted(calls) == [2, 3, 4]  # the trie's levels

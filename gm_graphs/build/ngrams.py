@@ -26,11 +26,13 @@ from gm_graphs.format.graph_files import (
     write_manifest,
 )
 from gm_graphs.format.ngram_trie import Level
+from gm_graphs.format.validate import FORMAT_VERSION
 from gm_graphs.format.writer import Hasher, resolve, write_ngrams
 from gm_graphs.graph import Graph, load_graph
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import (
     disk_errors,
+    graph_path,
     locked,
     remove_tree,
     sync_tree,
@@ -117,6 +119,83 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
             pass  # committed all the same; the next writer of this graph removes them
     graph.refresh()
     return graph.ngrams
+
+
+def upgrade_graph(graph: str | os.PathLike, *, chunk: int = 1 << 22) -> bool:
+    """Convert a format-1 graph in place to format 2 (its n-gram tables as one trie, ~3× smaller); returns whether
+    anything was converted (False: it already was format 2).
+
+    The new tables go to a new sub-folder, and the new manifest that refers to them is the commit: a kill before it
+    leaves the format-1 graph as it was (its unreferenced new folder is removed by the next writer), a kill after it
+    the converted graph. The graph decodes exactly as before: the same n-grams with the same counts.
+
+    Args:
+        graph (``str`` or ``os.PathLike``): the graph's name (under ``$GRAPHMAX_HOME/graphs``) or folder.
+        chunk (``int``, defaults to 2²²): n-grams converted at a time.
+
+    Returns:
+        ``bool``: True when the graph was converted.
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from gm_graphs import build_graph, word_tokenizer
+        >>> tok = word_tokenizer("the cat dog sat ran".split())
+        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\n")
+        >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", ngrams=(3,), progress=False)
+        >>> upgrade_graph(folder / "graph")      # built by this version: already format 2
+        False
+    """
+    root = graph_path(graph)
+    with locked(root), disk_errors(root):
+        manifest = read_manifest(root, v1_ngrams=True)
+        remove_unreferenced(root, manifest)
+        if manifest["format_version"] == FORMAT_VERSION:
+            return False
+        if NGRAMS not in manifest:  # laid out as format 2 already: only the version changes
+            write_manifest(root, manifest)
+            return True
+        n = int(manifest["tokenizer"]["vocab_size"])
+        tables = GraphFiles(root, manifest).v1_ngram_tables()
+        folder = new_ngram_folder()
+        try:
+            hasher = Hasher(WORKERS)
+            try:
+                work = ((order, int(np.sum(t["counts"], dtype=np.int64)), _v1_ranges(t, n, chunk))
+                        for order, t in sorted(tables.items()))
+                entry = resolve(write_ngrams(root, folder, n, work, hasher))
+            finally:
+                hasher.close()
+            sync_tree(root / folder)
+            fault_point("upgrade.written")
+            old = manifest[NGRAMS]
+            manifest[NGRAMS] = {**{k: old[k] for k in ("corpus", "clean", "text_column") if k in old}, **entry}
+            write_manifest(root, manifest)
+        except BaseException:
+            _discard_unreferenced(root, folder)
+            raise
+        fault_point("upgrade.committed")
+        GraphFiles(root, manifest).trust_written(NGRAMS)
+        try:
+            remove_unreferenced(root, manifest)  # the format-1 tables
+        except OSError:
+            pass  # converted all the same; the next writer of this graph removes them
+    return True
+
+
+def _v1_ranges(table: dict[str, np.ndarray], n: int, chunk: int):
+    """A format-1 table's (keys, counts) in ranges of whole contexts, about ``chunk`` n-grams each."""
+    contexts, indptr, nxt, counts = (table[p] for p in ("contexts", "indptr", "next", "counts"))
+    start = 0
+    while start < contexts.shape[0]:
+        stop = max(start + 1, int(np.searchsorted(indptr, int(indptr[start]) + chunk, side="right")) - 1)
+        stop = min(stop, contexts.shape[0])
+        a, b = int(indptr[start]), int(indptr[stop])
+        ptr = np.asarray(indptr[start:stop + 1], dtype=np.int64)
+        keys = np.repeat(np.asarray(contexts[start:stop], dtype=np.int64), np.diff(ptr)) * n + np.asarray(nxt[a:b])
+        yield keys, np.asarray(counts[a:b], dtype=np.int64)
+        start = stop
 
 
 def _discard_unreferenced(root: Path, folder: str) -> None:

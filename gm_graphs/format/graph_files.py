@@ -26,7 +26,7 @@ import scipy.sparse as sp
 from gm_graphs.errors import GraphBusyError, GraphFormatError
 from gm_graphs.format import validate
 from gm_graphs.format.ngram_trie import Level, part_dtypes
-from gm_graphs.format.validate import FORMAT_VERSION, STATS
+from gm_graphs.format.validate import FORMAT_VERSION, STATS, V1_NGRAM_PARTS
 from gm_graphs.store import leases, pagecache, verified
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import GRAPH_FORMAT, MANIFEST, MAX_MANIFEST_BYTES, Artefact, fsync_dir, is_graph_folder
@@ -40,6 +40,7 @@ _DTYPES = {  # the dtypes each kind of array may have on disk
     "indptr": _INDEX, "indices": _INDEX, "weights": (np.dtype("<f4"),), "counts": _INT64, "stats": _INT64,
     "row_mass": (np.dtype("<f4"),),
 }
+_V1_NGRAM_DTYPES = {"contexts": _INT64, "indptr": _INDEX, "next": (np.dtype("<i4"),), "counts": _INDEX}
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -132,9 +133,10 @@ def _fail(root: Path, what: str) -> GraphFormatError:
     return validate.fail(root, what)
 
 
-def read_manifest(root: Path) -> dict:
-    """The manifest of the graph folder ``root``, schema-checked (types, ranges, file paths inside the folder)."""
-    return read_manifest_and_key(root)[0]
+def read_manifest(root: Path, v1_ngrams: bool = False) -> dict:
+    """The manifest of the graph folder ``root``, schema-checked (types, ranges, file paths inside the folder);
+    ``v1_ngrams``: a format-1 graph's n-gram tables are accepted (for ``gm_graphs.upgrade_graph``)."""
+    return read_manifest_and_key(root, v1_ngrams)[0]
 
 
 def manifest_key(st: os.stat_result) -> tuple:
@@ -143,7 +145,7 @@ def manifest_key(st: os.stat_result) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def read_manifest_and_key(root: Path) -> tuple[dict, tuple]:
+def read_manifest_and_key(root: Path, v1_ngrams: bool = False) -> tuple[dict, tuple]:
     """:func:`read_manifest`, and the :func:`manifest_key` of the very file it read."""
     path = root / MANIFEST
     try:
@@ -168,7 +170,7 @@ def read_manifest_and_key(root: Path) -> tuple[dict, tuple]:
         raise _fail(root, f"{MANIFEST} is not valid JSON ({str(e).splitlines()[0][:80]})") from None
     except OSError as e:
         raise GraphFormatError(f"cannot read {path}: {e.strerror}") from None
-    validate.check_manifest(root, manifest)
+    validate.check_manifest(root, manifest, v1_ngrams)
     return manifest, key
 
 
@@ -334,6 +336,19 @@ class GraphFiles:
                                                                  self.n, depth in counted))
             levels.append(Level(depth, e["parents"], arrays))
         return levels
+
+    def v1_ngram_tables(self) -> dict[int, dict[str, np.ndarray]]:
+        """A format-1 graph's flat n-gram tables by order, checked (for ``gm_graphs.upgrade_graph``)."""
+        tables = {}
+        for key, e in sorted(self.manifest[NGRAMS]["orders"].items(), key=lambda kv: int(kv[0])):
+            order = int(key)
+            tables[order] = self._unit(
+                "v1_ngrams", {"order": order, "n": self.n, "contexts": e["contexts"], "entries": e["entries"]},
+                {part: (e["files"][part], _V1_NGRAM_DTYPES[part]) for part in V1_NGRAM_PARTS},
+                lambda a, order=order, e=e: validate.check_v1_ngram_table(
+                    self.root, order, a["contexts"], a["indptr"], a["next"], a["counts"], self.n, e["contexts"],
+                    e["entries"]))
+        return tables
 
     def stats(self) -> dict[str, np.ndarray]:
         entry = self.manifest["stats"]

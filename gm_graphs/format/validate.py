@@ -126,15 +126,16 @@ def check_relative(root, name: str, where: str) -> None:
         raise fail(root, f"manifest {where} names {name[:80]!r}, which is not a path inside the graph folder")
 
 
-def check_manifest(root, m) -> None:
-    """The manifest's schema: every field graphmax reads, with its type and range, and its file entries' paths."""
+def check_manifest(root, m, v1_ngrams: bool = False) -> None:
+    """The manifest's schema: every field graphmax reads, with its type and range, and its file entries' paths;
+    with ``v1_ngrams``, a format-1 graph's n-gram tables are read (by ``gm_graphs.upgrade_graph`` only)."""
     s = _Schema(root)
     s.need(isinstance(m, dict), "(top level)", "an object", type(m).__name__)
     version = m.get("format_version")
     if not _is_int(version):  # '1', 1.0 or true would read as a mismatch of equal versions
         raise fail(root, f"manifest field format_version should be an integer, {_got(version)}; this graphmax "
                          f"reads version {FORMAT_VERSION}")
-    if version == 1 and "ngrams" in m:
+    if version == 1 and "ngrams" in m and not v1_ngrams:
         raise GraphFormatError(f"graph {root} stores its n-gram tables in format 1; convert it in place with "
                                f"`graphmax graphs upgrade {m.get('name', '<name>')}` (or gm_graphs.upgrade_graph)")
     if version not in (1, FORMAT_VERSION):  # a format-1 graph without n-gram tables is laid out as format 2
@@ -178,7 +179,9 @@ def check_manifest(root, m) -> None:
         if "row_mass" in op:
             s.file(op, "row_mass", where)
     ngrams = s.dict(m, "ngrams", "", optional=True)
-    if ngrams is not None:
+    if ngrams is not None and version == 1:
+        _check_v1_ngrams(s, ngrams, n)
+    elif ngrams is not None:
         check_ngram_levels(s, ngrams, n)
     stats = s.dict(m, "stats", "")
     s.need(sorted(stats) == sorted(STATS), "stats", f"the files {STATS}", sorted(stats))
@@ -186,6 +189,22 @@ def check_manifest(root, m) -> None:
         s.file(stats, name, "stats")
     if m.get("decoder") is not None:
         check_decoder(root, m["decoder"])
+
+
+def _check_v1_ngrams(s: _Schema, ngrams: dict, n: int) -> None:
+    orders = s.dict(ngrams, "orders", "ngrams")
+    for order, e in orders.items():
+        where = f"ngrams.orders.{order}"
+        s.need(bool(NGRAM_ORDER.fullmatch(order)) and float(n) ** int(order) < 2.0 ** 63, "ngrams.orders",
+               f"orders 3..9 whose keys fit int64 for N = {n}", order)
+        s.need(isinstance(e, dict), where, "an object", e)
+        s.int(e, "contexts", where)
+        s.int(e, "entries", where)
+        parts = s.dict(e, "files", where)
+        s.need(sorted(parts) == sorted(V1_NGRAM_PARTS), f"{where}.files", f"the files {V1_NGRAM_PARTS}",
+               sorted(parts))
+        for part in V1_NGRAM_PARTS:
+            s.file(parts, part, f"{where}.files")
 
 
 def check_ngram_levels(s: _Schema, ngrams: dict, n: int) -> None:

@@ -339,7 +339,7 @@ class NgramWriter:
         streams = {d: m[0] for d, m in made.items()}
         encoder = (LowestOrder(order, self.n, streams) if first
                    else HigherOrder(order, self.n, streams[order], self._below))
-        table = _TableRanges(order, self.n, total, encoder.add)
+        table = OrderRanges(order, self.n, total, encoder.add)
         for r in ranges:
             if isinstance(r, LaidOutRange):
                 r.read_back = table.add_written(r)
@@ -359,7 +359,7 @@ class NgramWriter:
         return {"levels": self.levels, "orders": self.orders}
 
 
-class _TableRanges:
+class OrderRanges:
     """One order's ranges, checked (contexts ascending across ranges, no more n-grams than ``total``) and split into
     (contexts, entries per context, next tokens, counts) for the trie's encoder."""
 
