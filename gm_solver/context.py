@@ -42,9 +42,9 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from gm_graphs.count.ngram_trie import empty_view
 from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import validate
-from gm_graphs.format.ngram_trie import empty_view
 from gm_graphs.operators import normalize
 
 from . import context_kernel, lambert_kernel

@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from gm_graphs.format.ngram_trie import count_at, find_context, ptr_at
+from gm_graphs.count.ngram_trie import count_at, find_context, ptr_at
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 from .lambert_kernel import CHUNK, FINE, LOCKSTEP, LOOP, ROWS, STATE, jit, solve_batch, solve_row

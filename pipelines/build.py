@@ -14,7 +14,6 @@ from gm_graphs.build.options import MAX_ORDER
 from gm_graphs.count.ngrams import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
-from gm_graphs.format.validate import FORMAT_VERSION
 
 from .args import CorpusFiles, integer, integers, number
 
@@ -182,10 +181,10 @@ def run_upgrade(args) -> int:
     before = _folder_bytes(graph_path(target))
     t0 = time.perf_counter()
     if not upgrade_graph(target):
-        print(f"graph {target} is already format {FORMAT_VERSION}; nothing to do")
+        print(f"graph {target} is already in this graphmax's format; nothing to do")
         return 0
     after = _folder_bytes(graph_path(target))
-    print(f"graph {target} converted to format {FORMAT_VERSION} in {time.perf_counter() - t0:.1f} s: "
+    print(f"graph {target} converted to this graphmax's format in {time.perf_counter() - t0:.1f} s: "
           f"{before:,} -> {after:,} bytes")
     return 0
 

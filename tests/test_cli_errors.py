@@ -62,7 +62,7 @@ BAD_ARGUMENTS = [  # argv, what the message says
     (MERGE + ["--mixture", "0"], "argument --mixture: must be an integer >= 2"),
     (["merge", "a", "b"], "one of the arguments --name --path is required"),
     (["merge", "a", "b", "--name", "m", "--path", "m"], "argument --path: not allowed with argument --name"),
-    (["graphs"], "the following arguments are required: {list,info}"),
+    (["graphs"], "the following arguments are required: {list,info,upgrade}"),
     (["graphs", "info"], "one of the arguments NAME --path is required"),
     (GENERATE + ["--lam", "-1"], "argument --lam: must be a finite number >= 0, got '-1'"),
     (GENERATE + ["--lam", "nan"], "argument --lam: must be a finite number >= 0, got 'nan'"),

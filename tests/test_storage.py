@@ -77,7 +77,7 @@ def test_the_npy_writer_writes_what_np_save_writes(tmp_path):
 
 def test_manifest_carries_the_format_marker_and_every_file(small_graph):
     m = small_graph.manifest
-    assert m["format"] == GRAPH_FORMAT and m["format_version"] == 1
+    assert m["format"] == GRAPH_FORMAT and m["format_version"] == 2
     listed = {entry["file"] for entry in storage.file_entries(m)}
     on_disk = {p.relative_to(small_graph.path).as_posix() for p in small_graph.path.rglob("*") if p.is_file()}
     assert on_disk - listed == {"manifest.json"} and listed <= on_disk
@@ -144,10 +144,15 @@ def test_a_format_version_that_is_not_an_integer_is_named_as_such(small_graph, t
     with pytest.raises(GraphFormatError) as e:
         load_graph(folder)
     assert str(e.value) == (f"graph {folder}: manifest field format_version should be an integer, {got}; this "
-                            f"graphmax reads version 1; rebuild the graph (graphmax build … --overwrite)")
-    _rewrite_manifest(folder, lambda m: m.update(format_version=2))  # an integer of another version: a mismatch
-    with pytest.raises(GraphFormatError, match="has format version 2; this graphmax reads version 1"):
+                            f"graphmax reads version 2; rebuild the graph (graphmax build … --overwrite)")
+    _rewrite_manifest(folder, lambda m: m.update(format_version=3))  # an integer of another version: a mismatch
+    with pytest.raises(GraphFormatError, match="has format version 3; this graphmax reads version 2"):
         load_graph(folder)
+    _rewrite_manifest(folder, lambda m: m.update(format_version=1))  # format 1 with n-gram tables: upgrade it
+    with pytest.raises(GraphFormatError, match="format 1; convert it in place with `graphmax graphs upgrade g`"):
+        load_graph(folder)
+    _rewrite_manifest(folder, lambda m: m.pop("ngrams"))  # format 1 without n-gram tables is laid out as format 2
+    assert load_graph(folder).manifest["format_version"] == 1
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True)

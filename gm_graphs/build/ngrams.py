@@ -12,6 +12,7 @@ import numpy as np
 
 from gm_graphs.build.source import WORKERS
 from gm_graphs.corpus.read import CorpusSpec, expand_corpus
+from gm_graphs.count.ngram_trie import Level
 from gm_graphs.count.ngrams import ORDERS, NgramCounts, check_orders
 from gm_graphs.count.onepass import count_pass
 from gm_graphs.count.runs import RUN_ENTRIES, SortedRuns
@@ -25,7 +26,6 @@ from gm_graphs.format.graph_files import (
     remove_unreferenced,
     write_manifest,
 )
-from gm_graphs.format.ngram_trie import Level
 from gm_graphs.format.validate import FORMAT_VERSION
 from gm_graphs.format.writer import Hasher, resolve, write_ngrams
 from gm_graphs.graph import Graph, load_graph

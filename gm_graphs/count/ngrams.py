@@ -1,7 +1,7 @@
 """n-gram tables (n ≥ 3): the counts of (w_{t−n+1} … w_{t−1}) → w_t that let context-aware graphmax see further back.
 
 A bigram graph conditions on one token; its powers Ãᵏ marginalise over the tokens in between instead of
-conditioning on them. The tables of consecutive orders are the levels of one trie (``gm_graphs.format.ngram_trie``,
+conditioning on them. The tables of consecutive orders are the levels of one trie (``gm_graphs.count.ngram_trie``,
 docs/format.md); ``gm_graphs.build.ngrams`` counts and stores them.
 
 Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from gm_graphs.count.bigrams import count_bits, unpack
+from gm_graphs.count.ngram_trie import Level, LevelStream, LowestOrder, find_context, node_keys, split_contexts
 from gm_graphs.count.runs import repack
 from gm_graphs.errors import OptionError
-from gm_graphs.format.ngram_trie import Level, LevelStream, LowestOrder, find_context, node_keys, split_contexts
 
 ORDERS = (3, 4)
 MAX_ORDER = 63  # an n-gram's key packs its n tokens, at least one bit each, into an int64
@@ -31,7 +31,7 @@ MAX_ORDER = 63  # an n-gram's key packs its n tokens, at least one bit each, int
 
 @dataclass(frozen=True)
 class NgramCounts:
-    """n-gram counts of a corpus as the order-n level of a trie (``gm_graphs.format.ngram_trie``): each n-gram a
+    """n-gram counts of a corpus as the order-n level of a trie (``gm_graphs.count.ngram_trie``): each n-gram a
     node under its (n−1)-token context. ``successors`` looks a context up; ``keys`` and ``count_values`` list the
     entries.
 

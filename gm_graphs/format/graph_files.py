@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from gm_graphs.count.ngram_trie import Level, part_dtypes
 from gm_graphs.errors import GraphBusyError, GraphFormatError
 from gm_graphs.format import validate
-from gm_graphs.format.ngram_trie import Level, part_dtypes
 from gm_graphs.format.validate import FORMAT_VERSION, STATS, V1_NGRAM_PARTS
 from gm_graphs.store import leases, pagecache, verified
 from gm_graphs.store.faults import fault_point

@@ -19,14 +19,14 @@ import re
 import numba
 import numpy as np
 
+from gm_graphs.count.ngram_trie import COUNT_ESCAPE, PTR_ESCAPE, bases_for, part_dtypes, ptr_at
 from gm_graphs.errors import GraphFormatError
-from gm_graphs.format.ngram_trie import COUNT_ESCAPE, PTR_ESCAPE, bases_for, part_dtypes, ptr_at
 from gm_graphs.store.folders import GRAPH_FORMAT
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
-FORMAT_VERSION = 2  # 2: the n-gram tables as one trie (gm_graphs.format.ngram_trie); 1 stored them flat
+FORMAT_VERSION = 2  # 2: the n-gram tables as one trie (gm_graphs.count.ngram_trie); 1 stored them flat
 REBUILD = "rebuild the graph (graphmax build … --overwrite)"
 OPERATOR_NAME = re.compile(r"(order|mixture)[1-9][0-9]{0,2}")
 NGRAM_ORDER = re.compile(r"[3-9]")

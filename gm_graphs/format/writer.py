@@ -7,7 +7,7 @@ length and filled in at close, then the file is read back and hashed (by a threa
 What is written does not depend on where the ranges were cut: shards split at row boundaries by ``shard_nnz``
 alone and Parquet row groups hold ``ROW_GROUP`` rows, so every engine writes the same bytes.
 
-The n-gram tables are the levels of one trie (``gm_graphs.format.ngram_trie``), encoded as their ranges come. A range
+The n-gram tables are the levels of one trie (``gm_graphs.count.ngram_trie``), encoded as their ranges come. A range
 can also arrive laid out in files (``write_range``, run by a Ray worker where the graph's folder is on storage every
 node sees): the tables' writer checks what the worker reports, then reads the files a range at a time.
 """
@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gm_graphs.count.ngram_trie import HigherOrder, Level, LevelStream, LowestOrder, part_dtypes
 from gm_graphs.format.graph_files import sha256_file
-from gm_graphs.format.ngram_trie import HigherOrder, Level, LevelStream, LowestOrder, part_dtypes
 from gm_graphs.format.validate import ngram_range_problem
 from gm_graphs.store import npy
 from gm_graphs.store.faults import fault_point
@@ -313,7 +313,7 @@ def _split_checked(order: int, n: int, keys: np.ndarray, counts: np.ndarray, bas
 
 class NgramWriter:
     """The n-gram tables of one folder streamed in: a level of the trie per length d (``<folder>/<d>/*.npy``,
-    ``gm_graphs.format.ngram_trie``), order after order (ascending, consecutive), each order from ascending ranges of
+    ``gm_graphs.count.ngram_trie``), order after order (ascending, consecutive), each order from ascending ranges of
     whole contexts."""
 
     def __init__(self, root: Path, folder: str, vocab_size: int, hasher: Hasher | None):
