@@ -7,7 +7,7 @@ one of the counted orders also holds each node's count (uint8). An offset or a c
 is stored as the type's largest value, and its real value in a side table (``*_wide_at``: the positions, ascending;
 ``*_wide``: the values, int64). Below the lowest order the levels hold that order's contexts only; from it up, level
 d's nodes are every d-gram of the corpus, so the (d+1)-gram table hangs under the d-grams and stores no contexts.
-At 4M documents (orders 3 and 4) the tables take 4.1 bytes per corpus token, against 12.6 in format 1.
+At 4M documents (orders 3 and 4) the tables take 3.9 bytes per corpus token, against 12.6 in format 1.
 
 A context is looked up by walking it down the levels (a binary search among a node's children per token:
 :func:`find_context`); docs/format.md describes the files.
