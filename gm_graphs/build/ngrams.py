@@ -86,37 +86,21 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
     with locked(root), disk_errors(root):
         manifest = read_manifest(root)
         remove_unreferenced(root, manifest)
-        folder = new_ngram_folder()
-        try:
+
+        def write(folder: str, hasher: Hasher) -> dict:
             files = expand_corpus(corpus)
             encoder = BatchEncoder(load_tokenizer(tokenizer))
             n = encoder.vocab_size
-            orders = check_orders(orders, n)
             work = root / folder / "work"
-            runs = {order: SortedRuns(order, n, run_entries, work / str(order)) for order in orders}
+            runs = {order: SortedRuns(order, n, run_entries, work / str(order)) for order in check_orders(orders, n)}
             count_pass(files, encoder, runs, text_column=text_column, clean=clean, progress=progress,
                        desc="count n-grams")
             fault_point("ngrams.counted")
-            hasher = Hasher(WORKERS)
-            try:
-                tables = resolve(write_tables(root, n, runs, folder, hasher))
-            finally:
-                hasher.close()
-            entry = {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column, **tables}
+            tables = write_tables(root, n, runs, folder, hasher)
             shutil.rmtree(work)
-            sync_tree(root / folder)
-            fault_point("ngrams.written")
-            manifest[NGRAMS] = entry
-            write_manifest(root, manifest)
-        except BaseException:
-            _discard_unreferenced(root, folder)
-            raise
-        fault_point("ngrams.committed")
-        GraphFiles(root, manifest).trust_written(NGRAMS)
-        try:
-            remove_unreferenced(root, manifest)  # the replaced tables
-        except OSError:
-            pass  # committed all the same; the next writer of this graph removes them
+            return {"corpus": [str(f) for f in files], "clean": clean, "text_column": text_column, **tables}
+
+        _commit_tables(root, manifest, write, "ngrams")
     graph.refresh()
     return graph.ngrams
 
@@ -158,29 +142,15 @@ def upgrade_graph(graph: str | os.PathLike, *, chunk: int = 1 << 22) -> bool:
             return True
         n = int(manifest["tokenizer"]["vocab_size"])
         tables = GraphFiles(root, manifest).v1_ngram_tables()
-        folder = new_ngram_folder()
-        try:
-            hasher = Hasher(WORKERS)
-            try:
-                work = ((order, int(np.sum(t["counts"], dtype=np.int64)), _v1_ranges(t, n, chunk))
-                        for order, t in sorted(tables.items()))
-                entry = resolve(write_ngrams(root, folder, n, work, hasher))
-            finally:
-                hasher.close()
-            sync_tree(root / folder)
-            fault_point("upgrade.written")
-            old = manifest[NGRAMS]
-            manifest[NGRAMS] = {**{k: old[k] for k in ("corpus", "clean", "text_column") if k in old}, **entry}
-            write_manifest(root, manifest)
-        except BaseException:
-            _discard_unreferenced(root, folder)
-            raise
-        fault_point("upgrade.committed")
-        GraphFiles(root, manifest).trust_written(NGRAMS)
-        try:
-            remove_unreferenced(root, manifest)  # the format-1 tables
-        except OSError:
-            pass  # converted all the same; the next writer of this graph removes them
+        old = manifest[NGRAMS]
+
+        def write(folder: str, hasher: Hasher) -> dict:
+            work = ((order, int(np.sum(t["counts"], dtype=np.int64)), _v1_ranges(t, n, chunk))
+                    for order, t in sorted(tables.items()))
+            entry = write_ngrams(root, folder, n, work, hasher)
+            return {**{k: old[k] for k in ("corpus", "clean", "text_column") if k in old}, **entry}
+
+        _commit_tables(root, manifest, write, "upgrade")
     return True
 
 
@@ -198,8 +168,36 @@ def _v1_ranges(table: dict[str, np.ndarray], n: int, chunk: int):
         start = stop
 
 
+def _commit_tables(root: Path, manifest: dict, write, stage: str) -> None:
+    """Write new n-gram tables into a new folder of the graph ``root`` (``write(folder, hasher)`` returns the
+    manifest's ``ngrams`` entry, its hashes as Futures) and commit them by replacing the manifest; then remove the
+    tables it no longer names. A failure before the commit removes the new folder; a kill leaves it to the next
+    writer. Call with the graph's lock held; ``stage`` names the fault points (``<stage>.written``,
+    ``<stage>.committed``)."""
+    folder = new_ngram_folder()
+    try:
+        hasher = Hasher(WORKERS)
+        try:
+            entry = resolve(write(folder, hasher))
+        finally:
+            hasher.close()
+        sync_tree(root / folder)
+        fault_point(f"{stage}.written")
+        manifest[NGRAMS] = entry
+        write_manifest(root, manifest)
+    except BaseException:
+        _discard_unreferenced(root, folder)
+        raise
+    fault_point(f"{stage}.committed")
+    GraphFiles(root, manifest).trust_written(NGRAMS)
+    try:
+        remove_unreferenced(root, manifest)  # the replaced tables
+    except OSError:
+        pass  # committed all the same; the next writer of this graph removes them
+
+
 def _discard_unreferenced(root: Path, folder: str) -> None:
-    """Remove the tables of a failed ``add_ngrams`` unless the manifest on disk already refers to them."""
+    """Remove the tables of a failed write unless the manifest on disk already refers to them."""
     try:
         if folder not in referenced_folders(read_manifest(root)) and (root / folder).exists():
             remove_tree(root / folder)
