@@ -199,7 +199,8 @@ def _commit_tables(root: Path, manifest: dict, write, stage: str) -> None:
 def _discard_unreferenced(root: Path, folder: str) -> None:
     """Remove the tables of a failed write unless the manifest on disk already refers to them."""
     try:
-        if folder not in referenced_folders(read_manifest(root)) and (root / folder).exists():
+        # a format-1 manifest names its folders too: a failed upgrade leaves nothing behind either
+        if folder not in referenced_folders(read_manifest(root, v1_ngrams=True)) and (root / folder).exists():
             remove_tree(root / folder)
     except (OSError, GraphmaxError):
         pass  # left for the next writer: unreferenced folders are removed under the lock
