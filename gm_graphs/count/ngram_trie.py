@@ -342,9 +342,27 @@ class HigherOrder:
         self.stream.finish(self._parents)
 
 
+@numba.njit(nogil=True, cache=True)
+def split_keys(keys, n, contexts, indptr, nxt):
+    """Sorted keys context·n + w → the distinct contexts, where each starts and the w's, in one pass (into the
+    buffers, each at least as long as the keys); the number of contexts. (NumPy's //, %, a diff and a gather take
+    ~20× longer over the same keys.)"""
+    m = 0
+    prev = np.int64(-1)
+    for i in range(keys.size):
+        c = keys[i] // n
+        nxt[i] = keys[i] - c * n
+        if c != prev:
+            contexts[m] = c
+            indptr[m] = i
+            m += 1
+            prev = c
+    return m
+
+
 def split_contexts(keys: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sorted unique keys context·N + w → (the distinct contexts, each's number of entries, the w's)."""
-    ctx = keys // vocab_size
-    contexts, starts = np.unique(ctx, return_index=True)
-    lengths = np.diff(np.append(starts, keys.size)).astype(np.int64)
-    return contexts, lengths, (keys - ctx * vocab_size)
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    contexts, starts, nxt = np.empty(keys.size, np.int64), np.empty(keys.size, np.int64), np.empty(keys.size, np.int64)
+    m = split_keys(keys, np.int64(vocab_size), contexts, starts, nxt)
+    return contexts[:m], np.diff(np.append(starts[:m], keys.size)), nxt

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gm_graphs.count.ngram_trie import HigherOrder, Level, LevelStream, LowestOrder, part_dtypes
+from gm_graphs.count.ngram_trie import HigherOrder, Level, LevelStream, LowestOrder, part_dtypes, split_keys
 from gm_graphs.format.graph_files import sha256_file
 from gm_graphs.format.validate import ngram_range_problem
 from gm_graphs.store import npy
@@ -283,30 +283,13 @@ def write_operator(root: Path, name: str, n: int, blocks: Iterable[tuple], shard
                               "p10": float(np.quantile(kept, 0.1))}}
 
 
-@numba.njit(nogil=True, cache=True)
-def _split_keys(keys, n, base, contexts, indptr, nxt):
-    """Sorted keys context·n + w → the distinct contexts, where each starts (offset by ``base``) and the w's, in one
-    pass; the number of contexts. (NumPy's //, %, a diff and a gather take ~20× longer over the same keys.)"""
-    m = 0
-    prev = np.int64(-1)
-    for i in range(keys.size):
-        c = keys[i] // n
-        nxt[i] = np.int32(keys[i] - c * n)
-        if c != prev:
-            contexts[m] = c
-            indptr[m] = base + i
-            m += 1
-            prev = c
-    return m
-
-
-def _split_checked(order: int, n: int, keys: np.ndarray, counts: np.ndarray, base: int, after: int, buffers):
-    """A range's sorted keys split into its contexts, indptr (from ``base``) and next tokens, in ``buffers`` (at least
-    as long as the keys), and what :func:`ngram_range_problem` finds wrong with them (contexts above ``after``), or
-    None: the checks a loaded table gets, run on the range while it is in memory, so that a build trusts its tables
-    without reading them back (GraphFiles.trust_written), which took ~10 s at 4M documents."""
+def _split_checked(order: int, n: int, keys: np.ndarray, counts: np.ndarray, after: int, buffers):
+    """A range's sorted keys split (``ngram_trie.split_keys``) into its contexts, where each starts and the next
+    tokens, in ``buffers`` (at least as long as the keys), and what :func:`ngram_range_problem` finds wrong with them
+    (contexts above ``after``), or None: the checks the writer's ranges get while in memory, so that a build trusts
+    its tables without reading them back (GraphFiles.trust_written)."""
     contexts, indptr, nxt = buffers
-    m = _split_keys(np.ascontiguousarray(keys, dtype=np.int64), np.int64(n), np.int64(base), contexts, indptr, nxt)
+    m = split_keys(np.ascontiguousarray(keys, dtype=np.int64), np.int64(n), contexts, indptr, nxt)
     contexts, indptr, nxt = contexts[:m], indptr[:m], nxt[:keys.size]
     return contexts, indptr, nxt, ngram_range_problem(order, contexts, nxt, counts, n, after)
 
@@ -380,7 +363,7 @@ class OrderRanges:
             return
         if self._buffers[0].size < keys.size:
             self._buffers = self._allocate(keys.size)
-        contexts, indptr, nxt, problem = _split_checked(self.order, self.n, keys, counts, 0, self._last,
+        contexts, indptr, nxt, problem = _split_checked(self.order, self.n, keys, counts, self._last,
                                                         self._buffers)
         self._admit(problem, int(counts.sum()), "")
         self._put(contexts, np.diff(np.append(indptr, keys.size)), nxt, counts)
@@ -437,14 +420,14 @@ class LaidOutRange:
 
 
 def write_range(folder: Path, order: int, rng: int, vocab_size: int, keys: np.ndarray, counts: np.ndarray) -> dict:
-    """Lay out one merged range of an order's n-gram table as :class:`NgramWriter` would append it (contexts, indptr
+    """Lay out one merged range of an order's n-gram table split as :class:`OrderRanges` splits it (contexts, indptr
     from 0, next tokens, counts), checked as it checks a range, in raw files ``folder/<order>/<rng>.<part>``, each
     written under another name and renamed (a task run twice leaves one whole file). Returns what the table's
     writer needs to check and read them (:class:`LaidOutRange`'s ``meta``)."""
     counts = np.ascontiguousarray(counts)
     index = np.int32 if keys.size < 2**31 else np.int64  # indptr from 0: the range's own entries
     buffers = np.empty(keys.size, np.int64), np.empty(keys.size, index), np.empty(keys.size, np.int32)
-    contexts, indptr, nxt, problem = _split_checked(order, vocab_size, keys, counts, 0, -1, buffers)
+    contexts, indptr, nxt, problem = _split_checked(order, vocab_size, keys, counts, -1, buffers)
     if problem:
         raise AssertionError(f"range {rng} of the {order}-gram table: {problem}")
     small = not counts.size or counts.max() < 2**31
