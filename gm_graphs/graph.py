@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from gm_graphs.count.ngrams import NgramCounts
+from gm_graphs.count.ngrams import NgramCounts, tables_of
 from gm_graphs.errors import GraphBusyError, GraphFormatError, TokenizerError
 from gm_graphs.format.graph_files import (
     GraphFiles,
@@ -164,9 +164,8 @@ class Graph:
     @cached_property
     def ngrams(self) -> dict[int, NgramCounts]:
         """The stored n-gram tables by order (``NgramCounts``), memory-mapped; empty if the graph has none."""
-        levels = tuple(self._files.ngram_levels())
-        orders = self.manifest.get("ngrams", {}).get("orders", {})
-        return {int(o): NgramCounts(int(o), self.vocab_size, levels[:int(o) - 1]) for o in sorted(orders, key=int)}
+        return tables_of(self._files.ngram_levels(), self.manifest.get("ngrams", {}).get("orders", {}),
+                         self.vocab_size)
 
     @cached_property
     def stats(self) -> dict[str, np.ndarray]:

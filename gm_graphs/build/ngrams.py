@@ -13,7 +13,7 @@ import numpy as np
 from gm_graphs.build.source import WORKERS
 from gm_graphs.corpus.read import CorpusSpec, expand_corpus
 from gm_graphs.count.ngram_trie import Level
-from gm_graphs.count.ngrams import ORDERS, NgramCounts, check_orders
+from gm_graphs.count.ngrams import ORDERS, NgramCounts, check_orders, tables_of
 from gm_graphs.count.onepass import count_pass
 from gm_graphs.count.runs import RUN_ENTRIES, SortedRuns
 from gm_graphs.errors import GraphmaxError, OptionError
@@ -282,4 +282,4 @@ def read_tables(folder: Path, vocab_size: int, entry: dict) -> dict[int, NgramCo
     levels = [Level(int(d), e["parents"], {part: np.load(folder / d / f"{part}.npy", mmap_mode="r")
                                            for part in e["files"]})
               for d, e in sorted(entry["levels"].items(), key=lambda kv: int(kv[0]))]
-    return {int(o): NgramCounts(int(o), vocab_size, tuple(levels[:int(o) - 1])) for o in entry["orders"]}
+    return tables_of(levels, entry["orders"], vocab_size)

@@ -116,6 +116,11 @@ class NgramCounts:
         return contexts, indptr, np.asarray(table.arrays["next"], dtype=np.int64), self.count_values()
 
 
+def tables_of(levels: Sequence[Level], orders, vocab_size: int) -> dict[int, NgramCounts]:
+    """The tables of the counted ``orders`` over one trie's levels 2 …: each table the levels up to its order."""
+    return {o: NgramCounts(o, vocab_size, tuple(levels[:o - 1])) for o in sorted(int(o) for o in orders)}
+
+
 def check_orders(orders: Sequence[int], vocab_size: int | None = None) -> tuple[int, ...]:
     """The n-gram orders, sorted, unique and consecutive; each ≥ 3, and (given the vocabulary) with int64 keys."""
     if isinstance(orders, (int, str)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in orders):
