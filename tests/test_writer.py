@@ -15,6 +15,7 @@ from gm_graphs import PruneRule, load_graph
 from gm_graphs.build.ngrams import read_tables
 from gm_graphs.build.options import BuildOptions
 from gm_graphs.build.source import GraphSource, write_graph_into
+from gm_graphs.count import ngram_trie
 from gm_graphs.count.bigrams import BigramCounts
 from gm_graphs.count.ngrams import NgramCounts
 from gm_graphs.errors import GraphFormatError
@@ -137,6 +138,40 @@ def test_ngram_tables_equal_a_direct_count_whatever_the_ranges(tmp_path_factory,
         nxt, cnt = stored[order].successors([ctx // n ** j % n for j in range(order - 2, -1, -1)])
         np.testing.assert_array_equal(nxt, keys[keys // n == ctx] % n)
         np.testing.assert_array_equal(cnt, counts[keys // n == ctx])
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([3, 9, 300]), width=st.integers(1, 3),
+       entries=st.integers(1, 300), calls=st.integers(1, 4), foreign=st.booleans())
+def test_contexts_located_in_one_pass_are_the_nodes_a_walk_from_the_root_finds(seed, n, width, entries, calls,
+                                                                              foreign):
+    """``HigherOrder`` locates its ascending contexts incrementally (``ngram_trie._locate``, its state carried
+    from call to call): each node equals ``find_context``'s, and a context the trie lacks stops it there."""
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, n ** (width + 1), entries)).astype(np.int64)
+    # the levels of lengths 2 … width (at width 1, a level the walk never reads, for the tuple's type)
+    levels = NgramCounts.from_keys(width + 1, keys, np.ones(keys.size, np.int64), n).kernel_views()[:max(1, width - 1)]
+    contexts = np.unique(keys // n)
+    if foreign:  # a context of 2 tokens or more outside the trie (at width 1 every token is a node)
+        assume(width > 1)
+        candidates = rng.integers(0, n ** width, 64)
+        missing = candidates[~np.isin(candidates, contexts)]
+        assume(missing.size)
+        contexts = np.unique(np.append(contexts, missing[0]))
+    digits, path = np.full(width, -1, np.int64), np.full(width, -1, np.int64)
+    found, stop = np.full(contexts.size, -2, np.int64), -1
+    cuts = [0, *sorted(rng.integers(0, contexts.size + 1, calls - 1).tolist()), contexts.size]
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        got = ngram_trie._locate(levels, contexts[a:b], width, np.int64(n),
+                                 digits, path, found[a:b])
+        if got >= 0:
+            stop = a + got
+            break
+    for i, c in enumerate(contexts[:stop if stop >= 0 else None]):
+        tokens = np.array([c // n ** j % n for j in range(width - 1, -1, -1)], np.int64)
+        assert found[i] == ngram_trie.find_context(levels, tokens, 0, width, n)
+    assert (stop >= 0) == foreign
+    if foreign:
+        assert contexts[stop] not in np.unique(keys // n)
 
 
 def test_indptr_offsets_past_uint16_come_from_the_side_table(tmp_path):
