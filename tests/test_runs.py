@@ -145,3 +145,44 @@ def test_feeders_nest_consecutive_orders_with_one_inset():
     assert kinds([(3, 0)]) == [("SortedRuns", 3)]
     with pytest.raises(ValueError, match="consecutive orders"):
         NestedRuns([SortedRuns(2, 50, 8), SortedRuns(4, 50, 8)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 700), sample=st.sampled_from([1, 4, 64]),
+       spread=st.sampled_from([3, 1 << 20, 1 << 62]), reads=st.integers(1, 5))
+def test_a_run_on_disk_reads_back_its_entries_over_any_blocks(tmp_path_factory, seed, length, sample, spread, reads):
+    """A run written compressed (differences by byte plane, LZ4) gives back the same entries over any range of
+    whole blocks, whatever the entries' spacing (repeats included) and the top bit."""
+    from gm_graphs.count import runs as runs_module
+
+    rng = np.random.default_rng(seed)
+    packed = np.sort(rng.integers(0, spread, length, dtype=np.uint64) + np.uint64(rng.integers(0, 2) << 63))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs_module, "SAMPLE", sample)
+        runs = SortedRuns(2, 12, length, tmp_path_factory.mktemp("runs"))
+        runs.add_run(packed, length)
+        run = runs.runs[0]
+        assert run.path.stat().st_size == runs.bytes_written == run.offsets[-1]
+        edges = sorted({0, length, *(min(length, int(b) * sample) for b in rng.integers(0, length // sample + 1,
+                                                                                         reads))})
+        for a, b in zip(edges[:-1], edges[1:]):
+            out = np.empty(b - a, dtype=np.uint64)
+            run.read(a, b, out)
+            np.testing.assert_array_equal(out, packed[a:b])
+        if length > sample > 1:
+            with pytest.raises(AssertionError, match="do not fall on its blocks"):
+                run.read(1, length, np.empty(length - 1, dtype=np.uint64))
+
+
+def test_a_damaged_run_file_is_an_error_not_a_crash(tmp_path):
+    runs = SortedRuns(2, 12, 10_000, tmp_path)
+    runs.add_run(np.arange(0, 30_000, 3, dtype=np.uint64), 10_000)
+    run = runs.runs[0]
+    data = bytearray(run.path.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
+    run.path.write_bytes(bytes(data))
+    with pytest.raises(OSError):
+        run.read(0, run.length, np.empty(run.length, dtype=np.uint64))
+    run.path.write_bytes(bytes(data[:100]))
+    with pytest.raises(OSError, match="ends before entry"):
+        run.read(0, run.length, np.empty(run.length, dtype=np.uint64))
