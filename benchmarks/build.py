@@ -187,6 +187,7 @@ def main() -> None:
             files = _shards(args.corpus, docs)
             jobs = ["local"] * (docs in args.docs) + ["ray"] * (docs in args.ray)
             tok = {job: run(job, files, "") for job in ("tokenizer", "encoder")}
+            tok["text_bytes"] = _text_bytes(files)
             builds = []
             for job in jobs:
                 builds.append((job, run(job, files, str(Path(tmp) / f"g{docs}-{job}"))))
@@ -194,11 +195,19 @@ def main() -> None:
                     os.rename(Path(tmp) / f"g{docs}-{job}", args.keep)
                 shutil.rmtree(Path(tmp) / f"g{docs}-{job}", ignore_errors=True)
             if args.bracket:
-                tok = {job: _mean_of(tok[job], run(job, files, "")) for job in tok}
+                tok.update({job: _mean_of(tok[job], run(job, files, "")) for job in ("tokenizer", "encoder")})
             for job, b in builds:
                 rows.append((docs, job, tok, b))
                 _print_row(docs, job, tok, b)
         _print_tables(rows)
+
+
+def _text_bytes(files: list[str]) -> int:
+    """The UTF-8 bytes of the shards' ``text`` column (what the graph's size is measured against)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    return sum(pc.sum(pc.binary_length(pq.read_table(f, columns=["text"])["text"])).as_py() or 0 for f in files)
 
 
 def _mean_of(before: dict, after: dict) -> dict:
@@ -234,7 +243,8 @@ def _print_tables(rows) -> None:
               f"{_cpu(e):>12} {b['peak_rss_mb']:>12,.0f} {_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} "
               f"{min(loads):>4.1f}-{max(loads):.1f}")
     for docs, job, tok, _ in rows:
-        for name, base in tok.items():
+        for name in ("tokenizer", "encoder"):
+            base = tok[name]
             if "runs_s" in base and job == "local":
                 print(f"{docs:>10,} {name} alone before / after the builds: {base['runs_s'][0]:.1f} / "
                       f"{base['runs_s'][1]:.1f} s (the ratios use their mean)")
@@ -249,6 +259,17 @@ def _print_tables(rows) -> None:
         print(f"{docs:>10,} {job:<6} {count:>15.1f} {tok['encoder']['seconds']:>9.1f} {t.get('bigrams_s', 0):>12.1f} "
               f"{t.get('operators_s', 0):>7.1f} {t.get('ngrams_s', 0):>8.1f} {write:>7.1f} {d['2']:>17,} "
               f"{d['3']:>12,} {d['4']:>12,}")
+    print("\ndisk against the corpus' UTF-8 text (issue 34's goals: final ≤ 1.5×, peak ≤ 3×): the graph folder, "
+          "the peak of it and its staging folder during the build, the sorted runs written (compressed), and bytes "
+          "per corpus token")
+    print(f"{'docs':>10} {'engine':<6} {'text GB':>8} {'final GB':>9} {'final/text':>11} {'peak GB':>8} "
+          f"{'peak/text':>10} {'runs GB':>8} {'final B/token':>14}")
+    for docs, job, tok, b in rows:
+        text = tok["text_bytes"]
+        runs = sum(b["timings"].get("run_bytes", {}).values())
+        print(f"{docs:>10,} {job:<6} {_gb(text):>8} {_gb(b['final_disk']):>9} {b['final_disk'] / text:>11.2f} "
+              f"{_gb(b['peak_disk']):>8} {b['peak_disk'] / text:>10.2f} {_gb(runs):>8} "
+              f"{b['final_disk'] / b['tokens']:>14.2f}")
     ray_rows = [(docs, b) for docs, job, _, b in rows if job == "ray"]
     if ray_rows:
         print("\nRay shuffle: bytes of sorted counts the count tasks sent to the range merges (S), what one node of "
