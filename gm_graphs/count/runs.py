@@ -4,12 +4,13 @@ Keys of windows (``gm_graphs.count.bigrams``) are buffered, ``run_entries`` at a
 sorted and packed into a run, written to a folder (or, without one, kept in memory and merged with the runs
 before it, so that memory holds about the distinct windows). A run on disk is compressed a block of ``SAMPLE``
 entries at a time: the differences of its sorted entries, byte plane by byte plane, in Arrow's LZ4 (at 4M
-documents 2.5× smaller, 3.2 bytes an entry: the runs set the build's peak disk). The runs are then merged a range of contexts at a
-time (``SortedRuns.ranges``): a thread reads each range from every run with ``pread`` (not memory-mapped, so what
-was read leaves the process), front to back, each entry once, while the ranges before it are sorted and summed
-and handed on in ascending order. Memory is the buffer, plus the ranges being read and merged; neither grows with
-the corpus. Consecutive orders are counted from one buffer and one sort (``NestedRuns``): a window's first tokens
-are the window one shorter, so sorting the longest windows sorts them all but for each document's last ones.
+documents 2.4× smaller, 3.3 bytes an entry: the runs set the build's peak disk). The runs are then merged a range
+of contexts at a time (``SortedRuns.ranges``): a thread reads each range from every run with ``pread`` (not
+memory-mapped, so what was read leaves the process), front to back, each entry once, while the ranges before it
+are sorted and summed and handed on in ascending order. Memory is the buffer, plus the ranges being read and merged;
+neither grows with the corpus. Consecutive orders are counted from one buffer and one sort (``NestedRuns``): a
+window's first tokens are the window one shorter, so sorting the longest windows sorts them all but for each
+document's last ones.
 """
 
 from __future__ import annotations
