@@ -40,6 +40,7 @@ from .finetune import FinetuneResult, finetune_lora
 from .generate import decode_cost, generate_texts
 from .heldout import (
     HeldOut,
+    decoded_positions,
     interpolation_nll,
     optimal_interpolation,
     paired_nll_difference,
@@ -158,20 +159,23 @@ class Knn:
 
 
 def datastore_decoder(model, tok, setup: Setup, tuned: ContextConfig, valid: HeldOut, docs: int, positions: int,
-                      folder: Path) -> Knn:
+                      folder: Path, around: Knn | None = None) -> Knn:
     """A datastore of ``model``'s states over the first ``positions`` tokens of ``docs`` training documents, at
-    ``folder``, and β, T, λ tuned on it (``valid`` is ``model``'s, scored with ``hidden=True``)."""
+    ``folder``, and β, T, λ tuned on it (``valid`` is ``model``'s, scored with ``hidden=True``); with ``around``
+    (the base LM's), among the neighbours of what was chosen there."""
     t0 = time.perf_counter()
     texts = train_texts(setup)[:docs]
     datastore = build_datastore(model, tok, texts, folder, positions=positions, overwrite=True,
                                 model_name=str(getattr(model, "name_or_path", "")))
     print(f"datastore {folder.name}: {len(datastore):,} keys from {len(texts):,} training documents in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-    config, settings, table = tune_knn(setup.graph, valid, tuned, datastore)
+    config, settings, table = tune_knn(setup.graph, valid, tuned, datastore,
+                                       around=None if around is None else around.settings)
     bias_only = None
     if datastore.marginals is not None:
+        near = None if around is None or around.bias_only is None else around.bias_only[1]
         bias_config, bias_settings, bias_table = tune_knn(setup.graph, valid, tuned, datastore, weights=(0.0,),
-                                                          temperatures=(KNN_TEMPERATURES[1],))
+                                                          temperatures=(KNN_TEMPERATURES[1],), around=near)
         bias_only, table = (bias_config, bias_settings), table + bias_table
     return Knn(datastore, config, settings, table, len(texts), time.perf_counter() - t0, bias_only)
 
@@ -206,7 +210,7 @@ def fine_tuned_baseline(args, model, tok, setup: Setup, tuned: ContextConfig, va
     valid = score_documents(result.model, tok, valid_docs, positions, hidden=hidden)
     tuned_ft, table = retune_lambda(setup.graph, valid, tuned)
     ft_knn = datastore_decoder(result.model, tok, setup, tuned_ft, valid, knn.documents, positions,
-                               work / "datastore-fine-tuned") if hidden else None
+                               work / "datastore-fine-tuned", around=knn) if hidden else None
     losses, tenth = result.losses, max(1, len(result.losses) // 10)
     summary = {"budget_s": budget, "budget_given": given, "build_s": setup.build_seconds, "tune_s": tune_seconds,
                "seconds": result.seconds, "steps": result.steps, "tokens": result.tokens,
@@ -247,8 +251,8 @@ def draw_prompt(args, tok, setup: Setup) -> FewShotPrompt | None:
 def prompted_baseline(model, tok, setup: Setup, prompt: FewShotPrompt | None, tuned: ContextConfig,
                       valid_docs: list[str], test_docs: list[str], positions: int, knn: Knn | None) -> Prompted | None:
     """The LM reading ``prompt`` before each held-out document (no training), and graphmax on top of it: λ's
-    scale tuned again on the prompted validation logits, and with ``knn`` its β, T, λ and marginal weight too (the
-    keys stay the base LM's states without a prompt)."""
+    scale tuned again on the prompted validation logits, and with ``knn`` its β, T, λ and marginal weight too, among
+    the neighbours of the base LM's choice (the keys stay the base LM's states without a prompt)."""
     if prompt is None:
         return None
     t0 = time.perf_counter()
@@ -259,7 +263,7 @@ def prompted_baseline(model, tok, setup: Setup, prompt: FewShotPrompt | None, tu
     p_knn = None
     if hidden:
         t1 = time.perf_counter()
-        config, settings, knn_table = tune_knn(setup.graph, valid, tuned_p, knn.datastore)
+        config, settings, knn_table = tune_knn(setup.graph, valid, tuned_p, knn.datastore, around=knn.settings)
         p_knn = Knn(knn.datastore, config, settings, knn_table, knn.documents, time.perf_counter() - t1)
         retune += [{**row, "lm": "prompted"} for row in knn_table]
     seconds = time.perf_counter() - t0
@@ -345,8 +349,8 @@ def score_decoders(decoders: list[Decoder], scored: dict[str, HeldOut], windows:
     for dec in decoders:
         held = scored[dec.lm]
         t0 = time.perf_counter()
-        vec = token_nll(held, dec.processor, desc=dec.label, positions=dec.positions)
-        ms[dec.key] = 1e3 * (time.perf_counter() - t0) / len(vec)
+        vec = token_nll(held, dec.processor, desc=dec.label, positions=dec.positions, until_infinite=True)
+        ms[dec.key] = 1e3 * (time.perf_counter() - t0) / decoded_positions(held, vec)
         nll[dec.key] = {w: vec[:held.within(w)] for w in windows if dec.positions is None or w <= dec.positions}
         print(f"perplexity {dec.label:<50} " + "  ".join(f"{w}: {math.exp(float(v.mean())):8.2f}"
                                                          for w, v in nll[dec.key].items())

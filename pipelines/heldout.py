@@ -96,14 +96,17 @@ def score_documents(model, tok, texts: list[str], positions: int = 32, batch_doc
     return HeldOut(ids, logits, states if hidden else None)
 
 
-def token_nll(heldout: HeldOut, processor=None, desc: str | None = None,
-              positions: int | None = None) -> torch.Tensor:
+def token_nll(heldout: HeldOut, processor=None, desc: str | None = None, positions: int | None = None,
+              until_infinite: bool = False) -> torch.Tensor:
     """Negative log-likelihood of each held-out token under ``processor`` (None: softmax), in ``steps()`` order.
 
     ``desc`` shows a progress bar over token positions under that label;
     ``positions`` stops after that many targets per document (the first
     ``heldout.within(positions)`` entries of the full vector). The order is the
-    same for every decoder, so two results pair token by token.
+    same for every decoder, so two results pair token by token. With
+    ``until_infinite``, the steps after one with an infinite NLL are not decoded
+    and count as infinite: the perplexity of every window that holds that step
+    is infinite whatever they are (``decoded_positions`` says how many were).
     """
     nll = []
     steps = max(len(x) for x in heldout.logits)
@@ -113,11 +116,26 @@ def token_nll(heldout: HeldOut, processor=None, desc: str | None = None,
     hidden = heldout.hidden_steps() if tap is not None else itertools.repeat(None)
     for (input_ids, scores, targets), states in tqdm(zip(itertools.islice(heldout.steps(), steps), hidden),
                                                      total=steps, desc=desc, disable=desc is None, leave=False):
+        if nll and until_infinite and torch.isinf(nll[-1]).any():
+            nll.append(torch.full((targets.shape[0],), math.inf, dtype=torch.float64))
+            continue
         if tap is not None:
             tap.states = states
         logp = torch.log_softmax(scores.double(), -1) if processor is None else processor(input_ids, scores).double()
         nll.append(-logp.gather(1, targets[:, None])[:, 0])
     return torch.cat(nll)
+
+
+def decoded_positions(heldout: HeldOut, nll: torch.Tensor) -> int:
+    """How many entries of ``token_nll(…, until_infinite=True)``'s ``nll`` were decoded: all up to the end of the
+    step of its first infinite one."""
+    infinite = torch.nonzero(torch.isinf(nll))
+    if not infinite.numel():
+        return nll.numel()
+    first, step = int(infinite[0, 0]), 1
+    while heldout.within(step) <= first:
+        step += 1
+    return heldout.within(step)
 
 
 def perplexity(heldout: HeldOut, processor=None, desc: str | None = None) -> float:

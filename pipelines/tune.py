@@ -101,11 +101,16 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
 
 def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastore, *, weights=KNN_WEIGHTS,
              temperatures=KNN_TEMPERATURES, lam_factors=KNN_LAM_FACTORS, marginal_weights=MARGINAL_WEIGHTS,
-             k: int = KNN_K, progress: bool = True) -> tuple[ContextConfig, dict, list[dict]]:
+             k: int = KNN_K, around: dict | None = None,
+             progress: bool = True) -> tuple[ContextConfig, dict, list[dict]]:
     """``KnnContextGraphmaxLogitsProcessor``'s β and T on top of ``config`` (``tune_config``'s choice), then λ's
     scale, then (when the datastore records marginals) the marginal bias' weight and λ's scale again, by held-out
     perplexity of ``heldout`` (scored with ``hidden=True``): the config, the kNN arguments, and every candidate
-    tried."""
+    tried. ``around`` (the kNN arguments this tuning chose for another LM over the same corpus, e.g. the base LM's
+    for the fine-tuned or prompted one) narrows the β, T and marginal-weight grids to its values' neighbours."""
+    if around is not None:
+        weights, temperatures = _near(weights, around["knn_weight"]), _near(temperatures, around["knn_temperature"])
+        marginal_weights = _near(marginal_weights, around["marginal_weight"])
     tap = HiddenStateTap()
     tried: dict[tuple, float] = {}
     bar = tqdm(desc="tune kNN", unit="candidate", disable=not progress)
@@ -138,6 +143,12 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
         row.pop("source")
     knn = {"knn_weight": best[0], "knn_temperature": best[1], "knn_k": k, "marginal_weight": best[3]}
     return dataclasses.replace(config, lam=config.lam * best[2]), knn, table
+
+
+def _near(grid, value) -> tuple:
+    """The values of ``grid`` (ascending) next to ``value``: the nearest and one on each side."""
+    i = min(range(len(grid)), key=lambda j: abs(grid[j] - value))
+    return tuple(grid[max(0, i - 1):i + 2])
 
 
 def marginal_bias_decoder(graph, config: ContextConfig, datastore: Datastore, weight: float) -> LogitsProcessorList:

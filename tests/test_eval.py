@@ -24,6 +24,7 @@ from gm_solver import (
 from pipelines.cli import main
 from pipelines.heldout import (
     HeldOut,
+    decoded_positions,
     interpolation_nll,
     optimal_interpolation,
     paired_nll_difference,
@@ -32,6 +33,7 @@ from pipelines.heldout import (
     target_probabilities,
     token_nll,
 )
+from pipelines.tune import KNN_TEMPERATURES, KNN_WEIGHTS, MARGINAL_WEIGHTS, _near
 
 TEXTS = ["This medication worked well for my migraines, with few side effects.",
          "I had terrible nausea for two weeks and stopped taking it."]
@@ -64,6 +66,45 @@ def test_a_shorter_window_is_a_prefix_of_the_nll_vector(lengths, window):
     assert torch.equal(token_nll(held, positions=window), full[:held.within(window)])
     # the prefix holds exactly the first `window` targets of every document
     assert held.within(window) == sum(min(n, window) for n in lengths)
+
+
+class _ZeroFrom:
+    """A decoder that gives every token probability 0 from its ``start``-th call on (as the paper's Algorithm 1
+    can), counting its calls."""
+
+    def __init__(self, start: int):
+        self.start, self.calls = start, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        logp = torch.log_softmax(scores.double(), -1)
+        return torch.full_like(logp, -math.inf) if self.calls >= self.start else logp
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(1, 12), st.integers(1, 10))
+def test_scoring_stops_at_the_first_infinite_step_and_every_window_keeps_its_perplexity(lengths, start, window):
+    """``until_infinite`` decodes no step after one with an infinite NLL: every window's perplexity is the one a
+    full pass gives (finite before that step, infinite from it on), and ``decoded_positions`` counts the entries
+    decoded."""
+    held = random_heldout(lengths)
+    full = token_nll(held, _ZeroFrom(start))
+    cut = _ZeroFrom(start)
+    short = token_nll(held, cut, until_infinite=True)
+    assert short.shape == full.shape
+    mean = lambda v: float(v.mean())  # noqa: E731
+    assert mean(short[:held.within(window)]) == mean(full[:held.within(window)])
+    steps = max(lengths)
+    assert cut.calls == min(start, steps)
+    assert decoded_positions(held, short) == held.within(min(start, steps))
+    assert decoded_positions(held, token_nll(held)) == held.positions
+
+
+@given(st.sampled_from([tuple(KNN_WEIGHTS), tuple(KNN_TEMPERATURES), tuple(MARGINAL_WEIGHTS)]), st.floats(0, 300))
+def test_a_grid_narrowed_around_a_value_keeps_the_nearest_and_its_neighbours(grid, value):
+    near = _near(grid, value)
+    nearest = min(grid, key=lambda g: abs(g - value))
+    i = grid.index(nearest)
+    assert near == grid[max(0, i - 1):i + 2] and nearest in near and 2 <= len(near) <= 3
 
 
 @given(st.lists(st.tuples(st.floats(1e-6, 1), st.floats(1e-6, 1)), min_size=1, max_size=40))
@@ -309,6 +350,13 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
     with open(out / "tuning.csv") as fh:  # its weight tuned at β = 0, beside the searched rows
         tuning = list(csv.DictReader(fh))
     assert any(r.get("knn_weight") == "0.0" and float(r["marginal_weight"]) > 0 for r in tuning)
+
+    def betas(lms):  # the searched kNN weights each LM's tuning tried
+        return {r["knn_weight"] for r in tuning if r.get("lm") in lms and r.get("knn_weight") not in ("", "0.0")}
+
+    # the fine-tuned and the prompted LM re-tune among the neighbours of the base LM's choice only
+    assert len(betas({None, "", "base"})) == 4
+    assert 2 <= len(betas({"fine-tuned"})) <= 3 and 2 <= len(betas({"prompted"})) <= 3
     assert "with a kNN datastore" in report and "log ratio to context graphmax, tuned (ours)" in report
     assert "with the datastore, first 4:" in report
     assert "own states" in report and "log ratio to context graphmax on the fine-tuned LM (ours)" in report
