@@ -332,8 +332,9 @@ def finetune_section(ft: dict) -> list[str]:
         f"lm = fine-tuned).",
         *([] if ft.get("knn") is None else [
             f"With the datastore: the fine-tuned LM's states change, so it has a datastore of its own over the same "
-            f"training documents ({ft['knn']['keys']:,} keys), built and tuned (β, T, λ's scale, the marginal "
-            f"bias' weight and λ's scale again, on its validation logits) in {ft['knn']['seconds']:.0f} s after the "
+            f"training documents ({ft['knn']['keys']:,} keys), built and tuned (β, T and the marginal bias' weight "
+            f"among the neighbours of the base LM's choice, λ's scale twice, on its validation logits) in "
+            f"{ft['knn']['seconds']:.0f} s after the "
             f"fine-tuning, outside its budget: "
             f"β = {ft['knn']['knn_weight']:g}, T = {ft['knn']['knn_temperature']:g}, marginal bias weight "
             f"{ft['knn'].get('marginal_weight', 0):g}, "
@@ -377,7 +378,8 @@ def prompt_section(pr: dict) -> list[str]:
         f"logits, λ = {pr['tuned'].lam:g}"
         + ("" if knn is None else
            f"; with the datastore (the base LM's keys, from documents without a prompt) β, T, λ's scale and the "
-           f"marginal bias' weight tuned again: β = {knn['knn_weight']:g}, T = {knn['knn_temperature']:g}, "
+           f"marginal bias' weight tuned again, among the neighbours of the base LM's choice: "
+           f"β = {knn['knn_weight']:g}, T = {knn['knn_temperature']:g}, "
            f"marginal bias weight {knn.get('marginal_weight', 0):g}, λ = {knn['tuned'].lam:g}")
         + f". Scoring the validation documents with the prompt and tuning took {pr['seconds']:.0f} s. The "
           "generated continuations of the prompted rows read the same prompt before each opening (graphmax's λ_t "
