@@ -187,7 +187,7 @@ def main() -> None:
             files = _shards(args.corpus, docs)
             jobs = ["local"] * (docs in args.docs) + ["ray"] * (docs in args.ray)
             tok = {job: run(job, files, "") for job in ("tokenizer", "encoder")}
-            tok["text_bytes"] = _text_bytes(files)
+            text = _text_bytes(files)
             builds = []
             for job in jobs:
                 builds.append((job, run(job, files, str(Path(tmp) / f"g{docs}-{job}"))))
@@ -195,8 +195,9 @@ def main() -> None:
                     os.rename(Path(tmp) / f"g{docs}-{job}", args.keep)
                 shutil.rmtree(Path(tmp) / f"g{docs}-{job}", ignore_errors=True)
             if args.bracket:
-                tok.update({job: _mean_of(tok[job], run(job, files, "")) for job in ("tokenizer", "encoder")})
+                tok = {job: _mean_of(tok[job], run(job, files, "")) for job in tok}
             for job, b in builds:
+                b["text_bytes"] = text
                 rows.append((docs, job, tok, b))
                 _print_row(docs, job, tok, b)
         _print_tables(rows)
@@ -243,8 +244,7 @@ def _print_tables(rows) -> None:
               f"{_cpu(e):>12} {b['peak_rss_mb']:>12,.0f} {_gb(b['peak_disk']):>13} {_gb(b['final_disk']):>14} "
               f"{min(loads):>4.1f}-{max(loads):.1f}")
     for docs, job, tok, _ in rows:
-        for name in ("tokenizer", "encoder"):
-            base = tok[name]
+        for name, base in tok.items():
             if "runs_s" in base and job == "local":
                 print(f"{docs:>10,} {name} alone before / after the builds: {base['runs_s'][0]:.1f} / "
                       f"{base['runs_s'][1]:.1f} s (the ratios use their mean)")
@@ -264,12 +264,11 @@ def _print_tables(rows) -> None:
           "per corpus token")
     print(f"{'docs':>10} {'engine':<6} {'text GB':>8} {'final GB':>9} {'final/text':>11} {'peak GB':>8} "
           f"{'peak/text':>10} {'runs GB':>8} {'final B/token':>14}")
-    for docs, job, tok, b in rows:
-        text = tok["text_bytes"]
-        runs = sum(b["timings"].get("run_bytes", {}).values())
+    for docs, job, _, b in rows:
+        text, runs = b["text_bytes"], b["timings"].get("run_bytes")  # Ray's runs are blocks in its object store
         print(f"{docs:>10,} {job:<6} {_gb(text):>8} {_gb(b['final_disk']):>9} {b['final_disk'] / text:>11.2f} "
-              f"{_gb(b['peak_disk']):>8} {b['peak_disk'] / text:>10.2f} {_gb(runs):>8} "
-              f"{b['final_disk'] / b['tokens']:>14.2f}")
+              f"{_gb(b['peak_disk']):>8} {b['peak_disk'] / text:>10.2f} "
+              f"{_gb(sum(runs.values())) if runs else '-':>8} {b['final_disk'] / b['tokens']:>14.2f}")
     ray_rows = [(docs, b) for docs, job, _, b in rows if job == "ray"]
     if ray_rows:
         print("\nRay shuffle: bytes of sorted counts the count tasks sent to the range merges (S), what one node of "

@@ -343,7 +343,8 @@ def prompted_processors(setup: Setup, prompted: Prompted, prompt_length: int) ->
 
 
 def score_decoders(decoders: list[Decoder], scored: dict[str, HeldOut], windows: list[int]):
-    """Per decoder: window → per-token NLL (the windows are prefixes of one pass), and ms per position."""
+    """Per decoder: window → per-token NLL (the windows are prefixes of one pass), and ms per position (over the
+    positions decoded: none after a step with an infinite NLL)."""
     nll: dict[str, dict[int, torch.Tensor]] = {}
     ms: dict[str, float] = {}
     for dec in decoders:

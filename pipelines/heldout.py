@@ -117,7 +117,7 @@ def token_nll(heldout: HeldOut, processor=None, desc: str | None = None, positio
     for (input_ids, scores, targets), states in tqdm(zip(itertools.islice(heldout.steps(), steps), hidden),
                                                      total=steps, desc=desc, disable=desc is None, leave=False):
         if nll and until_infinite and torch.isinf(nll[-1]).any():
-            nll.append(torch.full((targets.shape[0],), math.inf, dtype=torch.float64))
+            nll.append(torch.full((targets.shape[0],), math.inf, dtype=torch.float64, device=targets.device))
             continue
         if tap is not None:
             tap.states = states

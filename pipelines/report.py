@@ -241,7 +241,8 @@ def write_report(out: Path, *, args, sizes, setup, tuned, ppl_rows, nll, windows
         f"{tuned.smoothing_label}, "
         f"n-grams up to {tuned.ngram_order}, order weights {list(tuned.order_weights)} (all candidates in tuning.csv).",
         *(["Algorithm 1's simplex projection leaves exact zeros, so some held-out tokens get probability 0: its "
-           "perplexity is infinite."] if ppl["paper algorithm 1"][f"perplexity_{short}"] == float("inf") else []),
+           "perplexity is infinite (scoring stops at the first such position; its ms/position is over the "
+           "positions scored)."] if ppl["paper algorithm 1"][f"perplexity_{short}"] == float("inf") else []),
         "",
         *(finetune_section(finetune) if finetune is not None else []),
         *(prompt_section(prompted) if prompted is not None else []),

@@ -146,7 +146,8 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
 
 
 def _near(grid, value) -> tuple:
-    """The values of ``grid`` (ascending) next to ``value``: the nearest and one on each side."""
+    """The values of ``grid`` (ascending) next to ``value``: the nearest and one on each side where the grid has
+    one (a grid of one value: that value)."""
     i = min(range(len(grid)), key=lambda j: abs(grid[j] - value))
     return tuple(grid[max(0, i - 1):i + 2])
 

@@ -178,6 +178,12 @@ def test_a_damaged_run_file_is_an_error_not_a_crash(tmp_path):
     runs = SortedRuns(2, 12, 10_000, tmp_path)
     runs.add_run(np.arange(0, 30_000, 3, dtype=np.uint64), 10_000)
     run = runs.runs[0]
+    # a whole, valid frame in the wrong place (LZ4 decodes it without complaint): the entries are not the block's
+    good = run.offsets.copy()
+    run.offsets[0], run.offsets[1] = good[1], good[2]
+    with pytest.raises(OSError, match="block 0 does not decode to its sorted entries"):
+        run.read(0, 4096, np.empty(4096, dtype=np.uint64))
+    run.offsets = good
     data = bytearray(run.path.read_bytes())
     data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
     run.path.write_bytes(bytes(data))
@@ -186,3 +192,14 @@ def test_a_damaged_run_file_is_an_error_not_a_crash(tmp_path):
     run.path.write_bytes(bytes(data[:100]))
     with pytest.raises(OSError, match="ends before entry"):
         run.read(0, run.length, np.empty(run.length, dtype=np.uint64))
+
+
+def test_drained_runs_are_deleted_and_cannot_be_merged_again(tmp_path):
+    """``drain`` deletes the run files once merged (what is written from them takes their place on disk); merging
+    again would give an empty table, so it is refused."""
+    runs = SortedRuns(2, 12, 4, tmp_path)
+    runs.add(np.arange(10, dtype=np.int32) % 12, np.array([0, 10], dtype=np.int64))
+    merged = list(runs.drain())
+    assert sum(k.size for k, _ in merged) == 9 and not list(tmp_path.iterdir())
+    with pytest.raises(AssertionError, match="merged and removed already"):
+        list(runs.ranges())

@@ -42,19 +42,10 @@ def local_source(counted: PassResult, ident: TokenizerIdentity, files: list[Path
                           counted.tokens)
     source = {"corpus": [str(f) for f in files], "clean": options.clean,
               "text_column": options.text_column} if ngrams else None
-    tables = {order: (runs[order].windows, lambda r=runs[order]: _merged_once(r)) for order in ngrams}
+    tables = {order: (runs[order].windows, runs[order].drain) for order in ngrams}
     timings = {**counted.timings, "run_bytes": {str(o): r.bytes_written for o, r in runs.items()}}
-    return GraphSource(ident, corpus, lambda: _merged_once(runs[2], workers=WORKERS), tables, source,
+    return GraphSource(ident, corpus, lambda: runs[2].drain(workers=WORKERS), tables, source,
                        {"engine": "local"}, timings)
-
-
-def _merged_once(runs: SortedRuns, workers: int = 1):
-    """The ranges of ``runs``, whose files are deleted once merged: the graph's next files take their place on
-    disk (the runs of every order, then the graph beside them, made the build's peak)."""
-    try:
-        yield from runs.ranges(workers=workers)
-    finally:
-        runs.remove()
 
 
 def build_local(corpus: CorpusSpec, tokenizer, target: Path, options: BuildOptions, *, overwrite: bool,

@@ -265,7 +265,7 @@ def write_tables(root: Path, vocab_size: int, runs: dict[int, SortedRuns], folde
     def tables():
         for order, r in sorted(runs.items()):
             try:
-                yield order, r.windows, r.ranges()
+                yield order, r.windows, r.drain()
             finally:
                 r.remove()
                 if r.folder is not None and r.folder.is_dir():

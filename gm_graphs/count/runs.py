@@ -72,7 +72,6 @@ def encode_blocks(packed: np.ndarray):
     for start in range(0, packed.size, step):
         part = packed[start:start + step]
         diff = np.empty_like(part)
-        diff[0] = part[0]
         np.subtract(part[1:], part[:-1], out=diff[1:])
         diff[::SAMPLE] = part[::SAMPLE]
         whole = part.size // SAMPLE * SAMPLE
@@ -126,7 +125,13 @@ class Run:
             drop(fh.fileno(), start, done)
         for i in range(first, last):
             lo, hi = int(self.offsets[i]) - start, int(self.offsets[i + 1]) - start
-            decode_block(view[lo:hi], out[i * SAMPLE - a:min(b, (i + 1) * SAMPLE) - a])
+            block = out[i * SAMPLE - a:min(b, (i + 1) * SAMPLE) - a]
+            decode_block(view[lo:hi], block)
+            # Arrow's LZ4 keeps no checksum and fills a short frame's tail with whatever memory held: a damaged
+            # block must still start at its sample, ascend, and end at or below the next block's sample
+            if (block[0] != self.sample[i] or (i + 1 < self.sample.size and block[-1] > self.sample[i + 1])
+                    or (block.size > 1 and np.any(block[1:] < block[:-1]))):
+                raise OSError(f"{self.path} is damaged: block {i} does not decode to its sorted entries")
 
 
 class _WindowBuffer(ABC):
@@ -205,6 +210,7 @@ class SortedRuns(_WindowBuffer):
         self.runs: list[Run] = []
         self.windows = 0  # windows counted
         self.bytes_written = 0  # run bytes written to the folder
+        self.removed = False
         self._buffer = np.empty(0, dtype=np.uint64)
         self._fill = 0
 
@@ -293,6 +299,8 @@ class SortedRuns(_WindowBuffer):
 
         A thread reads the ranges ahead (disk reads wait without the GIL), while ``workers`` threads sort and sum
         the ranges read (NumPy's sort releases the GIL too)."""
+        if self.removed:
+            raise AssertionError(f"the order-{self.order} runs were merged and removed already")
         self.release()
         read = ahead(self._read(self.bounds(max_entries)), max(1, workers), "graphmax-runs")
         if workers <= 1:
@@ -314,6 +322,14 @@ class SortedRuns(_WindowBuffer):
                 if keys.size:
                     yield keys, counts
 
+    def drain(self, workers: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``ranges``, the run files deleted once merged (or on failure): what is written from them takes their place
+        on disk (the runs of every order beside the whole graph made a build's peak)."""
+        try:
+            yield from self.ranges(workers=workers)
+        finally:
+            self.remove()
+
     def merged(self) -> tuple[np.ndarray, np.ndarray]:
         """Every count at once (unique int64 keys, int64 counts)."""
         parts = list(self.ranges(1 << 62))
@@ -322,11 +338,12 @@ class SortedRuns(_WindowBuffer):
         return np.concatenate([k for k, _ in parts]), np.concatenate([c for _, c in parts])
 
     def remove(self) -> None:
-        """Delete the run files."""
+        """Delete the run files (its counts are then gone: ``ranges`` refuses to run)."""
         for run in self.runs:
             if run.path is not None:
                 run.path.unlink(missing_ok=True)
         self.runs = []
+        self.removed = True
 
 
 class NestedRuns(_WindowBuffer):
