@@ -21,7 +21,7 @@ import numpy as np
 from gm_graphs.count.ngram_trie import count_at, find_context, ptr_at
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .lambert_kernel import CHUNK, FINE, LOCKSTEP, LOOP, ROWS, STATE, jit, solve_batch, solve_row
+from .lambert_kernel import BINS, CHUNK, FINE, LOCKSTEP, LOOP, ROWS, STATE, jit, solve_batch, solve_row
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
@@ -167,24 +167,24 @@ def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, 
 
 @jit()
 def _decode_row(b, kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
-                piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, state, part):
+                piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, state, part, hist):
     # row b's reference, then its solve, by one thread: (status, ν steps, gap)
     lo, hi = piece_ptr[b], piece_ptr[b + 1]
     _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
               piece_val[lo:hi], q[b], logq[b])
     return solve_row(kind, z[b], q[b], logq[b], True, lam[b], share, max_iter, table, out[b], base[b], kept[b],
-                     state[b], part[b])
+                     state[b], part[b], hist[b])
 
 
 @jit(parallel=True)
 def _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
-                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, state, part, status,
-                 iters, gaps):
+                 piece_idx, piece_val, lam, share, max_iter, table, q, logq, base, kept, out, state, part, hist,
+                 status, iters, gaps):
     # rows in parallel, each built and solved by one thread: one parallel region for the step
     for b in numba.prange(z.shape[0]):
         status[b], iters[b], gaps[b] = _decode_row(b, kind, z, alpha, below, prev, shift, indptr, indices, counts,
                                                    unigram, log_unigram, piece_ptr, piece_idx, piece_val, lam, share,
-                                                   max_iter, table, q, logq, base, kept, out, state, part)
+                                                   max_iter, table, q, logq, base, kept, out, state, part, hist)
 
 
 @jit()
@@ -210,16 +210,17 @@ def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, succes
     status = np.zeros(rows, dtype=np.int64)
     state = np.empty((rows, STATE))
     part = np.empty((rows, (width + CHUNK - 1) // CHUNK, 6))
+    hist = np.empty((rows, BINS, 4))
     if mode == ROWS:
         _decode_rows(kind, z, alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr,
                      piece_idx, piece_val, lam, share, max_iter, table, q, logq, work[2], work[3], out, state, part,
-                     status, iters, gaps)
+                     hist, status, iters, gaps)
     else:
         for b in range(rows):
             status[b], iters[b], gaps[b] = _decode_row(b, kind, z, alpha, below, prev, shift, indptr, indices,
                                                        counts, unigram, log_unigram, piece_ptr, piece_idx, piece_val,
                                                        lam, share, max_iter, table, q, logq, work[2], work[3], out,
-                                                       state, part)
+                                                       state, part, hist)
     for b in range(rows):
         if status[b] != FINE:
             return status[b]

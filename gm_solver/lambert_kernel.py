@@ -295,8 +295,17 @@ FINE, HAS_NAN, HAS_POSINF, ALL_MASKED = 0, 1, 2, 3
 # how solve_batch spreads a batch over the threads (see schedule)
 SERIAL, ROWS, LOCKSTEP = 0, 1, 2
 # a row's state between passes: one float64 row of ``state`` per logits row
-LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, TOTAL, TOP = range(16)
-STATE = TOP + 1  # the width of ``state``
+LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, LOG_TOTAL, TOP, BINNED, BIN_LO, \
+    FREE = range(19)
+STATE = FREE + 1  # the width of ``state``
+# An rkl row at least BIN_MIN_WIDTH wide takes its ν steps over a histogram of its tokens (:func:`_bin_row`): bins
+# BIN_WIDTH apart in s, each with the reference mass of its tokens and its first three moments about the bin's centre.
+# Every token's s moves with ν alike, so a bin's Σ q·f(s) at any ν is its moments times f and its derivatives at the
+# centre (Taylor to the fourth order: 1e-9 of Σx at most on SmolLM2's rows); a pass then costs a few thousand table
+# lookups instead of one per token. A row whose s spans more than BINS bins keeps the exact passes.
+BIN_PER_UNIT, BINS, BIN_MIN_WIDTH = 32, 4096, 8192
+# the binned Lambert arguments stay above this at ν = 0: 1/W(eˢ) ≈ e^(−s) is finite there for any ν step
+BIN_S_MIN = -600.0
 # a row whose largest z + w·log q (w = λm, the weight of KL(x‖q)'s share; z alone without one) lies within ±NEAR
 # is solved as it comes, where rounding at |z| ≤ 64 costs ε·64 ≈ 1e-14, as the table does; any other is shifted
 # (:func:`_row_peak`), at the cost of a second first pass
@@ -448,14 +457,11 @@ def _sums(kind, v, q, base, shift, soft_shift, kap, inv_c, table, lo, hi):
 
 
 @jit(inline="always")
-def _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept,
-                   far):
-    # the two loops of :func:`_finish` (``far`` False) and :func:`_finish_far` (True; a literal at both, so that
-    # each compiles to its own loops), and how many tokens have t < −FAR and x > 0 (far ones, when rkl's: x of
-    # any other rounds to 0 there; masked ones have t = −inf and x = 0): counted in the second loop, where it
-    # costs nothing (in the first, 0.6 ms per 16 rows of 49,152 tokens)
-    extra = 0.0
-    count = 0
+def _log_x_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, table, lo, hi, out, kept, far):
+    # log x over lo:hi at ν (its Lambert argument s as in _sums) before the row's normalisation (the finish's first
+    # pass), moving v to ``kept``: ``out`` holds v on entry (it is the solve's buffer). With ``far`` (a literal at
+    # both callers, so that each compiles to its own loop) far tokens (FAR) take log a from q: base + v gives it back
+    # with an error ε·|t|.
     for i in range(lo, hi):
         vi = v[i]
         kept[i] = vi
@@ -467,54 +473,73 @@ def _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, l
             if q[i] > 0.0:  # log x = log a − ω, and log a = log κ + base + v
                 omega = lambert_omega(base[i] + shift, table)
                 if far and vi - lse < -FAR:
-                    lx = math.log(kap * q[i]) - omega - log_total
-                    x = exp(lx)
-                    if x > 0.0:
-                        extra += far_term(vi - lse, kap * q[i], x, lx, nu)
-                    out[i] = lx
+                    out[i] = math.log(kap * q[i]) - omega
                 else:
-                    out[i] = base[i] + vi + log_kap - omega - log_total
+                    out[i] = base[i] + vi + log_kap - omega
             else:
-                out[i] = vi - lse - nu - log_total
+                out[i] = vi - lse - nu
         else:  # l2: x = e^ω / c
-            out[i] = lambert_omega(vi + kap * q[i] + shift, table) - log_c - log_total
+            out[i] = lambert_omega(vi + kap * q[i] + shift, table) - log_c
+
+
+@jit(fastmath=LOOP)
+def _log_x(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, table, lo, hi, out, kept):
+    _log_x_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, table, lo, hi, out, kept, False)
+
+
+@jit(fastmath=LOOP)
+def _log_x_far(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, table, lo, hi, out, kept):
+    _log_x_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, table, lo, hi, out, kept, True)
+
+
+@jit(fastmath=LOOP)
+def _mass(out, kept, lse, lo, hi):
+    # Σx over lo:hi before the normalisation, and how many tokens have t < −FAR and x > 0 (rkl: far ones; x of any
+    # other rounds to 0 there; masked ones have t = −inf and x = 0): a loop that vectorizes
+    total = 0.0
+    count = 0
+    for i in range(lo, hi):
+        x = exp(out[i])
+        total += x
+        count += (kept[i] - lse < -FAR) & (x > 0.0)
+    return total, count
+
+
+@jit(inline="always")
+def _certificate_tokens(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out, far):
+    # the certificate's sums Σ x(log x − y) and Σ e^(y − ν) over lo:hi, log x divided by the row's Σx (the finish's
+    # second pass; written back after the sums)
+    # and Σ e^(y − ν). At the optimum y = log x + ν (the stationarity condition), so ν is a safe shift for the
+    # logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic gives e^δ to rounding for |δ| < 1e-4
+    # (one exp per token instead of two). Where ν is no safe shift (rare), the caller sums again from the max
+    # (:func:`_gap`). With ``far``, far tokens take the dual logit log x + ν and add ``far_term``.
     inner = 0.0
     total = 0.0
-    for i in range(lo, hi):  # no branch and no store per token, so that it vectorizes; masked tokens give 0
-        lx = out[i]
+    for i in range(lo, hi):  # no branch and no store per token (where not ``far``), so that it vectorizes
+        lx = out[i] - log_total
         x = exp(lx)
         ti = kept[i] - lse
-        y = _dual_logit(kind, ti, kap * q[i], lam, x, lx, nu, far)
+        ai = kap * q[i]
+        y = _dual_logit(kind, ti, ai, lam, x, lx, nu, far)
         inner += x * (lx - y) if x > 0.0 else 0.0
+        if far and _is_far(kind, ti, ai, x):
+            inner += far_term(ti, ai, x, lx, nu)
         d = y - nu - lx
         total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if abs(d) < 1e-4 else exp(y - nu)
-        count += (ti < -FAR) & (x > 0.0)
-    return inner + extra, total, count
+    for i in range(lo, hi):
+        out[i] -= log_total
+    return inner, total
 
 
 @jit(fastmath=LOOP)
-def _finish(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
-    # log x over lo:hi at the last ν evaluated (its Lambert argument s as in _sums, at ν), the certificate's sums
-    # Σ x(log x − y) and Σ e^(y − ν), and how many tokens have t < −FAR and x > 0 (rkl: far tokens, FAR, for which the
-    # caller goes through the chunk again with :func:`_finish_far`). At the optimum y = log x + ν (the stationarity
-    # condition), so ν is a safe shift for the logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic
-    # gives e^δ to rounding for |δ| < 1e-4 (one exp per token instead of two). Where ν is no safe shift (rare), the
-    # caller sums again from the max (:func:`_gap`).
-    # two loops, each with a short chain of dependent operations per token (a table lookup; then exp, a division
-    # and a cubic), so that more tokens are in flight at once: 9.5 instead of 13.7 ns per token. ``out`` holds v
-    # on entry (it is the solve's buffer), so the first loop moves v to ``kept`` as it writes log x.
-    return _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out,
-                          kept, False)
+def _certificate(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out):
+    return _certificate_tokens(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out, False)
 
 
 @jit(fastmath=LOOP)
-def _finish_far(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out, kept):
-    # :func:`_finish` for a chunk with far tokens (FAR): they take log a from q (base + v gives it back with an
-    # error ε·|t|) and the dual logit log x + ν, and add ``far_term`` to the inner sum. Apart, because the checks
-    # cost _finish's loops about 1 ms per 16 rows of 49,152 tokens (3%) where no token is far; other tokens come
-    # out as from _finish.
-    return _finish_tokens(kind, v, q, base, shift, lse, kap, lam, log_kap, log_c, nu, log_total, table, lo, hi, out,
-                          kept, True)
+def _certificate_far(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out):
+    # apart, because the checks cost the plain loop about 1 ms per 16 rows of 49,152 tokens (3%) where no token is far
+    return _certificate_tokens(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out, True)
 
 
 @jit()
@@ -556,8 +581,8 @@ def _begin(kind, z, out, sums, lam, share, st):
     st[LOG_C] = math.log(max(2.0 * st[LAM], _TINY))
     # the ν search: ν (rkl starts at 0, where every x ≥ its softmax, so Σx ≥ 1), where Σx was last evaluated
     # (the answer if the budget runs out), the bracket, the reach of one-sided fallback steps (doubled each time:
-    # the root may lie hundreds away), the last |log Σx|, and Σx at AT
-    st[NU], st[AT], st[LOW], st[HIGH], st[REACH], st[LAST], st[TOTAL] = 0.0, 0.0, -np.inf, np.inf, 1.0, np.inf, 1.0
+    # the root may lie hundreds away), the last |log Σx|; exact passes until _bin_row says otherwise
+    st[NU], st[AT], st[LOW], st[HIGH], st[REACH], st[LAST], st[BINNED] = 0.0, 0.0, -np.inf, np.inf, 1.0, np.inf, 0.0
     return FINE
 
 
@@ -573,8 +598,77 @@ def _shift(kind, st, nu):
     return st[LOG_KAP] + st[LSE] + nu if kind == RKL else st[LOG_C] - st[LSE] - nu
 
 
+@jit(fastmath=LOOP)
+def _bin_row(v, q, base, st, hist):
+    """An rkl row's histogram for its ν steps (BIN_PER_UNIT): ``hist`` (BINS, 4) gets, per bin of base = s − s₀
+    (s₀ = log κ + lse + ν), Σq and Σq·dʲ (j = 1…3, d = base − the bin's centre); ``st[FREE]`` the softmax mass
+    of the tokens without reference mass, whose x = e^(t − ν). Sets ``st[BINNED]`` to the bins used, 0 (exact
+    passes) for a narrow row or one whose arguments do not fit."""
+    st[BINNED] = 0.0
+    if v.size < BIN_MIN_WIDTH:
+        return
+    lo = np.inf
+    hi = -np.inf
+    for i in range(v.size):
+        held = v[i] > -np.inf and q[i] > 0.0
+        lo = min(lo, base[i] if held else np.inf)
+        hi = max(hi, base[i] if held else -np.inf)
+    if not (hi >= lo and (hi - lo) * BIN_PER_UNIT < BINS - 1 and lo + st[LOG_KAP] + st[LSE] > BIN_S_MIN):
+        return
+    used = int((hi - lo) * BIN_PER_UNIT) + 1
+    hist[:used] = 0.0
+    free = 0.0
+    for i in range(v.size):
+        vi = v[i]
+        if vi == -np.inf:
+            continue
+        qi = q[i]
+        if qi <= 0.0:
+            free += exp(vi - st[LSE])
+            continue
+        u = (base[i] - lo) * BIN_PER_UNIT
+        k = min(int(u), used - 1)
+        d = (u - k - 0.5) / BIN_PER_UNIT
+        hist[k, 0] += qi
+        hist[k, 1] += qi * d
+        hist[k, 2] += qi * d * d
+        hist[k, 3] += qi * d * d * d
+    st[BINNED], st[BIN_LO], st[FREE] = used, lo, free
+
+
+@jit(fastmath=LOOP)
+def _binned_sums(st, hist, table):
+    # Σx, Σx′, Σx″ at st[NU] from the row's histogram (_bin_row): x = κq·f(s), f = 1/W(eˢ), whose derivatives in s
+    # (= in ν) are f′ = −f·r, f″ = f·r³(1 + 2e), f‴ = −f·r⁵(1 + 4e + 6e²), e = W(eˢ), r = 1/(1 + e); Σx to the
+    # third moment, Σx′ to the second, Σx″ to the first
+    centre = _shift(RKL, st, st[NU]) + st[BIN_LO] + 0.5 / BIN_PER_UNIT
+    total = 0.0
+    slope = 0.0
+    curve = 0.0
+    for k in range(int(st[BINNED])):
+        m0 = hist[k, 0]
+        if m0 == 0.0:
+            continue
+        e = lambert_e(centre + k / BIN_PER_UNIT, table)
+        r = 1.0 / (1.0 + e)
+        f0 = 1.0 / e
+        f1 = -f0 * r
+        f2 = f0 * r * r * r * (1.0 + 2.0 * e)
+        f3 = -f0 * r * r * r * r * r * (1.0 + e * (4.0 + 6.0 * e))
+        m1, m2, m3 = hist[k, 1], hist[k, 2], hist[k, 3]
+        total += m0 * f0 + m1 * f1 + m2 * f2 / 2.0 + m3 * f3 / 6.0
+        slope += m0 * f1 + m1 * f2 + m2 * f3 / 2.0
+        curve += m0 * f2 + m1 * f3
+    free = st[FREE] * math.exp(-st[NU])
+    return st[KAP] * total + free, st[KAP] * slope - free, st[KAP] * curve + free
+
+
 @jit()
-def _sums_at(kind, v, q, base, st, table, lo, hi, sums):
+def _sums_at(kind, v, q, base, st, table, hist, c, lo, hi, sums):
+    # chunk c's Σx, Σx′, Σx″ at st[NU]; a binned row's are all in chunk 0's (the others add exact zeros)
+    if st[BINNED] > 0.0:
+        sums[0], sums[1], sums[2] = _binned_sums(st, hist, table) if c == 0 else (0.0, 0.0, 0.0)
+        return
     sums[0], sums[1], sums[2] = _sums(kind, v, q, base, _shift(kind, st, st[NU]), st[LSE] + st[NU], st[KAP],
                                       0.5 / st[LAM], table, lo, hi)
 
@@ -588,7 +682,7 @@ def _advance(kind, st, sums):
     without closing in at large λ), stopped at |log Σx| ≤ ``nu_tolerance(λ′)``.
     """
     total = _ordered(sums[:, 0])
-    st[AT], st[TOTAL] = st[NU], total
+    st[AT] = st[NU]
     if total >= 1.0:
         st[LOW] = max(st[LOW], st[NU])
     else:
@@ -614,17 +708,42 @@ def _advance(kind, st, sums):
 
 
 @jit()
-def _finish_at(kind, v, q, base, kept, st, table, lo, hi, out, sums):
+def _log_x_at(kind, v, q, base, kept, st, table, lo, hi, out, sums):
+    # the finish's first pass over chunk lo:hi at the last ν evaluated (st[AT]): sums ← (Σx, far tokens) before the
+    # row's normalisation; a softmax row is done here
     if st[SOFT] != 0.0:
         for i in range(lo, hi):
             out[i] -= st[LSE]
         return
-    shift, log_total = _shift(kind, st, st[AT]), math.log(st[TOTAL])
-    sums[0], sums[1], far = _finish(kind, v, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP], st[LOG_C],
-                                    st[AT], log_total, table, lo, hi, out, kept)
-    if far > 0 and kind == RKL:  # huge scores: the chunk again (v is in ``kept`` now)
-        sums[0], sums[1], _ = _finish_far(kind, kept, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP],
-                                          st[LOG_C], st[AT], log_total, table, lo, hi, out, kept)
+    shift = _shift(kind, st, st[AT])
+    _log_x(kind, v, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP], st[LOG_C], st[AT], table, lo, hi, out,
+           kept)
+    sums[0], sums[1] = _mass(out, kept, st[LSE], lo, hi)
+    if sums[1] > 0 and kind == RKL:  # huge scores: the chunk again (v is in ``kept`` now)
+        _log_x_far(kind, kept, q, base, shift, st[LSE], st[KAP], st[LAM], st[LOG_KAP], st[LOG_C], st[AT], table, lo,
+                   hi, out, kept)
+        sums[0] = _mass(out, kept, st[LSE], lo, hi)[0]
+
+
+@jit()
+def _normalise(st, sums):
+    # a row's log Σx from its chunks' first finish pass: x is divided by it, so that it sums to 1 whatever ν's
+    # passes made of Σx (binned, they round it to 1e-9)
+    if st[SOFT] == 0.0:
+        st[LOG_TOTAL] = math.log(_ordered(sums[:, 0]))
+
+
+@jit()
+def _certificate_at(kind, q, kept, st, lo, hi, out, sums):
+    # the finish's second pass over chunk lo:hi: log x normalised, sums ← the certificate's (Σ x(log x − y),
+    # Σ e^(y − ν)); the far loop where the first pass counted far tokens (sums[1])
+    if st[SOFT] != 0.0:
+        return
+    if sums[1] > 0 and kind == RKL:
+        sums[0], sums[1] = _certificate_far(kind, kept, q, st[LSE], st[KAP], st[LAM], st[AT], st[LOG_TOTAL], lo, hi,
+                                            out)
+    else:
+        sums[0], sums[1] = _certificate(kind, kept, q, st[LSE], st[KAP], st[LAM], st[AT], st[LOG_TOTAL], lo, hi, out)
 
 
 @jit()
@@ -652,9 +771,10 @@ def _start_l2_row(st, sums):
 
 
 @jit()
-def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, kept, st, sums):
+def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, kept, st, sums, hist):
     """One row of :func:`solve_batch`, serially, chunk by chunk: (status, ν steps, gap). Its chunks' sums are
-    added in the order the lockstep driver adds them, so the row comes out bit for bit the same."""
+    added in the order the lockstep driver adds them, so the row comes out bit for bit the same. ``hist``
+    (BINS, 4) is the row's scratch for :func:`_bin_row`."""
     width = z.size
     chunks = (width + CHUNK - 1) // CHUNK
     _prepare_row(kind, z, q, logq, have_logq, lam, share, out, base, sums, st)
@@ -668,16 +788,22 @@ def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, bas
                 lo, hi = _span(c, width)
                 sums[c, 1], sums[c, 2] = _start_l2(out, q, st[KAP], lo, hi)
             _start_l2_row(st, sums[:chunks])
+        else:
+            _bin_row(out, q, base, st, hist)
         for _ in range(max_iter):
             for c in range(chunks):
                 lo, hi = _span(c, width)
-                _sums_at(kind, out, q, base, st, table, lo, hi, sums[c])
+                _sums_at(kind, out, q, base, st, table, hist, c, lo, hi, sums[c])
             if not _advance(kind, st, sums[:chunks]):
                 break
             iters += 1
     for c in range(chunks):
         lo, hi = _span(c, width)
-        _finish_at(kind, out, q, base, kept, st, table, lo, hi, out, sums[c])
+        _log_x_at(kind, out, q, base, kept, st, table, lo, hi, out, sums[c])
+    _normalise(st, sums[:chunks])
+    for c in range(chunks):
+        lo, hi = _span(c, width)
+        _certificate_at(kind, q, kept, st, lo, hi, out, sums[c])
     return FINE, iters, _gap(kind, st, sums[:chunks], out, kept, q)
 
 
@@ -688,9 +814,10 @@ def _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, b
     chunks = (width + CHUNK - 1) // CHUNK
     status = np.zeros(rows, dtype=np.int64)
     part = np.empty((rows, chunks, 6))
+    hist = np.empty((rows, BINS, 4))
     for b in numba.prange(rows):
         status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], have_logq, lam[b], share, max_iter, table,
-                                                 out[b], base[b], kept[b], state[b], part[b])
+                                                 out[b], base[b], kept[b], state[b], part[b], hist[b])
     for b in range(rows):
         if status[b] != FINE:
             return status[b]
@@ -725,6 +852,7 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
         if status != FINE:
             return status
     iters[:] = 0
+    hist = np.empty((rows, BINS, 4))
     working = np.empty(rows, dtype=np.int64)
     n_work = 0
     for b in range(rows):
@@ -738,13 +866,17 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
             part[t, 1], part[t, 2] = _start_l2(out[b], q[b], state[b, KAP], lo, hi)
         for j in range(n_work):
             _start_l2_row(state[working[j]], part[j * chunks:(j + 1) * chunks])
+    else:
+        for j in numba.prange(n_work):
+            b = working[j]
+            _bin_row(out[b], q[b], base[b], state[b], hist[b])
     for _ in range(max_iter):
         if n_work == 0:
             break
         for t in numba.prange(n_work * chunks):
             b, c = working[t // chunks], t % chunks
             lo, hi = _span(c, width)
-            _sums_at(kind, out[b], q[b], base[b], state[b], table, lo, hi, part[t])
+            _sums_at(kind, out[b], q[b], base[b], state[b], table, hist[b], c, lo, hi, part[t])
         still = 0
         for j in range(n_work):
             b = working[j]
@@ -756,7 +888,13 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
     for t in numba.prange(rows * chunks):
         b, c = t // chunks, t % chunks
         lo, hi = _span(c, width)
-        _finish_at(kind, out[b], q[b], base[b], kept[b], state[b], table, lo, hi, out[b], part[t])
+        _log_x_at(kind, out[b], q[b], base[b], kept[b], state[b], table, lo, hi, out[b], part[t])
+    for b in range(rows):
+        _normalise(state[b], part[b * chunks:(b + 1) * chunks])
+    for t in numba.prange(rows * chunks):
+        b, c = t // chunks, t % chunks
+        lo, hi = _span(c, width)
+        _certificate_at(kind, q[b], kept[b], state[b], lo, hi, out[b], part[t])
     for b in range(rows):
         gaps[b] = _gap(kind, state[b], part[b * chunks:(b + 1) * chunks], out[b], kept[b], q[b])
     return FINE
@@ -804,9 +942,10 @@ def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, 
         return _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, work[0], work[1],
                                state, iters, gaps)
     part = np.empty(((width + CHUNK - 1) // CHUNK, 6))
+    hist = np.empty((BINS, 4))
     for b in range(rows):
         status, iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], have_logq, lam[b], share, max_iter, table,
-                                              out[b], work[0, b], work[1, b], state[b], part)
+                                              out[b], work[0, b], work[1, b], state[b], part, hist)
         if status != FINE:
             return status
     return FINE
