@@ -506,29 +506,35 @@ def _mass(out, kept, lse, lo, hi):
 
 
 @jit(inline="always")
-def _certificate_tokens(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out, far):
-    # the certificate's sums Σ x(log x − y) and Σ e^(y − ν) over lo:hi, log x divided by the row's Σx (the finish's
-    # second pass; written back after the sums)
-    # and Σ e^(y − ν). At the optimum y = log x + ν (the stationarity condition), so ν is a safe shift for the
-    # logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x tiny: a cubic gives e^δ to rounding for |δ| < 1e-4
-    # (one exp per token instead of two). Where ν is no safe shift (rare), the caller sums again from the max
-    # (:func:`_gap`). With ``far``, far tokens take the dual logit log x + ν and add ``far_term``.
+def _certificate_tokens(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out, careful):
+    # the certificate's sums Σ x(log x − y) and Σ e^(y − ν) over lo:hi, x = e^(log x − ``log_total``) (the finish's
+    # second pass; the caller writes the normalised log x back after it). At the optimum y = log x + ν (the
+    # stationarity condition), so ν is a safe shift for the logsumexp, and e^(y − ν) = x·e^δ with δ = y − ν − log x
+    # tiny: a cubic gives e^δ to rounding for |δ| < 1e-4 (one exp per token instead of two). The plain loop counts
+    # the tokens with a larger δ instead of summing them (it computes no second exp, so that it vectorizes whole);
+    # where it counts any, the caller runs the ``careful`` loop (a literal at both callers), which sums e^(y − ν)
+    # itself there and gives far tokens (FAR) the dual logit log x + ν and ``far_term``. Where ν is no safe shift
+    # (rare), the caller sums again from the max (:func:`_gap`).
     inner = 0.0
     total = 0.0
-    for i in range(lo, hi):  # no branch and no store per token (where not ``far``), so that it vectorizes
+    wide = 0
+    for i in range(lo, hi):
         lx = out[i] - log_total
         x = exp(lx)
         ti = kept[i] - lse
         ai = kap * q[i]
-        y = _dual_logit(kind, ti, ai, lam, x, lx, nu, far)
+        y = _dual_logit(kind, ti, ai, lam, x, lx, nu, careful)
         inner += x * (lx - y) if x > 0.0 else 0.0
-        if far and _is_far(kind, ti, ai, x):
+        if careful and _is_far(kind, ti, ai, x):
             inner += far_term(ti, ai, x, lx, nu)
         d = y - nu - lx
-        total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if abs(d) < 1e-4 else exp(y - nu)
-    for i in range(lo, hi):
-        out[i] -= log_total
-    return inner, total
+        near = abs(d) < 1e-4
+        if careful:
+            total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if near else exp(y - nu)
+        else:  # masked tokens (t = −inf, d NaN) add e^(−inf) = 0 in either loop
+            total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if near else 0.0
+            wide += (not near) & (ti > -np.inf)
+    return inner, total, wide
 
 
 @jit(fastmath=LOOP)
@@ -537,8 +543,7 @@ def _certificate(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out):
 
 
 @jit(fastmath=LOOP)
-def _certificate_far(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out):
-    # apart, because the checks cost the plain loop about 1 ms per 16 rows of 49,152 tokens (3%) where no token is far
+def _certificate_careful(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out):
     return _certificate_tokens(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out, True)
 
 
@@ -735,15 +740,19 @@ def _normalise(st, sums):
 
 @jit()
 def _certificate_at(kind, q, kept, st, lo, hi, out, sums):
-    # the finish's second pass over chunk lo:hi: log x normalised, sums ← the certificate's (Σ x(log x − y),
-    # Σ e^(y − ν)); the far loop where the first pass counted far tokens (sums[1])
+    # the finish's second pass over chunk lo:hi: sums ← the certificate's (Σ x(log x − y), Σ e^(y − ν)), then log x
+    # normalised; the careful loop where the first pass counted far tokens (sums[1]) or the plain one finds a
+    # large δ
     if st[SOFT] != 0.0:
         return
-    if sums[1] > 0 and kind == RKL:
-        sums[0], sums[1] = _certificate_far(kind, kept, q, st[LSE], st[KAP], st[LAM], st[AT], st[LOG_TOTAL], lo, hi,
-                                            out)
-    else:
-        sums[0], sums[1] = _certificate(kind, kept, q, st[LSE], st[KAP], st[LAM], st[AT], st[LOG_TOTAL], lo, hi, out)
+    args = (kind, kept, q, st[LSE], st[KAP], st[LAM], st[AT], st[LOG_TOTAL], lo, hi, out)
+    wide = 1
+    if not (sums[1] > 0 and kind == RKL):
+        sums[0], sums[1], wide = _certificate(*args)
+    if wide > 0:
+        sums[0], sums[1], _ = _certificate_careful(*args)
+    for i in range(lo, hi):
+        out[i] -= st[LOG_TOTAL]
 
 
 @jit()
