@@ -19,9 +19,11 @@ at least as large as the thread count is solved a row per thread (one parallel
 region); a smaller one pass by pass over all its rows' chunks at once, ν steps
 in lockstep. Either way a row comes out bit for bit the same, alone or in any
 batch. Per token and row: one exp before the ν steps (the log-softmax; log q
-comes with q from the caller or costs a log), one half table lookup per ν step,
-and in the last pass the other half, an exp and a division: that pass writes
-log x and sums the certificate at once (its logsumexp shifted by ν, where
+comes with q from the caller or costs a log); then, for a wide rkl row, one
+scatter into a histogram of the Lambert arguments, over which every ν step runs
+(:func:`_bin_row`; other rows take a half table lookup per ν step); then the
+finish: the other half of a lookup for log x and an exp for Σx, then a pass that
+divides x by Σx and sums the certificate (its logsumexp shifted by ν, where
 y ≈ log x + ν: no pass for the maximum). The exps are :func:`exp`, a polynomial
 the loops vectorize (CPU per row: ``benchmarks/solver.py``, section 7).
 """
@@ -295,17 +297,16 @@ FINE, HAS_NAN, HAS_POSINF, ALL_MASKED = 0, 1, 2, 3
 # how solve_batch spreads a batch over the threads (see schedule)
 SERIAL, ROWS, LOCKSTEP = 0, 1, 2
 # a row's state between passes: one float64 row of ``state`` per logits row
-LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, LOG_TOTAL, TOP, BINNED, BIN_LO, \
-    FREE = range(19)
+LSE, MASS, KAP, LOG_KAP, LOG_C, LAM, SCALE, SOFT, NU, AT, LOW, HIGH, REACH, LAST, LOG_TOTAL, TOP, BINNED, \
+    BIN_FIRST, BIN_LAST, FREE = range(20)
 STATE = FREE + 1  # the width of ``state``
-# An rkl row at least BIN_MIN_WIDTH wide takes its ν steps over a histogram of its tokens (:func:`_bin_row`): bins
-# BIN_WIDTH apart in s, each with the reference mass of its tokens and its first three moments about the bin's centre.
-# Every token's s moves with ν alike, so a bin's Σ q·f(s) at any ν is its moments times f and its derivatives at the
-# centre (Taylor to the fourth order: 1e-9 of Σx at most on SmolLM2's rows); a pass then costs a few thousand table
-# lookups instead of one per token. A row whose s spans more than BINS bins keeps the exact passes.
-BIN_PER_UNIT, BINS, BIN_MIN_WIDTH = 32, 4096, 8192
-# the binned Lambert arguments stay above this at ν = 0: 1/W(eˢ) ≈ e^(−s) is finite there for any ν step
-BIN_S_MIN = -600.0
+# An rkl row at least BIN_MIN_WIDTH wide takes its ν steps over a histogram of its tokens (:func:`_bin_row`): BINS
+# bins 1/BIN_PER_UNIT wide of s at ν = 0 from BIN_S_LO on, each with the reference mass of its tokens and their first
+# three moments about the bin's centre. Every token's s moves with ν alike, so a bin's Σ q·f(s) at any ν is its
+# moments times f and its derivatives at the centre (Taylor to the fourth order: about 1e-9 of Σx on SmolLM2's
+# rows, whose s at ν = 0 lie in [−17, 22]); a pass then costs a thousand table lookups instead of one per token. A
+# row with a token outside the bins keeps the exact passes.
+BIN_PER_UNIT, BINS, BIN_S_LO, BIN_MIN_WIDTH = 32, 4096, -64.0, 8192
 # a row whose largest z + w·log q (w = λm, the weight of KL(x‖q)'s share; z alone without one) lies within ±NEAR
 # is solved as it comes, where rounding at |z| ≤ 64 costs ε·64 ≈ 1e-14, as the table does; any other is shifted
 # (:func:`_row_peak`), at the cost of a second first pass
@@ -605,23 +606,16 @@ def _shift(kind, st, nu):
 
 @jit(fastmath=LOOP)
 def _bin_row(v, q, base, st, hist):
-    """An rkl row's histogram for its ν steps (BIN_PER_UNIT): ``hist`` (BINS, 4) gets, per bin of base = s − s₀
-    (s₀ = log κ + lse + ν), Σq and Σq·dʲ (j = 1…3, d = base − the bin's centre); ``st[FREE]`` the softmax mass
-    of the tokens without reference mass, whose x = e^(t − ν). Sets ``st[BINNED]`` to the bins used, 0 (exact
-    passes) for a narrow row or one whose arguments do not fit."""
+    """An rkl row's histogram for its ν steps (BINS): ``hist`` (BINS, 4) gets, per bin of s at ν = 0
+    (s = base + log κ + lse), Σq and Σq·dʲ (j = 1…3, d = s − the bin's centre); ``st[FREE]`` the softmax mass of
+    the tokens without reference mass, whose x = e^(t − ν). ``st[BINNED]`` is 1 once the row is binned, 0 (exact
+    passes) for a narrow row or one with a token outside the bins."""
     st[BINNED] = 0.0
     if v.size < BIN_MIN_WIDTH:
         return
-    lo = np.inf
-    hi = -np.inf
-    for i in range(v.size):
-        held = v[i] > -np.inf and q[i] > 0.0
-        lo = min(lo, base[i] if held else np.inf)
-        hi = max(hi, base[i] if held else -np.inf)
-    if not (hi >= lo and (hi - lo) * BIN_PER_UNIT < BINS - 1 and lo + st[LOG_KAP] + st[LSE] > BIN_S_MIN):
-        return
-    used = int((hi - lo) * BIN_PER_UNIT) + 1
-    hist[:used] = 0.0
+    hist[:] = 0.0
+    offset = st[LOG_KAP] + st[LSE] - BIN_S_LO
+    first, last = BINS, -1
     free = 0.0
     for i in range(v.size):
         vi = v[i]
@@ -631,14 +625,17 @@ def _bin_row(v, q, base, st, hist):
         if qi <= 0.0:
             free += exp(vi - st[LSE])
             continue
-        u = (base[i] - lo) * BIN_PER_UNIT
-        k = min(int(u), used - 1)
+        u = (base[i] + offset) * BIN_PER_UNIT
+        if not (0.0 <= u < BINS):
+            return
+        k = int(u)
+        first, last = min(first, k), max(last, k)
         d = (u - k - 0.5) / BIN_PER_UNIT
         hist[k, 0] += qi
         hist[k, 1] += qi * d
         hist[k, 2] += qi * d * d
         hist[k, 3] += qi * d * d * d
-    st[BINNED], st[BIN_LO], st[FREE] = used, lo, free
+    st[BINNED], st[BIN_FIRST], st[BIN_LAST], st[FREE] = 1.0, first, last, free
 
 
 @jit(fastmath=LOOP)
@@ -646,11 +643,11 @@ def _binned_sums(st, hist, table):
     # Σx, Σx′, Σx″ at st[NU] from the row's histogram (_bin_row): x = κq·f(s), f = 1/W(eˢ), whose derivatives in s
     # (= in ν) are f′ = −f·r, f″ = f·r³(1 + 2e), f‴ = −f·r⁵(1 + 4e + 6e²), e = W(eˢ), r = 1/(1 + e); Σx to the
     # third moment, Σx′ to the second, Σx″ to the first
-    centre = _shift(RKL, st, st[NU]) + st[BIN_LO] + 0.5 / BIN_PER_UNIT
+    centre = BIN_S_LO + 0.5 / BIN_PER_UNIT + st[NU]
     total = 0.0
     slope = 0.0
     curve = 0.0
-    for k in range(int(st[BINNED])):
+    for k in range(int(st[BIN_FIRST]), int(st[BIN_LAST]) + 1):
         m0 = hist[k, 0]
         if m0 == 0.0:
             continue

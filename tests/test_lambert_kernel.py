@@ -148,6 +148,60 @@ def test_the_fused_certificate_is_the_certificate_computed_from_scratch(case, ma
         assert gaps[b] == pytest.approx(expected, rel=1e-9, abs=1e-11)  # at the optimum: rounding of ±ν-sized sums
 
 
+def _prepared_row(seed: int, lam: float, share: float, width: int = 3 * K.BIN_MIN_WIDTH // 2):
+    # a wide rkl row through the kernel's first pass and _begin: (v, q, base, state), as solve_row has them before
+    # its ν steps
+    g = torch.Generator().manual_seed(seed)
+    z = (4 * torch.randn(width, generator=g, dtype=torch.float64)).numpy()
+    q = (torch.rand(width, generator=g, dtype=torch.float64) ** 4).numpy()
+    q[: width // 50] = 0.0  # tokens without reference mass: softmax's own form
+    v, base = np.empty(width), np.empty(width)
+    sums, st = np.zeros(((width + K.CHUNK - 1) // K.CHUNK, 6)), np.zeros(K.STATE)
+    K._prepare_row(K.RKL, z, q, q, False, lam, share, v, base, sums, st)
+    assert K._begin(K.RKL, z, v, sums, lam, share, st) == K.FINE
+    return v, q, base, st
+
+
+@given(st.integers(0, 10_000), st.sampled_from([0.05, 1.0, 30.0]), st.sampled_from([0.0, 0.15]),
+       st.floats(-0.5, 5.0))
+def test_the_binned_nu_sums_are_the_exact_sums(seed, lam, share, nu):
+    # exact against approximate: Σx, Σx′ and Σx″ at any ν from the row's histogram, against every token's own
+    v, q, base, st_ = _prepared_row(seed, lam, share)
+    hist = np.empty((K.BINS, 4))
+    K._bin_row(v, q, base, st_, hist)
+    assert st_[K.BINNED] == 1.0
+    st_[K.NU] = nu
+    binned = K._binned_sums(st_, hist, K.TABLE)
+    exact = K._sums(K.RKL, v, q, base, K._shift(K.RKL, st_, nu), st_[K.LSE] + nu, st_[K.KAP], 0.0, K.TABLE, 0, v.size)
+    # Σx to the Taylor remainder of the fourth order (1e-9 here), its derivatives (they set the step only) to less
+    assert binned[0] == pytest.approx(exact[0], rel=1e-8)
+    assert binned[1] == pytest.approx(exact[1], rel=1e-6)
+    assert binned[2] == pytest.approx(exact[2], rel=1e-4)
+
+
+def test_a_row_beyond_the_bins_or_too_narrow_keeps_the_exact_passes():
+    v, q, base, st_ = _prepared_row(0, 1.0, 0.15)
+    hist = np.empty((K.BINS, 4))
+    K._bin_row(v, q, base, st_, hist)
+    assert st_[K.BINNED] == 1.0
+    K._bin_row(v[:K.BIN_MIN_WIDTH - 1], q, base, st_, hist)
+    assert st_[K.BINNED] == 0.0
+    far = q.size // 2  # a reference 1e-300: its s lies 690 below the others', outside the bins
+    base[far] += math.log(1e-300 / q[far])
+    K._bin_row(v, q, base, st_, hist)
+    assert st_[K.BINNED] == 0.0
+    # and such a row is solved as the torch path solves it (exact ν steps both)
+    g = torch.Generator().manual_seed(1)
+    z = 4 * torch.randn(2, v.size, generator=g, dtype=torch.float64)
+    q2 = torch.rand(2, v.size, generator=g, dtype=torch.float64) ** 4
+    q2[0, 7] = 1e-300
+    lam = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    out, iters, gaps = _solve(z, q2, lam, "rkl", 0.15)
+    expected, info = solve_toward(z, q2, lam, "rkl", kl_share=0.15, backend="torch")
+    assert (gaps <= 1e-6).all() and np.isclose(np.exp(out).sum(-1), 1.0, rtol=0, atol=1e-12).all()
+    torch.testing.assert_close(torch.from_numpy(out).exp(), expected.exp(), atol=1e-10, rtol=0)
+
+
 def test_the_kernel_reports_bad_logits_before_any_nu_step():
     z, q, lam = _batch(0, 3, 300)
     for edit, status in ((lambda v: v.index_fill(1, torch.tensor([7]), float("nan")), K.HAS_NAN),
