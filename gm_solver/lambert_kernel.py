@@ -530,10 +530,8 @@ def _certificate_tokens(kind, kept, q, lse, kap, lam, nu, log_total, lo, hi, out
             inner += far_term(ti, ai, x, lx, nu)
         d = y - nu - lx
         near = abs(d) < 1e-4
-        if careful:
-            total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if near else exp(y - nu)
-        else:  # masked tokens (t = −inf, d NaN) add e^(−inf) = 0 in either loop
-            total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if near else 0.0
+        total += x * (1.0 + d * (1.0 + d * (0.5 + d / 6.0))) if near else (exp(y - nu) if careful else 0.0)
+        if not careful:  # masked tokens (t = −inf, d NaN) add e^(−inf) = 0 in either loop
             wide += (not near) & (ti > -np.inf)
     return inner, total, wide
 
