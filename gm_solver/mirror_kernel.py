@@ -1,10 +1,11 @@
 """The CPU kernels of :func:`gm_solver.solvers.mirror_descent`: its vector work per iteration, a few fused passes per
 row, between the products with the graph (``TransitionOperator``, whose kernels they are apart from).
 
-A step of the solver is :func:`propose_rows` (the residual, the step size and the candidate), the operator's
-(Lx, LᵀLx) of the candidates, then :func:`judge_rows` (the objective, and for an accepted candidate its fixed-point
-map and duality gap). Rows are (B, V) arrays, one row per thread; ``torch`` does the same in ``solvers._mirror_step``
-on other devices, and the tests cross-check the two.
+A step of the solver is :func:`propose_rows` (the mirror step's candidate, each token's step damped by the curvature
+the graph term puts on it), the operator's (Lx, LᵀLx) of the candidates, then :func:`judge_rows` (the best point on
+the segment from x to the candidate, found without another product, its fixed-point map and duality gap). Rows are
+(B, V) arrays, one row per thread; ``torch`` does the same in ``solvers._mirror_step`` on other devices, and the
+tests cross-check the two.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import numpy as np
 
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .lambert_kernel import LOOP, jit
+from .lambert_kernel import LOOP, exp, jit, log
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
 # a relative slack on the objective's decrease absorbs float64 rounding of f near the optimum
 SLACK = 1e-13
+# how often a step on the segment is halved before the row is left where it is for this iteration (the secant's t
+# decreases f but where f is flat to rounding); a fixed count lets the torch path run it without reading back
+HALVINGS = 12
 
 
 @jit(fastmath=LOOP)
@@ -48,7 +52,7 @@ def _log_softmax_gap(valid, s, x, y, top):
     total = 0.0
     for i in range(y.size):
         if valid[i]:
-            total += math.exp(y[i] - top)
+            total += exp(y[i] - top)
     lse = top + math.log(total)
     kl = 0.0
     for i in range(y.size):
@@ -67,26 +71,20 @@ def score_rows(z, valid, s, x, lx, gram, lam, ly, f, g):
 
 
 @jit(fastmath=LOOP)
-def _propose(valid, s, x, ly, r_prev, eta, cand, xc, r):
-    # the residual r = log softmax(y) − log x, the step η from the ratio of successive residuals, and the candidate
-    # log softmax(log x + η·r) with its exp; returns η
-    den = 0.0
-    num = 0.0
-    for i in range(s.size):
-        ri = ly[i] - s[i] if valid[i] else 0.0
-        r[i] = ri
-        den += x[i] * r_prev[i] * r_prev[i]
-        num += x[i] * ri * r_prev[i]
-    if den > 0:
-        eta = min(1.0, max(0.02, eta / max(1.0 - num / den, 1e-3)))
+def _propose(valid, s, x, ly, diag, lam, cand, xc):
+    # the candidate log softmax(log x + η⊙r), r = log softmax(y) − log x, with its exp; η_j = 1 / (1 + λ D_j x_j)
     top = -np.inf
     for i in range(s.size):
-        v = s[i] + eta * r[i] if valid[i] else -np.inf
+        if valid[i]:
+            damp = 1.0 / (1.0 + lam * diag[i] * x[i]) if x[i] > 0 else 1.0
+            v = s[i] + damp * (ly[i] - s[i])
+        else:
+            v = -np.inf
         cand[i] = v
         top = max(top, v)
     total = 0.0
     for i in range(s.size):
-        e = math.exp(cand[i] - top) if valid[i] else 0.0
+        e = exp(cand[i] - top) if valid[i] else 0.0
         xc[i] = e
         total += e
     lse = top + math.log(total)
@@ -94,37 +92,107 @@ def _propose(valid, s, x, ly, r_prev, eta, cand, xc, r):
     for i in range(s.size):
         cand[i] -= lse
         xc[i] *= scale
-    return eta
 
 
 @jit(parallel=True)
-def propose_rows(valid, s, x, ly, r_prev, eta, g, tol, cand, xc, r):
-    """Each active row's candidate (``cand`` = its log, ``xc``) and residual ``r``; ``eta`` updated in place. A row
-    at gap ≤ ``tol`` proposes itself."""
+def propose_rows(valid, s, x, ly, diag, lam, g, tol, cand, xc):
+    """Each active row's candidate (``cand`` = its log, ``xc``); ``diag`` (V,) is the operator's
+    ``gram_diagonal``. A row at gap ≤ ``tol`` proposes itself."""
     for b in numba.prange(s.shape[0]):
         if g[b] > tol:
-            eta[b] = _propose(valid[b], s[b], x[b], ly[b], r_prev[b], eta[b], cand[b], xc[b], r[b])
+            _propose(valid[b], s[b], x[b], ly[b], diag, lam, cand[b], xc[b])
         else:
             cand[b] = s[b]
             xc[b] = x[b]
 
 
+@jit(fastmath=LOOP)
+def _slopes(z, s, x, lx, cand, xc, lxc, lam):
+    """φ′(0) and φ′(1) of φ(t) = f(x + t(xc − x)): Lx is linear in t, so no product is needed."""
+    d0 = 0.0
+    d1 = 0.0
+    for i in range(z.size):
+        d = xc[i] - x[i]
+        if x[i] > 0 and xc[i] > 0:
+            d0 += d * (s[i] - z[i])
+            d1 += d * (cand[i] - z[i])
+    for i in range(lx.size):
+        dl = lxc[i] - lx[i]
+        d0 += 2.0 * lam * lx[i] * dl
+        d1 += 2.0 * lam * lxc[i] * dl
+    return d0, d1
+
+
+@jit(fastmath=LOOP)
+def _objective_at(z, x, xc, lx, lxc, t, lam, st):
+    """φ(t), with log(x + t(xc − x)) written to ``st``."""
+    f = 0.0
+    for i in range(z.size):
+        xt = x[i] + t * (xc[i] - x[i])
+        if xt > 0:
+            lt = log(xt)
+            st[i] = lt
+            f += xt * (lt - z[i])
+        else:
+            st[i] = -np.inf
+    sq = 0.0
+    for i in range(lx.size):
+        v = lx[i] + t * (lxc[i] - lx[i])
+        sq += v * v
+    return f + lam * sq
+
+
+@jit(fastmath=LOOP)
+def _move(z, lam, t, st, xc, lxc, gramc, s, x, lx, gram, y):
+    """The row's state ← the point t of the segment (its logs in ``st``); y = z − 2λLᵀLx written to ``y`` with its
+    largest entry returned. LᵀLx is linear in t too."""
+    top = -np.inf
+    for i in range(z.size):
+        s[i] = st[i]
+        x[i] = x[i] + t * (xc[i] - x[i])
+        lx[i] = lx[i] + t * (lxc[i] - lx[i])
+        gram[i] = gram[i] + t * (gramc[i] - gram[i])
+        yi = z[i] - 2.0 * lam * gram[i]
+        y[i] = yi
+        top = max(top, yi)
+    return top
+
+
 @jit(parallel=True)
-def judge_rows(z, valid, lam, tol, cand, xc, lx, gram, r, y, s, x, ly, f, g, eta, iters, r_prev):
-    """Each active row takes its candidate if it lowers f (its state ``s, x, ly, f, g, r_prev`` ← the candidate's),
-    or halves its step and forgets its residual; ``y`` is scratch (B, V)."""
+def judge_rows(z, valid, lam, tol, cand, xc, lxc, gramc, s, x, lx, gram, ly, f, g, step, iters, y):
+    """Each active row moves to the point t of the segment from x to its candidate where φ′ crosses 0 (the secant of
+    φ′(0) < 0 < φ′(1), or t = 1 where φ′(1) ≤ 0), halving t until f decreases; its state ``s, x, lx, gram, ly, f,
+    g`` ← that point's, ``step`` ← t (0: no decrease found, the row stays). ``y`` is scratch (B, V)."""
     for b in numba.prange(z.shape[0]):
         if not g[b] > tol:
             continue
         iters[b] += 1
-        f_c, top = _objective(z[b], cand[b], xc[b], lx[b], gram[b], lam, y[b])
-        if f_c <= f[b] + SLACK * max(abs(f[b]), 1.0):
-            g[b] = _log_softmax_gap(valid[b], cand[b], xc[b], y[b], top)
-            f[b] = f_c
-            s[b] = cand[b]
-            x[b] = xc[b]
-            ly[b] = y[b]
-            r_prev[b] = r[b]
-        else:
-            eta[b] *= 0.5
-            r_prev[b] = 0.0
+        d0, d1 = _slopes(z[b], s[b], x[b], lx[b], cand[b], xc[b], lxc[b], lam)
+        t = d0 / (d0 - d1) if d0 < 0 < d1 else 1.0
+        bound = f[b] + SLACK * max(abs(f[b]), 1.0)
+        if t == 1.0:
+            f_t, top = _objective(z[b], cand[b], xc[b], lxc[b], gramc[b], lam, y[b])
+            if f_t <= bound:
+                f[b] = f_t
+                s[b] = cand[b]
+                x[b] = xc[b]
+                lx[b] = lxc[b]
+                gram[b] = gramc[b]
+                g[b] = _log_softmax_gap(valid[b], s[b], x[b], y[b], top)
+                ly[b] = y[b]
+                step[b] = 1.0
+                continue
+            t = 0.5
+        f_t = _objective_at(z[b], x[b], xc[b], lx[b], lxc[b], t, lam, y[b])
+        for _ in range(HALVINGS):
+            if f_t <= bound:
+                break
+            t *= 0.5
+            f_t = _objective_at(z[b], x[b], xc[b], lx[b], lxc[b], t, lam, y[b])
+        if f_t > bound:
+            step[b] = 0.0
+            continue
+        top = _move(z[b], lam, t, y[b], xc[b], lxc[b], gramc[b], s[b], x[b], lx[b], gram[b], ly[b])
+        f[b] = f_t
+        g[b] = _log_softmax_gap(valid[b], s[b], x[b], ly[b], top)
+        step[b] = t

@@ -4,10 +4,10 @@
 ``(B, V)`` tensor. Logits wider than the graph (``V > N``; models pad their
 vocabulary) treat the extra ids as isolated nodes: M maps them to 0.
 
-Backends: ``numba`` runs the CSR products on the CPU's cores straight from the
-memory-mapped arrays (torch's CPU CSR matmul has a multi-millisecond floor
-per call, see ``benchmarks/solver.py``); ``torch`` uses torch sparse CSR
-tensors and is what runs on CUDA (cuSPARSE). Mᵀ is built once and cached.
+Backends: ``numba`` runs the CSR products on the CPU's cores from a compact
+copy of M and Mᵀ, built once (torch's CPU CSR matmul has a multi-millisecond
+floor per call, see ``benchmarks/solver.py``); ``torch`` uses torch sparse
+CSR tensors and is what runs on CUDA (cuSPARSE). Mᵀ is built once and cached.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import torch
 
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
+from .lambert_kernel import LOOP, jit
+
 ensure_cache_dir()  # before the cached kernels below are defined
 
 _CHUNKS = 64  # row blocks of equal non-zeros, spread over the threads
@@ -29,39 +31,64 @@ _CHUNKS = 64  # row blocks of equal non-zeros, spread over the threads
 def _balanced_chunks(indptr: np.ndarray, chunks: int = _CHUNKS) -> np.ndarray:
     """Row boundaries that split the non-zeros evenly.
 
-    A tokenizer's frequent tokens have low ids, so ~88 % of Ã's non-zeros sit in
-    the first half of its rows: split by row count, one thread does most of the work.
+    The rows come longest first (:func:`_compact`), and a tokenizer's frequent tokens hold most of Ã's
+    non-zeros: split by row count, one thread would do most of the work.
     """
     bounds = np.searchsorted(indptr, np.linspace(0, indptr[-1], chunks + 1), side="left")
     bounds[0], bounds[-1] = 0, indptr.size - 1
     return np.maximum.accumulate(bounds).astype(np.int64)
 
 
-@numba.njit(parallel=True, cache=True)
-def _csr_rows_times(indptr, indices, data, chunks, xt, out):
-    # out[i, b] = Σ_p data[p] · xt[indices[p], b]: xt is x transposed, (N, B), so each
-    # gather reads one batch's values contiguously instead of B rows 49k apart.
+# Sums over a row's non-zeros may be reordered (vectorized: four gathers at a time). The index arrays are unsigned
+# (:func:`_compact`): numba wraps a negative signed index around, and that check on every gather took half the time.
+@jit(parallel=True, fastmath=LOOP)
+def _csr_rows_times(indptr, indices, data, rows, chunks, xt, out):
+    # out[i, b] = Σ_p data[p] · xt[indices[p], b]: xt is x transposed, (N, B), so each gather reads a
+    # batch's values side by side; four columns at a time are summed in registers, the rest one by one.
     batch = xt.shape[1]
     for c in numba.prange(chunks.size - 1):
         for i in range(chunks[c], chunks[c + 1]):
-            for b in range(batch):
-                out[i, b] = 0.0
-            for p in range(indptr[i], indptr[i + 1]):
-                v = data[p]
-                j = indices[p]
-                for b in range(batch):
-                    out[i, b] += v * xt[j, b]
+            for b0 in range(0, batch - 3, 4):
+                a0 = a1 = a2 = a3 = 0.0
+                for p in range(indptr[i], indptr[i + 1]):
+                    v = data[p]
+                    j = indices[p]
+                    a0 += v * xt[j, b0]
+                    a1 += v * xt[j, b0 + 1]
+                    a2 += v * xt[j, b0 + 2]
+                    a3 += v * xt[j, b0 + 3]
+                r = rows[i]
+                out[r, b0], out[r, b0 + 1], out[r, b0 + 2], out[r, b0 + 3] = a0, a1, a2, a3
+            for b in range(batch - batch % 4, batch):
+                acc = 0.0
+                for p in range(indptr[i], indptr[i + 1]):
+                    acc += data[p] * xt[indices[p], b]
+                out[rows[i], b] = acc
 
 
-@numba.njit(parallel=True, cache=True)
-def _csr_times_vector(indptr, indices, data, chunks, x, out):
-    # the batch-of-one case (greedy decoding), with the sum kept in a register
+@jit(parallel=True, fastmath=LOOP)
+def _csr_times_vector(indptr, indices, data, rows, chunks, x, out):
+    # the batch-of-one case (greedy decoding), with the sum kept in registers
     for c in numba.prange(chunks.size - 1):
         for i in range(chunks[c], chunks[c + 1]):
             acc = 0.0
             for p in range(indptr[i], indptr[i + 1]):
                 acc += data[p] * x[indices[p]]
-            out[i] = acc
+            out[rows[i]] = acc
+
+
+def _compact(m: sp.csr_matrix) -> tuple[np.ndarray, ...]:
+    """(indptr, indices, data, rows, chunks) of ``m`` for the kernels: its non-empty rows, longest first (``rows``:
+    their ids), so that neighbouring rows loop the same number of times (the branch predictor's guess holds: half
+    the time of a product in row order); offsets and column ids in the narrowest unsigned type that holds them (a
+    vocabulary under 65,536 tokens gives 2-byte ids)."""
+    lengths = np.diff(np.asarray(m.indptr))
+    rows = np.argsort(-lengths, kind="stable")
+    rows = rows[lengths[rows] > 0]
+    kept = m[rows]
+    indptr = kept.indptr.astype(np.uint32 if kept.nnz < 2**32 else np.uint64)
+    indices = kept.indices.astype(np.uint16 if m.shape[1] <= 2**16 else np.uint32)
+    return indptr, indices, kept.data, rows.astype(np.int64), _balanced_chunks(indptr)
 
 
 def _as_csr(graph: Any) -> tuple[sp.csr_matrix, str, int]:
@@ -120,13 +147,29 @@ class TransitionOperator:
         transposed = matrix.T.tocsr()
         transposed.sort_indices()
         if backend == "numba":
-            self._fwd = (matrix.indptr, matrix.indices, matrix.data, _balanced_chunks(matrix.indptr))
-            self._bwd = (transposed.indptr, transposed.indices, transposed.data.astype(matrix.data.dtype),
-                         _balanced_chunks(transposed.indptr))
+            transposed.data = transposed.data.astype(matrix.data.dtype)
+            self._fwd, self._bwd = _compact(matrix), _compact(transposed)
         else:
             self._fwd = self._torch_csr(matrix)
             self._bwd = self._torch_csr(transposed)
+        # ‖L e_j‖² = 1 − 2M_jj + Σ_i M_ij²; a chain gets its base's, times n for a mixture of n terms: an estimate
+        # is enough, as it only sets the solver's step sizes
+        squares = np.bincount(np.asarray(matrix.indices), weights=np.asarray(matrix.data, dtype=np.float64) ** 2,
+                              minlength=self.n)
+        self._gram_diagonal = (1.0 - 2.0 * matrix.diagonal().astype(np.float64) + squares) * (
+            self.times if self.kind == "mixture" else 1)
+        self._diagonals: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.applications = 0
+
+    def gram_diagonal(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """diag(LᵀL), L = I − M, as a (``width``,) tensor on the operator's device: exact for one matrix, an
+        estimate for a chain (its base's, times n for a mixture of n terms); ids beyond the graph are isolated (1)."""
+        key = (width, dtype)
+        if key not in self._diagonals:
+            diag = np.ones(width)
+            diag[:self.n] = self._gram_diagonal
+            self._diagonals[key] = torch.as_tensor(diag, dtype=dtype, device=self.device)
+        return self._diagonals[key]
 
     def _torch_csr(self, m: sp.csr_matrix) -> torch.Tensor:
         index = torch.int32 if m.nnz < 2**31 else torch.int64
@@ -141,7 +184,7 @@ class TransitionOperator:
         out = torch.zeros_like(x)
         if self.backend == "numba":
             xt = np.ascontiguousarray(x[:, :n].numpy().T)
-            res = np.empty_like(xt)
+            res = np.zeros_like(xt)  # the empty rows' entries stay 0
             if xt.shape[1] == 1:
                 _csr_times_vector(*csr, xt[:, 0], res[:, 0])
             else:

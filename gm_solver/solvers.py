@@ -6,6 +6,7 @@ Both take logits ``z`` (B, V) in the working dtype and return ``(log x, SolveInf
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -52,16 +53,16 @@ def _masked(v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: float = 1e-6,
                    max_iter: int = 200, trace: bool = False,
                    check_every: int | None = None) -> tuple[torch.Tensor, SolveInfo]:
-    """Entropic mirror descent with per-row step control, stopped by the duality gap.
+    """Preconditioned entropic mirror steps with an exact search on each step's segment, stopped by the duality gap.
 
-    Step: log x ← normalise(log x + η·r), r = log softmax(z − 2λLᵀLx) − log x,
-    so η = 1 is the plain fixed-point map. It stays strictly inside the simplex
-    (on the finite logits). η follows the ratio ρ = ⟨r, r_prev⟩ / ‖r_prev‖²
-    (weighted by x) of successive residuals: a fixed-point map that overshoots
-    (ρ < 0, the oscillation that makes η = 1 diverge when λ‖LᵀL‖ is large, or
-    crawl when it sits near the edge) gets η ← η / (1 − ρ), the damping that
-    cancels a mode of ratio ρ. A step that does not lower f is refused and
-    halves η. Each step costs one M and one Mᵀ application per unconverged row.
+    Candidate: log x_c = normalise(log x + η⊙r), r = log softmax(z − 2λLᵀLx) − log x, with each token's step
+    η_j = 1 / (1 + λ D_j x_j), D = diag(LᵀL) (``op.gram_diagonal``): the plain fixed-point map (η = 1) where the
+    graph term is flat, damped on the tokens where λ‖Lx‖² curves hard (a frequent token's column of M makes
+    D_j hundreds). Then x moves to the point t of the segment from x to x_c where f stops decreasing: Lx and LᵀLx
+    are linear in t, so φ(t) = f(x + t(x_c − x)) and φ′ need no further product; t is the secant root of φ′
+    between 0 and 1 (1 where φ′(1) ≤ 0), halved until f decreases. Every step is taken, so each costs exactly one
+    M and one Mᵀ application per unconverged row (SmolLM2's logits on the movie-review graph: 4.8 applications of
+    each per row against 9.2 for ratio-controlled steps that refused half their candidates).
 
     Rows are independent: every ``check_every`` iterations the rows whose gap
     is ≤ ``tol`` are dropped from the working batch, so a batch costs the sum
@@ -76,35 +77,38 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
     if not isinstance(check_every, int) or check_every < 0:
         raise ValueError(f"check_every must be an int >= 0 (0: never synchronise), got {check_every!r}")
     valid = torch.isfinite(z)
+    diag = op.gram_diagonal(z.shape[-1], z.dtype)
     start = op.applications
     s = torch.log_softmax(z, dim=-1)
     x = torch.exp(s)
-    f, g, ly = _score(z, valid, s, x, op, lam)
-    eta = torch.ones_like(f)
+    lx, gram = op.residual_and_gram(x)
+    f, g, ly = _score(z, valid, s, x, lx, gram, op, lam)
     iters = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
-    # the state of each row: log x, x, log softmax(y), f, gap, η, iterations, the previous residual (0: none)
-    state = [s, x, ly, f, g, eta, iters, torch.zeros_like(s)]
-    step = _fused_step if op.backend == "numba" else _mirror_step
+    # the state of each row: log x, x, Lx, LᵀLx, log softmax(y), f, gap, the last step t, iterations
+    state = [s, x, lx, gram, ly, f, g, torch.zeros_like(f), iters]
+    # the torch path may read a value back within a step only where the solver synchronises anyway
+    early = z.device.type == "cpu" and check_every > 0
+    step = _fused_step if op.backend == "numba" else partial(_mirror_step, early=early)
     info = SolveInfo(iters, g, g <= tol, 0)
     if trace:
         info.gap_trace.append(g.clone())
     if check_every == 0:  # no host synchronisation: every row takes max_iter steps, frozen once converged
         for _ in range(max_iter):
-            state = step(z, valid, *state, op, lam, tol)
+            state = step(z, valid, diag, *state, op, lam, tol)
             if trace:
-                info.gap_trace.append(state[4].clone())
-                info.step_trace.append(state[5].clone())
+                info.gap_trace.append(state[6].clone())
+                info.step_trace.append(state[7].clone())
     else:
         done = 0
         while done < max_iter:
-            rows = torch.nonzero(state[4] > tol).squeeze(1)
+            rows = torch.nonzero(state[6] > tol).squeeze(1)
             if rows.numel() == 0:
                 break
             every = rows.numel() == z.shape[0]  # no row has converged yet: the batch as it is, without copies
             part = state if every else [t.index_select(0, rows) for t in state]
             zr, vr = (z, valid) if every else (z.index_select(0, rows), valid.index_select(0, rows))
             for _ in range(min(check_every, max_iter - done)):
-                part = step(zr, vr, *part, op, lam, tol)
+                part = step(zr, vr, diag, *part, op, lam, tol)
                 done += 1
             if every:
                 state = part
@@ -112,17 +116,16 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
                 for full, p in zip(state, part):
                     full.index_copy_(0, rows, p)
             if trace:
-                info.gap_trace.append(state[4].clone())
-                info.step_trace.append(state[5].clone())
-    s, _, _, _, g, _, iters, _ = state
+                info.gap_trace.append(state[6].clone())
+                info.step_trace.append(state[7].clone())
+    s, g, iters = state[0], state[6], state[8]
     info.iterations, info.gap, info.converged = iters, g, g <= tol
     info.operator_applications = op.applications - start
     return s, info
 
 
-def _score(z, valid, s, x, op, lam):
-    """(f, gap, log softmax(y)) of the rows x = exp(s)."""
-    lx, gram = op.residual_and_gram(x)
+def _score(z, valid, s, x, lx, gram, op, lam):
+    """(f, gap, log softmax(y)) of the rows x = exp(s) with their (Lx, LᵀLx)."""
     if op.backend == "numba":
         f, g, ly = (torch.empty_like(z[:, 0]), torch.empty_like(z[:, 0]), torch.empty_like(z))
         mirror_kernel.score_rows(z.numpy(), valid.numpy(), s.numpy(), x.numpy(), lx.numpy(), gram.numpy(), lam,
@@ -132,40 +135,62 @@ def _score(z, valid, s, x, op, lam):
     return primal(x, z, lx, lam), gap_to(x, ly), ly
 
 
-def _fused_step(z, valid, s, x, ly, f, g, eta, iters, r_prev, op, lam, tol):
+def _fused_step(z, valid, diag, s, x, lx, gram, ly, f, g, t, iters, op, lam, tol):
     """:func:`_mirror_step` with its vector work in ``mirror_kernel``'s fused passes (the numba backend's)."""
-    state = [t.contiguous() for t in (s, x, ly, f, g, eta, iters, r_prev)]
-    s, x, ly, f, g, eta, iters, r_prev = (t.numpy() for t in state)  # updated in place by the kernels
+    state = [u.contiguous() for u in (s, x, lx, gram, ly, f, g, t, iters)]
+    s, x, lx, gram, ly, f, g, t, iters = (u.numpy() for u in state)  # updated in place by the kernels
     z, valid = z.contiguous().numpy(), valid.contiguous().numpy()
-    cand, xc, r = np.empty_like(s), np.empty_like(s), np.empty_like(s)
-    mirror_kernel.propose_rows(valid, s, x, ly, r_prev, eta, g, tol, cand, xc, r)
-    lx, gram = op.residual_and_gram(torch.from_numpy(xc))
-    mirror_kernel.judge_rows(z, valid, lam, tol, cand, xc, lx.numpy(), gram.numpy(), r, np.empty_like(s), s, x, ly,
-                             f, g, eta, iters, r_prev)
+    cand, xc = np.empty_like(s), np.empty_like(s)
+    mirror_kernel.propose_rows(valid, s, x, ly, diag.numpy(), lam, g, tol, cand, xc)
+    lxc, gramc = op.residual_and_gram(torch.from_numpy(xc))
+    mirror_kernel.judge_rows(z, valid, lam, tol, cand, xc, lxc.numpy(), gramc.numpy(), s, x, lx, gram, ly, f, g, t,
+                             iters, np.empty_like(s))
     return state
 
 
-def _mirror_step(z, valid, s, x, ly, f, g, eta, iters, r_prev, op, lam, tol):
+def _mirror_step(z, valid, diag, s, x, lx, gram, ly, f, g, t, iters, op, lam, tol, *, early):
     """One step of :func:`mirror_descent` on a working batch; rows already at gap ≤ tol stay as they are."""
     active = g > tol
-    r = torch.where(valid, ly - s, torch.zeros_like(s))
-    den = (x * r_prev * r_prev).sum(-1)
-    rho = (x * r * r_prev).sum(-1) / torch.where(den > 0, den, torch.ones_like(den))
-    eta = torch.where(active & (den > 0), (eta / (1.0 - rho).clamp_min(1e-3)).clamp(0.02, 1.0), eta)
-    cand = torch.log_softmax(_masked(s + eta[:, None] * r, valid), dim=-1)
-    x_c = torch.exp(cand)
-    lx_c, y_c = dual_logits(z, x_c, lam, op)
-    f_c = primal(x_c, z, lx_c, lam)
-    accept = active & (f_c <= f + mirror_kernel.SLACK * f.abs().clamp_min(1.0))
-    a = accept[:, None]
-    ly_c = torch.log_softmax(y_c, dim=-1)
-    s, x, ly = torch.where(a, cand, s), torch.where(a, x_c, x), torch.where(a, ly_c, ly)
-    g = torch.where(accept, gap_to(x_c, ly_c), g)
-    f = torch.where(accept, f_c, f)
-    # a refused step halves η and forgets r: ρ compares residuals of accepted steps only
-    r_prev = torch.where(a, r, torch.where(active[:, None], torch.zeros_like(r), r_prev))
-    eta = torch.where(accept | ~active, eta, eta * 0.5)
-    return s, x, ly, f, g, eta, iters + active.long(), r_prev
+    damp = torch.where(x > 0, 1.0 / (1.0 + lam * diag * x), torch.ones_like(x))
+    cand = torch.log_softmax(_masked(s + damp * (ly - s), valid), dim=-1)
+    xc = torch.exp(cand)
+    lxc, gramc = op.residual_and_gram(xc)
+    d, dl = xc - x, lxc - lx
+    both = (x > 0) & (xc > 0)
+    zero = torch.zeros_like(x)
+    d0 = torch.where(both, d * (s - z), zero).sum(-1) + 2.0 * lam * (lx * dl).sum(-1)
+    d1 = torch.where(both, d * (cand - z), zero).sum(-1) + 2.0 * lam * (lxc * dl).sum(-1)
+    step = torch.where((d0 < 0) & (d1 > 0), d0 / (d0 - d1), torch.ones_like(d0))
+    bound = f + mirror_kernel.SLACK * f.abs().clamp_min(1.0)
+    f_t = primal(xc, z, lxc, lam)
+    whole = step == 1.0
+    step = torch.where(whole & (f_t > bound), torch.full_like(step, 0.5), step)
+    whole = whole & (f_t <= bound)
+    # the rows that take part of the segment: halve t until f decreases (no product: Lx is linear in t), as often
+    # as the kernel does; with ``early`` the loop stops once no row needs it (a read-back, where one costs nothing)
+    for halving in range(mirror_kernel.HALVINGS + 1):
+        xt = x + step[:, None] * d
+        lxt = lx + step[:, None] * dl
+        f_t = torch.where(whole, f_t, primal(xt, z, lxt, lam))
+        short = active & ~whole & (f_t > bound)
+        if halving == mirror_kernel.HALVINGS or (early and not bool(short.any())):
+            break
+        step = torch.where(short, step * 0.5, step)
+    moved = active & (f_t <= bound)
+    step = torch.where(moved, step, torch.zeros_like(step))
+    w = whole[:, None]
+    xt = torch.where(w, xc, x + step[:, None] * d)
+    st = torch.where(w, cand, torch.log(torch.where(xt > 0, xt, torch.ones_like(xt))).masked_fill(xt <= 0, -torch.inf))
+    lxt = torch.where(w, lxc, lx + step[:, None] * dl)
+    gramt = torch.where(w, gramc, gram + step[:, None] * (gramc - gram))
+    ly_t = torch.log_softmax(z - 2.0 * lam * gramt, dim=-1)
+    m = moved[:, None]
+    s, x, lx, gram, ly = (torch.where(m, new, old) for new, old in
+                          ((st, s), (xt, x), (lxt, lx), (gramt, gram), (ly_t, ly)))
+    g = torch.where(moved, gap_to(x, ly), g)
+    f = torch.where(moved, f_t, f)
+    t = torch.where(active, step, t)
+    return s, x, lx, gram, ly, f, g, t, iters + active.long()
 
 
 def project_simplex(v: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,8 @@ def test_checking_convergence_less_often_gives_the_same_certified_rows():
        check_every=st.sampled_from([0, 1, 3]))
 def test_the_fused_cpu_steps_take_the_torch_steps_path(n, density, seed, batch, lam, masked, pad, check_every):
     # mirror_kernel's passes (the numba backend) against solvers._mirror_step (torch sparse, here on the CPU): the
-    # same steps accepted, the same iterations, the same rows to rounding (in float64: in float32 a gap of 1e-6
-    # sits at the rounding, where either may accept a step the other refuses)
+    # same steps on each segment, the same iterations, the same rows to rounding (in float64: in float32 a gap of
+    # 1e-6 sits at the rounding, where either may halve a step the other takes)
     a = random_graph(n, density, seed)
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(batch, n + pad, generator=g, dtype=torch.float64) * 4
@@ -51,7 +51,7 @@ def test_the_fused_cpu_steps_take_the_torch_steps_path(n, density, seed, batch, 
     assert bool((fused[:, :min(masked, n - 1)] == -torch.inf).all())
     torch.testing.assert_close(fused.exp(), plain.exp(), atol=1e-12, rtol=0)
     torch.testing.assert_close(fused_info.gap, plain_info.gap, atol=1e-12, rtol=0)
-    # η comes from a ratio of residuals that near the optimum are ~1e-4: its rounding is relative
+    # t is the secant root of φ′, a ratio of sums that near the optimum are small: its rounding is relative
     torch.testing.assert_close(fused_info.step_trace, plain_info.step_trace, atol=0, rtol=1e-8)
 
 
