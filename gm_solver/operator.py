@@ -42,28 +42,31 @@ def _balanced_chunks(indptr: np.ndarray, chunks: int = _CHUNKS) -> np.ndarray:
 # Sums over a row's non-zeros may be reordered (vectorized: four gathers at a time). The index arrays are unsigned
 # (:func:`_compact`): numba wraps a negative signed index around, and that check on every gather took half the time.
 @jit(parallel=True, fastmath=LOOP)
-def _csr_times_rows(indptr, indices, data, rows, chunks, x, out):
-    # out[b, rows[i]] = Σ_p data[p] · x[b, indices[p]], one row b of x at a time: its 8 bytes a token stay in
-    # the core's cache while M streams past (all of x's rows at once did not fit: a third slower at 4 rows)
-    for b in range(x.shape[0]):
-        xb = x[b]
+def _csr_times_rows(indptr, indices, data, rows, chunks, v, base, residual, out):
+    # out[b] = base[b] − M·v[b] (``residual``) or M·v[b], one row b of v at a time: its 8 bytes a token stay in the
+    # core's cache while M streams past (all of v's rows at once did not fit: a third slower at 4 rows). M's rows
+    # are all in ``rows``; the ids beyond the graph are isolated nodes (M maps them to 0)
+    n = rows.size
+    for b in range(v.shape[0]):
+        vb = v[b]
         ob = out[b]
         for c in numba.prange(chunks.size - 1):
             for i in range(chunks[c], chunks[c + 1]):
                 acc = 0.0
                 for p in range(indptr[i], indptr[i + 1]):
-                    acc += data[p] * xb[indices[p]]
-                ob[rows[i]] = acc
+                    acc += data[p] * vb[indices[p]]
+                r = rows[i]
+                ob[r] = base[b, r] - acc if residual else acc
+        for j in range(n, v.shape[1]):
+            ob[j] = base[b, j] if residual else 0.0
 
 
 def _compact(m: sp.csr_matrix) -> tuple[np.ndarray, ...]:
-    """(indptr, indices, data, rows, chunks) of ``m`` for the kernels: its non-empty rows, longest first (``rows``:
-    their ids), so that neighbouring rows loop the same number of times (the branch predictor's guess holds: half
-    the time of a product in row order); offsets and column ids in the narrowest unsigned type that holds them (a
-    vocabulary under 65,536 tokens gives 2-byte ids)."""
-    lengths = np.diff(np.asarray(m.indptr))
-    rows = np.argsort(-lengths, kind="stable")
-    rows = rows[lengths[rows] > 0]
+    """(indptr, indices, data, rows, chunks) of ``m`` for the kernels: its rows longest first (``rows``: their ids),
+    so that neighbouring rows loop the same number of times (the branch predictor's guess holds: half the time of
+    a product in row order); offsets and column ids in the narrowest unsigned type that holds them (a vocabulary
+    under 65,536 tokens gives 2-byte ids)."""
+    rows = np.argsort(-np.diff(np.asarray(m.indptr)), kind="stable")
     kept = m[rows]
     indptr = kept.indptr.astype(np.uint32 if kept.nnz < 2**32 else np.uint64)
     indices = kept.indices.astype(np.uint16 if m.shape[1] <= 2**16 else np.uint32)
@@ -157,25 +160,28 @@ class TransitionOperator:
                                        torch.as_tensor(np.asarray(m.data, dtype=np.float64)),
                                        size=m.shape, check_invariants=False).to(self.device)
 
-    def _apply(self, csr, x: torch.Tensor) -> torch.Tensor:
+    def _apply(self, csr, v: torch.Tensor, base: torch.Tensor, residual: bool) -> torch.Tensor:
+        """``base − Mv`` (``residual``) or ``Mv``, row by row."""
         self.applications += 1
-        n = self.n
-        out = torch.zeros_like(x)  # M's empty rows and the ids beyond the graph stay 0
         if self.backend == "numba":
-            _csr_times_rows(*csr, x.contiguous().numpy(), out.numpy())
-        else:
-            out[:, :n] = (csr @ x[:, :n].T.to(csr.dtype)).T.to(x.dtype)  # M is stored in float64
-        return out
+            out = torch.empty_like(v)
+            _csr_times_rows(*csr, v.contiguous().numpy(), base.contiguous().numpy(), residual, out.numpy())
+            return out
+        out = torch.zeros_like(v)  # the ids beyond the graph are isolated nodes: M maps them to 0
+        out[:, :self.n] = (csr @ v[:, :self.n].T.to(csr.dtype)).T.to(v.dtype)  # M is stored in float64
+        return base - out if residual else out
 
-    def _chain(self, csr, x: torch.Tensor) -> torch.Tensor:
+    def _chain(self, csr, x: torch.Tensor, residual: bool = False) -> torch.Tensor:
+        """Mx, or x − Mx (``residual``: the last product writes it)."""
         if self.kind == "power":
-            for _ in range(self.times):
-                x = self._apply(csr, x)
-            return x
+            v = x
+            for k in range(self.times):
+                v = self._apply(csr, v, x, residual and k == self.times - 1)
+            return v
         # mixture Σ_{j=1..n} Mʲx by Horner's rule: M(x + M(x + … M x))
-        acc = self._apply(csr, x)
-        for _ in range(self.times - 1):
-            acc = self._apply(csr, x + acc)
+        acc = self._apply(csr, x, x, residual and self.times == 1)
+        for k in range(self.times - 1):
+            acc = self._apply(csr, x + acc, x, residual and k == self.times - 2)
         return acc
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,5 +194,5 @@ class TransitionOperator:
 
     def residual_and_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(Lx, LᵀLx) for each row x of ``x`` (B, V), L = I − M: one M and one Mᵀ application."""
-        lx = x - self.matvec(x)
-        return lx, lx - self.rmatvec(lx)
+        lx = self._chain(self._fwd, x, residual=True)
+        return lx, self._chain(self._bwd, lx, residual=True)
