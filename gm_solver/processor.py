@@ -269,7 +269,7 @@ class PaperGraphmaxLogitsProcessor(_OperatorDecoder):
         >>> proc = PaperGraphmaxLogitsProcessor(A, lam=1.0)
         >>> logp = proc(torch.zeros(1, 2, dtype=torch.long), torch.tensor([[2.0, 1.0, 0.0]]))
         >>> [round(p, 3) for p in logp.exp()[0].tolist()], bool(proc.last_info.gap.max() <= 1e-6)
-        ([0.445, 0.329, 0.226], True)
+        ([0.445, 0.329, 0.225], True)
     """
 
     def __init__(self, graph: Any, lam: float = 1.0, *, tol: float = 1e-6, max_iter: int = 200,
