@@ -132,6 +132,18 @@ class GapLogitsProcessor(TimedLogitsProcessor):
         return out
 
 
+def alternate(model, tok, prompts: list[str], size: int, rounds: int, timed: TimedLogitsProcessor,
+              **generate) -> tuple[float, float, float]:
+    """``rounds`` batches of ``size`` prompts, each decoded plain and with ``timed``, alternating which runs first
+    (round r samples with seed r): (plain ms per step, with the processor, the processor's median ms per call)."""
+    plain, ours = [], []
+    for r in range(rounds):
+        batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
+        for proc in ([None, timed] if r % 2 == 0 else [timed, None]):
+            (plain if proc is None else ours).append(generate_texts(model, tok, batch, proc, seed=r, **generate)[1])
+    return statistics.mean(plain), statistics.mean(ours), 1e3 * statistics.median(timed.calls)
+
+
 def paper_batch_table(model, tok, path: Path, prompts: list[str], rounds: int, new_tokens: int) -> None:
     print(f"\n8. the paper's decoder in generate(): greedy, {new_tokens} new tokens, λ = 1, {rounds} rounds of prompts "
           f"per batch size, plain and the paper's alternating which runs first")
@@ -140,14 +152,7 @@ def paper_batch_table(model, tok, path: Path, prompts: list[str], rounds: int, n
     for label, graph in (("Ã", Graph(path)), ("Ã+Ã²", Graph(path, mixture=2))):
         for size in (1, 4):
             timed = GapLogitsProcessor(PaperGraphmaxLogitsProcessor(graph, lam=1.0).warmup())
-            plain, paper = [], []
-            for r in range(rounds):
-                batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
-                for proc in ([None, timed] if r % 2 == 0 else [timed, None]):
-                    ms = generate_texts(model, tok, batch, proc, max_new_tokens=new_tokens)[1]
-                    (plain if proc is None else paper).append(ms)
-            base, with_proc = statistics.mean(plain), statistics.mean(paper)
-            own = 1e3 * statistics.median(timed.calls)
+            base, with_proc, own = alternate(model, tok, prompts, size, rounds, timed, max_new_tokens=new_tokens)
             print(f"  {label:<8} {size:>5} {base:>14.1f} {with_proc:>14.1f} {with_proc / base:>6.3f} {own:>18.2f} "
                   f"{(base + own) / base:>18.3f} {timed.gap:>8.1e}")
     print("  goal: ≤ 1.5 at batches 1 and 4, Ã and Ã+Ã² (issue 34), every row's gap ≤ 1e-6")
@@ -160,14 +165,8 @@ def batch_table(model, tok, graph, prompts: list[str], batches: list[int], round
           f"{'per row':>8} {'plain + processor':>18}")
     for size in batches:
         timed = TimedLogitsProcessor(GraphmaxLogitsProcessor.from_graph(graph).warmup())
-        plain, ours = [], []
-        for r in range(rounds):
-            batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
-            for proc in ([None, timed] if r % 2 == 0 else [timed, None]):
-                ms = generate_texts(model, tok, batch, proc, max_new_tokens=new_tokens, do_sample=True, seed=r)[1]
-                (plain if proc is None else ours).append(ms)
-        base, with_proc = statistics.mean(plain), statistics.mean(ours)
-        own = 1e3 * statistics.median(timed.calls)
+        base, with_proc, own = alternate(model, tok, prompts, size, rounds, timed, max_new_tokens=new_tokens,
+                                         do_sample=True)
         print(f"  {size:>5} {base:>14.1f} {with_proc:>13.1f} {with_proc / base:>6.3f} {own:>18.2f} {own / size:>8.2f} "
               f"{(base + own) / base:>18.3f}")
     print("  goal: ≤ 1.10 at batch 8, ≤ 1.05 at batch 1 (issue 16)")
