@@ -211,7 +211,7 @@ def judge_rows(z, valid, lam, tol, cand, xc, lxc, gramc, s, x, lx, gram, ly, f, 
                 break
             t *= 0.5
             f_t = _objective_at(z[b], x[b], xc[b], lx[b], lxc[b], t, lam, y[b])
-        if f_t > bound:
+        if not f_t <= bound:  # NaN included, as the torch path
             step[b] = 0.0
             continue
         top = _move(z[b], lam, t, y[b], xc[b], lxc[b], gramc[b], s[b], x[b], lx[b], gram[b], ly[b])
