@@ -38,6 +38,15 @@ def test_residual_and_gram_equal_dense_products(n, density, seed, batch, pad):
         np.testing.assert_allclose(gram.numpy(), x.numpy() @ (L.T @ L).T, atol=1e-13)
 
 
+@given(n=st.integers(1, 30), density=st.floats(0.0, 0.7), seed=st.integers(0, 10_000), pad=st.integers(0, 3))
+def test_the_gram_diagonal_is_diag_of_l_transposed_l(n, density, seed, pad):
+    # the solver's per-token step sizes come from it: for one matrix it is exact, ids beyond the graph give 1
+    a = random_graph(n, density, seed)
+    L = dense_l(a, n + pad)
+    diag = TransitionOperator(a).gram_diagonal(n + pad, torch.float64)
+    np.testing.assert_allclose(diag.numpy(), np.diag(L.T @ L), rtol=1e-12, atol=1e-12)
+
+
 def test_matrix_free_order_equals_materialised_exact_order(tmp_path, csv_corpus, bpe_tokenizer):
     from gm_graphs import PruneRule, build_graph, load_graph
 
