@@ -21,7 +21,8 @@ import numpy as np
 from gm_graphs.count.ngram_trie import count_at, find_context, ptr_at
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .lambert_kernel import BINS, CHUNK, FINE, LOCKSTEP, LOOP, ROWS, STATE, jit, solve_batch, solve_row
+from .lambert_kernel import BINS, CHUNK, FINE, LOCKSTEP, ROWS, STATE, solve_batch, solve_row
+from .vector_math import LOOP, jit
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .lambert_kernel import LOOP, exp, jit, log
+from .vector_math import LOOP, exp, jit, log
 
 ensure_cache_dir()  # before the cached kernels below are defined
 

@@ -21,7 +21,7 @@ import torch
 
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .lambert_kernel import LOOP, jit
+from .vector_math import LOOP, jit
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
