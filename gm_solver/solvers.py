@@ -135,11 +135,15 @@ def _start(z, valid, diag, op, lam):
                                  x.numpy(), *(np.empty_like(s.numpy()) for _ in range(3)))
         return s, x
     for _ in range(mirror_kernel.START_STEPS):
-        ly = torch.log_softmax(z - 2.0 * lam * diag * x, dim=-1)
-        damp = torch.where(x > 0, 1.0 / (1.0 + lam * diag * x), torch.ones_like(x))
-        s = torch.log_softmax(_masked(s + damp * (ly - s), valid), dim=-1)
+        s = _candidate(valid, s, x, torch.log_softmax(z - 2.0 * lam * diag * x, dim=-1), diag, lam)
         x = torch.exp(s)
     return s, x
+
+
+def _candidate(valid, s, x, ly, diag, lam):
+    """log x_c = log softmax(log x + η⊙(log softmax(y) − log x)), η_j = 1 / (1 + λ D_j x_j) (``_propose``'s)."""
+    damp = torch.where(x > 0, 1.0 / (1.0 + lam * diag * x), torch.ones_like(x))
+    return torch.log_softmax(_masked(s + damp * (ly - s), valid), dim=-1)
 
 
 def _score(z, valid, s, x, lx, gram, op, lam):
@@ -169,8 +173,7 @@ def _fused_step(z, valid, diag, s, x, lx, gram, ly, f, g, t, iters, op, lam, tol
 def _mirror_step(z, valid, diag, s, x, lx, gram, ly, f, g, t, iters, op, lam, tol, *, early):
     """One step of :func:`mirror_descent` on a working batch; rows already at gap ≤ tol stay as they are."""
     active = g > tol
-    damp = torch.where(x > 0, 1.0 / (1.0 + lam * diag * x), torch.ones_like(x))
-    cand = torch.log_softmax(_masked(s + damp * (ly - s), valid), dim=-1)
+    cand = _candidate(valid, s, x, ly, diag, lam)
     xc = torch.exp(cand)
     lxc, gramc = op.residual_and_gram(xc)
     d, dl = xc - x, lxc - lx
