@@ -149,12 +149,7 @@ class TransitionOperator:
         else:
             self._fwd = self._torch_csr(matrix)
             self._bwd = self._torch_csr(transposed)
-        # ‖L e_j‖² = 1 − 2M_jj + Σ_i M_ij²; a chain gets its base's, times n for a mixture of n terms: an estimate
-        # is enough, as it only sets the solver's step sizes
-        squares = np.bincount(np.asarray(matrix.indices), weights=np.asarray(matrix.data, dtype=np.float64) ** 2,
-                              minlength=self.n)
-        self._gram_diagonal = (1.0 - 2.0 * matrix.diagonal().astype(np.float64) + squares) * (
-            self.times if self.kind == "mixture" else 1)
+        self._matrix = matrix  # for gram_diagonal, which only the certified solver asks for
         self._diagonals: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.applications = 0
 
@@ -163,8 +158,14 @@ class TransitionOperator:
         estimate for a chain (its base's, times n for a mixture of n terms); ids beyond the graph are isolated (1)."""
         key = (width, dtype)
         if key not in self._diagonals:
+            # ‖L e_j‖² = 1 − 2M_jj + Σ_i M_ij²; a chain gets its base's, times n for a mixture of n terms: an
+            # estimate is enough, as it only sets the solver's step sizes
+            m = self._matrix
+            squares = np.bincount(np.asarray(m.indices), weights=np.asarray(m.data, dtype=np.float64) ** 2,
+                                  minlength=self.n)
             diag = np.ones(width)
-            diag[:self.n] = self._gram_diagonal
+            diag[:self.n] = (1.0 - 2.0 * m.diagonal().astype(np.float64) + squares) * (
+                self.times if self.kind == "mixture" else 1)
             self._diagonals[key] = torch.as_tensor(diag, dtype=dtype, device=self.device)
         return self._diagonals[key]
 
