@@ -24,7 +24,6 @@
    in a fresh process, batches of 1, 8 and 16 (logits 3·N(0, 1), contexts of token ids below 2,000, which a
    byte-level BPE gives its common tokens). CPU time counts work, not waiting, so it is the measure that other
    jobs on the machine disturb least.
-
 8. The paper's decoder in generate(): greedy, batches of 1 and 4 prompts, Ã and Ã+Ã² at λ = 1, plain and the
    paper's alternating which runs first, over rounds of prompts; each one's ms per step, their ratio, the
    processor's own median ms per call with the ratio it implies, the largest duality gap of any row, and the graph
