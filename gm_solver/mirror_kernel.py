@@ -101,13 +101,11 @@ def _propose(valid, s, x, ly, diag, lam, cand, xc):
 @jit(parallel=True)
 def propose_rows(valid, s, x, ly, diag, lam, g, tol, cand, xc):
     """Each active row's candidate (``cand`` = its log, ``xc``); ``diag`` (V,) is the operator's
-    ``gram_diagonal``. A row at gap ≤ ``tol`` proposes itself."""
+    ``gram_diagonal``. A row at gap ≤ ``tol`` proposes nothing: its rows of ``cand`` and ``xc`` are left as they
+    are (:func:`judge_rows` reads them only for the active rows)."""
     for b in numba.prange(s.shape[0]):
         if g[b] > tol:
             _propose(valid[b], s[b], x[b], ly[b], diag, lam, cand[b], xc[b])
-        else:
-            cand[b] = s[b]
-            xc[b] = x[b]
 
 
 @jit(parallel=True)

@@ -44,21 +44,27 @@ def _balanced_chunks(indptr: np.ndarray, chunks: int = _CHUNKS) -> np.ndarray:
 # Sums over a row's non-zeros may be reordered (vectorized: four gathers at a time). The index arrays are unsigned
 # (:func:`_compact`): numba wraps a negative signed index around, and that check on every gather took half the time.
 @jit(parallel=True, fastmath=LOOP)
-def _csr_times_rows(indptr, indices, data, rows, chunks, v, base, residual, out):
-    # out[b] = base[b] − M·v[b] (``residual``) or M·v[b], two rows b of v at a time: their 8 bytes a token stay in
-    # the core's cache while M streams past (a sixth less time than one row at a time; all four rows of a batch of
-    # four at once did not fit, a third more). M's rows are all in ``rows``; the ids beyond the graph are isolated
-    # nodes (M maps them to 0)
+def _csr_times_rows(indptr, indices, data, rows, chunks, v, base, residual, which, out):
+    # out[b] = base[b] − M·v[b] (``residual``) or M·v[b] for the rows b of v listed in ``which``, two at a time:
+    # their 8 bytes a token stay in the core's cache while M streams past (a sixth less time than one row at a
+    # time; all four rows of a batch of four at once did not fit, a third more). M's rows are all in ``rows``; the
+    # ids beyond the graph are isolated nodes (M maps them to 0). Rows of ``out`` not in ``which`` are set to 0.
     n = rows.size
-    for b0 in range(0, v.shape[0], 2):
-        b1 = min(b0 + 1, v.shape[0] - 1)
+    listed = np.zeros(v.shape[0], dtype=np.bool_)
+    listed[which] = True
+    for b in range(v.shape[0]):
+        if not listed[b]:
+            out[b] = 0.0
+    for k0 in range(0, which.size, 2):
+        k1 = min(k0 + 1, which.size - 1)
+        b0, b1 = which[k0], which[k1]
         v0, v1 = v[b0], v[b1]
         o0, o1 = out[b0], out[b1]
         for c in numba.prange(chunks.size - 1):
             for i in range(chunks[c], chunks[c + 1]):
                 a0 = 0.0
                 a1 = 0.0
-                if b1 > b0:
+                if k1 > k0:
                     for p in range(indptr[i], indptr[i + 1]):
                         w = data[p]
                         j = indices[p]
@@ -69,11 +75,18 @@ def _csr_times_rows(indptr, indices, data, rows, chunks, v, base, residual, out)
                         a0 += data[p] * v0[indices[p]]
                 r = rows[i]
                 o0[r] = base[b0, r] - a0 if residual else a0
-                if b1 > b0:
+                if k1 > k0:
                     o1[r] = base[b1, r] - a1 if residual else a1
-        for b in range(b0, b1 + 1):
+        for k in range(k0, k1 + 1):
+            b = which[k]
             for j in range(n, v.shape[1]):
                 out[b, j] = base[b, j] if residual else 0.0
+
+
+def _row_indices(rows: Any, batch: int) -> bool:
+    """Whether ``rows`` can index the rows of a batch of ``batch``: the kernel reads them unchecked."""
+    return (isinstance(rows, torch.Tensor) and rows.dtype == torch.long and rows.dim() == 1
+            and (rows.numel() == 0 or (int(rows.min()) >= 0 and int(rows.max()) < batch)))
 
 
 def _compact(m: sp.csr_matrix) -> tuple[np.ndarray, ...]:
@@ -176,28 +189,37 @@ class TransitionOperator:
                                        torch.as_tensor(np.asarray(m.data, dtype=np.float64)),
                                        size=m.shape, check_invariants=False).to(self.device)
 
-    def _apply(self, csr, v: torch.Tensor, base: torch.Tensor, residual: bool) -> torch.Tensor:
-        """``base − Mv`` (``residual``) or ``Mv``, row by row."""
+    def _apply(self, csr, v: torch.Tensor, base: torch.Tensor, residual: bool,
+               rows: torch.Tensor | None) -> torch.Tensor:
+        """``base − Mv`` (``residual``) or ``Mv``, row by row: every row, or only ``rows`` (the others are 0)."""
         self.applications += 1
         if self.backend == "numba":
             out = torch.empty_like(v)
-            _csr_times_rows(*csr, v.contiguous().numpy(), base.contiguous().numpy(), residual, out.numpy())
+            which = np.arange(v.shape[0]) if rows is None else rows.numpy()
+            _csr_times_rows(*csr, v.contiguous().numpy(), base.contiguous().numpy(), residual, which, out.numpy())
             return out
+        if rows is None:
+            return self._torch_product(csr, v, base, residual)
+        out = torch.zeros_like(v)
+        out[rows] = self._torch_product(csr, v[rows], base[rows], residual)
+        return out
+
+    def _torch_product(self, csr, v: torch.Tensor, base: torch.Tensor, residual: bool) -> torch.Tensor:
         out = torch.zeros_like(v)  # the ids beyond the graph are isolated nodes: M maps them to 0
         out[:, :self.n] = (csr @ v[:, :self.n].T.to(csr.dtype)).T.to(v.dtype)  # M is stored in float64
         return base - out if residual else out
 
-    def _chain(self, csr, x: torch.Tensor, residual: bool = False) -> torch.Tensor:
-        """Mx, or x − Mx (``residual``: the last product writes it)."""
+    def _chain(self, csr, x: torch.Tensor, residual: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Mx, or x − Mx (``residual``: the last product writes it); of ``rows`` only, when given."""
         if self.kind == "power":
             v = x
             for k in range(self.times):
-                v = self._apply(csr, v, x, residual and k == self.times - 1)
+                v = self._apply(csr, v, x, residual and k == self.times - 1, rows)
             return v
         # mixture Σ_{j=1..n} Mʲx by Horner's rule: M(x + M(x + … M x))
-        acc = self._apply(csr, x, x, residual and self.times == 1)
+        acc = self._apply(csr, x, x, residual and self.times == 1, rows)
         for k in range(self.times - 1):
-            acc = self._apply(csr, x + acc, x, residual and k == self.times - 2)
+            acc = self._apply(csr, x + acc, x, residual and k == self.times - 2, rows)
         return acc
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +230,12 @@ class TransitionOperator:
         """Mᵀv for each row v of ``v`` (B, V)."""
         return self._chain(self._bwd, v)
 
-    def residual_and_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Lx, LᵀLx) for each row x of ``x`` (B, V), L = I − M: one M and one Mᵀ application."""
-        lx = self._chain(self._fwd, x, residual=True)
-        return lx, self._chain(self._bwd, lx, residual=True)
+    def residual_and_gram(self, x: torch.Tensor,
+                          rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Lx, LᵀLx) for each row x of ``x`` (B, V), L = I − M: one M and one Mᵀ application. With ``rows`` (a
+        long tensor of row indices, ascending) only those rows are computed, and the others of both results are 0:
+        a solver whose converged rows stay where they are asks for the others without copying them out."""
+        if rows is not None and not _row_indices(rows, x.shape[0]):
+            raise ValueError(f"rows must be a 1-D long tensor of row indices in [0, {x.shape[0]}), got {rows!r}")
+        lx = self._chain(self._fwd, x, residual=True, rows=rows)
+        return lx, self._chain(self._bwd, lx, residual=True, rows=rows)

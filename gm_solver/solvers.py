@@ -66,10 +66,12 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
     of each per row, the start's included, against 9.2 for ratio-controlled steps that refused half their candidates).
 
     Rows are independent: every ``check_every`` iterations the rows whose gap
-    is ≤ ``tol`` are dropped from the working batch, so a batch costs the sum
-    of its rows' iterations, not its slowest row's times the batch. That check
-    is the only host synchronisation: every iteration on CPU (free there),
-    every 8 on other devices (in between, converged rows are frozen on device).
+    is ≤ ``tol`` are dropped from the working batch (the numba backend's
+    kernels and products pass over them at every step instead, with no copies),
+    so a batch costs the sum of its rows' iterations, not its slowest row's
+    times the batch. That check is the only host synchronisation: every
+    iteration on CPU (free there), every 8 on other devices (in between,
+    converged rows are frozen on device).
     ``check_every=0`` never synchronises: every row runs ``max_iter`` steps,
     frozen once converged, and ``info.converged`` tells (still on the device).
     """
@@ -104,7 +106,9 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
             rows = torch.nonzero(state[6] > tol).squeeze(1)
             if rows.numel() == 0:
                 break
-            every = rows.numel() == z.shape[0]  # no row has converged yet: the batch as it is, without copies
+            # no row has converged yet, or the numba kernels, which pass over converged rows themselves: the batch
+            # as it is, without copies
+            every = rows.numel() == z.shape[0] or op.backend == "numba"
             part = state if every else [t.index_select(0, rows) for t in state]
             zr, vr = (z, valid) if every else (z.index_select(0, rows), valid.index_select(0, rows))
             for _ in range(min(check_every, max_iter - done)):
@@ -158,13 +162,17 @@ def _score(z, valid, s, x, lx, gram, op, lam):
 
 
 def _fused_step(z, valid, diag, s, x, lx, gram, ly, f, g, t, iters, op, lam, tol):
-    """:func:`_mirror_step` with its vector work in ``mirror_kernel``'s fused passes (the numba backend's)."""
+    """:func:`_mirror_step` with its vector work in ``mirror_kernel``'s fused passes (the numba backend's); the
+    kernels and the products pass over the rows already at gap ≤ tol."""
     state = [u.contiguous() for u in (s, x, lx, gram, ly, f, g, t, iters)]
     s, x, lx, gram, ly, f, g, t, iters = (u.numpy() for u in state)  # updated in place by the kernels
+    active = np.flatnonzero(g > tol)
+    if active.size == 0:
+        return state
     z, valid = z.contiguous().numpy(), valid.contiguous().numpy()
     cand, xc = np.empty_like(s), np.empty_like(s)
     mirror_kernel.propose_rows(valid, s, x, ly, diag.numpy(), lam, g, tol, cand, xc)
-    lxc, gramc = op.residual_and_gram(torch.from_numpy(xc))
+    lxc, gramc = op.residual_and_gram(torch.from_numpy(xc), rows=torch.from_numpy(active))
     mirror_kernel.judge_rows(z, valid, lam, tol, cand, xc, lxc.numpy(), gramc.numpy(), s, x, lx, gram, ly, f, g, t,
                              iters, np.empty_like(s))
     return state

@@ -32,10 +32,26 @@ def test_residual_and_gram_equal_dense_products(n, density, seed, batch, pad):
     a = random_graph(n, density, seed)
     x = torch.softmax(torch.from_numpy(np.random.default_rng(seed).normal(size=(batch, n + pad)) * 3), -1)
     L = dense_l(a, n + pad)  # ids beyond the graph are isolated nodes
+    # a solver asks for some rows only (its converged ones stay): those as from the whole batch, the others 0
+    rows = torch.from_numpy(np.flatnonzero(np.random.default_rng(seed + 1).random(batch) < 0.5))
+    asked = np.isin(np.arange(batch), rows.numpy())[:, None]
     for backend in ("numba", "torch"):
-        lx, gram = TransitionOperator(a, backend=backend).residual_and_gram(x)
+        op = TransitionOperator(a, backend=backend)
+        lx, gram = op.residual_and_gram(x)
         np.testing.assert_allclose(lx.numpy(), x.numpy() @ L.T, atol=1e-14)
         np.testing.assert_allclose(gram.numpy(), x.numpy() @ (L.T @ L).T, atol=1e-13)
+        lx_part, gram_part = op.residual_and_gram(x, rows=rows)
+        np.testing.assert_allclose(lx_part.numpy(), np.where(asked, x.numpy() @ L.T, 0.0), atol=1e-14)
+        np.testing.assert_allclose(gram_part.numpy(), np.where(asked, x.numpy() @ (L.T @ L).T, 0.0), atol=1e-13)
+
+
+@pytest.mark.parametrize("rows", [torch.tensor([0, 3]), torch.tensor([-1]), torch.tensor([0.0]),
+                                  torch.tensor([[0]]), [0]])
+def test_rows_outside_the_batch_are_refused_before_a_kernel_reads_them(rows):
+    x = torch.softmax(torch.randn(3, 6, dtype=torch.float64), -1)
+    for backend in ("numba", "torch"):
+        with pytest.raises(ValueError, match=r"rows must be a 1-D long tensor of row indices in \[0, 3\)"):
+            TransitionOperator(random_graph(6, 0.5, 0), backend=backend).residual_and_gram(x, rows=rows)
 
 
 @given(n=st.integers(1, 30), density=st.floats(0.0, 0.7), seed=st.integers(0, 10_000), pad=st.integers(0, 3))
