@@ -17,7 +17,7 @@ import numpy as np
 
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .vector_math import LOOP, exp, jit, log
+from .vector_math import LOOP, exp, jit, log, maximum
 
 ensure_cache_dir()  # before the cached kernels below are defined
 
@@ -42,12 +42,9 @@ def _objective(z, s, x, lx, gram, lam, y):
     sq = 0.0
     for i in range(lx.size):
         sq += lx[i] * lx[i]
-    top = -np.inf
     for i in range(z.size):
-        yi = z[i] - 2.0 * lam * gram[i]
-        y[i] = yi
-        top = max(top, yi)
-    return f + lam * sq, top
+        y[i] = z[i] - 2.0 * lam * gram[i]
+    return f + lam * sq, maximum(y)
 
 
 @jit(fastmath=LOOP)
@@ -75,17 +72,31 @@ def score_rows(z, valid, s, x, lx, gram, lam, ly, f, g):
 
 
 @jit(fastmath=LOOP)
+def _softmax(valid, z, s, x):
+    """x ← softmax(z) over the valid entries, s ← its log (−inf elsewhere)."""
+    top = maximum(z)  # −inf where not valid
+    total = 0.0
+    for i in range(z.size):
+        e = exp(z[i] - top) if valid[i] else 0.0
+        x[i] = e
+        total += e
+    lse = top + math.log(total)
+    scale = 1.0 / total
+    for i in range(z.size):
+        s[i] = z[i] - lse if valid[i] else -np.inf
+        x[i] *= scale
+
+
+@jit(fastmath=LOOP)
 def _propose(valid, s, x, ly, diag, lam, cand, xc):
     # the candidate log softmax(log x + η⊙r), r = log softmax(y) − log x, with its exp; η_j = 1 / (1 + λ D_j x_j)
-    top = -np.inf
     for i in range(s.size):
         if valid[i]:
             damp = 1.0 / (1.0 + lam * diag[i] * x[i]) if x[i] > 0 else 1.0
-            v = s[i] + damp * (ly[i] - s[i])
+            cand[i] = s[i] + damp * (ly[i] - s[i])
         else:
-            v = -np.inf
-        cand[i] = v
-        top = max(top, v)
+            cand[i] = -np.inf
+    top = maximum(cand)
     total = 0.0
     for i in range(s.size):
         e = exp(cand[i] - top) if valid[i] else 0.0
@@ -110,20 +121,21 @@ def propose_rows(valid, s, x, ly, diag, lam, g, tol, cand, xc):
 
 @jit(parallel=True)
 def start_rows(z, valid, diag, lam, s, x, ly, cand, xc):
-    """Each row's start, from x = softmax(z) (``s``, ``x``, updated in place): ``START_STEPS`` of the solver's
-    step toward softmax(z − 2λ D⊙x), the fixed point of the graph term's diagonal alone (no product).
+    """Each row's start (into ``s`` = log x, ``x``): x = softmax(z) moved ``START_STEPS`` of the solver's steps
+    toward softmax(z − 2λ D⊙x), the fixed point of the graph term's diagonal alone (no product).
     ``ly``, ``cand``, ``xc`` are scratch (B, V)."""
     for b in numba.prange(z.shape[0]):
+        # each step reads one pair of buffers and writes the other, starting where the last step lands in s, x
+        now_s, now_x, next_s, next_x = s[b], x[b], cand[b], xc[b]
+        if START_STEPS % 2:
+            now_s, now_x, next_s, next_x = next_s, next_x, now_s, now_x
+        _softmax(valid[b], z[b], now_s, now_x)
         for _ in range(START_STEPS):
-            top = -np.inf
             for i in range(z.shape[1]):
-                yi = z[b, i] - 2.0 * lam * diag[i] * x[b, i]
-                ly[b, i] = yi
-                top = max(top, yi)
-            _log_softmax_gap(valid[b], s[b], x[b], ly[b], top)
-            _propose(valid[b], s[b], x[b], ly[b], diag, lam, cand[b], xc[b])
-            s[b] = cand[b]
-            x[b] = xc[b]
+                ly[b, i] = z[b, i] - 2.0 * lam * diag[i] * now_x[i]
+            _log_softmax_gap(valid[b], now_s, now_x, ly[b], maximum(ly[b]))
+            _propose(valid[b], now_s, now_x, ly[b], diag, lam, next_s, next_x)
+            now_s, now_x, next_s, next_x = next_s, next_x, now_s, now_x
 
 
 @jit(fastmath=LOOP)
@@ -166,16 +178,13 @@ def _objective_at(z, x, xc, lx, lxc, t, lam, st):
 def _move(z, lam, t, st, xc, lxc, gramc, s, x, lx, gram, y):
     """The row's state ← the point t of the segment (its logs in ``st``); y = z − 2λLᵀLx written to ``y`` with its
     largest entry returned. LᵀLx is linear in t too."""
-    top = -np.inf
     for i in range(z.size):
         s[i] = st[i]
         x[i] = x[i] + t * (xc[i] - x[i])
         lx[i] = lx[i] + t * (lxc[i] - lx[i])
         gram[i] = gram[i] + t * (gramc[i] - gram[i])
-        yi = z[i] - 2.0 * lam * gram[i]
-        y[i] = yi
-        top = max(top, yi)
-    return top
+        y[i] = z[i] - 2.0 * lam * gram[i]
+    return maximum(y)
 
 
 @jit(parallel=True)

@@ -79,7 +79,7 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
         check_every = 1 if z.device.type == "cpu" or trace else 8
     if not isinstance(check_every, int) or check_every < 0:
         raise ValueError(f"check_every must be an int >= 0 (0: never synchronise), got {check_every!r}")
-    valid = torch.isfinite(z)
+    valid = z > -torch.inf  # the finite scores: NaN and +inf are refused before (check_logits)
     diag = op.gram_diagonal(z.shape[-1], z.dtype)
     start = op.applications
     s, x = _start(z, valid, diag, op, lam)
@@ -131,13 +131,14 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
 def _start(z, valid, diag, op, lam):
     """(log x, x) where the solve starts: softmax(z) moved ``mirror_kernel.START_STEPS`` steps toward
     softmax(z − 2λ D⊙x), the graph term's diagonal alone."""
+    if op.backend == "numba":
+        z = z.contiguous()
+        s, x = torch.empty_like(z), torch.empty_like(z)
+        mirror_kernel.start_rows(z.numpy(), valid.contiguous().numpy(), diag.numpy(), lam, s.numpy(), x.numpy(),
+                                 *(np.empty_like(s.numpy()) for _ in range(3)))
+        return s, x
     s = torch.log_softmax(z, dim=-1)
     x = torch.exp(s)
-    if op.backend == "numba":
-        s, x = s.contiguous(), x.contiguous()
-        mirror_kernel.start_rows(z.contiguous().numpy(), valid.contiguous().numpy(), diag.numpy(), lam, s.numpy(),
-                                 x.numpy(), *(np.empty_like(s.numpy()) for _ in range(3)))
-        return s, x
     for _ in range(mirror_kernel.START_STEPS):
         s = _candidate(valid, s, x, torch.log_softmax(z - 2.0 * lam * diag * x, dim=-1), diag, lam)
         x = torch.exp(s)
