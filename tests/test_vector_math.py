@@ -1,4 +1,4 @@
-"""gm_solver.vector_math: the kernels' own exp and log against the C library's."""
+"""gm_solver.vector_math: the kernels' own exp and log against the C library's, their maximum against numpy's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_solver.vector_math import exp, jit, log
+from gm_solver.vector_math import exp, jit, log, maximum
 
 
 @jit()
@@ -33,3 +33,18 @@ def test_the_vectorizable_log_and_exp_are_the_c_librarys_to_two_ulp(seed):
     assert (np.abs(logs[v > 0] - exact) <= 2 * np.spacing(np.abs(exact))).all()
     exact = np.exp(w[:-3])
     assert (np.abs(exps[:-3] - exact) <= 2 * np.spacing(exact)).all()
+
+
+@jit()
+def _maximum(v):
+    return maximum(v)
+
+
+@given(size=st.integers(0, 40), seed=st.integers(0, 10_000), masked=st.floats(0.0, 1.0))
+def test_the_eight_running_maxima_give_numpys_maximum(size, seed, masked):
+    # every length around the eight lanes, the largest entry in any lane or the tail, −inf entries (masked tokens)
+    rng = np.random.default_rng(seed)
+    v = rng.normal(size=size) * 10.0 ** rng.integers(-3, 4)
+    v[rng.random(size) < masked] = -np.inf
+    assert _maximum(v) == (v.max() if size else -np.inf)
+    assert _maximum(v[1::2]) == (v[1::2].max() if v[1::2].size else -np.inf)  # a strided view
