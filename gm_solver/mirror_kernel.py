@@ -71,19 +71,20 @@ def score_rows(z, valid, s, x, lx, gram, lam, ly, f, g):
         g[b] = _log_softmax_gap(valid[b], s[b], x[b], ly[b], top)
 
 
-@jit(fastmath=LOOP)
-def _softmax(valid, z, s, x):
-    """x ← softmax(z) over the valid entries, s ← its log (−inf elsewhere)."""
-    top = maximum(z)  # −inf where not valid
+@jit(fastmath=LOOP, inline="always")
+def _softmax(z, s, x):
+    """x ← softmax(z), s ← its log; z is −inf where a token is masked (exp(−inf) = 0, −inf − lse = −inf), and ``s``
+    may be ``z`` itself."""
+    top = maximum(z)
     total = 0.0
     for i in range(z.size):
-        e = exp(z[i] - top) if valid[i] else 0.0
+        e = exp(z[i] - top)
         x[i] = e
         total += e
     lse = top + math.log(total)
     scale = 1.0 / total
     for i in range(z.size):
-        s[i] = z[i] - lse if valid[i] else -np.inf
+        s[i] = z[i] - lse
         x[i] *= scale
 
 
@@ -96,17 +97,7 @@ def _propose(valid, s, x, ly, diag, lam, cand, xc):
             cand[i] = s[i] + damp * (ly[i] - s[i])
         else:
             cand[i] = -np.inf
-    top = maximum(cand)
-    total = 0.0
-    for i in range(s.size):
-        e = exp(cand[i] - top) if valid[i] else 0.0
-        xc[i] = e
-        total += e
-    lse = top + math.log(total)
-    scale = 1.0 / total
-    for i in range(s.size):
-        cand[i] -= lse
-        xc[i] *= scale
+    _softmax(cand, cand, xc)
 
 
 @jit(parallel=True)
@@ -129,7 +120,7 @@ def start_rows(z, valid, diag, lam, s, x, ly, cand, xc):
         now_s, now_x, next_s, next_x = s[b], x[b], cand[b], xc[b]
         if START_STEPS % 2:
             now_s, now_x, next_s, next_x = next_s, next_x, now_s, now_x
-        _softmax(valid[b], z[b], now_s, now_x)
+        _softmax(z[b], now_s, now_x)  # z is −inf where not valid
         for _ in range(START_STEPS):
             for i in range(z.shape[1]):
                 ly[b, i] = z[b, i] - 2.0 * lam * diag[i] * now_x[i]
