@@ -233,7 +233,7 @@ class TransitionOperator:
     def residual_and_gram(self, x: torch.Tensor,
                           rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(Lx, LᵀLx) for each row x of ``x`` (B, V), L = I − M: one M and one Mᵀ application. With ``rows`` (a
-        long tensor of row indices, ascending) only those rows are computed, and the others of both results are 0:
+        1-D long tensor of row indices) only those rows are computed, and the others of both results are 0:
         a solver whose converged rows stay where they are asks for the others without copying them out."""
         if rows is not None and not _row_indices(rows, x.shape[0]):
             raise ValueError(f"rows must be a 1-D long tensor of row indices in [0, {x.shape[0]}), got {rows!r}")

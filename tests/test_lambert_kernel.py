@@ -211,4 +211,3 @@ def test_the_kernel_reports_bad_logits_before_any_nu_step():
         for mode in (K.SERIAL, K.ROWS, K.LOCKSTEP):
             assert K.solve_batch(K.RKL, edit(z).numpy(), q.numpy(), q.numpy(), False, lam.numpy(), 0.15, 60, K.TABLE,
                                  np.empty((2, *z.shape)), out, iters, gaps, mode) == status
-

@@ -337,7 +337,6 @@ def test_warmup_returns_the_processor_and_leaves_no_trace(make):
     torch.testing.assert_close(proc(_ids([0, 1]), scores), make(COUNTS)(_ids([0, 1]), scores))
 
 
-
 def test_the_paper_decoders_warmup_takes_solver_steps(monkeypatch):
     # a warm-up whose rows were certified where the solve starts would leave the step kernels to compile inside
     # the first real step: on a cycle, equal scores are (uniform x, Lx = 0)
@@ -350,6 +349,7 @@ def test_the_paper_decoders_warmup_takes_solver_steps(monkeypatch):
     monkeypatch.setattr(mirror_kernel, "judge_rows", lambda *args: judged.append(args[0].shape[0]) or judge(*args))
     PaperGraphmaxLogitsProcessor(cycle, lam=2.0).warmup()
     assert judged
+
 
 # ---- inside generate()
 
