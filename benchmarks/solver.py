@@ -58,7 +58,7 @@ from gm_solver import (
 from gm_solver.divergences import DIVERGENCES
 from gm_solver.operator import TransitionOperator
 from pipelines.demo import ensure_imdb_graph
-from pipelines.generate import TimedLogitsProcessor, generate_texts
+from pipelines.generate import TimedLogitsProcessor, alternate, generate_texts
 from pipelines.models import load_model
 
 
@@ -144,18 +144,6 @@ def products_alone(timed: GapLogitsProcessor, size: int) -> float:
     pair = min(size, 2)
     x = torch.distributions.Dirichlet(torch.ones(op.n, dtype=torch.float64)).sample((pair,))
     return _time(lambda: op.residual_and_gram(x), repeat=50) / pair * statistics.mean(timed.evaluations)
-
-
-def alternate(model, tok, prompts: list[str], size: int, rounds: int, timed: TimedLogitsProcessor,
-              **generate) -> tuple[float, float, float]:
-    """``rounds`` batches of ``size`` prompts, each decoded plain and with ``timed``, alternating which runs first
-    (round r samples with seed r): (plain ms per step, with the processor, the processor's median ms per call)."""
-    plain, ours = [], []
-    for r in range(rounds):
-        batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
-        for proc in ([None, timed] if r % 2 == 0 else [timed, None]):
-            (plain if proc is None else ours).append(generate_texts(model, tok, batch, proc, seed=r, **generate)[1])
-    return statistics.mean(plain), statistics.mean(ours), 1e3 * statistics.median(timed.calls)
 
 
 def paper_batch_table(model, tok, path: Path, prompts: list[str], rounds: int, new_tokens: int) -> None:

@@ -90,20 +90,28 @@ class TimedLogitsProcessor(LogitsProcessor):
         return out
 
 
+def alternate(model, tok, prompts: list[str], size: int, rounds: int, timed: TimedLogitsProcessor,
+              **generate) -> tuple[float, float, float]:
+    """``rounds`` batches of ``size`` prompts, each decoded plain and with ``timed``, alternating which runs first
+    (round r samples with seed r), so a shared machine's drift hits both alike: (plain ms per step, with the
+    processor, the processor's median ms per call inside ``generate()``)."""
+    plain, ours = [], []
+    for r in range(rounds):
+        batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
+        for proc in ([None, timed] if r % 2 == 0 else [timed, None]):
+            (plain if proc is None else ours).append(generate_texts(model, tok, batch, proc, seed=r, **generate)[1])
+    return statistics.mean(plain), statistics.mean(ours), 1e3 * statistics.median(timed.calls)
+
+
 def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: int = 32) -> dict[str, float]:
-    """Greedy decoding one prompt at a time (batch 1), plain and with ``processor``, alternating prompt by prompt.
+    """Greedy decoding one prompt at a time (batch 1), plain and with ``processor`` (:func:`alternate`).
 
     Returns the mean ms/token of each, their ratio, and the processor's median ms
     per call inside ``generate()`` with the ratio that alone implies (which the
     drift of a shared machine between runs does not blur).
     """
-    timed = TimedLogitsProcessor(processor)
-    plain, graph = [], []
-    for p in prompts:
-        plain.append(generate_texts(model, tok, [p], None, max_new_tokens=max_new_tokens)[1])
-        graph.append(generate_texts(model, tok, [p], timed, max_new_tokens=max_new_tokens)[1])
-    base, with_proc = statistics.mean(plain), statistics.mean(graph)
-    own = 1e3 * statistics.median(timed.calls)
+    base, with_proc, own = alternate(model, tok, prompts, 1, len(prompts), TimedLogitsProcessor(processor),
+                                     max_new_tokens=max_new_tokens)
     return {"plain_ms": base, "processor_run_ms": with_proc, "ratio": with_proc / base, "processor_ms": own,
             "implied_ratio": (base + own) / base}
 

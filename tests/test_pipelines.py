@@ -283,6 +283,29 @@ def test_timed_processor_passes_scores_through_and_times_every_call():
     assert torch.equal(out, scores * 2) and len(timed.calls) == 3 and all(t >= 0 for t in timed.calls)
 
 
+@pytest.mark.parametrize("size, rounds", [(1, 4), (2, 3), (3, 1)])
+def test_alternate_swaps_which_decoder_runs_first_and_cycles_the_prompts(monkeypatch, size, rounds):
+    runs = []
+
+    def fake_generate(model, tok, batch, proc, *, seed, max_new_tokens):
+        runs.append((tuple(batch), proc is None, seed))
+        return [], (10.0 if proc is None else 20.0) + len(runs)
+
+    monkeypatch.setattr(generate, "generate_texts", fake_generate)
+    timed = generate.TimedLogitsProcessor(lambda ids, scores: scores)
+    timed.calls = [0.003, 0.001, 0.002]
+    prompts = ["a", "b", "c", "d", "e"]
+    plain, ours, own = generate.alternate(None, None, prompts, size, rounds, timed, max_new_tokens=4)
+    assert [r[2] for r in runs] == [r for r in range(rounds) for _ in range(2)]
+    assert [r[1] for r in runs] == [first for r in range(rounds) for first in ((True, False) if r % 2 == 0
+                                                                                else (False, True))]
+    assert [r[0] for r in runs[::2]] == [tuple(prompts[(r * size + i) % 5] for i in range(size))
+                                         for r in range(rounds)]
+    assert own == pytest.approx(2.0)  # the median call, in ms
+    assert plain == pytest.approx(sum(10.0 + k + 1 for k, r in enumerate(runs) if r[1]) / rounds)
+    assert ours == pytest.approx(sum(20.0 + k + 1 for k, r in enumerate(runs) if not r[1]) / rounds)
+
+
 @pytest.mark.parametrize("argv, error", [
     (["--knn-weight", "0.3"], "--knn-weight applies with --datastore DIR only"),
     (["--knn-k", "5"], "--knn-k applies with --datastore DIR only"),
