@@ -13,11 +13,15 @@ from collections.abc import Callable
 from gm_graphs import expand_corpus
 from gm_graphs.errors import CorpusError
 
-__all__ = ["MAX_SEED", "integer", "number", "integers", "numbers", "nonblank", "CorpusFiles", "corpus_error"]
+__all__ = ["MAX_SEED", "CLEAN_HELP", "integer", "number", "integers", "numbers", "nonblank", "CorpusFiles",
+           "corpus_error"]
 
 
 # the largest seed: numpy's legacy seeds, torch's and the split's hash key all take it
 MAX_SEED = 2**32 - 1
+
+# what --clean does to every document read (gm_graphs' clean_review_text), wherever a command takes it
+CLEAN_HELP = "unescape HTML entities and drop <br /> tags"
 
 
 def integer(minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:

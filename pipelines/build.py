@@ -15,7 +15,7 @@ from gm_graphs.count.ngrams import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
 
-from .args import CorpusFiles, integer, integers, number
+from .args import CLEAN_HELP, CorpusFiles, integer, integers, number
 
 MAX_TOP_K = 2**31 - 1  # more than any row holds (indices are int32 or int64 over a vocabulary)
 # a run's buffer of 8-byte entries is allocated whole: it must fit in this machine's memory
@@ -70,7 +70,7 @@ def register(sub) -> None:
                    help="a local tokenizer folder, tokenizer.json, .gguf file, or 'smollm2' (bundled)")
     _add_target_options(p)
     p.add_argument("--text-column", default="text", help="column/field holding the text (default text)")
-    p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags")
+    p.add_argument("--clean", action="store_true", help=CLEAN_HELP)
     p.add_argument("--bos-eos", action="store_true", help="add BOS→first and last→EOS edges per document")
     p.add_argument("--ngrams", type=integers(3, "3,4", MAX_NGRAM_ORDER), metavar="ORDERS",
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "

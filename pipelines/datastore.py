@@ -13,7 +13,7 @@ from pathlib import Path
 from gm_graphs.format.datastore import check_datastore_target
 from gm_solver import build_datastore
 
-from .args import CorpusFiles, integer
+from .args import CLEAN_HELP, CorpusFiles, integer
 from .models import DEFAULT_MODEL, load_model
 from .tune import read_texts
 
@@ -25,7 +25,7 @@ def register(sub) -> None:
                    help="the domain's training files (the graph's text; never held-out text)")
     p.add_argument("--out", type=Path, required=True, help="the datastore folder to write")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags, as the build did")
+    p.add_argument("--clean", action="store_true", help=f"{CLEAN_HELP}, as the build did")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model that will decode (its hidden states are keys)")
     p.add_argument("--docs", type=integer(1), default=10_000,
                    help="documents read, from the first (default 10,000; ~700 positions/s on 2 CPU cores)")

