@@ -259,6 +259,21 @@ softmax), got -1
             raise GraphFormatError(f"the graph's stored decoder: {e}") from None
 
 
+def stored_mode(graph: Any) -> str | None:
+    """The kind of decoder ``graph`` stores, ``"context"`` or ``"paper"``, read before the record is checked (an
+    override may mend a bad stored value); ``None`` when it stores none (or is a matrix).
+
+    Example::
+
+        >>> stored_mode(type("G", (), {"decoder": {"mode": "paper", "lam": 2.0}})()), stored_mode(None)
+        ('paper', None)
+    """
+    stored = getattr(graph, "decoder", None)
+    if not stored:
+        return None
+    return "paper" if isinstance(stored, dict) and stored.get("mode") == "paper" else "context"
+
+
 def _context_fields(d: dict) -> dict:
     """The ContextConfig fields of a stored context choice: every one ``to_json`` writes."""
     missing = [k for k in _CONTEXT_KEYS if k not in d]

@@ -399,6 +399,11 @@ def _ivf_index(keys: Any, ivf: tuple) -> Any:
     return index
 
 
+def _model_device(model: Any) -> torch.device:
+    """Where ``model``'s weights are (its first parameter's device; the CPU for a model without parameters)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def _head(model: Any) -> torch.nn.Module:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
@@ -620,6 +625,8 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
     marginals = np.zeros(vocab)  # filled as the chunks are written: write_datastore reads it after the last one
 
     def chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        device = _model_device(model)
+        totals = torch.zeros(vocab, dtype=torch.float64, device=device)
         with HiddenStateTap(model) as tap, torch.no_grad():
             for lo in tqdm(range(0, len(encoded), batch_docs), desc="datastore", disable=not progress):
                 batch = encoded[lo:lo + batch_docs]
@@ -629,19 +636,24 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
                 for j, e in enumerate(batch):  # right padding: the real positions are those of the text alone
                     ids[j, :len(e)] = torch.tensor(e)
                     mask[j, :len(e)] = 1
+                ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
                 logits = model(input_ids=ids, attention_mask=mask).logits
-                # the softmax over the tokenizer's ids (a padded head's extra ids are never text)
+                # the softmax over the tokenizer's ids (a padded head's extra ids are never text), document by
+                # document: a batch's rows at once would hold GBs of float64 on the CPU
                 cols = min(vocab, logits.shape[-1])
+                finite = torch.ones((), dtype=torch.bool, device=device)
                 for j, e in enumerate(batch):
-                    row = logits[j, :len(e) - 1, :cols].double()
-                    if not bool(torch.isfinite(row).all()):  # before the corpus is done, with what to check
-                        raise DatastoreError("the model's logits are not finite (NaN or inf); its marginals cannot be "
-                                             "recorded: check the model and its dtype")
-                    marginals[:cols] += torch.softmax(row, -1).sum(0).numpy()
-                states = tap.states.float()
-                keys = torch.cat([states[j, :len(e) - 1] for j, e in enumerate(batch)])
+                    probs = torch.softmax(logits[j, :len(e) - 1, :cols].double(), -1)
+                    totals[:cols] += probs.sum(0)
+                    finite &= torch.isfinite(probs[:, 0]).all()  # a NaN or inf logit makes its row's softmax NaN
+                # the positions kept: each text's but its last (no token follows it), the padding's none
+                keys = tap.states[:, :-1][mask[:, 1:].bool()].float().cpu()  # the batch's one copy to the host
+                if not bool(finite):  # checked per batch (the keys' copy waits for the device anyway)
+                    raise DatastoreError("the model's logits are not finite (NaN or inf); its marginals cannot be "
+                                         "recorded: check the model and its dtype")
                 values = np.concatenate([np.asarray(e[1:], dtype=np.int64) for e in batch])
                 yield keys.numpy(), values
+        marginals[:] = totals.cpu().numpy()
 
     meta = dict(tokenizer=identity, model=model_name, model_sha256=fingerprint,
                 buffers_sha256=buffers_fingerprint(model), positions=positions,

@@ -17,11 +17,11 @@ import torch
 from transformers import LogitsProcessor
 
 from .checks import integer, real
-from .choice import DecoderChoice, KnnConfig, PaperConfig
+from .choice import MODES, PAPER_SOLVERS, DecoderChoice, KnnConfig, PaperConfig, stored_mode
 from .context import SMOOTHINGS, ContextConfig, ContextReference
 from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
-from .graphmax import check_logits, get_operator, log_graphmax
+from .graphmax import get_operator, log_graphmax
 from .operator import TransitionOperator
 from .solvers import SolveInfo
 
@@ -55,6 +55,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
     """
 
     last_info: SolveInfo | None = None
+    origin: str | None = None  # from_graph's: whether the graph's stored choice was used
 
     def __new__(cls, *args: Any, **kwargs: Any):
         if cls is GraphmaxLogitsProcessor:
@@ -65,17 +66,27 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
         return super().__new__(cls)
 
     @classmethod
-    def from_graph(cls, graph: Any, *, datastore: Datastore | None = None, tap: HiddenStateTap | None = None,
+    def from_graph(cls, graph: Any, *, decoder: str | None = None, solver: str | None = None,
+                   datastore: Datastore | None = None, tap: HiddenStateTap | None = None,
                    **overrides: Any) -> GraphmaxLogitsProcessor:
-        """The decoder the graph's stored choice names (``graphmax tune``; ``gm_solver.DecoderChoice``), else
-        :class:`ContextGraphmaxLogitsProcessor`'s defaults: the one factory of the graphmax decoders.
+        """The decoder the graph's stored choice names (``graphmax tune``; ``gm_solver.DecoderChoice``), or the one
+        ``decoder`` and ``solver`` name: the one factory of the graphmax decoders (the CLI builds every decoder here).
+
+        The stored choice is used when it is of the kind asked for (or none is asked for); another kind starts from
+        its class's defaults. ``proc.origin`` then says which: ``"stored"``, ``"defaults"`` (the graph stores no
+        choice) or ``"defaults, the graph stores a context decoder"`` (or ``paper``).
 
         Args:
             graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph; a scipy matrix stores no choice.
+            decoder (``str`` or ``None``, defaults to ``None``): ``"context"`` or ``"paper"``; ``None``: the stored
+                kind, else ``"context"``.
+            solver (``str`` or ``None``, defaults to ``None``): the paper decoder's solver, ``"mirror"`` (certified
+                mirror descent, :class:`PaperGraphmaxLogitsProcessor`) or ``"paper"`` (the paper's Algorithm 1,
+                :class:`PaperAlgorithm1LogitsProcessor`); ``None``: the stored one, else ``"mirror"``.
             datastore (``Datastore``, defaults to ``None``): a kNN datastore of the model that decodes: the context
                 choice becomes :class:`KnnContextGraphmaxLogitsProcessor`, with the kNN settings and λ stored with
                 this datastore (recognised by its keys' SHA-256) or else :class:`~gm_solver.choice.KnnConfig`'s
-                defaults. A paper choice refuses it.
+                defaults. The paper decoder refuses it.
             tap (``HiddenStateTap``, defaults to ``None``): with ``datastore``, the tap to read the model's hidden
                 states through; ``None``: a new one, to attach with ``proc.tap.attach(model)``.
             **overrides: arguments of the decoder's class, replacing what is stored (e.g. ``lam=2.0``,
@@ -98,15 +109,31 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
             >>> GraphmaxLogitsProcessor.from_graph(counts, lam=2.0)    # never tuned: the context decoder's defaults
             ContextGraphmaxLogitsProcessor(divergence='rkl', lam=2.0, kl_share=0.15, ngram_order=4, \
 order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.5, lam_decay=0.0)
+            >>> proc = GraphmaxLogitsProcessor.from_graph(counts, decoder="paper", solver="paper", lam=0.5)
+            >>> proc, proc.origin
+            (PaperAlgorithm1LogitsProcessor(lam=0.5), 'defaults')
         """
+        if decoder not in (None, *MODES):
+            raise ValueError(f"`decoder` must be one of {', '.join(map(repr, MODES))} or None, got {decoder!r}")
+        if solver not in (None, *PAPER_SOLVERS):
+            raise ValueError(f"`solver` must be one of {', '.join(map(repr, PAPER_SOLVERS))} or None, got "
+                             f"{solver!r}")
         stored = dict(getattr(graph, "decoder", None) or {})
-        paper = stored.get("mode") == "paper"
+        stored_kind = stored_mode(graph)
+        stored_solver = "paper" if stored.get("solver") == "paper" else "mirror"
+        kind = decoder or stored_kind or "context"
+        if solver is not None and kind != "paper":
+            raise ValueError("`solver` applies to the paper decoder; pass decoder='paper' or leave `solver` out")
+        use_stored = stored_kind == kind and solver in (None, stored_solver)
+        origin = "stored" if use_stored else "defaults" + (f", the graph stores a {stored_kind} decoder"
+                                                           if stored_kind else "")
+        stored = stored if use_stored else {}
+        paper = kind == "paper"
         if paper:
-            target = PaperAlgorithm1LogitsProcessor if stored.get("solver") == "paper" else \
-                PaperGraphmaxLogitsProcessor
+            chosen = solver or (stored_solver if use_stored else "mirror")
+            target = PaperAlgorithm1LogitsProcessor if chosen == "paper" else PaperGraphmaxLogitsProcessor
             if datastore is not None or tap is not None:
-                raise ValueError("`datastore` and `tap` apply to the context decoder; this graph stores the paper's "
-                                 "decoder")
+                raise ValueError("`datastore` and `tap` apply to the context decoder, not the paper's")
         else:
             target = ContextGraphmaxLogitsProcessor if datastore is None else KnnContextGraphmaxLogitsProcessor
             if datastore is None and tap is not None:
@@ -114,19 +141,22 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         takes = _arguments(target) - {"graph", "datastore", "tap"}
         for name in overrides:
             if name not in takes:
-                raise TypeError(f"`{name}` is not an argument of {target.__name__}, the decoder this graph stores; "
-                                f"construct the other decoder directly to use it")
+                whose = ", the decoder this graph stores" if use_stored else ""
+                raise TypeError(f"`{name}` is not an argument of {target.__name__}{whose}; construct the other "
+                                f"decoder directly to use it")
         # the overrides replace the stored values before the record is checked, so that one mends a bad stored value
         own = {f.name for f in fields(PaperConfig if paper else ContextConfig)}
         replaced = {k: v for k, v in overrides.items() if k in own}
         unstored = (PaperConfig if paper else ContextConfig)(**replaced)  # a bad override is named as an override
-        choice = DecoderChoice.from_json({**stored, **replaced}) if stored else DecoderChoice(config=unstored)
+        choice = DecoderChoice.from_json({**stored, **replaced}) if stored else DecoderChoice(kind, unstored)
         rest = {k: v for k, v in overrides.items() if k not in own}
         if paper:
             config = choice.config
-            settings = {"lam": config.lam} if config.algorithm1 else \
+            settings = {"lam": config.lam} if target is PaperAlgorithm1LogitsProcessor else \
                 {"lam": config.lam, "tol": config.tol, "max_iter": config.max_iter}
-            return target(graph, **settings, **rest)
+            proc = target(graph, **settings, **rest)
+            proc.origin = origin
+            return proc
         settings = choice.config.to_dict()
         source = settings.pop("source")
         if replaced:
@@ -146,11 +176,17 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
                 source = {**source, "knn": "stored for another datastore"}
             proc = target(graph, datastore, HiddenStateTap() if tap is None else tap, **knn, **settings, **rest)
         proc._set_source(source)
+        proc.origin = origin
         return proc
 
-    def warmup(self) -> GraphmaxLogitsProcessor:
+    def warmup(self, device: str | torch.device | None = None) -> GraphmaxLogitsProcessor:
         """Run one step on a batch of one row and one of two, so that numba compiles (or loads from its disk
-        cache) every kernel a decoding step uses now rather than inside the first timed ``generate()``.
+        cache) every kernel a decoding step uses now rather than inside the first timed ``generate()``; on a GPU,
+        so that the device's first-call costs (its kernels' loading, the operator's copy) are paid here too.
+
+        Args:
+            device (``str``, ``torch.device`` or ``None``, defaults to ``None``): where the model's scores will be
+                (the model's device); ``None``: the decoder's own (the CPU, or a paper decoder's operator's).
 
         Returns:
             ``self``, so that ``proc = PaperGraphmaxLogitsProcessor(graph).warmup()`` reads as one step.
@@ -162,14 +198,18 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
             >>> proc.last_info is None      # the warm-up steps leave nothing behind
             True
         """
-        width, device = self._shape()
+        width, own = self._shape()
+        device = own if device is None else torch.device(device)
         # scores spread as a model's are: on equal or evenly spread ones the paper's solve is certified where it
         # starts, and its step kernels would compile inside the first real step (7 s on the movie-review graph)
         scores = (torch.randn(width, generator=torch.Generator().manual_seed(0)) * 4).to(device)
         for rows in (1, 2):  # a batch of one and one of two take different paths through the kernels
-            self(torch.zeros(rows, 8, dtype=torch.long, device=device), scores.repeat(rows, 1))
+            self._warm_step(torch.zeros(rows, 8, dtype=torch.long, device=device), scores.repeat(rows, 1))
         self.last_info = None
         return self
+
+    def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        self(input_ids, scores)
 
     def _shape(self) -> tuple[int, torch.device]:
         """The graph's number of nodes and the device the decoder computes on."""
@@ -494,10 +534,8 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         self.config = self.reference.config = ContextConfig(**{**self.config.to_dict(), "source": source})
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.config.lam == 0:  # softmax, bit for bit in the scores' dtype (as log_graphmax at λ = 0)
-            check_logits(scores, sync=True)
-            return torch.log_softmax(scores, -1)
-        # reference rows, solve and certificate for the whole batch in one call, on the scores' device
+        # reference rows, solve and certificate for the whole batch in one call, on the scores' device (at λ_t = 0,
+        # softmax with its info: solvers.softmax_solution)
         logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids))
         return logp
 
@@ -631,15 +669,13 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
                                                    knn=(tokens, weights, knn.knn_weight))
         return logp
 
-    def warmup(self) -> KnnContextGraphmaxLogitsProcessor:
-        """As the base class's, with a neighbour in each row's reference (the tap is left as it was)."""
-        width, _ = self._shape()
-        for rows in (1, 2):
-            one = (torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1, dtype=torch.float64),
-                   self.knn.knn_weight)
-            self.reference.step(torch.zeros(rows, 8, dtype=torch.long), torch.zeros(rows, width), knn=one)
-        self.datastore.neighbours(torch.zeros(1, self.datastore.dim), self.knn.knn_k)
-        return self
+    def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        """A step with a neighbour in each row's reference (the tap is left as it was), and one search."""
+        rows, device = scores.shape[0], scores.device
+        one = (torch.zeros(rows, 1, dtype=torch.long, device=device),
+               torch.ones(rows, 1, dtype=torch.float64, device=device), self.knn.knn_weight)
+        self.reference.step(input_ids, scores, knn=one)
+        self.datastore.neighbours(torch.zeros(1, self.datastore.dim, device=device), self.knn.knn_k)
 
     def _settings(self) -> dict[str, Any]:
         return {**super()._settings(), **asdict(self.knn), "datastore_keys": len(self.datastore)}

@@ -14,6 +14,7 @@ from gm_graphs.format.datastore import check_datastore_target
 from gm_solver import build_datastore
 
 from .args import CLEAN_HELP, CorpusFiles, integer
+from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .models import DEFAULT_MODEL, load_model
 from .tune import read_texts
 
@@ -27,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("--text-column", default="text")
     p.add_argument("--clean", action="store_true", help=f"{CLEAN_HELP}, as the build did")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model that will decode (its hidden states are keys)")
+    add_device_arguments(p)
     p.add_argument("--docs", type=integer(1), default=10_000,
                    help="documents read, from the first (default 10,000; ~700 positions/s on 2 CPU cores)")
     p.add_argument("--positions", type=integer(1), default=64, help="keys per document, its first (default 64)")
@@ -39,12 +41,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     check_datastore_target(args.out, args.overwrite)  # before the model loads and the corpus is read
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=device, dtype=dtype)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
     store = build_datastore(model, tok, texts, args.out, positions=args.positions, overwrite=args.overwrite,
                             model_name=str(args.model), ivf_lists=args.ivf_lists)
     index = f", an index of {store.meta['ivf_lists']:,} lists" if store.approximate else ""
     print(f"datastore: {len(store):,} keys of width {store.dim} from {store.meta['documents']:,} documents{index}, "
-          f"written to {args.out}")
+          f"written to {args.out} (model on {device}, {str(dtype).removeprefix('torch.')})")
     return 0

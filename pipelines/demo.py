@@ -17,6 +17,7 @@ from gm_graphs.errors import GraphFormatError
 from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 
 from .args import MAX_SEED, integer, number
+from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .generate import generate_texts, warm_up
 from .models import load_model
 
@@ -51,11 +52,13 @@ def register(sub) -> None:
     p.add_argument("--lam", type=number(at_least=0), default=1.0, help="λ of the paper's graphmax (default 1.0)")
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
     p.add_argument("--seed", type=integer(0, MAX_SEED), default=0)
+    add_device_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    model, tok = load_model()
+    device = resolve_device(args.device)
+    model, tok = load_model(device=device, dtype=resolve_dtype(args.dtype, device))
     graph = ensure_imdb_graph(tokenizer=tok)
     stored = GraphmaxLogitsProcessor.from_graph(graph)
     decoders = {"softmax": None, f"graphmax λ={args.lam:g}": PaperGraphmaxLogitsProcessor(graph, lam=args.lam),

@@ -36,6 +36,7 @@ from gm_solver import (
 
 from . import figures, report
 from .args import CLEAN_HELP, MAX_SEED, integer, number, numbers
+from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .finetune import FinetuneResult, finetune_lora
 from .generate import decode_cost, generate_texts
 from .heldout import (
@@ -126,8 +127,8 @@ def lm_perplexity_of(model, tok, prompts: list[str], texts: list[str]) -> float:
             c = tok(text, add_special_tokens=False)["input_ids"]
             if not c:
                 continue
-            logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1].double()
-            nll -= float(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None]).sum())
+            logits = model(input_ids=torch.tensor([p + c], device=model.device)).logits[0, len(p) - 1:-1].double()
+            nll -= float(torch.log_softmax(logits, -1).gather(1, torch.tensor(c, device=model.device)[:, None]).sum())
             count += len(c)
     return math.exp(nll / max(count, 1))
 
@@ -415,8 +416,10 @@ def run_eval(args) -> Path:
     for key in sizes:
         if getattr(args, key, None):
             sizes[key] = getattr(args, key)
+    device = resolve_device(args.device)  # a GPU asked for and absent is named before the report's folder is made
+    dtype = resolve_dtype(args.dtype, device)
     out = claim_folder(Path(args.out))  # absent, empty or a report graphmax wrote: never a user's folder
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=device, dtype=dtype)
     setup = prepare(args, tok, out / "work")
     prompt = draw_prompt(args, tok, setup)
     lams, mixture_lams = paper_grids(args)
@@ -572,14 +575,15 @@ def solver_traces(graph: Graph, model, tok) -> dict[str, dict[str, list[float]]]
 
 def next_token_logits(model, tok, text: str) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])).logits[0, -1:]
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device=model.device)
+        return model(input_ids=ids).logits[0, -1:]
 
 
 def top_tokens(tok, panels: dict[str, tuple[object, object]], context: str) -> dict[str, list[tuple[str, float]]]:
     """The 10 most likely next tokens after ``context`` for each panel's (model, processor; None: softmax)."""
-    ids = torch.tensor([tok(context, add_special_tokens=False)["input_ids"]])
     out = {}
     for name, (model, proc) in panels.items():
+        ids = torch.tensor([tok(context, add_special_tokens=False)["input_ids"]], device=model.device)
         z = next_token_logits(model, tok, context)
         logp = torch.log_softmax(z.double(), -1) if proc is None else proc(ids, z).double()
         top = torch.topk(logp[0].exp(), 10)
@@ -619,6 +623,7 @@ def register(sub) -> None:
     p.add_argument("--clean", action=argparse.BooleanOptionalAction, default=None,
                    help=f"{CLEAN_HELP} (default: off for files, as needed for a bundled corpus)")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    add_device_arguments(p)
     p.add_argument("--out", default="eval-report",
                    help="report folder: new, empty, or a report graphmax wrote (default ./eval-report)")
     p.add_argument("--heldout-fraction", type=number(above=0, below=1), default=0.1)

@@ -131,7 +131,7 @@ def finetune_lora(model: torch.nn.Module, tok, texts: list[str], *, budget_s: fl
         t0 = clock()
         if steps and t0 - start + slowest > budget_s:
             break
-        ids, mask, labels = next(batches)
+        ids, mask, labels = (t.to(model.device) for t in next(batches))
         loss = tuned(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -28,9 +28,11 @@ from gm_solver import (
     PaperGraphmaxLogitsProcessor,
     load_datastore,
 )
+from gm_solver.choice import stored_mode
 
 from .args import MAX_SEED, integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
+from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .models import DEFAULT_MODEL, load_model
 from .prompt import SEPARATOR
 
@@ -57,6 +59,7 @@ def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_to
         batch = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt")
     else:
         batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = batch.to(model.device)
     torch.manual_seed(seed)
     extra = {"do_sample": True, "top_k": top_k, "temperature": 1.0} if do_sample else {"do_sample": False}
     t0 = time.perf_counter()
@@ -71,9 +74,10 @@ def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_to
 
 def warm_up(model, tok, processors: list[GraphmaxLogitsProcessor]) -> None:
     """Pay every first-call cost before anything is timed: numba compiling (or loading from its disk cache) each
-    decoder's kernels, and the model's first ``generate()`` (a two-token one)."""
+    decoder's kernels, or its first steps on the model's device, and the model's first ``generate()`` (a two-token
+    one)."""
     for proc in processors:
-        proc.warmup()
+        proc.warmup(model.device)
     generate_texts(model, tok, ["Hello"], None, max_new_tokens=2)
 
 
@@ -119,6 +123,7 @@ def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: in
 def register(sub) -> None:
     p = sub.add_parser("generate", help="continue prompts with a graph's graphmax decoder (the tuned one by default)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (bundled), a .gguf file or a local folder")
+    add_device_arguments(p)
     p.add_argument("--prompt", action="append", required=True, type=nonblank, help="a prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=integer(1), default=32)
     p.add_argument("--sample", action="store_true", help="sample (top-k 50) instead of greedy")
@@ -169,23 +174,26 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def build_decoder(args, prompt_length: int = 0) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
+def build_decoder(args, prompt_length: int = 0,
+                  device: torch.device | None = None) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
     """The graph, the decoder ``args`` ask for and where its settings come from; all checked before any model loads.
 
-    The graph's stored choice (``graphmax tune``) is the starting point when it is of the kind asked for (or no
-    kind is asked for); the options given override it. An option of the other decoder is an error.
-    ``prompt_length``: the tokens of ``--examples`` before each prompt (the context decoder's λ_t skips them).
+    ``GraphmaxLogitsProcessor.from_graph`` makes the decoder: the graph's stored choice (``graphmax tune``) when it
+    is of the kind asked for (or no kind is asked for), overridden by the options given. Here only the command
+    line's own rules are checked: an option of the other decoder, or one that has no effect, is an error.
+    ``prompt_length``: the tokens of ``--examples`` before each prompt (the context decoder's λ_t skips them);
+    ``device``: where a datastore's keys are loaded (the model's device: its search then needs no copy per step).
     """
     source = graph_arg(args)
     graph = load_graph(source)
-    stored = graph.decoder.get("mode", "context") if graph.decoder else None
-    kind = args.decoder or stored or "context"
     given = {name: getattr(args, name) for options in OPTIONS.values() for name in options
              if getattr(args, name) is not None}
+    kind = args.decoder or stored_mode(graph) or "context"  # the kind from_graph will make
     for name in given:
         if name not in OPTIONS[kind]:
             other = "paper" if kind == "context" else "context"
-            hint = "" if args.decoder else f" (this graph's {'stored' if stored else 'default'} decoder is {kind})"
+            hint = "" if args.decoder else f" (this graph's {'stored' if graph.decoder else 'default'} decoder is " \
+                                           f"{kind})"
             raise GraphmaxError(f"--{name.replace('_', '-')} applies to --decoder {other}{hint}")
     if kind == "paper" and (args.order is not None or args.mixture is not None):
         graph = load_graph(source, order=args.order or 1, mixture=args.mixture)
@@ -203,22 +211,16 @@ def build_decoder(args, prompt_length: int = 0) -> tuple[Graph, GraphmaxLogitsPr
     if args.datastore is not None and kind != "context":
         raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
     datastore = None if args.datastore is None else load_datastore(
-        args.datastore, **({} if args.knn_nprobe is None else {"nprobe": args.knn_nprobe}))
+        args.datastore, **({} if device is None else {"device": device}),
+        **({} if args.knn_nprobe is None else {"nprobe": args.knn_nprobe}))
     with_store = {} if datastore is None else {"datastore": datastore, "tap": HiddenStateTap()}
-    stored_solver = "paper" if graph.decoder and graph.decoder.get("solver") == "paper" else "mirror"
     try:
-        if kind == stored and (args.solver is None or args.solver == stored_solver):
-            proc = GraphmaxLogitsProcessor.from_graph(graph, **with_store, **settings, **extra, **knn)
-            origin = "stored by graphmax tune"
-        else:
-            if kind == "paper":
-                target = SOLVERS[args.solver or "mirror"]
-            else:
-                target = KnnContextGraphmaxLogitsProcessor if datastore is not None else ContextGraphmaxLogitsProcessor
-            proc = target(graph, *with_store.values(), **settings, **extra, **knn)
-            origin = "defaults" + (f" (the graph stores a {stored} decoder)" if stored else "")
+        proc = GraphmaxLogitsProcessor.from_graph(graph, decoder=args.decoder, solver=args.solver, **with_store,
+                                                  **settings, **extra, **knn)
     except (TypeError, ValueError) as e:
         raise GraphmaxError(str(e)) from e
+    origin = {"stored": "stored by graphmax tune", "defaults": "defaults"}.get(
+        proc.origin, proc.origin.replace("defaults, ", "defaults (") + ")")
     if args.solver is not None:
         settings["solver"] = args.solver
     if settings:
@@ -262,13 +264,15 @@ def read_examples(path: Path) -> str:
 
 
 def run(args) -> int:
+    device = resolve_device(args.device)  # a GPU asked for and absent is named before anything loads
+    dtype = resolve_dtype(args.dtype, device)
     prefix = None
     if args.examples is not None:  # its tokens, for the decoder's λ_t, from the model's tokenizer alone
         examples = read_examples(args.examples)  # a bad file is refused before the tokenizer's seconds of loading
         prefix = load_tokenizer(args.model)(examples, add_special_tokens=False)["input_ids"]
     # the graph and every option are checked before the model loads
-    graph, proc, origin = build_decoder(args, len(prefix or ()))
-    model, tok = load_model(args.model)
+    graph, proc, origin = build_decoder(args, len(prefix or ()), device)
+    model, tok = load_model(args.model, device=device, dtype=dtype)
     graph.check_tokenizer(tok)
     longest = len(prefix or ()) + max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in args.prompt)
     limit = getattr(model.config, "max_position_embeddings", None)

@@ -63,15 +63,18 @@ class HeldOut:
 
 def score_documents(model, tok, texts: list[str], positions: int = 32, batch_docs: int = 8,
                     progress: bool = True, hidden: bool = False, prefix: list[int] | None = None) -> HeldOut:
-    """Run the LM once over the first ``positions + 1`` tokens of each text (texts shorter than 2 tokens skipped);
+    """Run the LM once over the first ``positions + 1`` tokens of each text (texts shorter than 2 tokens skipped),
+    on the model's device, where the ids, logits and states are then kept (every decoder scored on them runs there);
     ``hidden`` also keeps the LM head's input at each scored position (what a kNN datastore is searched with).
     ``prefix``: token ids the LM reads before each text (a prompt); the logits and states kept are the text's
     only, and ``ids`` hold the text's tokens alone (what a decoder of the text sees)."""
-    encoded = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"][:positions + 1]) for t in texts]
+    device = getattr(model, "device", torch.device("cpu"))
+    encoded = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"][:positions + 1], device=device)
+               for t in texts]
     encoded = [e for e in encoded if len(e) >= 2]
     if not encoded:
         raise ValueError("no held-out document has two tokens or more; give longer texts")
-    head = torch.tensor(list(prefix or ()), dtype=torch.long)
+    head = torch.tensor(list(prefix or ()), dtype=torch.long, device=device)
     p = len(head)
     ids, logits, states = [], [], []
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -79,7 +82,7 @@ def score_documents(model, tok, texts: list[str], positions: int = 32, batch_doc
         for i in tqdm(range(0, len(encoded), batch_docs), desc="LM on held-out", disable=not progress):
             chunk = encoded[i:i + batch_docs]
             width = p + max(len(e) for e in chunk)
-            batch = torch.full((len(chunk), width), pad, dtype=torch.long)
+            batch = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)
             mask = torch.zeros_like(batch)
             for j, e in enumerate(chunk):  # right padding: positions of real tokens are unchanged
                 batch[j, :p] = head

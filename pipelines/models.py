@@ -10,16 +10,34 @@ import torch
 from gm_graphs import GraphmaxError, bundled, load_tokenizer
 from gm_graphs.errors import TokenizerError
 
+from .devices import resolve_device, resolve_dtype
+
 DEFAULT_MODEL = "smollm2"
 
 
-def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)`` from 'smollm2' (bundled GGUF), a .gguf file or a local model folder.
+def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None):
+    """``(model, tokenizer)`` from 'smollm2' (bundled GGUF), a .gguf file or a local model folder, on ``device``.
 
     GGUF weights are dequantised to ``dtype`` by transformers; nothing is downloaded.
+
+    Args:
+        spec (``str`` or ``os.PathLike``, defaults to ``"smollm2"``): the bundled model, a ``.gguf`` file or a
+            ``save_pretrained`` folder of any causal LM transformers knows (Llama, Qwen2, Mistral, Gemma 2, GPT-2…).
+        device (``str``, ``torch.device`` or ``None``): ``None``: the first GPU when torch sees one, else the CPU.
+        dtype (``str``, ``torch.dtype`` or ``None``): ``None``: bfloat16 on a GPU that computes in it, else float32.
+
+    Returns:
+        ``(model, tokenizer)``: the model in eval mode on ``device``; the tokenizer with a pad token (its EOS when
+        it has none).
+
+    Raises:
+        GraphmaxError: a device this machine lacks, or a model that cannot be loaded (one line, with the fix).
     """
     from transformers import AutoModelForCausalLM
 
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     path = Path(str(bundled.smollm2_gguf()) if spec == DEFAULT_MODEL else os.fspath(spec))
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {"local_files_only": True}
     folder = str(path.parent) if path.suffix == ".gguf" else str(path)
@@ -33,5 +51,5 @@ def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32)
                             f".gguf file or a local model folder (no network)") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model.eval()
+    model.to(device).eval()
     return model, tok

@@ -39,6 +39,7 @@ from gm_solver import (
 
 from .args import CLEAN_HELP, CorpusFiles, integer
 from .build import add_graph_arguments, graph_arg
+from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .heldout import HeldOut, perplexity, score_documents
 from .models import DEFAULT_MODEL, load_model
 
@@ -177,6 +178,7 @@ def register(sub) -> None:
     p.add_argument("--text-column", default="text")
     p.add_argument("--clean", action="store_true", help=f"{CLEAN_HELP}, as the build did")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    add_device_arguments(p)
     p.add_argument("--docs", type=integer(1), default=48, help="validation documents (default 48)")
     p.add_argument("--positions", type=integer(1), default=64, help="scored tokens per document (default 64)")
     p.add_argument("--datastore", type=Path, metavar="DIR",
@@ -201,15 +203,17 @@ def check_not_training_text(graph, files: list[Path]) -> None:
 
 
 def run(args) -> int:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     graph = load_graph(graph_arg(args))  # a missing or broken graph (or datastore) is refused before the model loads
     tuned_on = graph.identity  # the choice is stored only if the graph is still this one when tuning ends
     check_not_training_text(graph, expand_corpus(args.corpus))
     datastore = None
     if args.datastore is not None:
-        datastore = load_datastore(args.datastore)
+        datastore = load_datastore(args.datastore, device=device)  # searched where the LM's states are
         tokenizer = graph.manifest["tokenizer"]
         datastore.check_tokenizer(tokenizer["vocab_sha256"], tokenizer["vocab_size"])
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=device, dtype=dtype)
     graph.check_tokenizer(tok)
     if datastore is not None:
         datastore.check_model(model)

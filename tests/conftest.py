@@ -85,12 +85,14 @@ def _bundled_model_loaded_once(monkeypatch):
     import torch
 
     from pipelines import models
+    from pipelines.devices import resolve_device, resolve_dtype
 
     real = models.load_model
 
-    def load_model(spec: str = models.DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32):
-        if spec != models.DEFAULT_MODEL or dtype != torch.float32:
-            return real(spec, dtype=dtype)
+    def load_model(spec: str = models.DEFAULT_MODEL, *, device=None, dtype=None):
+        device = resolve_device(device)
+        if spec != models.DEFAULT_MODEL or resolve_dtype(dtype, device) != torch.float32 or device.type != "cpu":
+            return real(spec, device=device, dtype=dtype)
         return copy.deepcopy(_bundled_model())
 
     for module in ("datastore", "demo", "eval", "generate", "tune"):
