@@ -223,7 +223,27 @@ class Graph:
         self.refresh()
 
     def check_tokenizer(self, tokenizer) -> None:
-        """Raise :class:`TokenizerError` unless ``tokenizer`` has this graph's vocabulary."""
+        """Raise :class:`TokenizerError` unless ``tokenizer`` has this graph's vocabulary and splits text as the
+        build's tokenizer did (graphs built before the split was recorded are checked by their vocabulary).
+
+        Args:
+            tokenizer: a loaded tokenizer, or anything :func:`~gm_graphs.load_tokenizer` takes.
+
+        Example::
+
+            >>> import tempfile; from pathlib import Path
+            >>> from gm_graphs import build_graph, word_tokenizer
+            >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+            >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\n")
+            >>> g = build_graph(folder / "reviews.txt", word_tokenizer("the cat dog sat".split()),
+            ...                 path=folder / "graph", progress=False)
+            >>> g.check_tokenizer(word_tokenizer("the cat dog sat".split()))      # the same: nothing raised
+            >>> try:
+            ...     g.check_tokenizer(word_tokenizer("the cat dog ran".split()))    # another vocabulary
+            ... except TokenizerError as e:
+            ...     print(str(e).split("; ")[-1])
+            rebuild the graph with this tokenizer
+        """
         from gm_graphs.tokenize.encoder import TokenizerIdentity, load_tokenizer
 
         ident = TokenizerIdentity.of(load_tokenizer(tokenizer))
@@ -233,6 +253,49 @@ class Graph:
                 f"graph {self.name!r} was built with the tokenizer {mine['name']!r} ({mine['vocab_size']} tokens, "
                 f"vocabulary {mine['vocab_sha256'][:12]}…), not {ident.name!r} ({ident.vocab_size} tokens, "
                 f"vocabulary {ident.vocab_sha256[:12]}…); rebuild the graph with this tokenizer"
+            )
+        split = mine.get("split_sha256")
+        if split is not None and ident.split_sha256 != split:
+            raise TokenizerError(
+                f"graph {self.name!r} was built with a tokenizer that splits text differently from {ident.name!r}: "
+                f"the same {ident.vocab_size}-token vocabulary, other ids for the same text (split {split[:12]}…, "
+                f"not {(ident.split_sha256 or 'none')[:12]}…; transformers may pick another tokenizer class from a "
+                f"folder's config.json); load the tokenizer as the build did, or rebuild the graph with this one"
+            )
+
+    def check_output_width(self, width: int) -> None:
+        """Raise :class:`TokenizerError` unless a model whose head scores ``width`` tokens can decode with this
+        graph: ``width`` must be at least the graph's vocabulary. A wider head (padded past the tokenizer, as
+        Qwen's is) is fine; the decoders give its extra columns probability 0.
+
+        Args:
+            width (``int``): the model's output width, ``model.get_output_embeddings().weight.shape[0]`` (or
+                ``model.config.vocab_size``).
+
+        Example::
+
+            >>> import tempfile; from pathlib import Path
+            >>> from gm_graphs import build_graph, word_tokenizer
+            >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
+            >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\n")
+            >>> g = build_graph(folder / "reviews.txt", word_tokenizer("the cat dog sat".split()),
+            ...                 path=folder / "graph", progress=False)
+            >>> g.check_output_width(5), g.check_output_width(8)    # as wide as the vocabulary, or padded
+            (None, None)
+            >>> try:
+            ...     g.check_output_width(4)
+            ... except TokenizerError as e:
+            ...     print(str(e).split(" (")[0])
+            graph 'graph' has 5 tokens but the model scores 4
+        """
+        if not isinstance(width, (int, np.integer)) or isinstance(width, bool) or width < 1:
+            raise ValueError(f"width must be the model's output width, an int >= 1, got {width!r}")
+        if width < self.vocab_size:
+            raise TokenizerError(
+                f"graph {self.name!r} has {self.vocab_size} tokens but the model scores {int(width)} (its head is "
+                f"narrower than the vocabulary of the graph's tokenizer {self.manifest['tokenizer']['name']!r}); "
+                f"decode with a model of that tokenizer, or rebuild the graph with this model's tokenizer "
+                f"(graphmax build … --tokenizer MODEL_FOLDER)"
             )
 
 

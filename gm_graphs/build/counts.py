@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from gm_graphs.build.local import counters
@@ -71,11 +71,14 @@ class CorpusCounts:
     timings: dict = field(default_factory=dict)
 
     def merge(self, other: CorpusCounts) -> CorpusCounts:
-        if other.tokenizer.vocab_sha256 != self.tokenizer.vocab_sha256 or \
-                other.tokenizer.vocab_size != self.tokenizer.vocab_size:
+        mine, theirs = self.tokenizer, other.tokenizer
+        if theirs.vocab_sha256 != mine.vocab_sha256 or theirs.vocab_size != mine.vocab_size:
             raise MergeError("cannot merge counts made with different tokenizers "
-                             f"({self.tokenizer.name!r} and {other.tokenizer.name!r}); build every part with one "
-                             f"tokenizer")
+                             f"({mine.name!r} and {theirs.name!r}); build every part with one tokenizer")
+        if None not in (mine.split_sha256, theirs.split_sha256) and mine.split_sha256 != theirs.split_sha256:
+            raise MergeError(f"cannot merge counts made with tokenizers that split text differently ({mine.name!r} "
+                             f"and {theirs.name!r}: one vocabulary, other ids for the same text); build every part "
+                             f"with one tokenizer, loaded the same way")
         if other.options != self.options:
             raise MergeError(f"cannot merge counts made with different options ({self.options} vs {other.options}); "
                              f"build every part with the same --text-column, --clean and --bos-eos")
@@ -86,7 +89,9 @@ class CorpusCounts:
                              f"count it twice: merge graphs of disjoint parts")
         read = {k: self.read[k] + other.read[k] for k in self.read if k != "per_file"}
         read["per_file"] = {**self.read["per_file"], **other.read["per_file"]}
-        return CorpusCounts(self.counts.merge(other.counts), self.tokenizer,
+        # a part built before the split was recorded may have been split either way: the sum records no split
+        ident = mine if theirs.split_sha256 == mine.split_sha256 else replace(mine, split_sha256=None)
+        return CorpusCounts(self.counts.merge(other.counts), ident,
                             sorted(self.files + other.files, key=lambda f: f["path"]), read, self.options)
 
 

@@ -7,11 +7,12 @@ A datastore (Khandelwal et al., "Generalization through Memorization: Nearest Ne
 The folder is written as a temporary sibling and renamed into place (``gm_graphs.store.folders.staged_folder``), so
 a kill leaves the old datastore or the new one. Opening one follows no symlink, checks sizes, ``.npy`` headers,
 dtypes, the values' range, the keys' finiteness and (``verify``) the SHA-256 of each file before handing out an
-array. meta.json identifies the tokenizer (its vocabulary's SHA-256, as a graph's manifest does) and the model (a
-SHA-256 of all its weights), so that a datastore is never searched with another model's states or another
-vocabulary's ids. The index's offsets are checked to cover the keys exactly once, in order, and its centres to be
-finite; which list a key is in only affects what an approximate search finds, never what it reads. The marginals are
-checked to be finite, non-negative and to sum to the number of keys (each position's softmax sums to 1).
+array. meta.json identifies the tokenizer (its vocabulary's SHA-256 and how it splits text, as a graph's manifest
+does) and the model (a SHA-256 of all its weights), so that a datastore is never searched with another model's
+states or another vocabulary's ids. The index's offsets are checked to cover the keys exactly once, in order, and
+its centres to be finite; which list a key is in only affects what an approximate search finds, never what it reads.
+The marginals are checked to be finite, non-negative and to sum to the number of keys (each position's softmax sums
+to 1).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         chunks (iterable of (``np.ndarray``, ``np.ndarray``)): keys (n, dim), finite, stored as float16, and the
             token ids that followed them (n,), in [0, ``vocab_size``).
         dim (``int``): the keys' width (the LM head's input width), in [1, 65536].
-        tokenizer (``dict``): ``TokenizerIdentity.to_dict()`` of the tokenizer (name, vocab_size, vocab_sha256);
-            every value is below its ``vocab_size``, and a reader checks its vocabulary against the graph's.
+        tokenizer (``dict``): ``TokenizerIdentity.to_dict()`` of the tokenizer (name, vocab_size, vocab_sha256,
+            and optionally split_sha256); every value is below its ``vocab_size``, and a reader checks its
+            vocabulary against the graph's.
         model (``str``): the model's name, for messages.
         model_sha256 (``str``): a fingerprint of its weights (``gm_solver.datastore.model_fingerprint``), which a
             reader checks against the model that decodes.
@@ -118,8 +120,8 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
             or not (_int(positions) and positions >= 0 and _int(documents) and documents >= 0) \
             or not (buffers_sha256 is None or is_sha256(buffers_sha256)):
         raise DatastoreError(f"write_datastore needs dim in [1, {_MAX_DIM}], a tokenizer identity (name, vocab_size "
-                             f"below 2**31, vocab_sha256), a model_sha256 (and buffers_sha256, if any) and counts "
-                             f">= 0; got dim={dim!r}, "
+                             f"below 2**31, vocab_sha256, and split_sha256 if any), a model_sha256 (and "
+                             f"buffers_sha256, if any) and counts >= 0; got dim={dim!r}, "
                              f"tokenizer={tokenizer!r}, positions={positions!r}, documents={documents!r}")
     vocab_size = tokenizer["vocab_size"]
     if ivf is not None:
@@ -373,11 +375,13 @@ def _positive_int(meta: dict, key: str) -> bool:
 
 
 def _checked_tokenizer(t: object) -> dict | None:
-    """A tokenizer identity (``TokenizerIdentity.to_dict()``) as plain values, or None if it is not one."""
+    """A tokenizer identity (``TokenizerIdentity.to_dict()``) as plain values, or None if it is not one; its
+    ``split_sha256`` is optional, as in a graph's manifest."""
     if not isinstance(t, dict) or not _int(t.get("vocab_size")) or not 1 <= t["vocab_size"] < 2**31 \
-            or not is_sha256(t.get("vocab_sha256")):
+            or not is_sha256(t.get("vocab_sha256")) or not ("split_sha256" not in t or is_sha256(t["split_sha256"])):
         return None
-    return {"name": str(t.get("name", "")), "vocab_size": int(t["vocab_size"]), "vocab_sha256": t["vocab_sha256"]}
+    return {"name": str(t.get("name", "")), "vocab_size": int(t["vocab_size"]), "vocab_sha256": t["vocab_sha256"],
+            **({"split_sha256": t["split_sha256"]} if "split_sha256" in t else {})}
 
 
 def _read_meta(root: Path) -> dict:

@@ -147,6 +147,9 @@ def check_manifest(root, m, v1_ngrams: bool = False) -> None:
     n = s.int(tok, "vocab_size", "tokenizer", lo=1, hi=MAX_INDEX)
     s.str(tok, "name", "tokenizer")
     s.str(tok, "vocab_sha256", "tokenizer")
+    if "split_sha256" in tok:  # recorded since graphs record how their tokenizer splits text; older ones lack it
+        s.need(is_sha256(tok["split_sha256"]), "tokenizer.split_sha256", "64 lowercase hex digits",
+               tok["split_sha256"])
     s.number(m, "eps", "")
     corpus = s.dict(m, "corpus", "")
     for key in ("documents", "tokens", "bigrams", "distinct_bigrams", "empty_skipped", "undecodable_documents",

@@ -105,40 +105,76 @@ def load_tokenizer(spec: Any):
     return tok
 
 
+# Text whose ids tell apart tokenizers that share a vocabulary but split text differently: runs of digits (GPT-2's
+# expression keeps "1999" whole, Llama 3's cuts it 199|9, Qwen2's 1|9|9|9), runs of spaces, tabs and newlines,
+# contractions and punctuation, letters a normaliser changes (NFC, NFKC, case), scripts beyond Latin, and characters
+# a byte-fallback vocabulary spells in bytes.
+SPLIT_PROBE = (
+    "In 1999, 12,345 people paid $3.50 (or €4) — 2024-01-15T09:30, 100% of 1234567.\n"
+    "It's   three  spaces;\ttabs\tand\r\nnewlines\n\n\nhere. I'll say they've gone, we'd've \"quoted\" 'single'\n"
+    "UPPER lower Title café cafe\u0301 naïve ﬁne ＡＢ ½ ² Ⅻ Привет 中文字 日本語 한국어 العربية हिन्दी\n"
+    "👍🏽🎉 👨\u200d👩\u200d👧 ☃ 𝔘𝔫 \u00a0nbsp\u200bzero \x07bell  end   "
+)
+
+
 @dataclass(frozen=True)
 class TokenizerIdentity:
-    """What a graph records of its tokenizer; a graph is only valid with a matching vocabulary.
+    """What a graph records of its tokenizer: its vocabulary, and how it splits text into that vocabulary's ids.
+
+    Two tokenizers with one vocabulary may still split text differently (another pre-tokenizer or normaliser:
+    transformers builds a ``Qwen2Tokenizer`` from a folder whose ``config.json`` says ``qwen2``, and that class
+    cuts "1999" into four digits where the folder's ``tokenizer.json`` alone keeps three together); the ids of
+    :data:`SPLIT_PROBE` tell them apart.
 
     Args:
         name (``str``): the tokenizer's name or path, for messages.
         vocab_size (``int``): the number of ids, the graph's N.
-        vocab_sha256 (``str``): SHA-256 of the vocabulary (token → id), which decides the match.
+        vocab_sha256 (``str``): SHA-256 of the vocabulary (token → id).
+        split_sha256 (``str`` or ``None``, defaults to ``None``): SHA-256 of the ids the tokenizer gives
+            :data:`SPLIT_PROBE` (no special tokens added); ``None`` in graphs built before it was recorded, and for
+            a tokenizer that cannot encode the probe (a word-level vocabulary without an unknown token).
 
     Example::
 
-        >>> from tokenizers import Tokenizer, models
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
         >>> from transformers import PreTrainedTokenizerFast
         >>> vocab = {w: i for i, w in enumerate("[UNK] the cat sat".split())}
-        >>> tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "[UNK]")))
-        >>> ident = TokenizerIdentity.of(tok)
-        >>> ident.vocab_size, len(ident.vocab_sha256)
-        (4, 64)
+        >>> words, pieces = (Tokenizer(models.WordLevel(vocab, "[UNK]")) for _ in range(2))
+        >>> words.pre_tokenizer, pieces.pre_tokenizer = pre_tokenizers.Whitespace(), pre_tokenizers.Digits(True)
+        >>> a, b = (TokenizerIdentity.of(PreTrainedTokenizerFast(tokenizer_object=t)) for t in (words, pieces))
+        >>> a.vocab_size, len(a.vocab_sha256), a.vocab_sha256 == b.vocab_sha256, a.split_sha256 == b.split_sha256
+        (4, 64, True, False)
     """
 
     name: str
     vocab_size: int
     vocab_sha256: str
+    split_sha256: str | None = None
 
     @classmethod
     def of(cls, tok) -> TokenizerIdentity:
+        """The identity of ``tok`` (a loaded tokenizer)."""
         vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
         digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
         size = max(len(tok), (vocab[-1][1] + 1) if vocab else 0)
         return cls(name=str(getattr(tok, "name_or_path", "") or type(tok).__name__),
-                   vocab_size=int(size), vocab_sha256=digest)
+                   vocab_size=int(size), vocab_sha256=digest, split_sha256=_split_digest(tok))
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "vocab_size": self.vocab_size, "vocab_sha256": self.vocab_sha256}
+        """The identity as a manifest records it (``split_sha256`` only when known)."""
+        return {"name": self.name, "vocab_size": self.vocab_size, "vocab_sha256": self.vocab_sha256,
+                **({"split_sha256": self.split_sha256} if self.split_sha256 is not None else {})}
+
+
+def _split_digest(tok) -> str | None:
+    """SHA-256 of the ids ``tok`` gives :data:`SPLIT_PROBE`, encoded as a build encodes documents."""
+    backend = _whole_documents(tok)
+    try:
+        ids = (backend.encode(SPLIT_PROBE, add_special_tokens=False).ids if backend is not None
+               else list(tok(SPLIT_PROBE, add_special_tokens=False)["input_ids"]))
+    except Exception:  # tokenizers and transformers raise many kinds here; the vocabulary still identifies it
+        return None
+    return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()
 
 
 class BatchEncoder:
