@@ -291,7 +291,8 @@ def run(args) -> int:
         proc.tap.attach(model)  # each step's hidden states, for the datastore's search
     warm_up(model, tok, [proc])
     label = "context graphmax" if isinstance(proc, ContextGraphmaxLogitsProcessor) else "paper graphmax"
-    print(f"graph: {graph!r}\ndecoder: {proc!r}\n  settings: {origin}")
+    print(f"model: {args.model} on {device} in {str(dtype).removeprefix('torch.')}\ngraph: {graph!r}\n"
+          f"decoder: {proc!r}\n  settings: {origin}")
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed, prefix=prefix)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)
     plain, plain_ms = generate_texts(model, tok, args.prompt, None, **kw) if args.compare else (None, None)
