@@ -37,10 +37,11 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
     certified by its duality gap) and work with greedy search, sampling (put temperature/top-k/top-p warpers
     after them), beam search (graphmax is invariant to the per-row shift of log-softmaxed scores), decoder-only
     and encoder-decoder models, batches and left padding. ``-inf`` scores stay ``-inf``; NaN, ``+inf`` and a row
-    with no finite score are refused. After each call ``last_info`` holds the step's :class:`SolveInfo`
-    (per-row iterations and certified gap). The first step of a process compiles numba's kernels (or loads them
-    from numba's disk cache): call :meth:`warmup` before timing anything. Calling this base class directly raises
-    a TypeError.
+    with no finite score are refused. Scores wider than the graph (a head padded past the tokenizer, as Qwen's is)
+    get ``-inf`` in the extra columns, ids the tokenizer never emits; narrower ones are refused. After each call
+    ``last_info`` holds the step's :class:`SolveInfo` (per-row iterations and certified gap). The first step of a
+    process compiles numba's kernels (or loads them from numba's disk cache): call :meth:`warmup` before timing
+    anything. Calling this base class directly raises a TypeError.
 
     Example::
 
@@ -259,6 +260,7 @@ class _OperatorDecoder(GraphmaxLogitsProcessor):
             check()
         if scores.device != self.operator.device:
             self.operator = get_operator(self.graph, scores.device)
+        scores = _without_padding(scores, self.operator.n)
         c = self.config
         logp, self.last_info = log_graphmax(scores, self.operator, c.lam, tol=c.tol, max_iter=c.max_iter,
                                             solver="paper" if c.algorithm1 else "mirror",
@@ -536,6 +538,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # reference rows, solve and certificate for the whole batch in one call, on the scores' device (at λ_t = 0,
         # softmax with its info: solvers.softmax_solution)
+        scores = _without_padding(scores, self.reference.n)
         logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids))
         return logp
 
@@ -664,6 +667,7 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
             raise ValueError(f"the tap holds {hidden.shape[0]} hidden states for {scores.shape[0]} rows of scores; "
                              f"attach the tap to the model that produces these scores")
         knn = self.knn
+        scores = _without_padding(scores, self.reference.n)
         tokens, weights = self.datastore.distribution(hidden, knn.knn_k, knn.knn_temperature)
         logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids),
                                                    knn=(tokens, weights, knn.knn_weight))
@@ -735,6 +739,16 @@ class MarginalBiasLogitsProcessor(LogitsProcessor):
 
     def __repr__(self) -> str:
         return f"MarginalBiasLogitsProcessor(weight={self.weight!r}, datastore_keys={len(self.datastore)})"
+
+
+def _without_padding(scores: Any, n: int) -> Any:
+    """``scores`` with ``-inf`` in its columns past the graph's ``n`` tokens: a head padded past the tokenizer scores
+    ids the tokenizer never emits, which no distribution over the tokenizer's tokens gives any probability."""
+    if not torch.is_tensor(scores) or scores.dim() == 0 or scores.shape[-1] <= n:
+        return scores  # (malformed or narrower scores are the solver's to refuse)
+    scores = scores.clone()  # the caller's scores stay as they were
+    scores[..., n:] = -torch.inf
+    return scores
 
 
 def _arguments(cls: type) -> set[str]:
