@@ -1,4 +1,5 @@
-"""The word cache gives exactly the ids of the tokenizer it stands in for, on every ASCII context and real corpora."""
+"""The word cache gives exactly the ids of the tokenizer it stands in for, on every ASCII context and real corpora,
+and the encoder gives every tokenizer family's own ids (the cache stepping aside where it cannot)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from hypothesis import strategies as st
 from gm_graphs import bundled
 from gm_graphs.corpus.read import expand_corpus, iter_documents
 from gm_graphs.tokenize.bytelevel import KNOWN, WordCache, _byte_symbols, cacheable, split_words
-from gm_graphs.tokenize.encoder import BatchEncoder, word_tokenizer
+from gm_graphs.tokenize.encoder import BatchEncoder, load_tokenizer, word_tokenizer
+
+from .own_models import saved_tokenizer
 
 ASCII = "".join(map(chr, range(128)))
 # every character the kernel knows beyond ASCII
@@ -206,3 +209,43 @@ def test_a_tokenizer_that_truncates_or_pads_is_not_cacheable(backend):
         t = Tokenizer.from_str(backend.to_str())
         change(t)
         assert not cacheable(t)
+
+
+# the tokenizers users bring: each family made here (own_models), two of them as the class transformers picks from a
+# config.json's model type loads them, and SmolLM2's; the cache stands in for those with GPT-2's expression alone
+FAMILY_TOKENIZERS = {"gpt2": ("gpt2", None), "llama3": ("llama3", None), "sentencepiece": ("sentencepiece", None),
+                     "qwen2 class": ("llama3", "qwen2"), "gpt2 class": ("gpt2", "gpt2"), "smollm2": None}
+CACHED = {"gpt2", "gpt2 class", "smollm2"}
+# digits, runs of spaces and newlines, contractions, accents (composed or not), scripts, emoji (one joined), a
+# character only byte fallback spells, special tokens' text
+PIECES = ["1999", "12,345", "3.5", " ", "  ", "\n", "\n\n", "\r\n", "\t", "\u00a0", "\U0001f44d",
+          "\U0001f468\u200d\U0001f469", "caf\u00e9", "cafe\u0301", "I'll", "it's", "\u4e2d\u6587",
+          "\u041f\u0440\u0438", " \u2014", "\u201c", "\u01c5", "\U0001d518", "\x00", "<|endoftext|>", "<s>", "</s>",
+          "<unk>"]
+texts = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=4)), max_size=12).map("".join)
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_TOKENIZERS))
+def family_tokenizer(request, tmp_path_factory, smollm2_tokenizer):
+    """The name, the tokenizer and an encoder of it (whose word cache, where it has one, fills as tests go on)."""
+    if FAMILY_TOKENIZERS[request.param] is None:
+        tok = smollm2_tokenizer
+    else:
+        family, model_type = FAMILY_TOKENIZERS[request.param]
+        tok = load_tokenizer(saved_tokenizer(family, tmp_path_factory.mktemp("tok"), model_type))
+    return request.param, tok, BatchEncoder(tok)
+
+
+@given(docs=st.lists(texts, min_size=1, max_size=4))
+def test_the_encoder_gives_each_tokenizer_familys_own_ids(family_tokenizer, docs):
+    name, tok, encoder = family_tokenizer
+    assert (encoder._words is not None) == (name in CACHED)  # the cache steps aside for the other expressions
+    assert split(*encoder.encode(docs)) == tok(docs, add_special_tokens=False)["input_ids"]
+
+
+def test_the_families_split_digits_as_their_expressions_say(family_tokenizer):
+    name, tok, encoder = family_tokenizer
+    pieces = tok.convert_ids_to_tokens(split(*encoder.encode(["in 1999"]))[0])
+    digits = [p.lstrip("\u0120\u2581") for p in pieces if any(c.isdigit() for c in p)]
+    expected = {"llama3": ["199", "9"], "qwen2 class": ["1", "9", "9", "9"]}.get(name)
+    assert "".join(digits) == "1999" and (expected is None or digits == expected)
