@@ -48,7 +48,7 @@ from gm_graphs.format import validate
 from gm_graphs.operators import normalize
 
 from . import context_kernel, lambert_kernel
-from .checks import choice, finite_nonnegative, finite_positive, integer, raise_unless, real
+from .checks import choice, finite_nonnegative, finite_positive, integer, logit_value_checks, raise_unless, real
 from .divergences import (
     DIVERGENCES,
     check_inputs,
@@ -56,7 +56,7 @@ from .divergences import (
     restrict_reference,
     solve_torch,
 )
-from .solvers import SolveInfo
+from .solvers import SolveInfo, softmax_solution
 
 SMOOTHINGS = ("kneser-ney", "dirichlet")
 
@@ -518,8 +518,10 @@ class ContextReference:
         lam = check_inputs(scores, None, cfg.lam_at(input_ids.shape[1]) if lam is None else lam, share, tol, max_iter,
                            sync=check_every != 0, skip_z_values=kernel, name="scores")
         if isinstance(lam, float) and lam == 0.0:
-            zeros = torch.zeros(scores.shape[0], dtype=torch.float64, device=scores.device)
-            return torch.log_softmax(scores, -1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
+            if kernel:  # (no kernel runs to check them)
+                raise_unless(logit_value_checks(scores, "scores"), True)
+            logx, info = softmax_solution(scores.to(torch.float64))
+            return logx.to(scores.dtype), info
         if not kernel:
             z = scores.to(torch.float64)
             q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1], knn)

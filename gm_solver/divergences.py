@@ -32,7 +32,7 @@ import torch
 from . import lambert_kernel
 from .checks import ALL_MASKED, NAN, POSINF, logit_value_checks, raise_unless
 from .objective import gap
-from .solvers import SolveInfo
+from .solvers import SolveInfo, softmax_solution
 
 DIVERGENCES = ("kl", "rkl", "l2")
 _TINY = 1e-300
@@ -204,9 +204,8 @@ def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, di
     if backend == "numba" and not numba_fits:
         raise ValueError(f"the numba kernel takes float64 CPU tensors, got {z.dtype} on {z.device}; "
                          f"use backend='torch'")
-    if isinstance(lam, float) and lam == 0.0:  # no regulariser: softmax, exactly optimal
-        zeros = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
-        return torch.log_softmax(z, dim=-1), SolveInfo(zeros.long(), zeros, zeros == 0, 0)
+    if isinstance(lam, float) and lam == 0.0:
+        return softmax_solution(z)
     if backend == "numba" or (backend == "auto" and numba_fits):
         logx, iters, g = _solve_rows_numba(divergence, z, q, lam, kl_share, max_iter)
         return logx, SolveInfo(iters, g, g <= tol, 0)

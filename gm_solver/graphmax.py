@@ -10,7 +10,7 @@ import torch
 
 from .checks import logit_value_checks, raise_unless
 from .operator import TransitionOperator
-from .solvers import SolveInfo, mirror_descent, paper_pgd
+from .solvers import mirror_descent, paper_pgd, softmax_solution
 
 SOLVERS = ("mirror", "paper")
 _operators: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
@@ -63,15 +63,13 @@ def _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace, che
     check_logits(logits, sync=check_every != 0)
     op = get_operator(graph, logits.device, backend)
     z = logits.reshape(-1, logits.shape[-1]).to(dtype)
-    if op.backend == "numba":  # its kernels take values, as the context decoder's: the result carries no gradient
-        z = z.detach()
     if z.shape[-1] < op.n:
         raise ValueError(f"logits have {z.shape[-1]} entries but the graph has {op.n} nodes; the graph was "
                          f"built for a larger vocabulary: rebuild it with this model's tokenizer")
-    if lam == 0:
-        x = torch.log_softmax(z, dim=-1)
-        zeros = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
-        return x, SolveInfo(zeros, torch.zeros_like(z[:, 0]), torch.ones_like(zeros, dtype=torch.bool), 0)
+    if lam == 0:  # no kernel runs: a gradient flows on either backend
+        return softmax_solution(z)
+    if op.backend == "numba":  # its kernels take values, as the context decoder's: the result carries no gradient
+        z = z.detach()
     if solver == "paper":
         return paper_pgd(z, op, lam, trace=trace)
     return mirror_descent(z, op, lam, tol=tol, max_iter=max_iter, trace=trace, check_every=check_every)
@@ -98,7 +96,8 @@ def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float =
         logits (``torch.Tensor`` (N,) or (B, N)): z, floating point; ``-inf`` masks a token, NaN and ``+inf``
             are refused.
         graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``): M.
-        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives softmax exactly.
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives softmax, computed in ``dtype`` (0 iterations,
+            gap 0).
         tol (``float``, defaults to 1e-6): the certified duality gap at which the solve stops.
         max_iter (``int``, defaults to 200): the iteration budget.
         solver (``str``, defaults to ``"mirror"``): ``"mirror"`` (certified mirror descent) or ``"paper"`` (the
@@ -123,8 +122,7 @@ def graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: float =
         (True, 1.0)
     """
     logp, info = _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace, check_every)
-    # λ = 0 is softmax itself, bit for bit, in the caller's dtype
-    x = torch.softmax(logits, -1) if lam == 0 else torch.exp(logp).to(logits.dtype).reshape(logits.shape)
+    x = torch.exp(logp).to(logits.dtype).reshape(logits.shape)
     return (x, info) if return_info else x
 
 
@@ -136,7 +134,7 @@ def log_graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: flo
     Args:
         logits (``torch.Tensor`` (N,) or (B, N)): z, as for :func:`graphmax`.
         graph (``gm_graphs.Graph``, scipy sparse matrix, torch sparse CSR tensor or ``TransitionOperator``): M.
-        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives log-softmax exactly.
+        lam (``float``, defaults to 1.0): λ ≥ 0, finite; 0 gives log-softmax, computed in ``dtype``.
         tol (``float``, defaults to 1e-6): the certified duality gap at which the solve stops.
         max_iter (``int``, defaults to 200): the iteration budget.
         solver (``str``, defaults to ``"mirror"``): ``"mirror"`` or ``"paper"``.
@@ -158,7 +156,7 @@ def log_graphmax(logits: torch.Tensor, graph: Any, lam: float = 1.0, *, tol: flo
         ([0.562, 0.438, 0.0], -inf)
     """
     logp, info = _solve(logits, graph, lam, tol, max_iter, solver, backend, dtype, trace, check_every)
-    logp = torch.log_softmax(logits, -1) if lam == 0 else logp.to(logits.dtype).reshape(logits.shape)
+    logp = logp.to(logits.dtype).reshape(logits.shape)
     return (logp, info) if return_info else logp
 
 

@@ -72,7 +72,8 @@ def test_context_processor_lambda_zero_is_softmax_and_inputs_are_not_edited():
     before = scores.clone()
     proc = ContextGraphmaxLogitsProcessor(COUNTS, lam=0.0)
     out = proc(torch.tensor([[0], [1]]), scores)
-    assert torch.equal(out, torch.log_softmax(scores, -1)) and torch.equal(scores, before)
+    assert torch.equal(out, torch.log_softmax(scores.double(), -1).float()) and torch.equal(scores, before)
+    assert proc.last_info.iterations.tolist() == [0, 0] and proc.last_info.gap.tolist() == [0.0, 0.0]
 
 
 def test_context_processor_moves_mass_toward_the_corpus_continuation():

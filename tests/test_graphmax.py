@@ -57,9 +57,44 @@ def test_certificate_kkt_and_independent_dual_solve(n, density, seed, lam, scale
     np.testing.assert_allclose(x.numpy(), expected, atol=3e-3)
 
 
-def test_lambda_zero_is_exactly_softmax():
-    z = torch.randn(3, 20, dtype=torch.float64)
-    assert torch.equal(graphmax(z, random_graph(20, 0.2, 0), 0.0), torch.softmax(z, -1))
+def _scores(draw_rows, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of scores with -inf entries (each row keeps one finite score), from hypothesis' lists of floats."""
+    z = torch.tensor(draw_rows, dtype=torch.float64)[:, :width]
+    z[:, -1] = z[:, -1].nan_to_num(neginf=0.0)
+    return z.to(dtype)
+
+
+SCORE_ROWS = st.lists(st.lists(st.one_of(st.floats(-60, 60), st.just(-np.inf)), min_size=24, max_size=24),
+                      min_size=1, max_size=3)
+
+
+@given(rows=SCORE_ROWS, width=st.integers(20, 24), dtype=st.sampled_from([torch.float32, torch.float64]),
+       solver=st.sampled_from(["mirror", "paper"]), backend=st.sampled_from(["numba", "torch"]))
+def test_lambda_zero_is_softmax_computed_in_the_working_dtype(rows, width, dtype, solver, backend):
+    # no regulariser: the exact solution is softmax(z), computed in float64 and rounded once to the logits' dtype,
+    # as every solution is (float32's own log-sum-exp is 1e-5 off on a large vocabulary, by an amount that varies
+    # with the CPU); a row alone or in a batch, on either backend, with either solver, and whatever the padding
+    z = _scores(rows, width, dtype)
+    graph = random_graph(20, 0.2, 0)
+    logp, info = log_graphmax(z, graph, 0.0, solver=solver, backend=backend, return_info=True)
+    want = torch.log_softmax(z.double(), -1).to(dtype)
+    assert logp.dtype == dtype and torch.equal(logp, want)
+    x = graphmax(z, graph, 0.0, solver=solver, backend=backend)
+    assert torch.equal(x, torch.log_softmax(z.double(), -1).exp().to(dtype))
+    # softmax to rounding: a log's absolute error, eps·|z_i − max z| ≤ 120·eps here, is p_i's relative error
+    torch.testing.assert_close(x, torch.softmax(z, -1), rtol=256 * torch.finfo(dtype).eps, atol=0)
+    assert info.iterations.tolist() == [0] * z.shape[0] and info.gap.tolist() == [0.0] * z.shape[0]
+    assert bool(info.converged.all()) and info.operator_applications == 0
+    assert torch.equal(log_graphmax(z[-1], graph, 0.0), want[-1])
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_at_lambda_zero_a_gradient_flows_on_either_backend(backend):
+    # no kernel runs at λ = 0, so the numba backend's result keeps the logits' graph too: d log softmax
+    z = torch.randn(2, 20, dtype=torch.float64, requires_grad=True)
+    log_graphmax(z, random_graph(20, 0.2, 0), 0.0, backend=backend)[:, 3].sum().backward()
+    want = torch.eye(20, dtype=torch.float64)[3] - torch.softmax(z.detach(), -1)
+    torch.testing.assert_close(z.grad, want)
 
 
 @given(shift=st.floats(-50, 50), seed=st.integers(0, 1000))

@@ -26,7 +26,10 @@ from gm_graphs.errors import GraphFormatError
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
+    Datastore,
     GraphmaxLogitsProcessor,
+    HiddenStateTap,
+    KnnContextGraphmaxLogitsProcessor,
     PaperAlgorithm1LogitsProcessor,
     PaperGraphmaxLogitsProcessor,
     graphmax,
@@ -321,9 +324,9 @@ def test_both_decoders_refuse_bad_scores_alike(make, bad, error):
 
 
 def test_context_lambda_zero_is_softmax_and_narrow_scores_are_refused():
-    scores = torch.randn(2, 7)
+    scores = torch.randn(2, 5)
     assert torch.equal(ContextGraphmaxLogitsProcessor(COUNTS, lam=0.0)(_ids([0], [1]), scores),
-                       torch.log_softmax(scores, -1))
+                       torch.log_softmax(scores.double(), -1).float())
     with pytest.raises(ValueError, match="scores have 4 entries but the graph has 5 nodes"):
         ContextGraphmaxLogitsProcessor(COUNTS)(_ids([0]), torch.zeros(1, 4))
 
@@ -349,6 +352,54 @@ def test_the_paper_decoders_warmup_takes_solver_steps(monkeypatch):
     monkeypatch.setattr(mirror_kernel, "judge_rows", lambda *args: judged.append(args[0].shape[0]) or judge(*args))
     PaperGraphmaxLogitsProcessor(cycle, lam=2.0).warmup()
     assert judged
+
+
+# ---- every decoder at λ = 0
+
+_LAMBDA_ZERO = {
+    "paper": lambda: PaperGraphmaxLogitsProcessor(COUNTS, lam=0.0),
+    "algorithm 1": lambda: PaperAlgorithm1LogitsProcessor(COUNTS, lam=0.0),
+    "context": lambda: ContextGraphmaxLogitsProcessor(COUNTS, lam=0.0, lam_decay=0.5, prompt_length=2),
+    "knn": lambda: KnnContextGraphmaxLogitsProcessor(COUNTS, Datastore(torch.eye(5, 3).numpy(), [1, 2, 3, 4, 0],
+                                                                       vocab_size=5), HiddenStateTap(), lam=0.0),
+}
+
+
+@given(rows=st.lists(st.lists(st.one_of(st.floats(-60, 60), st.just(-math.inf)), min_size=5, max_size=5),
+                     min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.float64]), length=st.integers(1, 6),
+       decoder=st.sampled_from(sorted(_LAMBDA_ZERO)))
+def test_at_lambda_zero_every_decoder_is_the_softmax_of_its_scores(rows, dtype, length, decoder):
+    # no regulariser: the problem's exact solution is softmax, computed in float64 and rounded once to the scores'
+    # dtype as every solution is, on any CPU (float32's own log-sum-exp over 49k logits is 1e-5 off, and by more
+    # with AVX2 than with AVX-512); with a step's info, as any solve leaves: no iteration, gap 0
+    scores = torch.tensor(rows, dtype=torch.float64)
+    scores[:, 0] = scores[:, 0].nan_to_num(neginf=1.0)  # every row keeps a finite score
+    scores = scores.to(dtype)
+    ids = torch.arange(scores.shape[0] * length).reshape(scores.shape[0], length) % 5
+    proc = _LAMBDA_ZERO[decoder]()
+    out = proc(ids, scores)
+    assert out.dtype == dtype and torch.equal(out, torch.log_softmax(scores.double(), -1).to(dtype))
+    info = proc.last_info
+    assert info.iterations.tolist() == [0] * len(rows) and info.gap.tolist() == [0.0] * len(rows)
+    assert bool(info.converged.all())
+
+
+@pytest.mark.parametrize("lam_decay", [0.0, 0.5, 3.0])
+@pytest.mark.parametrize("prompt_length", [0, 3])
+def test_a_decaying_lambda_is_never_zero_after_any_prompt(monkeypatch, lam_decay, prompt_length):
+    # λ_t = λ·t^(−γ) with t ≥ 1 counted after the prompt: positive, so every step solves (softmax only at λ = 0)
+    from gm_solver import context
+
+    def no_softmax(z):
+        raise AssertionError("λ_t > 0 solved as λ = 0")
+
+    monkeypatch.setattr(context, "softmax_solution", no_softmax)
+    proc = ContextGraphmaxLogitsProcessor(COUNTS, lam=2.0, lam_decay=lam_decay, prompt_length=prompt_length)
+    scores = torch.zeros(2, 5)
+    for length in (1, prompt_length, prompt_length + 1, prompt_length + 8):
+        out = proc(torch.zeros(2, max(length, 1), dtype=torch.long), scores)
+        assert not torch.equal(out, torch.log_softmax(scores, -1)) and proc.last_info.gap.max() <= 1e-6
 
 
 # ---- inside generate()
