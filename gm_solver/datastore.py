@@ -368,7 +368,11 @@ def _search_keys(keys: torch.Tensor, precision: str, device: str | torch.device)
 def _ivf_index(keys: Any, ivf: tuple) -> Any:
     """A faiss IVF index over ``keys`` (float16 codes, by list, no residuals) from checked centroids and offsets:
     the lists are filled with the keys as stored, nothing is re-assigned or trained."""
-    import faiss  # only an indexed datastore needs it
+    try:
+        import faiss  # only an indexed datastore needs it
+    except ImportError:  # faiss-cpu is an extra, so that an environment's own faiss (faiss-gpu) is the one used
+        raise DatastoreError("an indexed datastore needs faiss, which is not installed; install it with "
+                             "pip install 'graphmax[faiss]' (faiss-cpu), or install faiss-gpu") from None
 
     if torch.is_tensor(keys):
         keys = keys.detach().cpu()
