@@ -90,3 +90,44 @@ def test_a_name_that_is_gone_is_found(tmp_path):
     script.write_text("def main():\n    from gm_graphs.count.ngrams import _fold\n"
                       "    from gm_graphs import load_graph\n")
     assert missing(graphmax_imports(script)) == ["2: gm_graphs.count.ngrams._fold"]
+
+
+def test_the_device_table_runs_on_the_cpu(tmp_path, bpe_tokenizer):
+    """benchmarks/device.py at its smallest on a tiny random Llama and a graph of its tokenizer: every table printed
+    with numbers, none failed, and the same numbers in --out."""
+    import re
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gm_graphs import build_graph
+
+    from .helpers import make_docs
+
+    model = tmp_path / "model"
+    bpe_tokenizer.save_pretrained(model)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(bpe_tokenizer), hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=256)).save_pretrained(model)
+    (tmp_path / "docs.txt").write_text("\n".join(make_docs(300)))
+    build_graph(tmp_path / "docs.txt", str(model), path=tmp_path / "graph", ngrams=(3, 4), progress=False)
+    root = BENCHMARKS[0].parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "device.py"), "--device", "cpu", "--model",
+                          str(model), "--graph", str(tmp_path / "graph"), "--batches", "1", "--dtypes", "float32",
+                          "--new-tokens", "2", "--rounds", "1", "--knn-keys", "64",
+                          "--out", str(tmp_path / "out.json")],
+                         capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root), "GRAPHMAX_HOME": str(tmp_path / "home")})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "failed" not in run.stdout, run.stdout
+    tables = {}
+    for block in run.stdout.split("\n\n"):  # a table's title and header line, then its markdown rows
+        if re.match(r"[1-4]\. ", block):
+            title = block
+        elif block.startswith("| ") and re.search(r"\| \d+\.\d+", block.splitlines()[2]):
+            tables[title[0]] = block.splitlines()[2]
+    assert sorted(tables) == ["1", "2", "3", "4"], run.stdout
+    assert "device cpu" in run.stdout and "dtype float32" in run.stdout
+    numbers = json.loads((tmp_path / "out.json").read_text())["tables"]
+    assert {"decoding", "processors", "datastore", "startup"} <= set(numbers)
+    assert numbers["datastore"]["keys"] >= 64
+    assert set(numbers["decoding"][0]) == {"dtype", "decoding", "batch", "context", "kNN", "paper"}
