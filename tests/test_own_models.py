@@ -24,7 +24,7 @@ from gm_solver import (
 from pipelines.cli import main
 
 from .helpers import write_jsonl
-from .own_models import ARCHITECTURES, save_model, sentences
+from .own_models import ARCHITECTURES, LLAMA3_SPLIT, save_model, sentences
 
 ARCH = {a.name: a for a in ARCHITECTURES}
 DOCS = sentences(40, seed=1)  # the training corpus: documents with newlines, digits, accents, CJK and emoji inside
@@ -62,6 +62,32 @@ def qwen2_graph(folders, corpus, tmp_path_factory):
     graph = tmp_path_factory.mktemp("graphs") / "qwen2"
     assert main(["build", str(corpus[0]), "--tokenizer", str(folders["qwen2"]), "--path", str(graph)]) == 0
     return graph
+
+
+def test_the_folders_are_what_users_bring(folders):
+    """Each folder has the head and tokenizer family it stands for, as transformers loads them."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    pre = {}
+    for arch in ARCHITECTURES:
+        model = AutoModelForCausalLM.from_pretrained(folders[arch.name], local_files_only=True)
+        tok = load_tokenizer(folders[arch.name])
+        head = model.get_output_embeddings().weight
+        assert head.shape[0] == model.config.vocab_size == len(tok) + arch.padding and head.shape[1] == 32
+        tied = head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+        assert tied == (arch.name in ("gpt2", "gemma2"))
+        pre[arch.name] = json.loads(tok.backend_tokenizer.to_str())["pre_tokenizer"]
+        if arch.name == "gemma2":
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([[1, 5, 9, 300]])).logits
+            assert model.config.final_logit_softcapping == 0.5 and float(logits.abs().max()) < 0.5
+    assert pre["gpt2"]["type"] == "ByteLevel" and pre["gpt2"]["use_regex"]
+    assert pre["llama"]["pretokenizers"][0]["pattern"]["Regex"] == LLAMA3_SPLIT
+    assert r"\p{N}|" in pre["qwen2"]["pretokenizers"][0]["pattern"]["Regex"]  # Qwen2Tokenizer's, digit by digit
+    assert pre["mistral"]["type"] == pre["gemma2"]["type"] == "Metaspace"
+    assert "<0xE2>" in load_tokenizer(folders["mistral"]).get_vocab()  # byte fallback
 
 
 def grams(tok, n: int) -> Counter:
