@@ -56,6 +56,7 @@ from .divergences import (
     restrict_reference,
     solve_torch,
 )
+from .fused import FusedStep, fused_available
 from .solvers import SolveInfo, softmax_solution
 
 SMOOTHINGS = ("kneser-ney", "dirichlet")
@@ -315,6 +316,12 @@ class ContextReference:
         self._transition = None
         self._row = lru_cache(maxsize=cache_rows)(self._power_row)
         self._devices: dict[str, _DeviceTables] = {}
+        # the compiled GPU step (gm_solver.fused): None uses it wherever it is available, False never (a decoder's
+        # warmup on a GPU turns it on: compiling is paid there)
+        self.use_fused: bool | None = False
+        self._fused_steps: dict[str, FusedStep] = {}
+        self._lam_cache: dict[tuple, torch.Tensor] = {}
+        self.backend: str | None = None  # which path the last step took: "numba", "torch" or "fused"
         self._local = threading.local()
 
     @property
@@ -523,11 +530,20 @@ class ContextReference:
             logx, info = softmax_solution(scores.to(torch.float64))
             return logx.to(scores.dtype), info
         if not kernel:
+            fused = self._fused(scores.device) if check_every == 0 and input_ids.shape[1] >= self.tail else None
+            out = None if fused is None else fused(input_ids[:, -self.tail:].to(scores.device, torch.int64), scores,
+                                                   self._lam_rows(lam, scores), knn, max_iter)
+            if out is not None:
+                self.backend = "fused"
+                logx, iters, gap = out
+                return logx, SolveInfo(iters, gap, gap <= tol, 0)
+            self.backend = "torch"
             z = scores.to(torch.float64)
             q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1], knn)
             logx, info = solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
                                       check_every=check_every)
             return logx.to(scores.dtype), info
+        self.backend = "numba"
         rows, width = scores.shape
         # float64 copies of the scores and of log x, q, log q and the solve's scratch: buffers kept from step to step
         # (fresh ones cost page faults at every step); log x is handed out as a new tensor of the scores' dtype
@@ -549,6 +565,30 @@ class ContextReference:
         raise_for_status(status, "scores")
         g = torch.from_numpy(gaps)
         return torch.from_numpy(out).to(scores.dtype), SolveInfo(torch.from_numpy(iters), g, g <= tol, 0)
+
+    def _fused(self, device: torch.device) -> FusedStep | None:
+        """The compiled step for ``device`` (made on first use), or None where it is off, unavailable, or failed
+        to compile (the eager torch path then runs)."""
+        if self.use_fused is False or (self.use_fused is None and not fused_available(device)):
+            return None
+        key = str(device)
+        if key not in self._fused_steps:
+            self.on(device)  # the tables' first copy to the device is no part of the traced step
+            self._fused_steps[key] = FusedStep(self)
+        step = self._fused_steps[key]
+        return None if step.failed else step
+
+    def _lam_rows(self, lam: float | torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """λ per row as a (B,) float64 tensor on the scores' device; a float's tensor is made once and kept (λ is
+        the same at every step unless it decays with t)."""
+        if isinstance(lam, torch.Tensor):
+            return lam.to(scores.device, torch.float64)
+        key = (lam, scores.shape[0], str(scores.device))
+        if key not in self._lam_cache:
+            if len(self._lam_cache) > 256:  # λ_t decaying with t: one per step length, dropped when many
+                self._lam_cache.clear()
+            self._lam_cache[key] = torch.full((scores.shape[0],), lam, dtype=torch.float64, device=scores.device)
+        return self._lam_cache[key]
 
     def on(self, device: torch.device | str) -> _DeviceTables:
         """The arrays the torch path reads, as tensors on ``device`` (copied there once, then cached)."""

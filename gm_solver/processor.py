@@ -9,6 +9,7 @@ returns the decoder ``graphmax tune`` stored in a graph.
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -57,6 +58,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
 
     last_info: SolveInfo | None = None
     origin: str | None = None  # from_graph's: whether the graph's stored choice was used
+    warmup_seconds: float | None = None  # what the last warmup() took
 
     def __new__(cls, *args: Any, **kwargs: Any):
         if cls is GraphmaxLogitsProcessor:
@@ -180,14 +182,18 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         proc.origin = origin
         return proc
 
-    def warmup(self, device: str | torch.device | None = None) -> GraphmaxLogitsProcessor:
+    def warmup(self, device: str | torch.device | None = None,
+               dtype: torch.dtype = torch.float32) -> GraphmaxLogitsProcessor:
         """Run one step on a batch of one row and one of two, so that numba compiles (or loads from its disk
         cache) every kernel a decoding step uses now rather than inside the first timed ``generate()``; on a GPU,
-        so that the device's first-call costs (its kernels' loading, the operator's copy) are paid here too.
+        so that the device's first-call costs (its kernels' loading, the tables' copy, compiling the context
+        decoders' fused step: ``gm_solver.fused``) are paid here too. ``warmup_seconds`` then holds its time.
 
         Args:
             device (``str``, ``torch.device`` or ``None``, defaults to ``None``): where the model's scores will be
                 (the model's device); ``None``: the decoder's own (the CPU, or a paper decoder's operator's).
+            dtype (``torch.dtype``, defaults to ``torch.float32``): the scores' dtype (the model's): the fused step
+                is compiled for one.
 
         Returns:
             ``self``, so that ``proc = PaperGraphmaxLogitsProcessor(graph).warmup()`` reads as one step.
@@ -199,17 +205,24 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
             >>> proc.last_info is None      # the warm-up steps leave nothing behind
             True
         """
+        t0 = time.perf_counter()
         width, own = self._shape()
         device = own if device is None else torch.device(device)
         # scores spread as a model's are: on equal or evenly spread ones the paper's solve is certified where it
         # starts, and its step kernels would compile inside the first real step (7 s on the movie-review graph)
-        scores = (torch.randn(width, generator=torch.Generator().manual_seed(0)) * 4).to(device)
+        scores = (torch.randn(width, generator=torch.Generator().manual_seed(0)) * 4).to(device, dtype)
         for rows in (1, 2):  # a batch of one and one of two take different paths through the kernels
             self._warm_step(torch.zeros(rows, 8, dtype=torch.long, device=device), scores.repeat(rows, 1))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         self.last_info = None
+        self.warmup_seconds = time.perf_counter() - t0
         return self
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        reference = getattr(self, "reference", None)
+        if reference is not None and scores.device.type != "cpu":  # the fused step, compiled now (gm_solver.fused)
+            reference.use_fused = None
         self(input_ids, scores)
 
     def _shape(self) -> tuple[int, torch.device]:
@@ -542,6 +555,12 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids))
         return logp
 
+    @property
+    def backend(self) -> str | None:
+        """Which path the last step took: ``"numba"`` (the CPU kernel), ``"fused"`` (the compiled GPU step,
+        ``gm_solver.fused``) or ``"torch"`` (eager, wherever compiling is unavailable); None before a step."""
+        return self.reference.backend
+
     def _lam_at(self, input_ids: Any) -> float | None:
         """λ_t after the prompt (None: the reference's own, from the whole input's length)."""
         if self.prompt_length == 0 or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
@@ -675,6 +694,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """A step with a neighbour in each row's reference (the tap is left as it was), and one search."""
+        if scores.device.type != "cpu":
+            self.reference.use_fused = None
         rows, device = scores.shape[0], scores.device
         one = (torch.zeros(rows, 1, dtype=torch.long, device=device),
                torch.ones(rows, 1, dtype=torch.float64, device=device), self.knn.knn_weight)

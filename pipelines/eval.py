@@ -51,7 +51,7 @@ from .heldout import (
     token_nll,
 )
 from .metrics import References, corpus_bleu_scores, distinct_n, paired_bleu_difference, self_bleu
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL, check_fits, load_model
 from .prompt import FewShotPrompt, few_shot_prompt
 from .tune import KNN_TEMPERATURES, marginal_bias_decoder, tune_config, tune_knn
 
@@ -421,6 +421,7 @@ def run_eval(args) -> Path:
     out = claim_folder(Path(args.out))  # absent, empty or a report graphmax wrote: never a user's folder
     model, tok = load_model(args.model, device=device, dtype=dtype)
     setup = prepare(args, tok, out / "work")
+    check_fits(setup.graph, model, tok)
     prompt = draw_prompt(args, tok, setup)
     lams, mixture_lams = paper_grids(args)
     paper_lams = [lam for lam in lams if lam > 0]

@@ -33,7 +33,7 @@ from gm_solver.choice import stored_mode
 from .args import MAX_SEED, integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
 from .devices import add_device_arguments, resolve_device, resolve_dtype
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL, check_fits, load_model
 from .prompt import SEPARATOR
 
 DECODERS = ("paper", "context")
@@ -77,7 +77,7 @@ def warm_up(model, tok, processors: list[GraphmaxLogitsProcessor]) -> None:
     decoder's kernels, or its first steps on the model's device, and the model's first ``generate()`` (a two-token
     one)."""
     for proc in processors:
-        proc.warmup(model.device)
+        proc.warmup(model.device, model.dtype)
     generate_texts(model, tok, ["Hello"], None, max_new_tokens=2)
 
 
@@ -273,7 +273,7 @@ def run(args) -> int:
     # the graph and every option are checked before the model loads
     graph, proc, origin = build_decoder(args, len(prefix or ()), device)
     model, tok = load_model(args.model, device=device, dtype=dtype)
-    graph.check_tokenizer(tok)
+    check_fits(graph, model, tok)
     longest = len(prefix or ()) + max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in args.prompt)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and longest + args.max_new_tokens > limit:  # past them a model's output is garbage
@@ -291,8 +291,9 @@ def run(args) -> int:
         proc.tap.attach(model)  # each step's hidden states, for the datastore's search
     warm_up(model, tok, [proc])
     label = "context graphmax" if isinstance(proc, ContextGraphmaxLogitsProcessor) else "paper graphmax"
+    path = f", its step {proc.backend}" if getattr(proc, "backend", None) else ""  # the context decoders'
     print(f"model: {args.model} on {device} in {str(dtype).removeprefix('torch.')}\ngraph: {graph!r}\n"
-          f"decoder: {proc!r}\n  settings: {origin}")
+          f"decoder: {proc!r}\n  settings: {origin}\n  warm-up: {proc.warmup_seconds:.1f} s{path}")
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed, prefix=prefix)
     texts, ms = generate_texts(model, tok, args.prompt, proc, **kw)
     plain, plain_ms = generate_texts(model, tok, args.prompt, None, **kw) if args.compare else (None, None)

@@ -53,3 +53,12 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.d
         tok.pad_token = tok.eos_token
     model.to(device).eval()
     return model, tok
+
+
+def check_fits(graph, model, tok) -> None:
+    """Refuse, in one line with the fix, a model that cannot decode with ``graph``: another vocabulary or another
+    split of text (``Graph.check_tokenizer``), or a head narrower than the graph's vocabulary
+    (``Graph.check_output_width``; a head padded past it is fine)."""
+    graph.check_tokenizer(tok)
+    head = model.get_output_embeddings()
+    graph.check_output_width(int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size))

@@ -41,7 +41,7 @@ from .args import CLEAN_HELP, CorpusFiles, integer
 from .build import add_graph_arguments, graph_arg
 from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .heldout import HeldOut, perplexity, score_documents
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL, check_fits, load_model
 
 LAMBDAS = (0.3, 1.0, 3.0)
 SMOOTHINGS = (*({"smoothing": "kneser-ney", "discount": d} for d in (0.6, 0.75, 0.9)),
@@ -214,7 +214,7 @@ def run(args) -> int:
         tokenizer = graph.manifest["tokenizer"]
         datastore.check_tokenizer(tokenizer["vocab_sha256"], tokenizer["vocab_size"])
     model, tok = load_model(args.model, device=device, dtype=dtype)
-    graph.check_tokenizer(tok)
+    check_fits(graph, model, tok)
     if datastore is not None:
         datastore.check_model(model)
     texts = read_texts(args.corpus, args.text_column, args.clean, args.docs)
