@@ -214,9 +214,9 @@ def test_the_marginal_weight_decodes_the_scores_plus_the_bias(config, weight, la
     shifted[:, :vocab] += store.marginal_bias(weight).double()
     plain = KnnContextGraphmaxLogitsProcessor(counts, store, tap, **kw)(ids, shifted)
     assert torch.allclose(biased, plain, rtol=0, atol=1e-12)
-    if lam == 0:  # one row of scores (as the base class takes at λ = 0) gets the bias too
+    if lam == 0:  # a batch of one row gets the bias too, with no search (the tap holds two rows)
         assert torch.equal(KnnContextGraphmaxLogitsProcessor(counts, store, tap, marginal_weight=weight, **kw)(
-            ids[0], z[0]), plain[0])
+            ids[:1], z[:1]), plain[:1])
 
 
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "1", True])
