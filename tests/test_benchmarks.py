@@ -113,8 +113,8 @@ def test_the_device_table_runs_on_the_cpu(tmp_path, bpe_tokenizer):
     root = BENCHMARKS[0].parents[1]
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "device.py"), "--device", "cpu", "--model",
                           str(model), "--graph", str(tmp_path / "graph"), "--batches", "1", "--dtypes", "float32",
-                          "--new-tokens", "2", "--rounds", "1", "--knn-keys", "64",
-                          "--out", str(tmp_path / "out.json")],
+                          "--new-tokens", "2", "--rounds", "1", "--knn-keys", "64", "--corpus",
+                          str(tmp_path / "docs.txt"), "--out", str(tmp_path / "out.json")],
                          capture_output=True, text=True, timeout=300, cwd=root,
                          env={**os.environ, "PYTHONPATH": str(root), "GRAPHMAX_HOME": str(tmp_path / "home")})
     assert run.returncode == 0, run.stderr[-2000:]
