@@ -1,30 +1,75 @@
 """Compile graphmax's numba kernels into numba's on-disk cache once, right after installing (``setup.sh``).
 
-Without it the first process that decodes compiles them (about 20 s on 2 CPU cores for the context decoder's
-kernels); afterwards each process only loads them from the cache. numba writes the cache beside the sources
-(``__pycache__``) or, where that is read-only (an installed package), under the user's cache folder; a kernel is
-cached per argument types, so they are compiled on a real graph folder, whose arrays have the types a stored
-graph gives (memory-mapped, read-only), not on stand-ins.
+Without it the first process that decodes compiles them; afterwards each process only loads them from the cache.
+numba writes the cache beside the sources (``__pycache__``) or, where that is read-only (an installed package),
+under the user's cache folder; a kernel is cached per argument types, so they are compiled on a real graph folder,
+whose arrays have the types a stored graph gives (memory-mapped, read-only), not on stand-ins.
+
+numba compiles a kernel and everything it calls on one core, so two tasks of disjoint decoders compile at once,
+each in its own process, where there are two cores: the context decoder's step (56 s of CPU with its graph, the
+larger part) and Ã²'s operators with the paper decoder (38 s); one after the other they took 79 s (2 CPU cores, an
+empty ``NUMBA_CACHE_DIR``). Both build a graph, so both compile the counting kernels; the cache's lock makes the
+two saves of one kernel safe.
 
     python3 -c "from pipelines.warm import warm_kernels; warm_kernels()"
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
-from gm_graphs import add_ngrams, count_corpus, load_graph, write_graph
-from gm_solver import ContextGraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
-
+# gm_graphs and gm_solver (and torch with them) are imported by the tasks, in their own processes: the process that
+# hands them out needs none of it
 TEXT = ["This movie was great and the acting was great too.", "The plot was so bad that I left the movie.",
         "I loved the story, and the actors loved it too."]
 
 
+def _graph(folder: Path, tokenizer: str, orders: tuple[int, ...], ngrams: bool):
+    """A three-sentence graph in ``folder``, loaded as a stored graph is (memory-mapped, read-only)."""
+    from gm_graphs import add_ngrams, count_corpus, load_graph, write_graph
+
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(TEXT) + "\n")
+    graph = write_graph(count_corpus(corpus, tokenizer, progress=False), folder / "graph", orders=orders,
+                        progress=False)
+    if ngrams:
+        add_ngrams(graph, corpus, tokenizer, progress=False)
+    return load_graph(graph.path)
+
+
+def warm_context(tokenizer: str) -> None:
+    """The counting and n-gram kernels, then one step of the context decoder (its types do not depend on Ã²)."""
+    from gm_solver import ContextGraphmaxLogitsProcessor
+
+    with tempfile.TemporaryDirectory(prefix="graphmax-warm-") as tmp:
+        ContextGraphmaxLogitsProcessor(_graph(Path(tmp), tokenizer, (1,), ngrams=True)).warmup()
+
+
+def warm_operators_and_paper(tokenizer: str) -> None:
+    """The counting kernels and Ã²'s, then one step of the paper decoder (Ãᵏ and mixtures apply the same kernels to
+    the same types)."""
+    from gm_solver import PaperGraphmaxLogitsProcessor
+
+    with tempfile.TemporaryDirectory(prefix="graphmax-warm-") as tmp:
+        PaperGraphmaxLogitsProcessor(_graph(Path(tmp), tokenizer, (1, 2), ngrams=False)).warmup()
+
+
+TASKS = (warm_context, warm_operators_and_paper)  # the longest first
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def warm_kernels(tokenizer: str = "smollm2") -> float:
-    """Build a three-sentence graph (Ã and Ã², n-gram tables) in a temporary folder and run one step of each decoder
-    on it, which compiles every kernel the build and the decoders use.
+    """Build small graphs (Ã, Ã², n-gram tables) in temporary folders and run one step of each decoder on them,
+    which compiles every kernel the build and the decoders use: :data:`TASKS`, each in a process of its own up to
+    the cores this process may use, else one after another here.
 
     Args:
         tokenizer (``str``, defaults to ``"smollm2"``): anything ``--tokenizer`` accepts; the bundled one by default,
@@ -33,16 +78,16 @@ def warm_kernels(tokenizer: str = "smollm2") -> float:
     Returns:
         ``float``: the seconds it took.
     """
+    workers = min(len(TASKS), _cores())
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="graphmax-warm-") as tmp:
-        corpus = Path(tmp) / "corpus.txt"
-        corpus.write_text("\n".join(TEXT) + "\n")
-        graph = write_graph(count_corpus(corpus, tokenizer, progress=False), Path(tmp) / "graph", orders=(1, 2),
-                            progress=False)
-        add_ngrams(graph, corpus, tokenizer, progress=False)
-        graph = load_graph(graph.path)
-        PaperGraphmaxLogitsProcessor(graph).warmup()  # Ãᵏ and mixtures apply the same kernels to the same types
-        ContextGraphmaxLogitsProcessor(graph).warmup()
+    if workers == 1:
+        for task in TASKS:
+            task(tokenizer)
+    else:
+        # spawn: a fresh interpreter per task, not a fork of a caller that may hold torch's or numba's threads
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            for done in [pool.submit(task, tokenizer) for task in TASKS]:
+                done.result()  # a task's exception is raised here
     return time.perf_counter() - t0
 
 
