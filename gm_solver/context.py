@@ -316,9 +316,9 @@ class ContextReference:
         self._transition = None
         self._row = lru_cache(maxsize=cache_rows)(self._power_row)
         self._devices: dict[str, _DeviceTables] = {}
-        # the compiled GPU step (gm_solver.fused): None uses it wherever it is available, False never (a decoder's
-        # warmup on a GPU turns it on: compiling is paid there)
-        self.use_fused: bool | None = False
+        # the compiled GPU step (gm_solver.fused): True uses it wherever it is available, False never; None, until
+        # a decoder's warmup on a GPU turns it on (compiling is paid there), not
+        self.use_fused: bool | None = None
         self._fused_steps: dict[str, FusedStep] = {}
         self._lam_cache: dict[tuple, torch.Tensor] = {}
         self.backend: str | None = None  # which path the last step took: "numba", "torch" or "fused"
@@ -569,9 +569,9 @@ class ContextReference:
     def _fused(self, device: torch.device) -> FusedStep | None:
         """The compiled step for ``device`` (made on first use), or None where it is off, unavailable, or failed
         to compile (the eager torch path then runs)."""
-        if self.use_fused is False or (self.use_fused is None and not fused_available(device)):
-            return None
         key = str(device)
+        if not self.use_fused or (key not in self._fused_steps and not fused_available(device)):
+            return None
         if key not in self._fused_steps:
             self.on(device)  # the tables' first copy to the device is no part of the traced step
             self._fused_steps[key] = FusedStep(self)

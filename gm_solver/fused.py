@@ -14,8 +14,8 @@ inputs' checks run before it, asserted on the device.
 Only a decoder warmed up on a GPU (``warmup(device)``, as ``graphmax generate`` does) compiles its step: each new
 reference is a compile of tens of seconds, which a search over many settings (``graphmax tune``) would not repay.
 A context shorter than the n-gram tail takes the eager path (another shape, and only the first steps of a
-prompt of one or two tokens). The batch is traced as a dynamic dimension after its second size (``warmup`` runs
-one and two rows), so a new batch size does not compile again.
+prompt of one or two tokens). The batch is a dynamic dimension (a batch of one runs as two rows) and the scores
+are solved in float64 whatever the model's dtype, so one compile serves every batch size and dtype.
 """
 
 from __future__ import annotations
@@ -48,20 +48,20 @@ def context_step(reference: Any, ctx: torch.Tensor, scores: torch.Tensor, lam: t
     Args:
         reference (``ContextReference``): whose configuration, tables and reference rows are used.
         ctx (``torch.Tensor`` (B, tail) int64): each row's last ``reference.tail`` tokens.
-        scores (``torch.Tensor`` (B, V)): the LM's scores, V ≥ the graph's nodes.
+        scores (``torch.Tensor`` (B, V) float64): the LM's scores, V ≥ the graph's nodes.
         lam (``torch.Tensor`` (B,) float64): λ_t per row, on the scores' device.
         knn (``tuple`` or ``None``): (tokens (B, k), weights (B, k) float64, share) of a kNN distribution.
         max_iter (``int``): the ν steps taken, every one (rows frozen once converged).
 
     Returns:
-        ``(log x, iterations, gap)``.
+        ``(log x, iterations, gap)``, log x in float64.
     """
     cfg = reference.config
     share = 1.0 if cfg.divergence == "kl" else cfg.kl_share
-    z = scores.to(torch.float64)
     q = reference._rows_torch(ctx, scores.shape[-1], knn)
-    logx, info = solve_torch(z, q, lam, cfg.divergence, share, tol=0.0, max_iter=max_iter, check_every=0)
-    return logx.to(scores.dtype), info.iterations, info.gap
+    logx, info = solve_torch(scores.to(torch.float64), q, lam, cfg.divergence, share, tol=0.0, max_iter=max_iter,
+                             check_every=0)
+    return logx, info.iterations, info.gap
 
 
 class FusedStep:
@@ -86,8 +86,18 @@ class FusedStep:
 
     def __call__(self, ctx: torch.Tensor, scores: torch.Tensor, lam: torch.Tensor, knn: tuple | None,
                  max_iter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """:func:`context_step` for ``scores`` of any dtype (log x comes back in it), or None if compiling failed."""
+        rows = scores.shape[0]
+        args = [ctx, scores.to(torch.float64), lam, *(() if knn is None else knn[:2])]
+        # one row runs as two (torch specialises a dimension of size 1) and every input is contiguous (a slice's
+        # strides are guarded): each would be one more compile
+        args = [torch.cat([a, a]) if rows == 1 else a.contiguous() for a in args]
+        for a in args:  # one graph for every batch size from the first call on
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+        near = None if knn is None else (args[3], args[4], knn[2])
         try:
-            return self.compiled(self.reference, ctx, scores, lam, knn, max_iter)
+            logx, iters, gap = self.compiled(self.reference, args[0], args[1], args[2], near, max_iter)
         except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed (inductor, triton): eager instead
             self.failed = " ".join(f"{type(e).__name__}: {e}".split())[:500]
             return None
+        return logx[:rows].to(scores.dtype), iters[:rows], gap[:rows]

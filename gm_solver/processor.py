@@ -221,8 +221,8 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         reference = getattr(self, "reference", None)
-        if reference is not None and scores.device.type != "cpu":  # the fused step, compiled now (gm_solver.fused)
-            reference.use_fused = None
+        if reference is not None and reference.use_fused is None and scores.device.type != "cpu":
+            reference.use_fused = True  # the fused step, compiled now (gm_solver.fused)
         self(input_ids, scores)
 
     def _shape(self) -> tuple[int, torch.device]:
@@ -694,8 +694,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """A step with a neighbour in each row's reference (the tap is left as it was), and one search."""
-        if scores.device.type != "cpu":
-            self.reference.use_fused = None
+        if self.reference.use_fused is None and scores.device.type != "cpu":
+            self.reference.use_fused = True
         rows, device = scores.shape[0], scores.device
         one = (torch.zeros(rows, 1, dtype=torch.long, device=device),
                torch.ones(rows, 1, dtype=torch.float64, device=device), self.knn.knn_weight)
