@@ -5,8 +5,9 @@ datastore's build and the start-up to the first decoded step. Prints markdown ta
     python3 benchmarks/device.py --device cpu --batches 1,8 --rounds 1 --new-tokens 8      # a short CPU run
 
 The decoders: context (``GraphmaxLogitsProcessor.from_graph``'s context decoder: the graph's stored choice, else
-its defaults), kNN (the same with a datastore of ``--knn-keys`` keys built in this run from the corpus' first
-documents by ``build_datastore`` on the device; ``--knn-keys 0`` leaves it out) and paper
+its defaults; with ``--paths fused,eager`` once with its compiled step, ``gm_solver.fused``, and once eager), kNN
+(the same with a datastore of ``--knn-keys`` keys built in this run from the corpus' first documents by
+``build_datastore`` on the device; ``--knn-keys 0`` leaves it out) and paper
 (``PaperGraphmaxLogitsProcessor``: Ã, λ = 1). The model is ``--model`` (the bundled SmolLM2-135M by default, or a
 ``save_pretrained`` folder), the graph ``--graph`` (by default the movie-review graph ``imdb`` with n-grams 3 and 4,
 built on first use); prompts and contexts come from the corpus' last documents (``--corpus``, by default the
@@ -190,12 +191,20 @@ def datastore_table(report: Report, models: Models, dtype: str, docs: list[str],
     return store
 
 
-def make_decoders(graph, store, device: torch.device) -> tuple[dict, dict]:
-    """The decoders by name, each warmed on ``device``, and each one's warm-up seconds."""
-    decoders = {"context": GraphmaxLogitsProcessor.from_graph(graph, decoder="context")}
-    if store is not None:
-        decoders["kNN"] = GraphmaxLogitsProcessor.from_graph(graph, decoder="context", datastore=store,
-                                                             tap=HiddenStateTap())
+def make_decoders(graph, store, device: torch.device, paths: list[str]) -> tuple[dict, dict]:
+    """The decoders by name, each warmed on ``device``, and each one's warm-up seconds: the context decoders once
+    per step path of ``paths`` ("fused": compiled where the device allows, gm_solver.fused; "eager": never)."""
+    decoders = {}
+    for path in paths:
+        suffix = "" if path == paths[0] else f" ({path})"
+        decoders[f"context{suffix}"] = GraphmaxLogitsProcessor.from_graph(graph, decoder="context")
+        if store is not None:
+            decoders[f"kNN{suffix}"] = GraphmaxLogitsProcessor.from_graph(graph, decoder="context", datastore=store,
+                                                                         tap=HiddenStateTap())
+        if path == "eager":
+            for name in (f"context{suffix}", f"kNN{suffix}"):
+                if name in decoders:
+                    decoders[name].reference.use_fused = False
     decoders["paper"] = PaperGraphmaxLogitsProcessor(graph, lam=1.0)
     warm = {}
     for name, proc in decoders.items():
@@ -203,7 +212,9 @@ def make_decoders(graph, store, device: torch.device) -> tuple[dict, dict]:
         proc.warmup(device)
         sync(device)
         warm[name] = time.perf_counter() - t0
-    print("\ndecoders warmed on the device (s): " + ", ".join(f"{k} {v:.2f}" for k, v in warm.items()), flush=True)
+    paths = {k: p.backend for k, p in decoders.items() if getattr(p, "backend", None)}
+    print("\ndecoders warmed on the device (s): " + ", ".join(f"{k} {v:.2f}" for k, v in warm.items())
+          + "; their steps: " + ", ".join(f"{k} {v}" for k, v in paths.items()), flush=True)
     return decoders, warm
 
 
@@ -380,11 +391,17 @@ def main() -> None:
     ap.add_argument("--knn-keys", type=int, help=f"keys of the kNN datastore built in this run (default "
                                                  f"{KNN_KEYS['cuda']:,} on cuda, {KNN_KEYS['cpu']:,} on cpu; 0: no "
                                                  f"kNN decoder)")
+    ap.add_argument("--paths", default="fused",
+                    help="the context decoders' step paths, each a column: fused (compiled on a GPU, the default) "
+                         "and/or eager (the torch path), e.g. fused,eager")
     ap.add_argument("--out", type=Path, metavar="FILE.json", help="also write the numbers as JSON")
     args = ap.parse_args()
     sections = {int(s) for s in args.sections.split(",")}
     args.batches = [int(b) for b in args.batches.split(",")]
     args.dtypes = args.dtypes.split(",")
+    args.paths = args.paths.split(",")
+    if not args.paths or set(args.paths) - {"fused", "eager"}:
+        sys.exit(f"error: --paths {','.join(args.paths)!r}: give fused and/or eager, e.g. fused,eager")
     try:
         device = resolve_device(args.device)
         for dtype in args.dtypes:
@@ -420,7 +437,7 @@ def run(args, sections: set[int], device: torch.device) -> None:
         elif 3 in sections:
             print("\n3. the datastore's build: not run (--knn-keys 0)", flush=True)
         if sections & {1, 2}:
-            decoders, warm = make_decoders(graph, store, device)
+            decoders, warm = make_decoders(graph, store, device, args.paths)
             report.add("warmup_s", warm)
             if 2 in sections:
                 section(2, "the processors alone", processors_table, report, models, args.dtypes[0], decoders, tail)
