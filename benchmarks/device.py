@@ -260,7 +260,7 @@ def processors_table(report: Report, models: Models, dtype: str, decoders: dict,
     for name, proc in decoders.items():
         cells = []
         for b in PROCESSOR_BATCHES:
-            if name == "kNN":
+            if name.startswith("kNN"):
                 proc.tap.states = hidden[:b].to(device, model.dtype)
             try:
                 cells.append(ms_per_call(lambda b=b, proc=proc: proc(ids[:b], scores[:b]), device))
@@ -332,8 +332,9 @@ def decoding_table(report: Report, args, models: Models, decoders: dict, prompts
         except Exception as e:  # the other dtype's rows still run
             errors.append(f"{dtype}: {failure(e)}")
             continue
-        if "kNN" in decoders:
-            decoders["kNN"].tap.attach(model)
+        for name, proc in decoders.items():
+            if name.startswith("kNN"):
+                proc.tap.attach(model)
         for mode, sample in modes.items():
             for size in args.batches:
                 plain, cells, record = [], [], {"dtype": dtype, "decoding": mode, "batch": size}
