@@ -116,9 +116,13 @@ def test_a_row_comes_out_of_the_batched_kernel_as_it_does_alone(case):
             alone = _solve(z[b:b + 1], q[b:b + 1], lam[b:b + 1], divergence, share, mode=mode)
             np.testing.assert_array_equal(alone[0][0], out[b])
             assert alone[1][0] == iters[b] and alone[2][0] == gaps[b]
-    # and it is the torch path's solution (Newton for W instead of the table, every row in torch)
+    # and it is the torch path's solution (Newton for W instead of the table, every row in torch), to the ν search's
+    # tolerance: each stops at |log Σx| ≤ τ = NU_TOL/max(1, λ), so ν is within τ/|d log Σx/dν| of the root, and for
+    # rkl d log xᵢ/dν = −1/(1 + λqᵢ/xᵢ) ∈ [−1, 0): each xᵢ is within about NU_TOL of the optimum, relatively (8 times
+    # closer in 300 random batches; an absolute 1e-10 held on 30 fixed ones only)
     expected, info = solve_toward(z, q, lam, divergence, kl_share=share, backend="torch")
-    torch.testing.assert_close(torch.from_numpy(out).exp(), expected.exp(), atol=1e-10, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(out).exp(), expected.exp(), rtol=2 * K.NU_TOL,
+                               atol=torch.finfo(torch.float64).tiny)
     assert torch.equal(torch.from_numpy(iters), info.iterations)
 
 
