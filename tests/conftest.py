@@ -77,11 +77,21 @@ def smollm2():
     return _bundled_model()
 
 
+def _imports_pipelines(module) -> bool:
+    """Whether a test module imported anything from ``pipelines`` (a module, function or class of it)."""
+    return any(str(getattr(value, "__module__", None) or getattr(value, "__name__", "")).startswith("pipelines")
+               for value in vars(module).values())
+
+
 @pytest.fixture(autouse=True)
-def _bundled_model_loaded_once(monkeypatch):
+def _bundled_model_loaded_once(request, monkeypatch):
     """The commands tests run in this process get a fresh copy of the bundled model (a command may change its
     model, as LoRA does) instead of reading its GGUF file again (10-20 s a load); the ``smollm2`` fixture's one
-    load goes through ``load_model`` itself, and the subprocess tests load it as users do."""
+    load goes through ``load_model`` itself, and the subprocess tests load it as users do. Only in the test modules
+    that import ``pipelines``: the others (gm_graphs' and gm_solver's own, and the doctests) run no command, and
+    would import the five command modules, and transformers with them, for nothing."""
+    if request.module is None or not _imports_pipelines(request.module):
+        return
     import torch
 
     from pipelines import models
