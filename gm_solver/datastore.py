@@ -267,15 +267,21 @@ class Datastore:
                                  f"{self.meta.get('model') or 'another model'!r}, not by this model ({what}); "
                                  f"build the datastore with the model that decodes (graphmax datastore --model)")
 
-    def check_tokenizer(self, vocab_sha256: str, vocab_size: int) -> None:
+    def check_tokenizer(self, vocab_sha256: str, vocab_size: int, split_sha256: str | None = None) -> None:
         """Raise :class:`DatastoreError` unless the datastore's token ids are of this vocabulary (when it records
-        one; else its size must not exceed ``vocab_size``)."""
+        one; else its size must not exceed ``vocab_size``), split as ``split_sha256`` says (when both record it:
+        ``gm_graphs.tokenize.encoder.TokenizerIdentity``)."""
         mine = self.meta.get("tokenizer")
         if (mine is not None and (mine["vocab_sha256"] != vocab_sha256 or mine["vocab_size"] != vocab_size)) \
                 or self.vocab_size > vocab_size:
             raise DatastoreError(f"the datastore's token ids are of another vocabulary ({self.vocab_size} tokens"
                                  + (f", {mine['vocab_sha256'][:12]}…" if mine else "") + f") than the graph's "
                                  f"({vocab_size} tokens, {vocab_sha256[:12]}…); build both with one tokenizer")
+        split = None if mine is None else mine.get("split_sha256")
+        if split is not None and split_sha256 is not None and split != split_sha256:
+            raise DatastoreError(f"the datastore's tokenizer splits text otherwise than the graph's (split "
+                                 f"{split[:12]}… against {split_sha256[:12]}…), with the same vocabulary; build both "
+                                 f"with one tokenizer, loaded the same way")
 
     def neighbours(self, hidden: torch.Tensor, k: int, sync: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` nearest keys of each row of ``hidden`` (B, d): squared L2 distances (B, k), ascending, and
@@ -368,12 +374,7 @@ def _search_keys(keys: torch.Tensor, precision: str, device: str | torch.device)
 def _ivf_index(keys: Any, ivf: tuple) -> Any:
     """A faiss IVF index over ``keys`` (float16 codes, by list, no residuals) from checked centroids and offsets:
     the lists are filled with the keys as stored, nothing is re-assigned or trained."""
-    try:
-        import faiss  # only an indexed datastore needs it
-    except ImportError:  # faiss-cpu is an extra, so that an environment's own faiss (faiss-gpu) is the one used
-        raise DatastoreError("an indexed datastore needs faiss, which is not installed; install it with "
-                             "pip install 'graphmax[faiss]' (faiss-cpu), or install faiss-gpu") from None
-
+    faiss = _faiss()
     if torch.is_tensor(keys):
         keys = keys.detach().cpu()
         keys = (keys.float() if keys.dtype == torch.bfloat16 else keys).numpy()  # numpy has no bfloat16
@@ -401,6 +402,16 @@ def _ivf_index(keys: Any, ivf: tuple) -> Any:
             index.invlists.add_entries(i, b - a, faiss.swig_ptr(ids), faiss.swig_ptr(codes))
     index.ntotal = keys.shape[0]
     return index
+
+
+def _faiss() -> Any:
+    """The faiss module: only an indexed datastore needs it (built or searched)."""
+    try:
+        import faiss
+    except ImportError:  # faiss-cpu is an extra, so that an environment's own faiss (faiss-gpu) is the one used
+        raise DatastoreError("an indexed datastore needs faiss, which is not installed; install it with "
+                             "pip install 'graphmax[faiss]' (faiss-cpu), or install faiss-gpu") from None
+    return faiss
 
 
 def _model_device(model: Any) -> torch.device:
@@ -552,8 +563,7 @@ def _write_indexed(path: str | os.PathLike, keys: np.ndarray, values: np.ndarray
     list, each key in the list of its nearest centroid, the keys stored list after list. ``meta``: write_datastore's
     other keyword arguments (tokenizer, model, model_sha256, buffers_sha256, positions, documents, overwrite,
     marginals)."""
-    import faiss  # only an indexed datastore needs it
-
+    faiss = _faiss()
     n, dim = keys.shape
     rng = np.random.default_rng(seed)
     sample = keys[np.sort(rng.choice(n, min(n, lists * points_per_list), replace=False))].astype(np.float32)

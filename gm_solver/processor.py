@@ -638,7 +638,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
                             f"{type(tap).__name__}")
         manifest = getattr(graph, "manifest", None)
         if isinstance(manifest, dict) and "tokenizer" in manifest:  # a Graph: its vocabulary, by its SHA-256
-            datastore.check_tokenizer(manifest["tokenizer"]["vocab_sha256"], manifest["tokenizer"]["vocab_size"])
+            record = manifest["tokenizer"]
+            datastore.check_tokenizer(record["vocab_sha256"], record["vocab_size"], record.get("split_sha256"))
         elif datastore.vocab_size > self.reference.n:
             raise ValueError(f"`datastore` holds token ids of a {datastore.vocab_size}-token vocabulary, the graph "
                              f"has {self.reference.n}; build both with one tokenizer")

@@ -212,7 +212,7 @@ def run(args) -> int:
     if args.datastore is not None:
         datastore = load_datastore(args.datastore, device=device)  # searched where the LM's states are
         tokenizer = graph.manifest["tokenizer"]
-        datastore.check_tokenizer(tokenizer["vocab_sha256"], tokenizer["vocab_size"])
+        datastore.check_tokenizer(tokenizer["vocab_sha256"], tokenizer["vocab_size"], tokenizer.get("split_sha256"))
     model, tok = load_model(args.model, device=device, dtype=dtype)
     check_fits(graph, model, tok)
     if datastore is not None:

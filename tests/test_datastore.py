@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import gm_solver.datastore as dsmod
 from gm_graphs.errors import DatastoreError
-from gm_graphs.format.datastore import META, open_datastore
+from gm_graphs.format.datastore import META, open_datastore, write_datastore
 from gm_solver import ContextConfig, Datastore, HiddenStateTap, KnnContextGraphmaxLogitsProcessor
 
 from .helpers import (
@@ -621,3 +621,14 @@ def test_marginals_are_copied_when_checked_and_logits_that_are_not_finite_stop_t
     with pytest.raises(DatastoreError, match="logits are not finite") as err:
         dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "ds", positions=6, progress=False)
     assert "\n" not in str(err.value) and os.listdir(tmp_path) == []
+
+
+def test_a_datastore_refuses_a_graph_whose_tokenizer_splits_text_otherwise(tmp_path):
+    tok = {"name": "t", "vocab_size": 3, "vocab_sha256": "0" * 64, "split_sha256": "c" * 64}
+    store = dsmod.load_datastore(write_datastore(tmp_path / "ds", [(np.eye(3, 4), np.arange(3))], dim=4,
+                                                 tokenizer=tok, model="m", model_sha256="1" * 64, positions=8,
+                                                 documents=1))
+    store.check_tokenizer("0" * 64, 3, "c" * 64)
+    store.check_tokenizer("0" * 64, 3, None)  # a graph built before graphs recorded the split: by vocabulary
+    with pytest.raises(DatastoreError, match="splits text otherwise"):
+        store.check_tokenizer("0" * 64, 3, "d" * 64)

@@ -78,7 +78,7 @@ from gm_graphs.store.folders import (
 )
 from gm_graphs.tokenize.encoder import BatchEncoder, TokenizerIdentity, load_tokenizer
 
-EXTRA = "pip install 'graphmax[ray]'  (Ray Data: ray[data]==2.60.*)"
+EXTRA = "pip install 'graphmax[ray]'  (Ray Data: ray[data]>=2.60,<3)"
 TASK_RETRIES = 3  # attempts after the first, for a failing or dying task
 CONNECT_TIMEOUT_S = 10.0  # to reach a cluster's address before Ray is asked to join it
 INIT_TIMEOUT_S = 25.0  # for ray.init to return once the address answers
