@@ -217,6 +217,21 @@ softmax), got -1
         return cls(config=config, knn=KnnChoice(KnnConfig(**knn), lam, datastore.keys_sha256, len(datastore),
                                                 perplexity))
 
+    @staticmethod
+    def stored_mode(graph: Any) -> str | None:
+        """The kind of decoder ``graph`` stores, ``"context"`` or ``"paper"``, read before the record is checked
+        (an override may mend a bad stored value); ``None`` when it stores none (or is a matrix).
+
+        Example::
+
+            >>> DecoderChoice.stored_mode(type("G", (), {"decoder": {"mode": "paper", "lam": 2.0}})())
+            'paper'
+        """
+        stored = getattr(graph, "decoder", None)
+        if not stored:
+            return None
+        return "paper" if isinstance(stored, dict) and stored.get("mode") == "paper" else "context"
+
     @classmethod
     def of(cls, graph: Any) -> DecoderChoice:
         """The choice ``graph`` stores (``graph.decoder``), checked; the context decoder's defaults when it stores
@@ -257,21 +272,6 @@ softmax), got -1
             return cls("context", ContextConfig(**_context_fields(d)), knn)
         except (TypeError, ValueError) as e:
             raise GraphFormatError(f"the graph's stored decoder: {e}") from None
-
-
-def stored_mode(graph: Any) -> str | None:
-    """The kind of decoder ``graph`` stores, ``"context"`` or ``"paper"``, read before the record is checked (an
-    override may mend a bad stored value); ``None`` when it stores none (or is a matrix).
-
-    Example::
-
-        >>> stored_mode(type("G", (), {"decoder": {"mode": "paper", "lam": 2.0}})()), stored_mode(None)
-        ('paper', None)
-    """
-    stored = getattr(graph, "decoder", None)
-    if not stored:
-        return None
-    return "paper" if isinstance(stored, dict) and stored.get("mode") == "paper" else "context"
 
 
 def _context_fields(d: dict) -> dict:

@@ -18,7 +18,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .checks import integer, real
-from .choice import MODES, PAPER_SOLVERS, DecoderChoice, KnnConfig, PaperConfig, stored_mode
+from .choice import MODES, PAPER_SOLVERS, DecoderChoice, KnnConfig, PaperConfig
 from .context import SMOOTHINGS, ContextConfig, ContextReference
 from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
@@ -122,7 +122,7 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
             raise ValueError(f"`solver` must be one of {', '.join(map(repr, PAPER_SOLVERS))} or None, got "
                              f"{solver!r}")
         stored = dict(getattr(graph, "decoder", None) or {})
-        stored_kind = stored_mode(graph)
+        stored_kind = DecoderChoice.stored_mode(graph)
         stored_solver = "paper" if stored.get("solver") == "paper" else "mirror"
         kind = decoder or stored_kind or "context"
         if solver is not None and kind != "paper":

@@ -21,6 +21,7 @@ from gm_graphs import Graph, GraphmaxError, load_graph, load_tokenizer
 from gm_graphs.build.options import MAX_ORDER
 from gm_solver import (
     ContextGraphmaxLogitsProcessor,
+    DecoderChoice,
     GraphmaxLogitsProcessor,
     HiddenStateTap,
     KnnContextGraphmaxLogitsProcessor,
@@ -28,7 +29,6 @@ from gm_solver import (
     PaperGraphmaxLogitsProcessor,
     load_datastore,
 )
-from gm_solver.choice import stored_mode
 
 from .args import MAX_SEED, integer, nonblank, number, numbers
 from .build import add_graph_arguments, graph_arg
@@ -188,7 +188,7 @@ def build_decoder(args, prompt_length: int = 0,
     graph = load_graph(source)
     given = {name: getattr(args, name) for options in OPTIONS.values() for name in options
              if getattr(args, name) is not None}
-    kind = args.decoder or stored_mode(graph) or "context"  # the kind from_graph will make
+    kind = args.decoder or DecoderChoice.stored_mode(graph) or "context"  # the kind from_graph will make
     for name in given:
         if name not in OPTIONS[kind]:
             other = "paper" if kind == "context" else "context"

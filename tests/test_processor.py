@@ -114,8 +114,13 @@ def test_from_graph_round_trips_the_stored_choice(small_graph, tmp_path):
     louder = GraphmaxLogitsProcessor.from_graph(load_graph(path), lam=2.0)
     assert louder.config == ContextConfig(**{**chosen.to_dict(), "lam": 2.0})
     assert louder.config.source == {"tuned": True, "overridden": ["lam"]}
-    with pytest.raises(TypeError, match="`solver` is not an argument of ContextGraphmaxLogitsProcessor"):
+    with pytest.raises(TypeError, match="`tol` is not an argument of ContextGraphmaxLogitsProcessor"):
+        GraphmaxLogitsProcessor.from_graph(load_graph(path), tol=1e-4)
+    with pytest.raises(ValueError, match="`solver` applies to the paper decoder"):
         GraphmaxLogitsProcessor.from_graph(load_graph(path), solver="paper")
+    other = GraphmaxLogitsProcessor.from_graph(load_graph(path), decoder="paper", solver="paper", lam=0.5)
+    assert type(other) is PaperAlgorithm1LogitsProcessor and other.lam == 0.5
+    assert other.origin == "defaults, the graph stores a context decoder" and reloaded.origin == "stored"
     graph.set_decoder({"mode": "paper", "lam": 0.3})
     paper = GraphmaxLogitsProcessor.from_graph(load_graph(path), tol=1e-4)
     assert type(paper) is PaperGraphmaxLogitsProcessor and (paper.lam, paper.tol) == (0.3, 1e-4)
