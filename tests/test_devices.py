@@ -18,33 +18,26 @@ from pipelines.heldout import perplexity, score_documents
 from pipelines.models import load_model
 
 from .helpers import make_docs
+from .own_models import ARCHITECTURES, save_model
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
 COMMANDS = ("generate", "tune", "eval", "datastore", "demo")
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, bpe_tokenizer):
-    """A 2-layer Llama over the 300-token test tokenizer, as a local model folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    folder = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128)).save_pretrained(folder)
-    bpe_tokenizer.save_pretrained(folder)
-    return folder
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama with a Llama-3-style tokenizer, as a user's model folder."""
+    return save_model(ARCHITECTURES[0], tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")
-def corpus_graph(tmp_path_factory, bpe_tokenizer_file):
-    """(corpus file, graph folder with 3-gram tables) over the test tokenizer."""
+def corpus_graph(tmp_path_factory, tiny_llama):
+    """(corpus file, graph folder with 3-gram tables) in the tiny Llama's tokens."""
     root = tmp_path_factory.mktemp("devices")
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(make_docs(200, seed=7)) + "\n")
-    graph = write_graph(count_corpus(corpus, bpe_tokenizer_file, progress=False), root / "g", progress=False)
-    add_ngrams(graph, corpus, bpe_tokenizer_file, (3,), progress=False)
+    graph = write_graph(count_corpus(corpus, tiny_llama, progress=False), root / "g", progress=False)
+    add_ngrams(graph, corpus, tiny_llama, (3,), progress=False)
     (root / "valid.txt").write_text("\n".join(make_docs(20, seed=8)) + "\n")  # text tune may read
     return corpus, root / "g"
 
