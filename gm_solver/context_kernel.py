@@ -173,7 +173,7 @@ def _decode_row(b, kind, z, alpha, below, prev, shift, indptr, indices, counts, 
     lo, hi = piece_ptr[b], piece_ptr[b + 1]
     _fill_row(alpha[b], below[b], prev[b], shift, indptr, indices, counts, unigram, log_unigram, piece_idx[lo:hi],
               piece_val[lo:hi], q[b], logq[b])
-    return solve_row(kind, z[b], q[b], logq[b], True, lam[b], share, max_iter, table, out[b], base[b], kept[b],
+    return solve_row(kind, z[b], q[b], logq[b], lam[b], share, max_iter, table, out[b], base[b], kept[b],
                      state[b], part[b], hist[b])
 
 
@@ -206,7 +206,7 @@ def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, succes
     if mode == LOCKSTEP:
         _fill_rows(alpha, below, prev, shift, indptr, indices, counts, unigram, log_unigram, piece_ptr, piece_idx,
                    piece_val, q, logq)
-        return solve_batch(kind, z, q, logq, True, lam, share, max_iter, table, work[2:], out, iters, gaps, mode)
+        return solve_batch(kind, z, q, logq, lam, share, max_iter, table, work[2:], out, iters, gaps, mode)
     rows, width = z.shape
     status = np.zeros(rows, dtype=np.int64)
     state = np.empty((rows, STATE))

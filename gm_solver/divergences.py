@@ -311,11 +311,14 @@ def _solve_rows_numba(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: fl
     rows = z_np.shape[0]
     lam_np = (lam.detach().to(torch.float64).contiguous().numpy() if isinstance(lam, torch.Tensor)
               else np.full(rows, float(lam)))
+    # the kernel reads log q where q > 0: the context kernel's call and this one then have one signature, and the
+    # kernel compiled for the decoder (setup.sh's warm-up) is loaded from the cache here, not compiled again (40 s)
+    logq = np.log(q_np, out=np.full_like(q_np, -np.inf), where=q_np > 0)
     out = np.empty_like(z_np)
     iters = np.empty(rows, dtype=np.int64)
     gaps = np.empty(rows)
     with lambert_kernel.one_task_at_a_time():
-        status = lambert_kernel.solve_batch(kind, z_np, q_np, q_np, False, lam_np, float(kl_share), max_iter,
+        status = lambert_kernel.solve_batch(kind, z_np, q_np, logq, lam_np, float(kl_share), max_iter,
                                             lambert_kernel.TABLE, np.empty((2, *z_np.shape)), out, iters, gaps,
                                             lambert_kernel.schedule(rows))
     raise_for_status(status, "z")

@@ -292,12 +292,12 @@ def _finite_max(z):
 
 
 @jit(fastmath=LOOP)
-def _prepare(kind, z, peak, q, logq, have_logq, w, need_base, v, base, lo, hi, sums):
+def _prepare(kind, z, peak, q, logq, w, need_base, v, base, lo, hi, sums):
     # tokens lo:hi of one row, its scores shifted by ``peak`` (see :func:`_row_peak`): x and the objective are the
     # same (⟨x, z − peak⟩ = ⟨x, z⟩ − peak on the simplex).
     # v = z, or with KL(x‖q)'s share w = λm > 0 the logits leaned toward q,
     # (z + w·log q)/(1 + w) (−inf where q = 0: KL(x‖q) keeps x there at 0); base = log q − v (rkl's
-    # s = log a − t + ν, less a per-row constant); log q read from ``logq`` when the caller has it.
+    # s = log a − t + ν, less a per-row constant); log q read from ``logq`` where q > 0.
     # sums ← (q's mass on the finite logits, max v, Σ e^(v − max), #NaN, #+inf, #finite z).
     mass = 0.0
     top = -np.inf
@@ -321,7 +321,7 @@ def _prepare(kind, z, peak, q, logq, have_logq, w, need_base, v, base, lo, hi, s
         vi = zi - peak
         if w > 0.0 or need_base:
             if qi > 0.0:
-                lq = logq[i] if have_logq else math.log(qi)
+                lq = logq[i]
                 if w > 0.0:
                     vi = (vi + w * lq) * lean
                 base[i] = lq - vi
@@ -356,20 +356,20 @@ def _row_peak(z, v, sums, w):
 
 
 @jit()
-def _prepare_chunks(kind, z, peak, q, logq, have_logq, lam, share, v, base, sums):
+def _prepare_chunks(kind, z, peak, q, logq, lam, share, v, base, sums):
     for c in range((z.size + CHUNK - 1) // CHUNK):
         lo, hi = _span(c, z.size)
-        _prepare(kind, z, peak, q, logq, have_logq, lam * share, kind == RKL and lam * (1.0 - share) > 0.0, v, base,
+        _prepare(kind, z, peak, q, logq, lam * share, kind == RKL and lam * (1.0 - share) > 0.0, v, base,
                  lo, hi, sums[c])
 
 
 @jit()
-def _prepare_row(kind, z, q, logq, have_logq, lam, share, v, base, sums, st):
+def _prepare_row(kind, z, q, logq, lam, share, v, base, sums, st):
     # a row's chunks through _prepare, and again shifted by st[TOP] when _row_peak says so (scores beyond ±NEAR)
-    _prepare_chunks(kind, z, 0.0, q, logq, have_logq, lam, share, v, base, sums)
+    _prepare_chunks(kind, z, 0.0, q, logq, lam, share, v, base, sums)
     st[TOP] = _row_peak(z, v, sums[:(z.size + CHUNK - 1) // CHUNK], lam * share)
     if st[TOP] != 0.0:
-        _prepare_chunks(kind, z, st[TOP], q, logq, have_logq, lam, share, v, base, sums)
+        _prepare_chunks(kind, z, st[TOP], q, logq, lam, share, v, base, sums)
 
 
 @jit(fastmath=LOOP)
@@ -738,13 +738,13 @@ def _start_l2_row(st, sums):
 
 
 @jit()
-def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, kept, st, sums, hist):
+def solve_row(kind, z, q, logq, lam, share, max_iter, table, out, base, kept, st, sums, hist):
     """One row of :func:`solve_batch`, serially, chunk by chunk: (status, ν steps, gap). Its chunks' sums are
     added in the order the lockstep driver adds them, so the row comes out bit for bit the same. ``hist``
     (BINS, 4) is the row's scratch for :func:`_bin_row`."""
     width = z.size
     chunks = (width + CHUNK - 1) // CHUNK
-    _prepare_row(kind, z, q, logq, have_logq, lam, share, out, base, sums, st)
+    _prepare_row(kind, z, q, logq, lam, share, out, base, sums, st)
     status = _begin(kind, z, out, sums[:chunks], lam, share, st)
     if status != FINE:
         return status, 0, 0.0
@@ -775,7 +775,7 @@ def solve_row(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, bas
 
 
 @jit(parallel=True)
-def _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, kept, state, iters, gaps):
+def _solve_rows(kind, z, q, logq, lam, share, max_iter, table, out, base, kept, state, iters, gaps):
     # rows in parallel, each solved whole by one thread: one parallel region for the batch
     rows, width = z.shape
     chunks = (width + CHUNK - 1) // CHUNK
@@ -783,7 +783,7 @@ def _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, b
     part = np.empty((rows, chunks, 6))
     hist = np.empty((rows, BINS, 4))
     for b in numba.prange(rows):
-        status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], have_logq, lam[b], share, max_iter, table,
+        status[b], iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], lam[b], share, max_iter, table,
                                                  out[b], base[b], kept[b], state[b], part[b], hist[b])
     for b in range(rows):
         if status[b] != FINE:
@@ -792,7 +792,7 @@ def _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, b
 
 
 @jit(parallel=True)
-def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, base, kept, state, iters, gaps):
+def _solve_lockstep(kind, z, q, logq, lam, share, max_iter, table, out, base, kept, state, iters, gaps):
     # every pass over all (row, chunk) pairs of the rows still working at once: one row or a few spread over
     # every core, at one parallel region per pass; rows take their ν steps in lockstep and leave as they converge
     rows, width = z.shape
@@ -801,7 +801,7 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
     for t in numba.prange(rows * chunks):
         b, c = t // chunks, t % chunks
         lo, hi = _span(c, width)
-        _prepare(kind, z[b], 0.0, q[b], logq[b], have_logq, lam[b] * share,
+        _prepare(kind, z[b], 0.0, q[b], logq[b], lam[b] * share,
                  kind == RKL and lam[b] * (1.0 - share) > 0.0, out[b], base[b], lo, hi, part[t])
     shifted = False  # rows whose scores lie beyond ±NEAR go through _prepare again, shifted (_prepare_row)
     for b in range(rows):
@@ -812,7 +812,7 @@ def _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, ou
             b, c = t // chunks, t % chunks
             if state[b, TOP] != 0.0:
                 lo, hi = _span(c, width)
-                _prepare(kind, z[b], state[b, TOP], q[b], logq[b], have_logq, lam[b] * share,
+                _prepare(kind, z[b], state[b, TOP], q[b], logq[b], lam[b] * share,
                          kind == RKL and lam[b] * (1.0 - share) > 0.0, out[b], base[b], lo, hi, part[t])
     for b in range(rows):
         status = _begin(kind, z[b], out[b], part[b * chunks:(b + 1) * chunks], lam[b], share, state[b])
@@ -882,15 +882,15 @@ def schedule(rows: int) -> int:
 
 
 @jit()
-def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, out, iters, gaps, mode):
+def solve_batch(kind, z, q, logq, lam, share, max_iter, table, work, out, iters, gaps, mode):
     """``solve_toward`` for every row of ``z`` (B, V) toward ``q`` (B, V, finite, ≥ 0), λ = ``lam`` (B,) per row.
 
     Fills ``out`` with log x, ``iters`` with the ν steps and ``gaps`` with the
     certificate, scaled by 1 + λm for the share m = ``share`` on KL(x‖q) (λ′ = 0
     when m = 1: KL(x‖q) alone, closed form). q is restricted to the finite
     logits and renormalised; a row with no mass there, or with λ = 0, is left
-    as softmax with gap 0. ``logq`` is log q when ``have_logq`` (the caller built
-    q and has its logs cheaply), else unread. ``work`` (2, B, V) is scratch, the
+    as softmax with gap 0. ``logq`` is log q, read where q > 0 (the context kernel
+    builds both; ``solve_toward`` takes its log). ``work`` (2, B, V) is scratch, the
     caller's: allocated here, its page faults would cost more than the solve at
     every call. ``mode`` is :func:`schedule`'s: each row solved whole by one
     thread, rows in parallel (:data:`ROWS`) or one after another (:data:`SERIAL`),
@@ -903,15 +903,15 @@ def solve_batch(kind, z, q, logq, have_logq, lam, share, max_iter, table, work, 
     rows, width = z.shape
     state = np.empty((rows, STATE))
     if mode == ROWS:
-        return _solve_rows(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, work[0], work[1], state,
+        return _solve_rows(kind, z, q, logq, lam, share, max_iter, table, out, work[0], work[1], state,
                            iters, gaps)
     if mode == LOCKSTEP:
-        return _solve_lockstep(kind, z, q, logq, have_logq, lam, share, max_iter, table, out, work[0], work[1],
+        return _solve_lockstep(kind, z, q, logq, lam, share, max_iter, table, out, work[0], work[1],
                                state, iters, gaps)
     part = np.empty(((width + CHUNK - 1) // CHUNK, 6))
     hist = np.empty((BINS, 4))
     for b in range(rows):
-        status, iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], have_logq, lam[b], share, max_iter, table,
+        status, iters[b], gaps[b] = solve_row(kind, z[b], q[b], logq[b], lam[b], share, max_iter, table,
                                               out[b], work[0, b], work[1, b], state[b], part, hist)
         if status != FINE:
             return status

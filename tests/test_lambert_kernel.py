@@ -89,11 +89,17 @@ def _batch(seed: int, rows: int, width: int):
     return z, q, lam
 
 
+def _log(q) -> np.ndarray:
+    """log q where q > 0 (what the kernels read), -inf elsewhere."""
+    q = np.asarray(q)
+    return np.log(q, out=np.full_like(q, -np.inf), where=q > 0)
+
+
 def _solve(z, q, lam, divergence, share, max_iter=60, mode=K.LOCKSTEP):
     kind = K.L2 if divergence == "l2" else K.RKL
     out, iters, gaps = np.empty(z.shape), np.empty(len(z), dtype=np.int64), np.empty(len(z))
     share = 1.0 if divergence == "kl" else share
-    assert K.solve_batch(kind, z.numpy(), q.numpy(), q.numpy(), False, lam.numpy(), share, max_iter, K.TABLE,
+    assert K.solve_batch(kind, z.numpy(), q.numpy(), _log(q), lam.numpy(), share, max_iter, K.TABLE,
                          np.empty((2, *z.shape)), out, iters, gaps, mode) == K.FINE
     return out, iters, gaps
 
@@ -161,7 +167,7 @@ def _prepared_row(seed: int, lam: float, share: float, width: int = 3 * K.BIN_MI
     q[: width // 50] = 0.0  # tokens without reference mass: softmax's own form
     v, base = np.empty(width), np.empty(width)
     sums, st = np.zeros(((width + K.CHUNK - 1) // K.CHUNK, 6)), np.zeros(K.STATE)
-    K._prepare_row(K.RKL, z, q, q, False, lam, share, v, base, sums, st)
+    K._prepare_row(K.RKL, z, q, _log(q), lam, share, v, base, sums, st)
     assert K._begin(K.RKL, z, v, sums, lam, share, st) == K.FINE
     return v, q, base, st
 
@@ -214,5 +220,5 @@ def test_the_kernel_reports_bad_logits_before_any_nu_step():
                          (lambda v: v.index_fill(0, torch.tensor([2]), -float("inf")), K.ALL_MASKED)):
         out, iters, gaps = np.empty(z.shape), np.empty(3, dtype=np.int64), np.empty(3)
         for mode in (K.SERIAL, K.ROWS, K.LOCKSTEP):
-            assert K.solve_batch(K.RKL, edit(z).numpy(), q.numpy(), q.numpy(), False, lam.numpy(), 0.15, 60, K.TABLE,
+            assert K.solve_batch(K.RKL, edit(z).numpy(), q.numpy(), _log(q), lam.numpy(), 0.15, 60, K.TABLE,
                                  np.empty((2, *z.shape)), out, iters, gaps, mode) == status
