@@ -15,7 +15,8 @@ Only a decoder warmed up on a GPU (``warmup(device)``, as ``graphmax generate`` 
 reference is a compile of tens of seconds, which a search over many settings (``graphmax tune``) would not repay.
 A context shorter than the n-gram tail takes the eager path (another shape, and only the first steps of a
 prompt of one or two tokens). The batch is a dynamic dimension (a batch of one runs as two rows) and the scores
-are solved in float64 whatever the model's dtype, so one compile serves every batch size and dtype.
+are solved in float64 whatever the model's dtype, and autograd is off (its mode is guarded), so one compile serves
+every batch size, dtype and caller.
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ class FusedStep:
         for a in args:  # one graph for every batch size from the first call on
             torch._dynamo.maybe_mark_dynamic(a, 0)
         near = None if knn is None else (args[3], args[4], knn[2])
-        try:
-            logx, iters, gap = self.compiled(self.reference, args[0], args[1], args[2], near, max_iter)
+        try:  # without autograd whatever the caller's mode (generate() decodes under no_grad): it is guarded on
+            with torch.no_grad():
+                logx, iters, gap = self.compiled(self.reference, args[0], args[1], args[2], near, max_iter)
         except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed (inductor, triton): eager instead
             self.failed = " ".join(f"{type(e).__name__}: {e}".split())[:500]
             return None
