@@ -57,7 +57,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
     """
 
     last_info: SolveInfo | None = None
-    origin: str | None = None  # from_graph's: whether the graph's stored choice was used
+    origin: str | None = None  # from_graph's: "stored" (the graph's stored choice) or "defaults"
     warmup_seconds: float | None = None  # what the last warmup() took
 
     def __new__(cls, *args: Any, **kwargs: Any):
@@ -76,8 +76,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
         ``decoder`` and ``solver`` name: the one factory of the graphmax decoders (the CLI builds every decoder here).
 
         The stored choice is used when it is of the kind asked for (or none is asked for); another kind starts from
-        its class's defaults. ``proc.origin`` then says which: ``"stored"``, ``"defaults"`` (the graph stores no
-        choice) or ``"defaults, the graph stores a context decoder"`` (or ``paper``).
+        its class's defaults. ``proc.origin`` then says which: ``"stored"`` or ``"defaults"``.
 
         Args:
             graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph; a scipy matrix stores no choice.
@@ -128,8 +127,7 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         if solver is not None and kind != "paper":
             raise ValueError("`solver` applies to the paper decoder; pass decoder='paper' or leave `solver` out")
         use_stored = stored_kind == kind and solver in (None, stored_solver)
-        origin = "stored" if use_stored else "defaults" + (f", the graph stores a {stored_kind} decoder"
-                                                           if stored_kind else "")
+        origin = "stored" if use_stored else "defaults"
         stored = stored if use_stored else {}
         paper = kind == "paper"
         if paper:
@@ -192,8 +190,8 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         Args:
             device (``str``, ``torch.device`` or ``None``, defaults to ``None``): where the model's scores will be
                 (the model's device); ``None``: the decoder's own (the CPU, or a paper decoder's operator's).
-            dtype (``torch.dtype``, defaults to ``torch.float32``): the scores' dtype (the model's): the fused step
-                is compiled for one.
+            dtype (``torch.dtype``, defaults to ``torch.float32``): the scores' dtype (the model's), so that the first
+                steps in it are paid here too.
 
         Returns:
             ``self``, so that ``proc = PaperGraphmaxLogitsProcessor(graph).warmup()`` reads as one step.
@@ -208,6 +206,9 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         t0 = time.perf_counter()
         width, own = self._shape()
         device = own if device is None else torch.device(device)
+        reference = getattr(self, "reference", None)  # the context decoders' (gm_solver.fused): compiled here
+        if reference is not None and reference.use_fused is None and device.type != "cpu":
+            reference.use_fused = True
         # scores spread as a model's are: on equal or evenly spread ones the paper's solve is certified where it
         # starts, and its step kernels would compile inside the first real step (7 s on the movie-review graph)
         scores = (torch.randn(width, generator=torch.Generator().manual_seed(0)) * 4).to(device, dtype)
@@ -220,9 +221,6 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         return self
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
-        reference = getattr(self, "reference", None)
-        if reference is not None and reference.use_fused is None and scores.device.type != "cpu":
-            reference.use_fused = True  # the fused step, compiled now (gm_solver.fused)
         self(input_ids, scores)
 
     def _shape(self) -> tuple[int, torch.device]:
@@ -695,8 +693,6 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """A step with a neighbour in each row's reference (the tap is left as it was), and one search."""
-        if self.reference.use_fused is None and scores.device.type != "cpu":
-            self.reference.use_fused = True
         rows, device = scores.shape[0], scores.device
         one = (torch.zeros(rows, 1, dtype=torch.long, device=device),
                torch.ones(rows, 1, dtype=torch.float64, device=device), self.knn.knn_weight)

@@ -25,8 +25,6 @@ from gm_solver import (
     GraphmaxLogitsProcessor,
     HiddenStateTap,
     KnnContextGraphmaxLogitsProcessor,
-    PaperAlgorithm1LogitsProcessor,
-    PaperGraphmaxLogitsProcessor,
     load_datastore,
 )
 
@@ -45,7 +43,7 @@ OPTIONS = {
 }
 MAX_EXAMPLES_BYTES = 2**20  # --examples: the LM reads a few thousand tokens at most
 KNN_OPTIONS = ("knn_weight", "knn_k", "knn_temperature", "marginal_weight")  # with --datastore (context only)
-SOLVERS = {"mirror": PaperGraphmaxLogitsProcessor, "paper": PaperAlgorithm1LogitsProcessor}  # --solver
+SOLVERS = ("mirror", "paper")  # --solver: PaperGraphmaxLogitsProcessor or PaperAlgorithm1LogitsProcessor
 
 
 def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_tokens: int = 32,
@@ -219,8 +217,9 @@ def build_decoder(args, prompt_length: int = 0,
                                                   **settings, **extra, **knn)
     except (TypeError, ValueError) as e:
         raise GraphmaxError(str(e)) from e
-    origin = {"stored": "stored by graphmax tune", "defaults": "defaults"}.get(
-        proc.origin, proc.origin.replace("defaults, ", "defaults (") + ")")
+    stored = DecoderChoice.stored_mode(graph)
+    origin = "stored by graphmax tune" if proc.origin == "stored" else \
+        "defaults" + (f" (the graph stores a {stored} decoder)" if stored else "")
     if args.solver is not None:
         settings["solver"] = args.solver
     if settings:

@@ -120,7 +120,7 @@ def test_from_graph_round_trips_the_stored_choice(small_graph, tmp_path):
         GraphmaxLogitsProcessor.from_graph(load_graph(path), solver="paper")
     other = GraphmaxLogitsProcessor.from_graph(load_graph(path), decoder="paper", solver="paper", lam=0.5)
     assert type(other) is PaperAlgorithm1LogitsProcessor and other.lam == 0.5
-    assert other.origin == "defaults, the graph stores a context decoder" and reloaded.origin == "stored"
+    assert other.origin == "defaults" and reloaded.origin == "stored"
     graph.set_decoder({"mode": "paper", "lam": 0.3})
     paper = GraphmaxLogitsProcessor.from_graph(load_graph(path), tol=1e-4)
     assert type(paper) is PaperGraphmaxLogitsProcessor and (paper.lam, paper.tol) == (0.3, 1e-4)
