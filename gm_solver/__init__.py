@@ -23,10 +23,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .backends.eager import certificate_toward
 from .choice import DecoderChoice
 from .context import ContextConfig, ContextReference
 from .datastore import Datastore, HiddenStateTap, build_datastore, index_datastore, load_datastore
-from .divergences import certificate_toward, solve_toward
+from .divergences import solve_toward
 from .graphmax import graphmax, log_graphmax
 from .objective import certificate
 

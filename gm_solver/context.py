@@ -47,17 +47,12 @@ from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import validate
 from gm_graphs.operators import normalize
 
-from . import context_kernel, lambert_kernel
+from . import backends
+from .backends import eager
+from .backends import numba as numba_backend
 from .checks import choice, finite_nonnegative, finite_positive, integer, logit_value_checks, raise_unless, real
-from .divergences import (
-    DIVERGENCES,
-    check_inputs,
-    raise_for_status,
-    restrict_reference,
-    solve_torch,
-)
-from .fused import FusedStep, fused_available
-from .solvers import SolveInfo, softmax_solution
+from .divergences import DIVERGENCES, check_inputs
+from .solve_info import SolveInfo, softmax_solution
 
 SMOOTHINGS = ("kneser-ney", "dirichlet")
 
@@ -188,7 +183,7 @@ def graph_stats(graph: Any, indptr: np.ndarray, indices: np.ndarray, counts: np.
     if stored:
         return stored
     keys = ("row_counts", "successors", "predecessors", "column_counts")
-    return dict(zip(keys, context_kernel.count_stats(indptr, indices, counts, len(indptr) - 1)))
+    return dict(zip(keys, numba_backend.context.count_stats(indptr, indices, counts, len(indptr) - 1)))
 
 
 def _is_graph(source: Any) -> bool:
@@ -265,7 +260,7 @@ class ContextReference:
     """q(· | context) from a graph's counts; call it with ``input_ids`` (B, T) to get (B, V) rows, or decode with
     :meth:`step`.
 
-    On CPU the rows are built by ``context_kernel`` from the graph's arrays as
+    On CPU the rows are built by ``backends.numba.context`` from the graph's arrays as
     they are (memory-mapped, never copied); on other devices by torch on that
     device, from tensors copied there once (:meth:`on`). Orders k ≥ 2 need Ã, which
     is normalised on first use only.
@@ -316,11 +311,9 @@ class ContextReference:
         self._transition = None
         self._row = lru_cache(maxsize=cache_rows)(self._power_row)
         self._devices: dict[str, _DeviceTables] = {}
-        # the compiled GPU step (gm_solver.fused): True uses it wherever it is available, False never; None, until
-        # a decoder's warmup on a GPU turns it on (compiling is paid there), not
+        # the fused backend's compiled step: True uses it wherever it is available, False never; None, until a
+        # decoder's warmup on a GPU turns it on (compiling is paid there)
         self.use_fused: bool | None = None
-        self._fused_steps: dict[str, FusedStep] = {}
-        self._lam_cache: dict[tuple, torch.Tensor] = {}
         self.backend: str | None = None  # which path the last step took: "numba", "torch" or "fused"
         self._local = threading.local()
 
@@ -343,7 +336,7 @@ class ContextReference:
             row = (row @ self.transition).tocsr()
         return row.indices, row.data
 
-    def _weights(self, length: int) -> list[float]:
+    def weights_at(self, length: int) -> list[float]:
         """β_k / Σβ for k = 1, 2, …, over the orders a context of ``length`` tokens reaches (0 for the others)."""
         betas = [b if length >= k else 0.0 for k, b in enumerate(self.config.order_weights, start=1)]
         total = sum(betas)
@@ -374,11 +367,11 @@ class ContextReference:
             ptr[b + 1] = filled
         return alpha, ptr, np.concatenate(idx), np.concatenate(val)
 
-    def _kernel_args(self, input_ids: torch.Tensor, knn: tuple | None = None) -> tuple:
-        """The arguments of ``context_kernel.reference_rows`` up to its output rows, for the contexts ``input_ids``
-        (and a kNN distribution mixed in: its tokens and weights join the sparse pieces of each row)."""
+    def kernel_args(self, input_ids: torch.Tensor, knn: tuple | None = None) -> tuple:
+        """The arguments of ``backends.numba.context.reference_rows`` up to its output rows, for the contexts
+        ``input_ids`` (and a kNN distribution mixed in: its tokens and weights join the sparse pieces of each row)."""
         ctx = np.ascontiguousarray(input_ids[:, -self.tail:].detach().cpu().numpy(), dtype=np.int64)
-        weights = self._weights(ctx.shape[1])
+        weights = self.weights_at(ctx.shape[1])
         if knn is not None:
             weights = [(1.0 - knn[2]) * w for w in weights]
         extra = self._extra(ctx, weights)
@@ -430,12 +423,8 @@ class ContextReference:
             raise ValueError(f"width {width} is narrower than the graph's {self.n} tokens")
         knn = self._check_knn(knn, input_ids.shape[0], width)
         self._check_graph()
-        if input_ids.device.type != "cpu":
-            q = self._rows_torch(input_ids, width, knn)
-        else:
-            q = np.empty((input_ids.shape[0], width))
-            context_kernel.reference_rows(*self._kernel_args(input_ids, knn), q, np.empty_like(q))
-            q = torch.from_numpy(q)
+        room = backends.room(backends.choose(input_ids.device))
+        q = room.reference_rows(self, input_ids, width, knn)
         self._check_graph()
         return q.to(dtype)
 
@@ -468,7 +457,7 @@ class ContextReference:
             [0.088, 0.912, 0.0]
         """
         q = self(input_ids, width=scores.shape[-1]).to(scores.device)
-        return restrict_reference(q, torch.isfinite(scores))[0]
+        return eager.restrict_reference(q, torch.isfinite(scores))[0]
 
     def step(self, input_ids: torch.Tensor, scores: torch.Tensor, *, lam: float | torch.Tensor | None = None,
              tol: float = 1e-6, max_iter: int | None = None, check_every: int | None = None,
@@ -477,12 +466,13 @@ class ContextReference:
         in ``scores``' dtype and on its device, with the solve's info (certificate per row).
 
         ``lam`` overrides the config's λ_t (``ContextConfig.lam_at`` of ``input_ids``' length): a float, or a (B,)
-        tensor of λ ≥ 0 per row. ``backend`` "numba" (CPU only): one numba call does everything
-        (``context_kernel.decode_step``; ``max_iter`` ν steps at most, default 60). "torch": everything stays on the
-        scores' device, the reference rows by torch and the solve by ``divergences``' torch path, by default with no
-        host synchronisation off the CPU (``check_every=0``: ``max_iter`` ν steps, default 8, rows frozen once
-        converged, ``info.converged`` left on the device); ``check_every`` ≥ 1 checks every that many steps instead.
-        "auto": numba on CPU, torch elsewhere. ``knn`` = (tokens (B, k), weights (B, k), β): the reference is
+        tensor of λ ≥ 0 per row. ``backend`` (``gm_solver.backends``): "numba" (CPU only): one kernel call does
+        everything (``backends.numba.context.decode_step``). "torch": everything stays on the scores' device, the
+        reference rows and the solve in eager torch. "fused": the same, compiled (CUDA; once ``use_fused`` is on).
+        "auto": numba on the CPU, fused where it is on, torch elsewhere. ``max_iter`` and ``check_every`` default to
+        ``backends.DEFAULTS``: on the CPU 60 ν steps at most, each checked; elsewhere 8 ν steps with nothing read back
+        (rows frozen once converged, ``info.converged`` left on the device). ``knn`` = (tokens (B, k), weights (B, k),
+        β): the reference is
         (1 − β)·q + β·p_knn, p_knn the sparse rows given (``gm_solver.datastore``).
 
         Example::
@@ -502,93 +492,47 @@ class ContextReference:
     def _solve(self, input_ids: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor | None, tol: float,
                max_iter: int | None, check_every: int | None, backend: str,
                knn: tuple | None) -> tuple[torch.Tensor, SolveInfo]:
-        if backend not in ("auto", "numba", "torch"):
-            raise ValueError(f"backend must be 'auto', 'numba' or 'torch', got {backend!r}")
+        backends.check_request(backend)
         if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
             raise ValueError(f"scores must be a (B, V) tensor, got {tuple(getattr(scores, 'shape', ()))}")
         self._check_ids(input_ids, scores.shape[0])
         if scores.shape[-1] < self.n:
             raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.n} nodes; "
                              f"rebuild the graph with this model's tokenizer")
-        cpu = scores.device.type == "cpu"
-        if backend == "numba" and not cpu:
-            raise ValueError(f"the numba kernel runs on the CPU, the scores are on {scores.device}; "
-                             f"use backend='torch'")
-        kernel = cpu and backend != "torch"
-        if not cpu and check_every is None:
-            check_every = 0
+        budget = backends.defaults(scores.device)
+        check_every = budget.check_every if check_every is None else check_every
+        max_iter = budget.nu_steps if max_iter is None else max_iter
+        # the compiled step reads nothing back, and is traced for contexts as long as the n-gram tail (another shape,
+        # and only the first steps of a prompt of one or two tokens)
+        traceable = check_every == 0 and input_ids.shape[1] >= self.tail
+        name = backends.choose(scores.device, backend, fused=bool(self.use_fused) and traceable)
+        name = "torch" if name == "fused" and not traceable else name
+        kernel = name == "numba"
         knn = self._check_knn(knn, scores.shape[0], scores.shape[-1], sync=kernel or check_every != 0)
-        cfg = self.config
-        share = 1.0 if cfg.divergence == "kl" else cfg.kl_share
-        max_iter = max_iter if max_iter is not None else (60 if cpu else 8)
+        share = 1.0 if self.config.divergence == "kl" else self.config.kl_share
         # the kernel checks the scores' values in its first pass (one pass fewer)
-        lam = check_inputs(scores, None, cfg.lam_at(input_ids.shape[1]) if lam is None else lam, share, tol, max_iter,
-                           sync=check_every != 0, skip_z_values=kernel, name="scores")
+        lam = check_inputs(scores, None, self.config.lam_at(input_ids.shape[1]) if lam is None else lam, share, tol,
+                           max_iter, sync=check_every != 0, skip_z_values=kernel, name="scores")
         if isinstance(lam, float) and lam == 0.0:
             if kernel:  # (no kernel runs to check them)
                 raise_unless(logit_value_checks(scores, "scores"), True)
             logx, info = softmax_solution(scores.to(torch.float64))
             return logx.to(scores.dtype), info
-        if not kernel:
-            fused = self._fused(scores.device) if check_every == 0 and input_ids.shape[1] >= self.tail else None
-            out = None if fused is None else fused(input_ids[:, -self.tail:].to(scores.device, torch.int64), scores,
-                                                   self._lam_rows(lam, scores), knn, max_iter)
-            if out is not None:
-                self.backend = "fused"
-                logx, iters, gap = out
-                return logx, SolveInfo(iters, gap, gap <= tol, 0)
-            self.backend = "torch"
-            z = scores.to(torch.float64)
-            q = self._rows_torch(input_ids.to(scores.device), scores.shape[-1], knn)
-            logx, info = solve_torch(z, q, lam, cfg.divergence, share, tol=tol, max_iter=max_iter,
-                                      check_every=check_every)
-            return logx.to(scores.dtype), info
-        self.backend = "numba"
-        rows, width = scores.shape
-        # float64 copies of the scores and of log x, q, log q and the solve's scratch: buffers kept from step to step
-        # (fresh ones cost page faults at every step); log x is handed out as a new tensor of the scores' dtype
-        work = getattr(self._local, "work", None)  # per thread: a reference may serve several threads at once
-        if work is None or work.shape != (6, rows, width):
-            work = self._local.work = np.empty((6, rows, width))
-        z, out = work[0], work[1]
-        torch.from_numpy(z).copy_(scores.detach())
-        if scores.dtype == torch.float64:
-            out = np.empty_like(z)
-        lam_np = lam.detach().numpy() if isinstance(lam, torch.Tensor) else np.full(rows, lam)
-        iters = np.empty(rows, dtype=np.int64)
-        gaps = np.empty(rows)
-        kind = lambert_kernel.L2 if cfg.divergence == "l2" else lambert_kernel.RKL  # kl: share 1, no ν steps
-        with lambert_kernel.one_task_at_a_time():
-            status = context_kernel.decode_step(kind, z, *self._kernel_args(input_ids, knn), lam_np, share, max_iter,
-                                                lambert_kernel.TABLE, work[2:], out, iters, gaps,
-                                                lambert_kernel.schedule(rows))
-        raise_for_status(status, "scores")
-        g = torch.from_numpy(gaps)
-        return torch.from_numpy(out).to(scores.dtype), SolveInfo(torch.from_numpy(iters), g, g <= tol, 0)
+        out = backends.room(name).context_step(self, input_ids, scores, lam, share, tol=tol, max_iter=max_iter,
+                                        check_every=check_every, knn=knn)
+        if out is None:  # compiling failed (``fused.failures``): the eager step
+            name, out = "torch", eager.context_step(self, input_ids, scores, lam, share, tol=tol, max_iter=max_iter,
+                                                    check_every=check_every, knn=knn)
+        self.backend = out[1].backend = name
+        return out
 
-    def _fused(self, device: torch.device) -> FusedStep | None:
-        """The compiled step for ``device`` (made on first use), or None where it is off, unavailable, or failed
-        to compile (the eager torch path then runs)."""
-        key = str(device)
-        if not self.use_fused or (key not in self._fused_steps and not fused_available(device)):
-            return None
-        if key not in self._fused_steps:
-            self.on(device)  # the tables' first copy to the device is no part of the traced step
-            self._fused_steps[key] = FusedStep(self)
-        step = self._fused_steps[key]
-        return None if step.failed else step
-
-    def _lam_rows(self, lam: float | torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """λ per row as a (B,) float64 tensor on the scores' device; a float's tensor is made once and kept (λ is
-        the same at every step unless it decays with t)."""
-        if isinstance(lam, torch.Tensor):
-            return lam.to(scores.device, torch.float64)
-        key = (lam, scores.shape[0], str(scores.device))
-        if key not in self._lam_cache:
-            if len(self._lam_cache) > 256:  # λ_t decaying with t: one per step length, dropped when many
-                self._lam_cache.clear()
-            self._lam_cache[key] = torch.full((scores.shape[0],), lam, dtype=torch.float64, device=scores.device)
-        return self._lam_cache[key]
+    def scratch(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A float64 buffer of ``shape`` kept for this thread from step to step (a reference may serve several
+        threads at once), for the numba kernel's copies and scratch."""
+        work = getattr(self._local, "work", None)
+        if work is None or work.shape != shape:
+            work = self._local.work = np.empty(shape)
+        return work
 
     def on(self, device: torch.device | str) -> _DeviceTables:
         """The arrays the torch path reads, as tensors on ``device`` (copied there once, then cached)."""
@@ -620,84 +564,6 @@ class ContextReference:
                                    int(self.successors.max()) if self.n else 0, ngrams, transition_t)
         self._devices[key] = tables
         return tables
-
-    def _rows_torch(self, input_ids: torch.Tensor, width: int, knn: tuple | None = None) -> torch.Tensor:
-        """The reference rows by torch on ``input_ids``' device: the kernel's q, from fixed-width gathers (no size
-        is read back to the host)."""
-        dev = self.on(input_ids.device)
-        ctx = input_ids[:, -self.tail:].long()
-        rows, length = ctx.shape
-        q = torch.zeros(rows, width, dtype=torch.float64, device=input_ids.device)
-        for k, beta in enumerate(self._weights(length), start=1):
-            if beta > 0.0:
-                q[:, :self.n] += beta * (self._order_one(ctx, dev) if k == 1 else self._order_k(ctx[:, -k], k, dev))
-        if knn is not None:
-            tokens, weights, share = knn
-            q = (1.0 - share) * q
-            q.scatter_add_(1, tokens.to(q.device), share * weights.to(q.device))
-        return q
-
-    def _token_counts(self, token: torch.Tensor, dev: _DeviceTables) -> tuple[torch.Tensor, torch.Tensor]:
-        inside = (token >= 0) & (token < self.n)
-        token = torch.where(inside, token, 0)
-        return token, torch.where(inside, dev.row_counts[token], 0.0)
-
-    def _order_one(self, ctx: torch.Tensor, dev: _DeviceTables) -> torch.Tensor:
-        """q₁ for each row: the (discounted) bigram row of the previous token, then each n-gram table's discount."""
-        cfg = self.config
-        prev, c = self._token_counts(ctx[:, -1], dev)
-        seen = c > 0
-        c_safe = torch.where(seen, c, 1.0)
-        cols, vals, mask = _gather(dev.indptr, dev.indices, dev.counts, prev, seen, dev.row_width)
-        if self.kneser_ney:
-            coef = torch.where(seen, cfg.discount * dev.successors[prev] / c_safe, 1.0)
-            piece = (vals - cfg.discount).clamp_min(0.0) / c_safe[:, None]
-        else:
-            coef = torch.where(seen, cfg.kappa / (c + cfg.kappa), 1.0)
-            piece = vals / (c + cfg.kappa)[:, None]
-        q = (coef[:, None] * dev.unigram).scatter_add_(1, cols, torch.where(mask, piece, 0.0))
-        for order, contexts, table_ptr, table_next, table_counts, widest in dev.ngrams:
-            if ctx.shape[1] < order - 1:
-                continue
-            history = ctx[:, ctx.shape[1] - (order - 1):]
-            inside = ((history >= 0) & (history < self.n)).all(-1)
-            key = torch.zeros_like(history[:, 0])
-            for j in range(order - 1):
-                key = key * self.n + torch.where(inside, history[:, j], 0)
-            i = torch.searchsorted(contexts, key).clamp_max(contexts.numel() - 1)
-            found = inside & (contexts[i] == key)
-            cols, cnt, mask = _gather(table_ptr, table_next, table_counts, i, found, widest)
-            total = torch.where(found, (cnt * mask).sum(-1), 1.0)
-            gamma = cfg.discount * mask.sum(-1) / total
-            piece = torch.where(mask, (cnt - cfg.discount).clamp_min(0.0) / total[:, None], 0.0)
-            q = torch.where(found[:, None], (gamma[:, None] * q).scatter_add_(1, cols, piece), q)
-        return q
-
-    def _order_k(self, token: torch.Tensor, k: int, dev: _DeviceTables) -> torch.Tensor:
-        """q_k for each row's token k places back: its row of Ãᵏ under a Dirichlet prior toward the unigram."""
-        kappa = self.config.kappa
-        token, c = self._token_counts(token, dev)
-        seen = c > 0
-        c_safe = torch.where(seen, c, 1.0)
-        cols, vals, mask = _gather(dev.indptr, dev.indices, dev.counts, token, seen, dev.row_width)
-        x = torch.zeros(token.shape[0], self.n, dtype=torch.float64, device=token.device)
-        x.scatter_add_(1, cols, torch.where(mask, vals / c_safe[:, None], 0.0))  # Ã[token]
-        for _ in range(k - 1):
-            x = (dev.transition_t @ x.T).T  # x Ã
-        coef = torch.where(seen, (kappa + c * (1.0 - x.sum(-1))) / (c + kappa), 1.0)
-        return coef[:, None] * dev.unigram + torch.where(seen, c / (c + kappa), 0.0)[:, None] * x
-
-
-def _gather(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, row: torch.Tensor, keep: torch.Tensor,
-            width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row ``row[b]`` of a CSR structure for each b, ``width`` entries wide: (columns, values, mask); rows where
-    ``keep`` is False come out empty. Fixed width, so no length is read back to the host."""
-    start = indptr[row]
-    length = torch.where(keep, indptr[row + 1] - start, 0)
-    offset = torch.arange(width, device=row.device)
-    mask = offset[None, :] < length[:, None]
-    pos = torch.where(mask, start[:, None] + offset[None, :], 0)
-    return torch.where(mask, indices[pos], 0), torch.where(mask, values[pos], 0.0), mask
 
 
 def _append_pieces(ptr: np.ndarray, idx: np.ndarray, val: np.ndarray, tokens: np.ndarray,

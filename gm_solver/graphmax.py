@@ -10,7 +10,8 @@ import torch
 
 from .checks import logit_value_checks, raise_unless
 from .operator import TransitionOperator
-from .solvers import mirror_descent, paper_pgd, softmax_solution
+from .solve_info import softmax_solution
+from .solvers import mirror_descent, paper_pgd
 
 SOLVERS = ("mirror", "paper")
 _operators: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()

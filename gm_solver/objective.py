@@ -15,9 +15,12 @@ zero exactly at the fixed point x* = softmax(z − 2λLᵀLx*).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .operator import TransitionOperator
+if TYPE_CHECKING:
+    from .operator import TransitionOperator
 
 
 def xlogx(x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
 from .graphmax import get_operator, log_graphmax
 from .operator import TransitionOperator
-from .solvers import SolveInfo
+from .solve_info import SolveInfo
 
 
 class GraphmaxLogitsProcessor(LogitsProcessor):
@@ -185,7 +185,7 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         """Run one step on a batch of one row and one of two, so that numba compiles (or loads from its disk
         cache) every kernel a decoding step uses now rather than inside the first timed ``generate()``; on a GPU,
         so that the device's first-call costs (its kernels' loading, the tables' copy, compiling the context
-        decoders' fused step: ``gm_solver.fused``) are paid here too. ``warmup_seconds`` then holds its time.
+        decoders' fused steps: ``gm_solver.backends.fused``) are paid here too. ``warmup_seconds`` then holds its time.
 
         Args:
             device (``str``, ``torch.device`` or ``None``, defaults to ``None``): where the model's scores will be
@@ -206,9 +206,9 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         t0 = time.perf_counter()
         width, own = self._shape()
         device = own if device is None else torch.device(device)
-        reference = getattr(self, "reference", None)  # the context decoders' (gm_solver.fused): compiled here
-        if reference is not None and reference.use_fused is None and device.type != "cpu":
-            reference.use_fused = True
+        for part in self._compiled_parts(device):  # the fused backend's steps (gm_solver.backends): compiled here
+            if part.use_fused is None and device.type != "cpu":
+                part.use_fused = True
         # scores spread as a model's are: on equal or evenly spread ones the paper's solve is certified where it
         # starts, and its step kernels would compile inside the first real step (7 s on the movie-review graph)
         scores = (torch.randn(width, generator=torch.Generator().manual_seed(0)) * 4).to(device, dtype)
@@ -222,6 +222,10 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         self(input_ids, scores)
+
+    def _compiled_parts(self, device: torch.device) -> list[Any]:
+        """What holds the decoder's ``use_fused`` switch on ``device`` (its reference, or its operator there)."""
+        raise NotImplementedError
 
     def _shape(self) -> tuple[int, torch.device]:
         """The graph's number of nodes and the device the decoder computes on."""
@@ -279,6 +283,17 @@ class _OperatorDecoder(GraphmaxLogitsProcessor):
         if check is not None:
             check()
         return logp
+
+    @property
+    def backend(self) -> str | None:
+        """Which backend the last step's mirror steps took: ``"numba"``, ``"fused"`` or ``"torch"``
+        (``gm_solver.backends``); None before a step, and for Algorithm 1."""
+        return None if self.last_info is None else self.last_info.backend
+
+    def _compiled_parts(self, device: torch.device) -> list[Any]:
+        if device != self.operator.device:
+            self.operator = get_operator(self.graph, device)
+        return [self.operator]
 
     def _shape(self) -> tuple[int, torch.device]:
         return self.operator.n, self.operator.device
@@ -555,9 +570,12 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
 
     @property
     def backend(self) -> str | None:
-        """Which path the last step took: ``"numba"`` (the CPU kernel), ``"fused"`` (the compiled GPU step,
-        ``gm_solver.fused``) or ``"torch"`` (eager, wherever compiling is unavailable); None before a step."""
+        """Which backend the last step took: ``"numba"`` (the CPU kernel), ``"fused"`` (the compiled GPU step) or
+        ``"torch"`` (eager, wherever compiling is unavailable) (``gm_solver.backends``); None before a step."""
         return self.reference.backend
+
+    def _compiled_parts(self, device: torch.device) -> list[Any]:
+        return [self.reference]
 
     def _lam_at(self, input_ids: Any) -> float | None:
         """λ_t after the prompt (None: the reference's own, from the whole input's length)."""

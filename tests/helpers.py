@@ -18,6 +18,7 @@ import scipy.sparse as sp
 import torch
 from hypothesis import strategies as st
 
+from gm_graphs.count.ngrams import NgramCounts
 from gm_graphs.format.datastore import META as DATASTORE_META
 from gm_graphs.format.datastore import write_datastore
 from gm_solver.datastore import index_datastore
@@ -138,6 +139,20 @@ def random_graph(n: int, density: float, seed: int) -> sp.csr_matrix:
     a.data = np.ceil(a.data * 20)  # counts
     d = np.asarray(a.sum(axis=1)).ravel()
     return sp.diags(np.where(d > 0, 1.0 / (d + 1e-8), 0.0)) @ a
+
+
+def random_ngram_graph(seed: int, n: int = 40):
+    """(bigram counts, 3- and 4-gram tables) drawn at random, a row with no successor among them."""
+    rng = np.random.default_rng(seed)
+    dense = rng.integers(0, 6, size=(n, n)) * (rng.random((n, n)) < 0.3)
+    dense[3] = 0
+    tables = {}
+    for order in (3, 4):
+        keys = np.unique(rng.integers(0, n ** order, size=200))
+        tables[order] = NgramCounts.from_keys(order, keys, rng.integers(1, 5, size=keys.size), n)
+    graph = type("Graph", (), {})()
+    graph.counts, graph.ngrams = sp.csr_matrix(dense), tables
+    return graph
 
 
 def random_counts(n: int, seed: int) -> sp.csr_matrix:

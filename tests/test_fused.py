@@ -1,6 +1,7 @@
-"""The context decoders' compiled step (gm_solver.fused): one graph with no break, the eager torch path's numbers,
-certified as the numba kernel's, the path taken said, and the eager path kept when compiling fails. On the CPU it
-is traced with torch.compile's ``aot_eager`` backend; the CUDA tests compile it with inductor."""
+"""The fused backend (gm_solver.backends.fused): the context step and the mirror step each traced without a graph
+break, the torch backend's numbers, certified as the numba kernels', the backend taken said, and the torch backend
+kept when compiling fails. On the CPU they are traced with torch.compile's ``eager`` and ``aot_eager`` backends; the
+CUDA tests compile them with inductor."""
 
 from __future__ import annotations
 
@@ -11,29 +12,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs.count.ngrams import NgramCounts
-from gm_solver import ContextGraphmaxLogitsProcessor
+from gm_solver import ContextGraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor, graphmax
+from gm_solver.backends import eager, fused
 from gm_solver.context import ContextConfig, ContextReference
-from gm_solver.fused import FusedStep, context_step
+from gm_solver.operator import TransitionOperator
+
+from .helpers import random_ngram_graph
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
 # the configurations the fused step traces whole (order weights beyond the first read a sparse Ãᵏ: eager there)
 TRACED = [ContextConfig(), ContextConfig(divergence="l2", lam=0.7, kl_share=0.3), ContextConfig(divergence="kl"),
           ContextConfig(smoothing="dirichlet", ngram_order=3, lam=2.0)]
-
-
-def _counts(seed: int, n: int = 40):
-    """(bigram counts, 3- and 4-gram tables) drawn at random, a row with no successor among them."""
-    rng = np.random.default_rng(seed)
-    dense = rng.integers(0, 6, size=(n, n)) * (rng.random((n, n)) < 0.3)
-    dense[3] = 0
-    tables = {}
-    for order in (3, 4):
-        keys = np.unique(rng.integers(0, n ** order, size=200))
-        tables[order] = NgramCounts.from_keys(order, keys, rng.integers(1, 5, size=keys.size), n)
-    graph = type("Graph", (), {})()
-    graph.counts, graph.ngrams = sp.csr_matrix(dense), tables
-    return graph
 
 
 def _inputs(seed: int, n: int, rows: int, width: int, knn: bool):
@@ -48,78 +37,135 @@ def _inputs(seed: int, n: int, rows: int, width: int, knn: bool):
     return ids, scores, near
 
 
-_TRACED_STEPS: dict = {}
+# one reference per configuration for every example: dynamo guards on the reference, so a new one is a new trace
+_REFERENCES: dict[int, ContextReference] = {}
 
 
-def _traced(index: int, knn: bool):
-    """(reference, its step traced whole by aot_eager): one per configuration and kNN use, for every example (a
-    trace takes seconds; the examples vary the values, which no trace depends on)."""
-    if (index, knn) not in _TRACED_STEPS:
-        ref = ContextReference(_counts(index), TRACED[index])
-        ref.on(torch.device("cpu"))
-        # dynamo's own backend: the graph breaks are dynamo's to find, and it traces in a second or two
-        _TRACED_STEPS[index, knn] = ref, FusedStep(ref, backend="eager", fullgraph=True).compiled
-    return _TRACED_STEPS[index, knn]
+def _lam(ref: ContextReference, rows: int) -> torch.Tensor:
+    return torch.full((rows,), ref.config.lam, dtype=torch.float64)
 
 
-@settings(max_examples=12)  # the traces are shared, but each new (configuration, kNN) is one
-@given(st.integers(0, 10_000), st.integers(0, len(TRACED) - 1), st.booleans())
-def test_the_step_traces_as_one_graph_and_gives_the_eager_paths_numbers(seed, index, knn):
+@settings(max_examples=12, deadline=None)  # dynamo's traces are cached by code and configuration, not by example
+# each configuration once, two of them with a kNN distribution mixed in: a trace of seconds each
+@given(st.integers(0, 10_000), st.sampled_from([(0, True), (1, False), (2, False), (3, True)]))
+def test_the_context_step_traces_as_one_graph_and_gives_the_torch_backends_numbers(seed, case):
+    index, knn = case
     rows = 3
-    ref, traced = _traced(index, knn)
+    ref = _REFERENCES.setdefault(index, ContextReference(random_ngram_graph(index), TRACED[index]))
     ids, scores, near = _inputs(seed, ref.n, rows, ref.n + 3, knn)
-    lam = torch.full((rows,), ref.config.lam, dtype=torch.float64)
-    ctx = ids[:, -ref.tail:]
-    fused = traced(ref, ctx, scores, lam, near, 12)
-    eager = context_step(ref, ctx, scores, lam, near, 12)
-    for a, b in zip(fused, eager):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-    kernel, info = ref.step(ids, scores, knn=near, backend="numba")  # the reference: the CPU kernel
-    torch.testing.assert_close(fused[0].exp(), kernel.exp(), atol=1e-10, rtol=0)
-    assert bool((fused[2] <= 1e-6).all()) and bool((info.gap <= 1e-6).all())
+    share = 1.0 if ref.config.divergence == "kl" else ref.config.kl_share
+    # dynamo's own backend: the graph breaks are dynamo's to find, and it traces in a second or two
+    traced, info = fused.context_step(ref, ids, scores, _lam(ref, rows), share, tol=1e-6, max_iter=12, knn=near,
+                                      backend="eager", fullgraph=True)
+    plain, plain_info = eager.context_step(ref, ids, scores, _lam(ref, rows), share, tol=1e-6, max_iter=12,
+                                           check_every=0, knn=near)
+    torch.testing.assert_close(traced, plain, atol=0, rtol=0)
+    torch.testing.assert_close(info.gap, plain_info.gap, atol=0, rtol=0)
+    kernel, kernel_info = ref.step(ids, scores, knn=near, backend="numba")  # the reference: the CPU kernel
+    torch.testing.assert_close(traced.exp(), kernel.exp(), atol=1e-10, rtol=0)
+    assert bool((info.gap <= 1e-6).all()) and bool((kernel_info.gap <= 1e-6).all())
 
 
-def test_aot_autograd_traces_the_step_whole_as_inductor_will():
-    ref = ContextReference(_counts(2), ContextConfig())
+def test_aot_autograd_traces_the_context_step_whole_as_inductor_will():
+    ref = ContextReference(random_ngram_graph(2), ContextConfig())
     ids, scores, near = _inputs(2, ref.n, 3, ref.n, True)
-    lam = torch.full((3,), 1.2, dtype=torch.float64)
-    ref.on(ids.device)
-    args = (ref, ids[:, -ref.tail:], scores, lam, near, 8)
-    traced = FusedStep(ref, backend="aot_eager", fullgraph=True).compiled(*args)
-    for a, b in zip(traced, context_step(*args)):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    args = (ref, ids, scores, _lam(ref, 3), ref.config.kl_share)
+    traced, _ = fused.context_step(*args, tol=1e-6, max_iter=8, knn=near, backend="aot_eager", fullgraph=True)
+    plain, _ = eager.context_step(*args, tol=1e-6, max_iter=8, check_every=0, knn=near)
+    torch.testing.assert_close(traced, plain, atol=0, rtol=0)
 
 
-def test_the_reference_takes_the_fused_step_where_it_has_one_and_says_so():
-    ref = ContextReference(_counts(3), ContextConfig())
+def _paper_state(seed: int, rows: int = 3):
+    rng = np.random.default_rng(seed)
+    m = sp.random(30, 30, density=0.2, random_state=rng, format="csr")
+    m = sp.csr_matrix(m / np.maximum(m.sum(1), 1e-12))
+    op = TransitionOperator(m, backend="torch")
+    z = torch.from_numpy(3 * rng.standard_normal((rows, 32)))
+    z[0, 5] = -torch.inf
+    return op, z
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_the_mirror_steps_pieces_trace_as_one_graph_each_and_give_the_torch_backends_numbers(compiler):
+    op, z = _paper_state(4)
+    valid = torch.isfinite(z)
+    diag = op.gram_diagonal(z.shape[-1], z.dtype)
+    s, x = eager.mirror_start(z, valid, diag, 1.0)
+    lx, gram = op.residual_and_gram(x)
+    f, g, ly = eager.mirror_score(z, valid, s, x, lx, gram, 1.0)
+    state = [s, x, lx, gram, ly, f, g, torch.zeros_like(f), torch.zeros(3, dtype=torch.long)]
+    for _ in range(3):
+        traced = fused.mirror_step(z, valid, diag, *state, op, 1.0, 1e-6, backend=compiler)
+        plain = eager.mirror_step(z, valid, diag, *state, op, 1.0, 1e-6)
+        for a, b in zip(traced, plain):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        state = list(plain)
+    assert str(z.device) not in fused.failures
+
+
+def _compile_with(monkeypatch, compiler):
+    """The fused backend on the CPU, compiled by ``compiler``, with a record of its failures of its own."""
+    monkeypatch.setattr("gm_solver.backends.fused_available", lambda device: True)
+    monkeypatch.setattr(fused, "failures", {})
+    monkeypatch.setattr(fused, "compiled", lambda function, **kw: torch.compile(
+        {"context_step": fused._context_step, "mirror_propose": eager.mirror_propose,
+         "mirror_judge": eager.mirror_judge}[function], backend=compiler))
+
+
+def test_the_decoders_take_the_fused_backend_once_on_and_say_so(monkeypatch):
+    _compile_with(monkeypatch, "eager")
+    ref = ContextReference(random_ngram_graph(3), ContextConfig())
     ids, scores, _ = _inputs(3, ref.n, 4, ref.n, False)
-    eager, eager_info = ref.step(ids, scores, backend="torch", check_every=0)
+    plain, plain_info = ref.step(ids, scores, backend="torch", check_every=0)
+    assert ref.backend == plain_info.backend == "torch"
+    logx, info = ref.step(ids, scores, backend="fused", check_every=0)
+    assert ref.backend == info.backend == "fused"
+    torch.testing.assert_close(logx, plain, atol=0, rtol=0)
+    torch.testing.assert_close(info.gap, plain_info.gap, atol=0, rtol=0)
+    ref.step(ids[:, :2], scores, backend="fused", check_every=0)  # a context shorter than the tail: eager
+    assert ref.backend == "torch"
+    ref.step(ids, scores, backend="fused", check_every=1)  # a step that reads back is not the compiled one
     assert ref.backend == "torch"
     ref.use_fused = True
-    ref._fused_steps["cpu"] = FusedStep(ref, backend="eager", fullgraph=True)
-    logx, info = ref.step(ids, scores, backend="torch", check_every=0)
-    assert ref.backend == "fused"
-    torch.testing.assert_close(logx, eager, atol=0, rtol=0)
-    torch.testing.assert_close(info.gap, eager_info.gap, atol=0, rtol=0)
-    ref.step(ids[:, :2], scores, backend="torch", check_every=0)  # a context shorter than the tail: eager
-    assert ref.backend == "torch"
-    ref.step(ids, scores)  # the CPU's default: the numba kernel, whatever is compiled
+    ref.step(ids, scores)  # the CPU's default is the numba kernel, whatever is on
     assert ref.backend == "numba"
 
+    op, z = _paper_state(6)
+    _, plain_info = graphmax(z, op.__dict__["_matrix"], 1.0, return_info=True)  # the CPU's default: numba
+    assert plain_info.backend == "numba"
+    _, info = graphmax(z, op, 1.0, return_info=True)  # an operator built for torch, not yet on
+    assert info.backend == "torch"
+    op.use_fused = True
+    _, info = graphmax(z, op, 1.0, return_info=True)
+    assert info.backend == "fused"
 
-def test_a_step_that_fails_to_compile_falls_back_to_the_eager_path():
+
+def test_the_paper_decoder_takes_the_fused_mirror_steps_once_on(monkeypatch):
+    _compile_with(monkeypatch, "eager")
+    op, z = _paper_state(7)
+    proc = PaperGraphmaxLogitsProcessor(op.__dict__["_matrix"], device="cpu")
+    proc.operator = TransitionOperator(op.__dict__["_matrix"], backend="torch")
+    plain = proc(None, z)
+    assert proc.backend == "torch"
+    proc.operator.use_fused = True
+    compiled = proc(None, z)
+    assert proc.backend == "fused" and bool(proc.last_info.converged.all())
+    torch.testing.assert_close(compiled, plain, atol=0, rtol=0)
+
+
+def test_a_step_that_fails_to_compile_falls_back_to_the_torch_backend(monkeypatch):
     def broken(graph_module, example_inputs):
         raise RuntimeError("no compiler here")
 
-    ref = ContextReference(_counts(5), ContextConfig())
+    _compile_with(monkeypatch, broken)
+    ref = ContextReference(random_ngram_graph(5), ContextConfig())
     ids, scores, _ = _inputs(5, ref.n, 2, ref.n, False)
     expected, _ = ref.step(ids, scores, backend="torch", check_every=0)
     ref.use_fused = True
-    ref._fused_steps["cpu"] = step = FusedStep(ref, backend=broken)
-    logx, _ = ref.step(ids, scores, backend="torch", check_every=0)
-    assert ref.backend == "torch" and "no compiler here" in step.failed
+    logx, _ = ref.step(ids, scores, backend="fused", check_every=0)
+    assert ref.backend == "torch" and "no compiler here" in fused.failures["cpu"]
     torch.testing.assert_close(logx, expected, atol=0, rtol=0)
-    ref.step(ids, scores, backend="torch", check_every=0)
+    ref.step(ids, scores, backend="fused", check_every=0)
     assert ref.backend == "torch"  # not tried again
 
 
@@ -127,8 +173,8 @@ def test_a_step_that_fails_to_compile_falls_back_to_the_eager_path():
 @pytest.mark.parametrize("cfg", TRACED[:2])  # each configuration is a compile of tens of seconds
 def test_the_compiled_step_on_cuda_equals_the_numba_kernel(cfg):
     settings = {k: v for k, v in cfg.to_dict().items() if k != "source"}
-    proc = ContextGraphmaxLogitsProcessor(_counts(11), **settings).warmup("cuda")
-    assert proc.warmup_seconds > 0 and proc.backend == "fused"
+    proc = ContextGraphmaxLogitsProcessor(random_ngram_graph(11), **settings).warmup("cuda")
+    assert proc.warmup_seconds > 0
     for dtype in (torch.float32, torch.bfloat16):  # one compile serves both, and every batch size
         for rows in (1, 3, 8):
             ids, scores, _ = _inputs(rows, proc.reference.n, rows, proc.reference.n + 2, False)

@@ -22,6 +22,7 @@ from gm_solver import (
     MarginalBiasLogitsProcessor,
     solve_toward,
 )
+from gm_solver.backends import eager
 
 from .helpers import random_counts, random_marginals
 
@@ -45,7 +46,7 @@ def test_the_knn_reference_is_the_dense_mix_on_every_path(config, rows, k, extra
     dense = torch.zeros(rows, width, dtype=torch.float64).scatter_add_(1, tokens, weights)
     want = (1 - share) * ref(ids, width=width) + share * dense
     assert torch.allclose(ref(ids, width=width, knn=knn), want, atol=1e-15)
-    assert torch.allclose(ref._rows_torch(ids, width, ref._check_knn(knn, rows, width)), want, atol=1e-15)
+    assert torch.allclose(eager.reference_rows(ref, ids, width, ref._check_knn(knn, rows, width)), want, atol=1e-15)
     z = torch.tensor(rng.normal(size=(rows, width)) * 3)
     logx, info = ref.step(ids, z, knn=knn)
     logt, _ = ref.step(ids, z, knn=knn, backend="torch", check_every=1)

@@ -112,7 +112,7 @@ def test_a_change_to_any_kernel_module_recompiles_the_kernels_that_call_it(tmp_p
     env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("NUMBA_CACHE_DIR", None)  # so the kernels are cached in the copy's __pycache__
     # one small kernel of context_kernel (it compiles in about a second): was it loaded from the cache?
-    code = ("import numpy as np, other_lib; from gm_solver import context_kernel as ck; "
+    code = ("import numpy as np, other_lib; from gm_solver.backends.numba import context as ck; "
             "ck.count_stats(np.array([0, 1, 2]), np.array([1, 0]), np.ones(2), 2); "
             "print(sum(ck.count_stats.stats.cache_hits.values()), sum(ck.count_stats.stats.cache_misses.values()), "
             "type(other_lib.kernel._cache._impl.locator).__module__)")
@@ -126,7 +126,7 @@ def test_a_change_to_any_kernel_module_recompiles_the_kernels_that_call_it(tmp_p
     with other.open("a") as f:
         f.write("# a change outside graphmax's packages\n")
     assert run()[:2] == ["1", "0"]  # loaded from the cache
-    with (site / "gm_solver" / "lambert_kernel.py").open("a") as f:
+    with (site / "gm_solver" / "backends" / "numba" / "lambert.py").open("a") as f:
         f.write("# a change to the callee's module only\n")
     assert run()[:2] == ["0", "1"]  # the cache is stale: compiled again
 

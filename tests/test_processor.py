@@ -348,7 +348,7 @@ def test_warmup_returns_the_processor_and_leaves_no_trace(make):
 def test_the_paper_decoders_warmup_takes_solver_steps(monkeypatch):
     # a warm-up whose rows were certified where the solve starts would leave the step kernels to compile inside
     # the first real step: on a cycle, equal scores are (uniform x, Lx = 0)
-    from gm_solver import mirror_kernel
+    from gm_solver.backends.numba import mirror as mirror_kernel
 
     cycle = sp.csr_matrix(([1.0] * 5, ([0, 1, 2, 3, 4], [1, 2, 3, 4, 0])), shape=(5, 5))
 

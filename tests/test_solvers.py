@@ -34,7 +34,7 @@ def test_checking_convergence_less_often_gives_the_same_certified_rows():
        lam=st.sampled_from([0.1, 1.0, 10.0]), masked=st.integers(0, 3), pad=st.integers(0, 2),
        check_every=st.sampled_from([0, 1, 3]))
 def test_the_fused_cpu_steps_take_the_torch_steps_path(n, density, seed, batch, lam, masked, pad, check_every):
-    # mirror_kernel's passes (the numba backend) against solvers._mirror_step (torch sparse, here on the CPU): the
+    # mirror_kernel's passes (the numba backend) against backends.eager.mirror_step (torch sparse, here on the CPU): the
     # same steps on each segment, the same iterations, the same rows to rounding (in float64: in float32 a gap of
     # 1e-6 sits at the rounding, where either may halve a step the other takes)
     a = random_graph(n, density, seed)

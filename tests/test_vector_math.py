@@ -1,4 +1,4 @@
-"""gm_solver.vector_math: the kernels' own exp and log against the C library's, their maximum against numpy's."""
+"""gm_solver.backends.numba.vector_math: the kernels' own exp and log against the C library's, their maximum against numpy's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gm_solver.vector_math import exp, jit, log, maximum
+from gm_solver.backends.numba.vector_math import exp, jit, log, maximum
 
 
 @jit()

@@ -4,7 +4,7 @@ row, between the products with the graph (``TransitionOperator``, whose kernels 
 A step of the solver is :func:`propose_rows` (the mirror step's candidate, each token's step damped by the curvature
 the graph term puts on it), the operator's (Lx, LᵀLx) of the candidates, then :func:`judge_rows` (the best point on
 the segment from x to the candidate, found without another product, its fixed-point map and duality gap). Rows are
-(B, V) arrays, one row per thread; ``torch`` does the same in ``solvers._mirror_step`` on other devices, and the
+(B, V) arrays, one row per thread; ``torch`` does the same in ``backends.eager.mirror_step`` on other devices, and the
 tests cross-check the two.
 """
 

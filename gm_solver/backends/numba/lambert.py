@@ -13,7 +13,7 @@ and its first two derivatives in ν. Arguments beyond the table use the series
 :func:`solve_batch` does ``solve_toward`` whole for every row (log-softmax, the
 reference restricted to the allowed tokens, a share of λ on KL(x‖q) merged into
 the logits, the solve, and the certificate, computed from scratch as
-``divergences.certificate_toward`` does). A row is cut into chunks of
+``eager.certificate_toward`` does). A row is cut into chunks of
 :data:`CHUNK` tokens whose sums are kept apart and added in one order. A batch
 at least as large as the thread count is solved a row per thread (one parallel
 region); a smaller one pass by pass over all its rows' chunks at once, ν steps
@@ -174,7 +174,7 @@ def _is_far(kind, ti, ai, x):
 def _dual_logit(kind, ti, ai, lam, x, lx, c, far):
     # y = t − λ∇D(x) up to a per-row constant, for the certificate: t + a/x (rkl, a = λq̂), t − 2λx + a (l2,
     # a = 2λq̂); t itself at λ = 0; log x + c for a far token (``far_term``) where the row may have one (``far``).
-    # An x that underflows to 0 is read at 1e-300 by ∇D, as ``divergences.certificate_toward`` does (and adds
+    # An x that underflows to 0 is read at 1e-300 by ∇D, as ``eager.certificate_toward`` does (and adds
     # nothing to Σ x(log x − y)).
     if far and _is_far(kind, ti, ai, x):
         return lx + c
@@ -199,7 +199,7 @@ def certificate(kind, t, a, lam, logx):
     """The duality gap KL(x ‖ softmax(y)), y = t − λ∇D(x), of the point exp(``logx``), computed from scratch.
 
     ``t`` are log-softmaxed logits and ``a`` the scaled reference (λq̂ for rkl,
-    2λq̂ for l2): ``divergences.certificate_toward`` for one row. :func:`solve_batch`
+    2λq̂ for l2): ``eager.certificate_toward`` for one row. :func:`solve_batch`
     sums the same terms in its last pass.
     """
     y = np.full(t.size, -np.inf)

@@ -1,5 +1,5 @@
 """The CPU kernel of a context-aware decoding step: every row's reference q, built from the graph's sparse
-structure, then ``lambert_kernel.solve_batch``, in one numba call.
+structure, then ``lambert.solve_batch``, in one numba call.
 
 The reference of one row (``context.ContextReference`` gives the formulas) is
 α·u plus a few sparse pieces: the bigram row of the previous token (its counts,
@@ -21,7 +21,7 @@ import numpy as np
 from gm_graphs.count.ngram_trie import count_at, find_context, ptr_at
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
-from .lambert_kernel import BINS, CHUNK, FINE, LOCKSTEP, ROWS, STATE, solve_batch, solve_row
+from .lambert import BINS, CHUNK, FINE, LOCKSTEP, ROWS, STATE, solve_batch, solve_row
 from .vector_math import LOOP, jit
 
 ensure_cache_dir()  # before the cached kernels below are defined
@@ -193,8 +193,8 @@ def decode_step(kind, z, ctx, beta1, indptr, indices, counts, row_counts, succes
                 kneser_ney, discount, kappa, extra_alpha, extra_ptr, extra_idx, extra_val, lam, share, max_iter, table,
                 work, out, iters, gaps, mode):
     """One decoding step: the reference rows into ``work[0]`` (q) and ``work[1]`` (log q) (:func:`reference_rows`),
-    then the solve (``lambert_kernel.solve_batch``, scratch ``work[2:]``) into ``out``, ``iters`` and ``gaps``;
-    returns its status. ``work`` is (4, B, V), the caller's. ``mode`` is ``lambert_kernel.schedule``'s: with
+    then the solve (``lambert.solve_batch``, scratch ``work[2:]``) into ``out``, ``iters`` and ``gaps``;
+    returns its status. ``work`` is (4, B, V), the caller's. ``mode`` is ``lambert.schedule``'s: with
     ``ROWS`` or ``SERIAL`` each row is built and solved by one thread, rows in parallel (one parallel region) or
     one after another; with ``LOCKSTEP`` the rows are filled, then every pass of the solve spreads over all
     rows' chunks."""

@@ -1,0 +1,137 @@
+"""Where a solve runs: one room per backend, each with the same operations, and one chooser.
+
+Every solve graphmax offers is built from a few operations, and each backend implements every one of them with one
+signature (``numba`` in ``backends/numba/``, ``torch`` in ``backends/eager.py``, ``fused`` in ``backends/fused.py``):
+
+=====================  ==========================================================================================
+operation              what it computes
+=====================  ==========================================================================================
+``reference_rows``     q(· | context) for each row: the context decoders' reference (``ContextReference``)
+``solve_rows``         log x toward given rows q, with the certificate per row (``divergences.solve_toward``)
+``context_step``       both at once, one decoding step of the context decoders
+``csr_product``        M·v or base − M·v for the rows of a batch (``TransitionOperator``)
+``mirror_start``,      the paper decoder's certified mirror descent (``solvers.mirror_descent``): its start, the
+``mirror_score``,      score (f, gap) of a point, and one step
+``mirror_step``
+=====================  ==========================================================================================
+
+- **numba**: CPU kernels in float64, every row in one call, a step stops at its certificate.
+- **torch**: eager torch on any device and dtype: the same steps as the kernels, all rows at once.
+- **fused**: the torch backend's own operations compiled by ``torch.compile`` (CUDA with Triton): a few fused
+  kernels instead of hundreds of launches. It is used once a decoder's ``warmup()`` has paid the compile.
+
+:func:`choose` is the one place a backend is picked from the device, the dtype and what the caller asked for, and
+:data:`DEFAULTS` the one place the step budgets and the host synchronisation are set.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("numba", "torch", "fused")
+REQUESTS = ("auto", *BACKENDS)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The step budgets and the host synchronisation of the solves where they run.
+
+    Args:
+        nu_steps (``int``): ν steps per row at most (the Lambert solves: ``solve_rows``, ``context_step``).
+        check_every (``int``): steps between the checks that read the rows' convergence back to the host; 0 reads
+            nothing back: every row takes the budget's steps, frozen once converged (a step free of host
+            synchronisation, safe to capture in a CUDA graph).
+        mirror_check_every (``int``): the same for the paper decoder's mirror steps, whose rows take from one to
+            hundreds of steps: a fixed budget would pay for the slowest row at every step.
+    """
+
+    nu_steps: int
+    check_every: int
+    mirror_check_every: int
+
+
+#: On the CPU a check costs nothing and the kernels stop each row at its certificate. On a GPU the ν solve takes a
+#: fixed 8 steps with no read-back (the context decoders' step on an H100: the safeguarded Newton steps converge
+#: within them), and the mirror descent reads its gaps back every 8 steps.
+DEFAULTS = {"cpu": Defaults(nu_steps=60, check_every=1, mirror_check_every=1),
+            "device": Defaults(nu_steps=8, check_every=0, mirror_check_every=8)}
+
+
+def defaults(device: torch.device) -> Defaults:
+    """:data:`DEFAULTS` for ``device``: the CPU's, or every other device's.
+
+    Example::
+
+        >>> defaults(torch.device("cpu")).nu_steps
+        60
+    """
+    return DEFAULTS["cpu" if device.type == "cpu" else "device"]
+
+
+def check_request(request: str) -> None:
+    """Refuse a backend name that is not ``"auto"`` or one of :data:`BACKENDS`, in one line."""
+    if request not in REQUESTS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, REQUESTS))}, got {request!r}")
+
+
+def choose(device: torch.device, request: str = "auto", *, float64_only: bool = False,
+           fused: bool = False) -> str:
+    """The backend that runs an operation on ``device``.
+
+    ``"auto"`` takes numba on the CPU (where ``float64_only`` says the operation's numba half takes float64 alone
+    and the input is another dtype, torch instead), fused on a CUDA device where the caller has it on (``fused``:
+    warmed up) and it can compile, and torch elsewhere. A named backend is refused in one line where it cannot run.
+
+    Args:
+        device (``torch.device``): where the operation's tensors are.
+        request (``str``, defaults to ``"auto"``): ``"auto"`` or one of :data:`BACKENDS`.
+        float64_only (``bool``, defaults to ``False``): the input is not float64 and the numba half would need it.
+        fused (``bool``, defaults to ``False``): the caller has compiled steps on (a warmed-up decoder).
+
+    Returns:
+        ``str``: one of :data:`BACKENDS`.
+
+    Example::
+
+        >>> choose(torch.device("cpu")), choose(torch.device("cpu"), "torch")
+        ('numba', 'torch')
+        >>> choose(torch.device("cpu"), "fused")
+        Traceback (most recent call last):
+        ValueError: the fused backend compiles for a CUDA device with Triton, not cpu; use backend='torch' or 'auto'
+    """
+    check_request(request)
+    cpu = device.type == "cpu"
+    if request == "numba" and not cpu:
+        raise ValueError(f"the numba backend runs on the CPU, the tensors are on {device}; use backend='torch'")
+    if request == "numba" and float64_only:
+        raise ValueError("the numba kernel takes float64 CPU tensors; use backend='torch' for other dtypes")
+    if request == "fused" and not fused_available(device):
+        raise ValueError(f"the fused backend compiles for a CUDA device with Triton, not {device}; "
+                         f"use backend='torch' or 'auto'")
+    if request != "auto":
+        return request
+    if cpu and not float64_only:
+        return "numba"
+    return "fused" if fused and fused_available(device) else "torch"
+
+
+def room(name: str) -> ModuleType:
+    """The module that implements backend ``name``'s operations (imported on first use: the fused backend's
+    imports torch.compile's machinery only then)."""
+    check_request(name)
+    return importlib.import_module({"numba": ".numba", "torch": ".eager", "fused": ".fused"}[name], __name__)
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether the fused backend can compile for ``device``: a CUDA device, with Triton for inductor's kernels."""
+    if device.type != "cuda" or not hasattr(torch, "compile"):
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return has_triton()
