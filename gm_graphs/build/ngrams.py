@@ -34,6 +34,7 @@ from gm_graphs.store.folders import (
     disk_errors,
     graph_path,
     locked,
+    note_left,
     remove_tree,
     sync_tree,
 )
@@ -185,8 +186,8 @@ def _commit_tables(root: Path, manifest: dict, write, stage: str) -> None:
         fault_point(f"{stage}.written")
         manifest[NGRAMS] = entry
         write_manifest(root, manifest)
-    except BaseException:
-        _discard_unreferenced(root, folder)
+    except BaseException as error:
+        note_left(error, _discard_unreferenced(root, folder))
         raise
     fault_point(f"{stage}.committed")
     GraphFiles(root, manifest).trust_written(NGRAMS)
@@ -196,14 +197,19 @@ def _commit_tables(root: Path, manifest: dict, write, stage: str) -> None:
         pass  # committed all the same; the next writer of this graph removes them
 
 
-def _discard_unreferenced(root: Path, folder: str) -> None:
-    """Remove the tables of a failed write unless the manifest on disk already refers to them."""
+def _discard_unreferenced(root: Path, folder: str) -> Path | None:
+    """Remove the tables of a failed write unless the manifest on disk already refers to them; the folder where it
+    is left (it could not be removed), else None."""
+    path = root / folder
     try:
         # a format-1 manifest names its folders too: a failed upgrade leaves nothing behind either
-        if folder not in referenced_folders(read_manifest(root, v1_ngrams=True)) and (root / folder).exists():
-            remove_tree(root / folder)
+        if folder in referenced_folders(read_manifest(root, v1_ngrams=True)):
+            return None  # committed before the failure: the graph's tables now
+        if os.path.lexists(path):
+            remove_tree(path)
     except (OSError, GraphmaxError):
         pass  # left for the next writer: unreferenced folders are removed under the lock
+    return path if os.path.lexists(path) else None
 
 
 def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, *, text_column: str = "text",

@@ -115,15 +115,32 @@ def target_folder(name: str | None, path: str | os.PathLike | None) -> Path:
 
 # ---- what graphmax owns -------------------------------------------------------------------------------------------
 
+def read_regular(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a symlink) of at most ``limit`` bytes, else None. It is
+    opened without blocking and checked on the descriptor, so a FIFO or a device put there, even between a check
+    and the read, is never read: reading a FIFO waits for a writer, forever. Raises OSError when it cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(limit + 1)
+    finally:
+        os.close(fd)
+    return data if len(data) <= limit else None
+
+
 def is_graph_folder(path: Path) -> bool:
     """A real folder whose manifest (a regular file) carries graphmax's format marker."""
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return False
-        st = os.lstat(path / MANIFEST)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+        blob = read_regular(path / MANIFEST, MAX_MANIFEST_BYTES)
+        if blob is None:
             return False
-        data = json.loads((path / MANIFEST).read_bytes().decode("utf-8"))
+        data = json.loads(blob.decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
     if not isinstance(data, dict):
@@ -250,7 +267,9 @@ def claim_folder(path: Path, marker: str = REPORT_MARKER) -> Path:
 
 
 def _write_marker(path: Path) -> None:
-    with open(path, "w") as fh:
+    # not through a symlink, and never waiting on a FIFO put in its place
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as fh:
         fh.write(json.dumps({"pid": os.getpid()}) + "\n")
 
 
@@ -354,28 +373,41 @@ def sync_tree(root: Path) -> None:
     """fsync every file and folder under ``root`` (before a rename makes them visible under the final name)."""
     for folder, _dirs, files in os.walk(root):
         for f in files:
-            fd = os.open(os.path.join(folder, f), os.O_RDONLY | os.O_NOFOLLOW)
+            # not a symlink's target; a FIFO put there is opened without waiting for a writer, and not synced
+            fd = os.open(os.path.join(folder, f), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
-                os.fsync(fd)
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         fsync_dir(Path(folder))
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a folder graphmax owns, its marker last, so a kill midway leaves it marked (or empty) for cleanup."""
+    """Delete a folder graphmax owns so that a kill midway leaves it recognisable for cleanup: marked, and with its
+    marker and its manifest (what makes a graph folder graphmax's) removed last.
+
+    Removing needs no room on the disk: where the marker cannot be written (a full disk, the very case a failed
+    write is cleaned up in), the folder is removed all the same, and until the end its manifest or its name (an
+    n-gram folder, a temporary folder) tells the next writer that it is graphmax's.
+    """
     marker = path / TEMP_MARKER
     if not os.path.lexists(marker):
-        _write_marker(marker)
+        try:
+            _write_marker(marker)
+        except OSError:
+            pass  # see the docstring
+    last = []
     for entry in os.scandir(path):
-        if entry.name == TEMP_MARKER:
-            continue
-        if entry.is_dir(follow_symlinks=False):
+        if entry.name in (TEMP_MARKER, MANIFEST) and entry.is_file(follow_symlinks=False):
+            last.append(entry.path)
+        elif entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path)
         else:
             os.unlink(entry.path)
     fault_point("remove.emptied")
-    os.unlink(marker)
+    for file in sorted(last, key=lambda f: os.path.basename(f) == TEMP_MARKER):  # the marker after the manifest
+        os.unlink(file)
     os.rmdir(path)
 
 
@@ -431,6 +463,13 @@ def _commit(tmp: Path, target: Path) -> None:
     _remove_after_commit(old)
 
 
+def note_left(error: BaseException, path: Path | None) -> None:
+    """Record on ``error``, as it propagates, that the clean-up of its failed write left ``path`` behind (None:
+    nothing), so that :func:`disk_errors` does not say that nothing was written."""
+    if path is not None:
+        error.graphmax_left = path
+
+
 def _remove_after_commit(path: Path) -> None:
     """The replaced folder, best effort: the new one is committed, so a failure here fails nothing; what is left
     stays marked (or a graph) under a temporary name, and the next writer removes it."""
@@ -448,10 +487,13 @@ def disk_errors(target: Path) -> Iterator[None]:
     except OSError as e:
         if e.errno in _FULL_DISK and not isinstance(e, StorageError):
             # a write to an open file names no path: the target, named first, is then all there is to say
-            where = "" if e.filename is None else f" ({os.fsdecode(e.filename)})"
+            where = "" if not isinstance(e.filename, (str, bytes)) else f" ({os.fsdecode(e.filename)})"
             fix = "choose a writable location" if e.errno == errno.EROFS else "free space and run again"
-            raise StorageError(f"cannot write {target}: {e.strerror}{where}; nothing was written and what "
-                               f"was there is unchanged; {fix}") from e
+            left = getattr(e, "graphmax_left", None)
+            outcome = ("nothing was written and what was there is unchanged" if left is None else
+                       f"what was there is unchanged, but the partial {left} could not be removed (the next write "
+                       f"there removes it, or delete it)")
+            raise StorageError(f"cannot write {target}: {e.strerror}{where}; {outcome}; {fix}") from e
         raise
 
 
@@ -480,14 +522,16 @@ def staged_folder(target: Path, *, overwrite: bool, artefact: Artefact) -> Itera
             sync_tree(tmp)
             fault_point("stage.unmarked")
             _commit(tmp, target)
-        except BaseException:
-            _discard(tmp)
+        except BaseException as error:
+            note_left(error, _discard(tmp))
             raise
 
 
-def _discard(tmp: Path) -> None:
+def _discard(tmp: Path) -> Path | None:
+    """Remove the temporary folder of a failed write: None, or ``tmp`` where it could not be."""
     if os.path.lexists(tmp):
         try:
             remove_tree(tmp)
         except OSError:
-            pass  # still marked (or unmarked but a graph): the next writer removes it
+            return tmp  # still marked (or unmarked but a graph): the next writer removes it
+    return None

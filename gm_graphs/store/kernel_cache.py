@@ -6,6 +6,13 @@ refuses to decorate a cached kernel at all: ``RuntimeError: cannot cache functio
 :func:`ensure_cache_dir` then points numba at a folder under the system's temporary directory, unless the user
 chose one (``NUMBA_CACHE_DIR``). Every module that defines cached kernels calls it before defining them.
 
+A cached kernel is code: whoever can write the cache can run code in every graphmax process, and a seal
+(below) does not tell who wrote a file, since anyone can compute one. Another local user can create the
+temporary folder's name first, so :func:`ensure_cache_dir` creates it for this user alone (mode 0700) and
+refuses one that exists with another owner, wider permissions, or as a symlink: graphmax's kernels then run
+uncached, with one warning that names the folder. In any folder, a cache file that is not a regular file of this
+user's (or root's) that no one else may write is never read (:func:`gm_graphs.store.sealed.read_sealed`).
+
 numba reuses a cached kernel while the kernel's own source file is unchanged: it does not track the modules the
 kernel calls into (and inlines), nor the module constants it freezes in. ``context_kernel`` calls the kernels of
 ``lambert_kernel``; after a merge changed ``lambert_kernel.py`` alone, ``context_kernel.reference_rows`` loaded
@@ -43,6 +50,7 @@ import functools
 import hashlib
 import os
 import pickle
+import stat
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -70,6 +78,7 @@ _NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCa
 _MAX_BYTES = 1 << 30  # a cached kernel is a few MB; a larger file is not one graphmax wrote
 _LOCK = "graphmax-kernels.lock"  # in each cache folder: held while saving into it
 _unwritable: set[str] = set()  # cache folders a save failed in: this process saves nothing more there
+_uncached: str | None = None  # the fall-back folder ensure_cache_dir refused: graphmax's kernels are not cached
 
 
 def _writable(folder: Path) -> bool:
@@ -119,9 +128,27 @@ class _NowhereWritable(_AllSourcesStamp):
         return cls(py_func, py_file)  # without numba's check that the folder is writable
 
 
+class _Uncached(_AllSourcesStamp):
+    """Mixed into numba's ``NUMBA_CACHE_DIR`` locator, last of graphmax's: where :func:`ensure_cache_dir` refused
+    the fall-back folder, it takes graphmax's kernels (numba would refuse to decorate them otherwise), and
+    :class:`_SealedCache` neither reads nor writes their cache."""
+
+    def __init__(self, py_func: Callable, py_file: str):
+        # numba's locator joins NUMBA_CACHE_DIR, unset here; the refused folder stands in, for what names the path
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = _uncached
+
+    @classmethod
+    def from_function(cls, py_func: Callable, py_file: str) -> caching._CacheLocator | None:
+        if Path(py_file).resolve().parent not in _PACKAGES or _uncached is None:
+            return None
+        return cls(py_func, py_file)
+
+
 @contextlib.contextmanager
 def _locked(folder: str) -> Iterator[None]:
-    fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
         yield
@@ -195,12 +222,15 @@ class _SealedCache:
         self._code = py_func.__code__
         locator = self._impl.locator
         self._sealed = isinstance(locator, _AllSourcesStamp)
+        self._uncached = isinstance(locator, _Uncached)
         if self._sealed:
             self._cache_file = _SealedCacheFile(self._cache_path, self._impl.filename_base, locator.get_source_stamp())
 
     def load_overload(self, sig, target_context):
         if not self._sealed:
             return super().load_overload(sig, target_context)
+        if self._uncached:
+            return None
         target_context.refresh()
         try:
             overload = self._load_overload(sig, target_context)
@@ -212,7 +242,7 @@ class _SealedCache:
     def save_overload(self, sig, data) -> None:
         if not self._sealed:
             return super().save_overload(sig, data)
-        if self._cache_path in _unwritable:
+        if self._uncached or self._cache_path in _unwritable:
             return None
         try:
             self._save_overload(sig, data)
@@ -226,6 +256,10 @@ class _SealedCache:
                 )
             _unwritable.add(self._cache_path)
         return None
+
+    def flush(self) -> None:
+        if not self._uncached:  # numba's recompile() empties the index: there is none to empty
+            super().flush()
 
 
 def _known_internals() -> bool:
@@ -258,7 +292,8 @@ def _stamp_with_all_sources() -> None:
     locators[:0] = [
         type("Graphmax" + base.__name__.lstrip("_"), (_AllSourcesStamp, base), {"__module__": __name__})
         for base in bases
-    ] + [type("GraphmaxUnwritableCacheLocator", (_NowhereWritable, bases[0]), {"__module__": __name__})]
+    ] + [type("GraphmaxUnwritableCacheLocator", (_NowhereWritable, bases[0]), {"__module__": __name__}),
+         type("GraphmaxUncachedLocator", (_Uncached, bases[0]), {"__module__": __name__})]
     # every dispatcher made from now on (numba.njit(cache=True) calls Dispatcher.enable_caching) takes this class
     dispatcher.FunctionCache = type("GraphmaxFunctionCache", (_SealedCache, caching.FunctionCache),
                                     {"__module__": __name__})
@@ -266,17 +301,59 @@ def _stamp_with_all_sources() -> None:
 
 def ensure_cache_dir() -> None:
     """Make numba's cache of graphmax's kernels follow all of their sources, and set ``numba.config.CACHE_DIR``
-    to a writable temporary folder when numba has nowhere else to cache.
+    to a temporary folder of this user's alone when numba has nowhere else to cache (with one warning, and no
+    cache, where that folder is not this user's alone).
 
     Example::
 
         >>> ensure_cache_dir()   # a no-op here: the locators are in place, the sources' __pycache__ is writable
     """
+    global _uncached
     _stamp_with_all_sources()
-    if numba.config.CACHE_DIR:  # NUMBA_CACHE_DIR, or an earlier call
+    if numba.config.CACHE_DIR or _uncached is not None:  # NUMBA_CACHE_DIR, or an earlier call
         return
     if all(_writable(folder / "__pycache__") for folder in _PACKAGES):  # numba caches each kernel beside its module
         return
     if _writable(Path(AppDirs(appname="numba", appauthor=False).user_cache_dir)):
         return
-    numba.config.CACHE_DIR = os.path.join(tempfile.gettempdir(), f"graphmax-numba-{os.getuid()}")
+    folder = os.path.join(tempfile.gettempdir(), f"graphmax-numba-{os.getuid()}")
+    why = _not_private(folder)
+    if why is None:
+        numba.config.CACHE_DIR = folder
+        return
+    _uncached = folder
+    remove = f", or remove {folder} if it is yours: graphmax then creates it for you alone" \
+        if os.path.lexists(folder) else ""
+    warnings.warn(
+        f"graphmax does not cache its kernels in {folder}: {why}; they compile anew in each process (seconds each); "
+        f"set NUMBA_CACHE_DIR to a folder only you can write{remove}",
+        RuntimeWarning,
+        stacklevel=2,  # the line of the first module that defines kernels; later calls return at once
+    )
+
+
+def _not_private(folder: str) -> str | None:
+    """Create ``folder`` for this user alone (mode 0700), or check that it is so: None when it is, else why not.
+
+    It lies in a folder that every user may write (``/tmp``): another user may have created it first, with
+    kernels of theirs in it."""
+    try:
+        os.mkdir(folder, 0o700)  # the umask may only narrow it
+    except FileExistsError:
+        pass
+    except OSError as error:
+        return f"it cannot be created ({error.strerror})"
+    try:
+        st = os.lstat(folder)
+    except OSError as error:
+        return f"it cannot be read ({error.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symlink, which graphmax does not follow there"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a folder"
+    if st.st_uid != os.getuid():
+        return f"it belongs to another user (uid {st.st_uid}), who could put code of theirs in it"
+    if st.st_mode & 0o077:
+        return (f"other users have permissions on it (mode {stat.S_IMODE(st.st_mode):04o}, not 0700), so another "
+                f"user could have put code of theirs in it")
+    return None

@@ -50,6 +50,7 @@ def remember(kind: str, context: dict, files: list[FileIdentity]) -> None:
     path = _entry(kind, context, files)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        # a FIFO put in its place would make a blocking open wait for a reader, forever: refused (ENXIO) instead
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644))
     except OSError:
-        pass  # a read-only home: the next load checks again
+        pass  # a read-only home, or not a file: the next load checks again

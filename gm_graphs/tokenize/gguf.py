@@ -6,8 +6,9 @@ command that loads the model or its tokenizer paid it, and so did every Ray work
 are kept in ``$GRAPHMAX_HOME/tokenizers/<key>.gmt``, one sealed file (:mod:`gm_graphs.store.sealed`) per GGUF
 file, its key and seal naming the GGUF file's identity (real path, device, inode, size, mtime and ctime in ns)
 and the versions of transformers and tokenizers. A GGUF file replaced or touched gets a new entry; a damaged or
-foreign entry is a miss, converted again and replaced; a cache that cannot be written means the next load
-converts again. A cached tokenizer is loaded from a private copy of the sealed bytes, so nothing written into
+foreign entry is a miss, converted again and replaced; a cache that cannot be written (a full disk, a file-size
+limit, a read-only home) means the next load converts again, with one warning per process that names the failure
+and where it happened. A cached tokenizer is loaded from a private copy of the sealed bytes, so nothing written into
 the cache folder after the check is read.
 """
 
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 from gm_graphs.store.folders import graphmax_home
@@ -66,13 +68,42 @@ def _cached(identity: tuple):
         return None
 
 
+class _SaveFailed(Exception):
+    """A save of the cache failed: ``where`` (a folder) could not be written, for ``why``."""
+
+    def __init__(self, where: str, why: str, fix: str):
+        super().__init__(why)
+        self.where, self.why, self.fix = where, why, fix
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def _save(tok, identity: tuple) -> None:
-    with tempfile.TemporaryDirectory(prefix="graphmax-tokenizer-") as folder:
-        tok.save_pretrained(folder)
-        files = {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(folder).iterdir()) if p.is_file()}
+    """Write the converted tokenizer into its cache entry; raises :class:`_SaveFailed`."""
+    temporary = tempfile.gettempdir()
+    try:
+        with tempfile.TemporaryDirectory(prefix="graphmax-tokenizer-") as folder:
+            tok.save_pretrained(folder)
+            files = {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(folder).iterdir()) if p.is_file()}
+    except Exception as error:  # tokenizers' Rust writer raises a plain Exception for a failed write (EFBIG, ENOSPC)
+        raise _SaveFailed(temporary, _reason(error), "free space there, or set TMPDIR to a folder with room") \
+            from error
     target = cache_file(identity)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_sealed(target, identity, json.dumps(files, ensure_ascii=False).encode("utf-8"))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_sealed(target, identity, json.dumps(files, ensure_ascii=False).encode("utf-8"))
+    except (OSError, UnicodeError) as error:
+        raise _SaveFailed(str(target.parent), _reason(error),
+                          "free space there or make it writable, or set GRAPHMAX_HOME to a writable folder") \
+            from error
+
+
+_warned = False  # a save that failed once fails again: one warning per process
 
 
 def load_gguf_tokenizer(path: Path):
@@ -86,6 +117,7 @@ def load_gguf_tokenizer(path: Path):
         >>> len(tok), tok.eos_token
         (49152, '<|im_end|>')
     """
+    global _warned
     path = Path(path)
     identity = _identity(path)
     tok = _cached(identity)
@@ -95,7 +127,11 @@ def load_gguf_tokenizer(path: Path):
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         try:
             _save(tok, identity)
-        except (OSError, UnicodeError):
-            pass  # an unwritable cache: the next load converts again
+        except _SaveFailed as failed:  # the tokenizer is loaded all the same: only the cache is missing
+            if not _warned:
+                _warned = True
+                warnings.warn(f"graphmax cannot cache the tokenizer of {path}: writing in {failed.where} failed "
+                              f"({failed.why}); it is converted again at each load (seconds) until it can be; "
+                              f"{failed.fix}", RuntimeWarning, stacklevel=2)
     tok.name_or_path = str(path)
     return tok
