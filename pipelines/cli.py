@@ -21,6 +21,7 @@ import re
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import NoReturn
 
 from gm_graphs import GraphmaxError
@@ -96,7 +97,25 @@ def make_parser(argv: list[str]) -> tuple[ArgumentParser, dict[str, ArgumentPars
     modules = [JOBS[argv[0]]] if argv and argv[0] in JOBS else list(dict.fromkeys(JOBS.values()))
     for module in modules:
         importlib.import_module(f".{module}", __package__).register(sub)
+    _check_path_arguments(parser)
     return parser, sub.choices
+
+
+def path_argument(text: str) -> Path:
+    """A path option's value: ``Path("")`` is ``Path(".")``, so an empty value would silently name this folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty; give a path ('.' for this folder)")
+    return Path(text)
+
+
+def _check_path_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every ``type=Path`` option of every (sub-)command parses with :func:`path_argument`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to one parser
+                _check_path_arguments(child)
+        elif action.type is Path:
+            action.type = path_argument
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except GraphmaxError as e:
+        cause = e.__cause__
+        if isinstance(cause, OSError) and cause.errno == errno.ENAMETOOLONG:  # the wrapper's fix would be another's
+            return fail(prog, os_error_message(cause, args))
         return fail(prog, str(e))
     except BrokenPipeError:  # `graphmax graphs list | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -144,9 +166,17 @@ def fail(prog: str, message: str) -> int:
 def os_error_message(e: OSError, args: argparse.Namespace) -> str:
     """What the file system refused, on which path, and the fix."""
     what, fix = OS_ERRORS[e.errno]
-    if e.filename is not None:
-        paths = " → ".join(repr(os.fsdecode(p)) for p in (e.filename, e.filename2) if p is not None)
-        return f"{what}: {paths}; {fix}"
+    # a filename may also be bytes (a name that is not UTF-8) or an int (the descriptor of an open file: no path)
+    named = [p for p in (e.filename, e.filename2) if isinstance(p, (str, bytes, os.PathLike))]
+    if named:
+        if e.errno == errno.ENAMETOOLONG:
+            return f"{what}: {_too_long(named[0])}; {fix}"
+        return f"{what}: {' → '.join(repr(os.fsdecode(p)) for p in named)}; {fix}"
+    if isinstance(e.filename, int):  # a file the command opened: one of the paths it was given
+        given = _given_paths(args)
+        if len(given) == 1:
+            return f"{what}: {given[0]!r}; {fix}"
+        return f"{what} (on one of {', '.join(map(repr, given))}); {fix}" if given else f"{what}; {fix}"
     # a write that failed mid-file names no path: say where the command was writing
     target = next((getattr(args, k) for k in ("path", "out") if isinstance(getattr(args, k, None), (str, os.PathLike))),
                   None)
@@ -155,6 +185,32 @@ def os_error_message(e: OSError, args: argparse.Namespace) -> str:
 
         target = graphmax_home()
     return f"{what} (writing under {os.fspath(target)!r}); {fix}"
+
+
+def _given_paths(args: argparse.Namespace) -> list[str]:
+    """The paths among the command's options, in the order they were defined."""
+    found = []
+    for value in vars(args).values():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, os.PathLike):
+                found.append(os.fsdecode(v))
+    return found
+
+
+def _too_long(path) -> str:
+    """``path`` quoted, and whether one of its names or the whole of it is past the system's limit."""
+    path = os.fsdecode(path)
+    size = max(len(os.fsencode(part)) for part in path.split("/"))
+    try:  # the limit of the nearest folder that exists (255 bytes on most file systems)
+        folder = os.path.dirname(os.path.abspath(path))
+        while not os.path.isdir(folder):
+            folder = os.path.dirname(folder)
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if size > limit:
+        return f"{path!r} (a name in it has {size} bytes; this file system allows {limit})"
+    return f"{path!r} (the path has {len(os.fsencode(path)):,} bytes, more than the system allows)"
 
 
 if __name__ == "__main__":

@@ -9,18 +9,24 @@ held-out side halved into validation (tuning context-aware graphmax) and test
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import math
+import os
+import shutil
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
-from gm_graphs import Graph, add_ngrams, bundled, count_corpus, split_corpus, write_graph
-from gm_graphs.store.folders import claim_folder
+from gm_graphs import Graph, add_ngrams, bundled, count_corpus, expand_corpus, iter_documents, split_corpus, write_graph
+from gm_graphs.corpus.split import heldout_side
+from gm_graphs.errors import CorpusError
+from gm_graphs.store.folders import REPORT_MARKER, claim_folder
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,
@@ -73,6 +79,9 @@ RETUNE_FACTORS = (0.5, 0.7, 0.85, 1.0)  # λ scales tried for the fine-tuned LM,
 # and for the prompted LM, which has read the domain's documents (on drug reviews 0.5 did best of these: the edge)
 PROMPT_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0)
 PROMPT_DOC_TOKENS = (8, 160)  # the training documents a few-shot prompt takes, in tokens: 4 shots stay under 650
+# a corpus of up to this many documents is read whole before --out is made, so that its split is checked there
+# too (a second read of at most a second or two); a larger one has its split checked after the split is written
+PRECHECK_DOCS = 20_000
 
 
 @dataclasses.dataclass
@@ -411,15 +420,89 @@ def paper_grids(args) -> tuple[list[float], list[float]]:
     return args.lams or grids["lams"], args.mixture_lams or grids["mixture_lams"]
 
 
+def check_sides(train: int, heldout: int, fraction: float) -> None:
+    """Refuse a split with an empty side, as ``split_corpus`` would, in the command's words."""
+    if not train or not heldout:
+        raise CorpusError(f"the corpus is too small for --heldout-fraction {fraction:g}: its split has {train:,} "
+                          f"training and {heldout:,} held-out documents; add documents or change --heldout-fraction")
+
+
+def check_corpus(args) -> None:
+    """What can be known of the corpus before anything is written: its files, its text column, that it holds
+    documents, and, for one of at most ``PRECHECK_DOCS`` documents (read whole here), its split's sides."""
+    files = expand_corpus(args.corpus)
+    sides = {False: 0, True: 0}  # held out?
+    for docs in iter_documents(files, args.text_column, clean=args.clean):
+        for doc in docs:
+            sides[heldout_side(doc, args.heldout_fraction, args.seed)] += 1
+        if sides[False] + sides[True] > PRECHECK_DOCS:
+            return
+    check_sides(sides[False], sides[True], args.heldout_fraction)
+
+
+def _absent_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, the outermost first."""
+    absent = []
+    while not os.path.lexists(path) and path.parent != path:
+        absent.append(path)
+        path = path.parent
+    return absent[::-1]
+
+
+def _empty_report(folder: Path) -> None:
+    """Remove what a run wrote into ``folder``, its marker last: a kill midway leaves it claimable again."""
+    for entry in os.scandir(folder):
+        if entry.name == REPORT_MARKER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(folder / REPORT_MARKER)
+
+
+@contextlib.contextmanager
+def report_folder(out: Path) -> Iterator[Path]:
+    """``out`` claimed for the report (``claim_folder``: absent, empty or a report graphmax wrote, never a user's
+    folder); if the block fails, what this run made is removed: the folders it created (``out`` and any parent that
+    was missing), or the contents of an ``out`` that was empty. A report folder from an earlier run is left as it
+    is, for it was there before."""
+    absent = _absent_folders(out)
+    was_empty = not absent and out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    created: list[Path] = []
+    try:
+        for folder in absent:
+            with contextlib.suppress(FileExistsError):  # made meanwhile by another process: not this run's
+                os.mkdir(folder)
+                created.append(folder)
+        yield claim_folder(out)
+    except BaseException:
+        with contextlib.suppress(OSError):  # best effort: the failure that got here is the one to report
+            if out in created or was_empty:
+                _empty_report(out)
+            for folder in reversed(created):
+                os.rmdir(folder)  # empty now; a folder another process put something in stays
+        raise
+
+
 def run_eval(args) -> Path:
     sizes = dict(SIZES["full" if args.full else "default"])
     for key in sizes:
         if getattr(args, key, None):
             sizes[key] = getattr(args, key)
-    device = resolve_device(args.device)  # a GPU asked for and absent is named before the report's folder is made
+    # everything that can be checked before the report's folder is made: the device, the corpus, the model
+    device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    out = claim_folder(Path(args.out))  # absent, empty or a report graphmax wrote: never a user's folder
+    check_corpus(args)
     model, tok = load_model(args.model, device=device, dtype=dtype)
+    with report_folder(Path(args.out)) as out:
+        evaluate(args, sizes, model, tok, out)
+    return out
+
+
+def evaluate(args, sizes: dict, model, tok, out: Path) -> None:
+    """The measurements, written into the report folder ``out``."""
     setup = prepare(args, tok, out / "work")
     check_fits(setup.graph, model, tok)
     prompt = draw_prompt(args, tok, setup)
@@ -519,7 +602,6 @@ def run_eval(args) -> Path:
                         prompted=None if prompted is None else prompt_summary(prompted),
                         knn=None if knn is None else {"keys": len(knn.datastore), "documents": knn.documents,
                                                       "seconds": knn.seconds, **knn.settings})
-    return out
 
 
 def prompted_generators(setup: Setup, prompted: Prompted, by_key: dict[str, Decoder],
@@ -625,7 +707,7 @@ def register(sub) -> None:
                    help=f"{CLEAN_HELP} (default: off for files, as needed for a bundled corpus)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     add_device_arguments(p)
-    p.add_argument("--out", default="eval-report",
+    p.add_argument("--out", type=Path, default="eval-report",
                    help="report folder: new, empty, or a report graphmax wrote (default ./eval-report)")
     p.add_argument("--heldout-fraction", type=number(above=0, below=1), default=0.1)
     p.add_argument("--seed", type=integer(0, MAX_SEED), default=0)
@@ -647,7 +729,7 @@ def register(sub) -> None:
     p.add_argument("--shots", type=integer(0), default=4,
                    help="training documents in the prompt of the few-shot baseline (default 4; each of "
                         f"{PROMPT_DOC_TOKENS[0]} to {PROMPT_DOC_TOKENS[1]} tokens; 0: no prompted rows)")
-    p.add_argument("--finetune-budget-s", type=float, default=None,
+    p.add_argument("--finetune-budget-s", type=number(at_least=0), default=None,
                    help="seconds of LoRA fine-tuning for the fine-tuned baseline (default: as long as the graph's "
                         "build and tuning took in the same run; 0: no fine-tuned rows)")
     p.set_defaults(run=run)

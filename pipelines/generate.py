@@ -242,12 +242,18 @@ def _show(value) -> str:
 
 def read_examples(path: Path) -> str:
     """The text of ``--examples``, ending in a blank line so that a prompt reads as the next document."""
-    # opened without blocking and looked at before reading: a FIFO or a device would never end
-    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
-        mode = os.fstat(fh.fileno()).st_mode
+    # opened without blocking and looked at before reading: a FIFO or a device would never end; looked at before
+    # open() wraps the descriptor, which refuses a folder with an error that names the descriptor, not the path
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
             raise GraphmaxError(f"--examples {path} is {kind}; write the examples to a file and pass that")
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as fh:
         data = fh.read(MAX_EXAMPLES_BYTES + 1)  # to the cap only
     if len(data) > MAX_EXAMPLES_BYTES:
         raise GraphmaxError(f"--examples {path} is larger than {MAX_EXAMPLES_BYTES // 2**20} MiB, far more than the "

@@ -15,13 +15,16 @@ import json
 import math
 import mmap
 import re
+import shlex
+from collections import Counter
+from pathlib import Path
 
 import numba
 import numpy as np
 
 from gm_graphs.count.ngram_trie import COUNT_ESCAPE, PTR_ESCAPE, bases_for, part_dtypes, ptr_at
 from gm_graphs.errors import GraphFormatError
-from gm_graphs.store.folders import GRAPH_FORMAT
+from gm_graphs.store.folders import GRAPH_FORMAT, NAME, graphs_root
 from gm_graphs.store.kernel_cache import ensure_cache_dir
 
 ensure_cache_dir()  # before the cached kernels below are defined
@@ -71,6 +74,7 @@ class _Schema:
 
     def __init__(self, root):
         self.root = root
+        self.files: dict[str, str] = {}  # file → the field whose entry names it
 
     @staticmethod
     def at(where: str, key) -> str:
@@ -111,6 +115,10 @@ class _Schema:
         name = e.get("file")
         self.need(isinstance(name, str), f"{where}.file", "a relative path", name)
         check_relative(self.root, name, where)
+        if name in self.files:  # two arrays read from one file: each entry is checked as if it were the only one
+            raise fail(self.root, f"manifest fields {self.files[name]}.file and {where}.file name one file "
+                                  f"{name!r}; each file has one entry")
+        self.files[name] = where
         self.int(e, "bytes", where)
         sha = e.get("sha256")
         self.need(isinstance(sha, str) and bool(_SHA.fullmatch(sha)), f"{where}.sha256", "64 hex digits", sha)
@@ -137,7 +145,7 @@ def check_manifest(root, m, v1_ngrams: bool = False) -> None:
                          f"reads version {FORMAT_VERSION}")
     if version == 1 and "ngrams" in m and not v1_ngrams:
         raise GraphFormatError(f"graph {root} stores its n-gram tables in format 1; convert it in place with "
-                               f"`graphmax graphs upgrade {m.get('name', '<name>')}` (or gm_graphs.upgrade_graph)")
+                               f"`{upgrade_command(root)}` (or gm_graphs.upgrade_graph)")
     if version not in (1, FORMAT_VERSION):  # a format-1 graph without n-gram tables is laid out as format 2
         raise GraphFormatError(f"graph {root} has format version {version!r}; this graphmax reads version "
                                f"{FORMAT_VERSION}; rebuild the graph with this version")
@@ -194,12 +202,37 @@ def check_manifest(root, m, v1_ngrams: bool = False) -> None:
         check_decoder(root, m["decoder"])
 
 
+def upgrade_command(root) -> str:
+    """The command that upgrades the graph folder ``root``, as the user named it: by name where it is a stored
+    graph's folder, else by path; quoted for the shell, so that no name or path can be taken for a command."""
+    folder = Path(root)
+    try:
+        stored = folder.parent == graphs_root() and bool(NAME.fullmatch(folder.name))
+    except (RuntimeError, KeyError):  # no home to be found (Path.home()): the path names the graph all the same
+        stored = False
+    return (f"graphmax graphs upgrade {shlex.quote(folder.name)}" if stored
+            else f"graphmax graphs upgrade --path {shlex.quote(str(folder))}")
+
+
+def counted_orders(s: _Schema, orders: dict, n: int) -> list[int]:
+    """The orders of ``ngrams.orders``, format 1's or 2's alike: at least one, each 3 … 9, consecutive (each table
+    hangs under the one below it), with keys that fit int64 for N = ``n``. One check for both formats, so that
+    ``upgrade_graph`` refuses up front what it could not write as format 2."""
+    s.need(bool(orders) and all(isinstance(o, str) and NGRAM_ORDER.fullmatch(o) for o in orders), "ngrams.orders",
+           "orders like 3, 4", sorted(orders))
+    counted = sorted(int(o) for o in orders)
+    s.need(counted == list(range(counted[0], counted[-1] + 1)), "ngrams.orders", "consecutive orders, like 3, 4",
+           sorted(orders))
+    s.need(float(n) ** counted[-1] < 2.0 ** 63, "ngrams.orders", f"orders whose keys fit int64 for N = {n}",
+           sorted(orders))
+    return counted
+
+
 def _check_v1_ngrams(s: _Schema, ngrams: dict, n: int) -> None:
     orders = s.dict(ngrams, "orders", "ngrams")
+    counted_orders(s, orders, n)
     for order, e in orders.items():
         where = f"ngrams.orders.{order}"
-        s.need(bool(NGRAM_ORDER.fullmatch(order)) and float(n) ** int(order) < 2.0 ** 63, "ngrams.orders",
-               f"orders 3..9 whose keys fit int64 for N = {n}", order)
         s.need(isinstance(e, dict), where, "an object", e)
         s.int(e, "contexts", where)
         s.int(e, "entries", where)
@@ -220,19 +253,15 @@ def check_ngram_levels(s: _Schema, ngrams: dict, n: int) -> None:
     depths = sorted(int(d) for d in levels)
     s.need(depths == list(range(2, depths[-1] + 1)) and float(n) ** depths[-1] < 2.0 ** 63, "ngrams.levels",
            f"consecutive levels from 2 whose keys fit int64 for N = {n}", sorted(levels))
-    s.need(all(isinstance(o, str) and NGRAM_ORDER.fullmatch(o) for o in orders) and orders, "ngrams.orders",
-           "orders like 3, 4", sorted(orders))
-    counted = sorted(int(o) for o in orders)
-    s.need(counted == list(range(counted[0], depths[-1] + 1)), "ngrams.orders",
-           f"the consecutive orders up to the top level {depths[-1]}", sorted(orders))
-    parents = n
+    counted = counted_orders(s, orders, n)
+    s.need(counted[-1] == depths[-1], "ngrams.orders", f"the consecutive orders up to the top level {depths[-1]}",
+           sorted(orders))
     for d in depths:
         where = f"ngrams.levels.{d}"
         e = levels[str(d)]
         s.need(isinstance(e, dict), where, "an object", e)
-        s.need(e.get("parents") == parents and _is_int(e.get("parents")), f"{where}.parents",
-               f"{parents} (the nodes of the level below)", e.get("parents"))
-        parents = s.int(e, "nodes", where)
+        s.int(e, "parents", where)
+        s.int(e, "nodes", where)
         parts = s.dict(e, "files", where)
         want = sorted(part_dtypes(n, d in counted))
         s.need(sorted(parts) == want, f"{where}.files", f"the files {want}", sorted(parts))
@@ -243,8 +272,30 @@ def check_ngram_levels(s: _Schema, ngrams: dict, n: int) -> None:
         e = orders[str(o)]
         s.need(isinstance(e, dict), where, "an object", e)
         s.int(e, "contexts", where)
-        s.need(e.get("entries") == levels[str(o)]["nodes"], f"{where}.entries",
-               f"the nodes of level {o} ({levels[str(o)]['nodes']})", e.get("entries"))
+        s.int(e, "entries", where)
+    s.need(levels["2"]["parents"] == n, "ngrams.levels.2.parents", f"{n} (N: level 2's parents are the tokens)",
+           levels["2"]["parents"])
+    for d in depths:  # a level's nodes are recorded up to three times: the field that disagrees is the one named
+        said = {f"ngrams.levels.{d}.nodes": levels[str(d)]["nodes"]}
+        if d + 1 in depths:
+            said[f"ngrams.levels.{d + 1}.parents"] = levels[str(d + 1)]["parents"]
+        if d in counted:
+            said[f"ngrams.orders.{d}.entries"] = orders[str(d)]["entries"]
+        _check_agree(s, said, f"the nodes of level {d}")
+
+
+def _check_agree(s: _Schema, said: dict[str, int], what: str) -> None:
+    """Fields that each record ``what``: equal, else the one that differs from the others, or both of two."""
+    values = Counter(said.values())
+    if len(values) == 1:
+        return
+    value, times = values.most_common(1)[0]
+    if times * 2 > len(said):
+        field = next(f for f, v in said.items() if v != value)
+        others = " and ".join(f for f, v in said.items() if v == value)
+        s.need(False, field, f"{value} ({what}, as {others} say)", said[field])
+    shown = " and ".join(f"{f} ({v})" for f, v in said.items())
+    raise fail(s.root, f"manifest fields {shown} disagree, and each is {what}")
 
 
 def check_shards(s: _Schema, shards, where: str, n: int) -> list[dict]:
