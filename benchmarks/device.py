@@ -5,12 +5,12 @@ datastore's build and the start-up to the first decoded step. Prints markdown ta
     python3 benchmarks/device.py --device cpu --batches 1,8 --rounds 1 --new-tokens 8      # a short CPU run
 
 The decoders: context (``GraphmaxLogitsProcessor.from_graph``'s context decoder: the graph's stored choice, else
-its defaults; with ``--paths fused,eager`` once with its compiled step, ``gm_solver.fused``, and once eager), kNN
-(the same with a datastore of ``--knn-keys`` keys built in this run from the corpus' first documents by
-``build_datastore`` on the device; ``--knn-keys 0`` leaves it out) and paper
-(``PaperGraphmaxLogitsProcessor``: Ã, λ = 1). The model is ``--model`` (the bundled SmolLM2-135M by default, or a
-``save_pretrained`` folder), the graph ``--graph`` (by default the movie-review graph ``imdb`` with n-grams 3 and 4,
-built on first use); prompts and contexts come from the corpus' last documents (``--corpus``, by default the
+its defaults), kNN (the same with a datastore of ``--knn-keys`` keys built in this run from the corpus' first
+documents by ``build_datastore`` on the device; ``--knn-keys 0`` leaves it out) and paper
+(``PaperGraphmaxLogitsProcessor``: Ã, λ = 1); with ``--paths fused,eager`` each once with its compiled steps
+(``gm_solver.backends.fused``) and once eager. The model is ``--model`` (the bundled SmolLM2-135M by default, or a
+``save_pretrained`` folder), the graph ``--graph`` (by default the movie-review graph ``imdb`` with n-grams 3 and
+4, built on first use); prompts and contexts come from the corpus' last documents (``--corpus``, by default the
 bundled movie reviews). Every table starts with
 a line naming the device (the GPU's name), torch's version and the dtype.
 
@@ -61,6 +61,7 @@ from gm_solver import (
     build_datastore,
     load_datastore,
 )
+from gm_solver.operator import TransitionOperator
 from pipelines.devices import DTYPES, resolve_device, resolve_dtype
 from pipelines.generate import TimedLogitsProcessor, alternate, generate_texts
 from pipelines.models import DEFAULT_MODEL, load_model
@@ -193,7 +194,8 @@ def datastore_table(report: Report, models: Models, dtype: str, docs: list[str],
 
 def make_decoders(graph, store, device: torch.device, paths: list[str]) -> tuple[dict, dict]:
     """The decoders by name, each warmed on ``device``, and each one's warm-up seconds: the context decoders once
-    per step path of ``paths`` ("fused": compiled where the device allows, gm_solver.fused; "eager": never)."""
+    per step path of ``paths`` ("fused": compiled where the device allows, gm_solver.backends.fused; "eager":
+    never)."""
     decoders = {}
     for path in paths:
         suffix = "" if path == paths[0] else f" ({path})"
@@ -201,11 +203,14 @@ def make_decoders(graph, store, device: torch.device, paths: list[str]) -> tuple
         if store is not None:
             decoders[f"kNN{suffix}"] = GraphmaxLogitsProcessor.from_graph(graph, decoder="context", datastore=store,
                                                                          tap=HiddenStateTap())
+        # an operator of its own: the cached one (get_operator) is shared by every paper decoder of the graph
+        operator = TransitionOperator(graph, device=device)
+        decoders[f"paper{suffix}"] = PaperGraphmaxLogitsProcessor(operator, lam=1.0)
         if path == "eager":
+            operator.use_fused = False
             for name in (f"context{suffix}", f"kNN{suffix}"):
                 if name in decoders:
                     decoders[name].reference.use_fused = False
-    decoders["paper"] = PaperGraphmaxLogitsProcessor(graph, lam=1.0)
     warm = {}
     for name, proc in decoders.items():
         t0 = time.perf_counter()
