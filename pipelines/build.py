@@ -11,9 +11,11 @@ from pathlib import Path
 from gm_graphs import PruneRule, build_graph, graph_path, list_graphs, load_graph, merge_graphs, upgrade_graph
 from gm_graphs.build.graphs import ENGINES
 from gm_graphs.build.options import MAX_ORDER
+from gm_graphs.corpus.read import check_distinct, expand_corpus
 from gm_graphs.count.ngrams import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
+from gm_graphs.format.graph_files import read_manifest
 
 from .args import CLEAN_HELP, CorpusFiles, integer, integers, number
 
@@ -72,6 +74,9 @@ def register(sub) -> None:
     p.add_argument("--text-column", default="text", help="column/field holding the text (default text)")
     p.add_argument("--clean", action="store_true", help=CLEAN_HELP)
     p.add_argument("--bos-eos", action="store_true", help="add BOS→first and last→EOS edges per document")
+    p.add_argument("--allow-duplicate-files", action="store_true",
+                   help="count every file given, even files that hold the same bytes (by default copies are refused: "
+                        "each copy counts its documents again)")
     p.add_argument("--ngrams", type=integers(3, "3,4", MAX_NGRAM_ORDER), metavar="ORDERS",
                    help="also store n-gram counts of these orders (e.g. 3,4), so context-aware graphmax "
                         "conditions on up to n−1 tokens; part of the same atomic build")
@@ -113,6 +118,8 @@ def register(sub) -> None:
 def run_build(args) -> int:
     if args.ray_address is not None and args.engine != "ray":
         raise OptionError("--ray-address names the Ray cluster of --engine ray; add --engine ray, or drop it")
+    if not args.allow_duplicate_files:
+        check_distinct(expand_corpus(args.corpus))
     t0 = time.perf_counter()
     g = build_graph(args.corpus, args.tokenizer, name=args.name, path=args.path, text_column=args.text_column,
                     orders=args.orders, mixture=args.mixture, eps=args.eps, clean=args.clean,
@@ -178,6 +185,7 @@ def run_list(args) -> int:
 
 def run_upgrade(args) -> int:
     target = graph_arg(args)
+    read_manifest(graph_path(target), v1_ngrams=True)  # a folder that is not a graph is refused before it is walked
     before = _folder_bytes(graph_path(target))
     t0 = time.perf_counter()
     if not upgrade_graph(target):

@@ -22,6 +22,7 @@ import polars as pl
 
 from gm_graphs.corpus.source import (
     UTF8_BOM,
+    Lines,
     ReadStats,
     Source,
     brief,
@@ -78,10 +79,9 @@ def jsonl_values(lines: Iterable[tuple[int, bytes]], where: str, column: str,
 def polars_jsonl_rows(source: Source, column: str, batch_docs: int,
                       stats: ReadStats) -> Iterator[list[str | None]]:
     """The text field of each line of a plain JSONL file, in batches of at most ``batch_docs``."""
-    path, where = source.path, source.where
-    assert path is not None
+    where = source.where
     lineno, carry = 1, b""  # carry: the start of a line whose end is not read yet; lineno: its number
-    with open(path, "rb") as fh:
+    with source.open() as fh:
         data = fh.read(BLOCK_BYTES)
         check_encoding(data, where)
         data = data[len(UTF8_BOM):] if data.startswith(UTF8_BOM) else data
@@ -92,20 +92,21 @@ def polars_jsonl_rows(source: Source, column: str, batch_docs: int,
                 yield from jsonl_rows(source, column, batch_docs, stats, first_line=lineno)
                 return
             if cut:
-                yield from _block_rows(block[:cut], lineno, where, column, batch_docs, stats)
+                yield from _block_rows(source, block[:cut], lineno, column, batch_docs, stats)
                 lineno += block.count(b"\n", 0, cut)
             carry = block[cut:]
             data = fh.read(BLOCK_BYTES)
     if carry:  # the last line has no line break
-        yield from _block_rows(carry, lineno, where, column, batch_docs, stats)
+        yield from _block_rows(source, carry + b"\n", lineno, column, batch_docs, stats)
 
 
-def _block_rows(block: bytes, first_line: int, where: str, column: str, batch_docs: int,
+def _block_rows(source: Source, block: bytes, first_line: int, column: str, batch_docs: int,
                 stats: ReadStats) -> Iterator[list[str | None]]:
+    """The text field of each line of ``block`` (whole lines, the first numbered ``first_line``)."""
     values = _polars_values(block, column)
     if values is None:
-        lines = _numbered_lines(block, first_line)
-        rows: list[str | None] = list(jsonl_values(lines, where, column, stats))
+        lines = Lines(source).lines_of(block, first_line)
+        rows: list[str | None] = list(jsonl_values(lines, source.where, column, stats))
         for i in range(0, len(rows), batch_docs):
             yield rows[i:i + batch_docs]
     else:
@@ -123,12 +124,3 @@ def _polars_values(block: bytes, column: str) -> pl.Series | None:
     except _POLARS_ERRORS:
         return None
     return values
-
-
-def _numbered_lines(block: bytes, first_line: int) -> Iterator[tuple[int, bytes]]:
-    """A block's lines as ``corpus._lines`` gives them: numbered, without their line breaks."""
-    lines = block.split(b"\n")
-    if lines[-1] == b"":
-        lines.pop()
-    for lineno, line in enumerate(lines, first_line):
-        yield lineno, line.rstrip(b"\r")

@@ -4,7 +4,11 @@ Every reader yields batches of document strings and never holds a whole file:
 Parquet and CSV go through pyarrow's batch readers; a plain JSONL file goes
 through Polars in blocks of lines (``gm_graphs.corpus.jsonl``), which hands
 Python's ``json`` every block it cannot vouch for; compressed or archived JSONL
-and text are read line by line, a line at most ``MAX_DOCUMENT_BYTES`` long.
+and text are read in blocks of lines (``Lines``: runs of blank lines are skipped
+a run at a time). No document is longer than ``MAX_DOCUMENT_BYTES`` (32 MB): a
+longer line or Parquet/CSV value is refused in one line, whatever the reader.
+Every file is opened by ``open_regular`` (never a FIFO or a device, which could
+block forever) and handed to pyarrow open, never by name (a name need not be UTF-8).
 Files may be gzip'd (``.gz``) or members of a ``.zip`` archive (members gzip'd
 too); an archive's folders, macOS metadata (``__MACOSX/``, ``._x``), hidden
 files and members of no corpus format (README, LICENSE) are skipped and listed
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import IO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
@@ -44,13 +49,16 @@ from gm_graphs.corpus.source import (
     MAX_DOCUMENT_BYTES,
     MB,
     REPLACEMENT,
+    Lines,
+    Progress,
     ReadStats,
     Source,
     brief,
     check_encoding,
     decode,
+    not_regular,
+    open_regular,
     read_first_line,
-    source_lines,
 )
 from gm_graphs.errors import CorpusError
 from gm_graphs.store.folders import graphs_root, is_graph_folder
@@ -135,13 +143,22 @@ def expand_corpus(corpus: CorpusSpec) -> list[Path]:
     return [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
 
 
+_WARNED_GLOBS: set[str] = set()
+
+
 def _warn_if_also_a_glob(spec: str) -> None:
-    """An existing file whose name reads as a glob is read alone; say so when the pattern names other files too."""
+    """An existing file whose name reads as a glob is read alone; say so when the pattern names other files too.
+
+    Said once per process and name: a command expands its corpus more than once (its arguments are checked before
+    the work starts), and importing transformers resets the warnings' own once-only registry. The warning names
+    no source line of graphmax's: it is about the user's file, not the code.
+    """
     others = [m for m in glob.glob(spec, recursive=True) if os.path.realpath(m) != os.path.realpath(spec)]
-    if others:
-        warnings.warn(f"{spec!r} is read as the file of that name; as a glob it would also match {len(others)} "
-                      f"other file(s), e.g. {others[0]!r}: pass those by name to read them too",
-                      UserWarning, stacklevel=2)  # expand_corpus's line: once per process
+    if others and spec not in _WARNED_GLOBS:
+        _WARNED_GLOBS.add(spec)
+        warnings.warn_explicit(f"{spec!r} is read as the file of that name; as a glob it would also match "
+                               f"{len(others)} other file(s), e.g. {others[0]!r}: pass those by name to read them "
+                               f"too", UserWarning, "graphmax", 0, module=__name__)
 
 
 def detect_format(name: str) -> str:
@@ -204,11 +221,8 @@ def _check_file(f: Path, graphs: _GraphFolders) -> None:
         raise CorpusError(f"corpus file {where!r} does not exist; check the path") from None
     except OSError as e:
         raise CorpusError(f"corpus file {where!r} cannot be reached ({e.strerror}); check the path") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise CorpusError(f"{where!r} is a folder; pass the files in it, e.g. {os.path.join(where, '*.csv')!r}")
     if not stat.S_ISREG(st.st_mode):
-        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
-        raise CorpusError(f"{where!r} is {kind}, not a regular file; write the corpus to a file and pass that")
+        raise not_regular(where, st.st_mode)
     if st.st_size == 0:
         raise CorpusError(f"corpus file {where!r} is empty (0 bytes); remove it from the inputs")
     fmt = detect_format(f.name)
@@ -217,7 +231,7 @@ def _check_file(f: Path, graphs: _GraphFolders) -> None:
         raise CorpusError(f"{where!r} is inside the graph folder {str(graph)!r}, whose files are graphmax's own, "
                           f"not corpus text; narrow the glob or list the corpus files")
     try:
-        with open(f, "rb") as fh:
+        with open_regular(f) as fh:
             _check_header(fh, f, fmt, st.st_size)
     except PermissionError:
         raise CorpusError(f"corpus file {where!r} cannot be read (permission denied); make it readable "
@@ -250,7 +264,8 @@ def _check_header(fh: IO[bytes], f: Path, fmt: str, size: int) -> None:
                 raise CorpusError(f"{where!r} is not a whole Parquet file (no PAR1 marker at its start and end); "
                                   f"copy it again if it was truncated, or rename it to its real format")
             try:  # the footer: schema and row groups, a small read at the end
-                _ = pq.ParquetFile(str(f)).schema_arrow
+                fh.seek(0)
+                _ = pq.ParquetFile(fh).schema_arrow
             except (pa.ArrowException, OSError) as e:
                 raise CorpusError(f"{where!r} is not a readable Parquet file ({brief(e)}); copy it again if it "
                                   f"was truncated, or rename it to its real format") from None
@@ -259,7 +274,7 @@ def _check_header(fh: IO[bytes], f: Path, fmt: str, size: int) -> None:
 
 
 @contextmanager
-def _open_zip(fh: IO[bytes] | Path, where: str) -> Iterator[zipfile.ZipFile]:
+def _open_zip(fh: IO[bytes], where: str) -> Iterator[zipfile.ZipFile]:
     try:
         zf = zipfile.ZipFile(fh)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, struct.error) as e:
@@ -301,15 +316,60 @@ def _zip_members(zf: zipfile.ZipFile, where: str) -> tuple[list[zipfile.ZipInfo]
 
 
 def fingerprint(files: list[Path]) -> list[dict]:
-    """Path, size and SHA-256 of each input file, for the manifest."""
+    """Path, size and SHA-256 of each input file, for the manifest.
+
+    A name that is not UTF-8 (Linux allows any bytes but ``/``) is recorded with its odd bytes escaped as
+    ``\\xe9``, so that the manifest stays UTF-8 text."""
     out = []
     for f in files:
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-        out.append({"path": str(f), "bytes": f.stat().st_size, "sha256": h.hexdigest()})
+        with _reading(f) as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+            size = os.fstat(fh.fileno()).st_size
+        out.append({"path": printable_path(f), "bytes": size, "sha256": digest})
     return out
+
+
+def printable_path(path: PathLike) -> str:
+    """``path`` as UTF-8 text: the bytes of a name that is not UTF-8 escaped as ``\\xe9``."""
+    return os.fsencode(path).decode("utf-8", errors="backslashreplace")
+
+
+@contextmanager
+def _reading(f: Path, progress: Progress | None = None) -> Iterator[IO[bytes]]:
+    """A corpus file opened to be read (a regular file: anything else is refused without blocking)."""
+    with _decompression_errors(str(f)):
+        fh = open_regular(f, progress)
+    with fh:
+        yield fh
+
+
+def duplicate_files(files: list[Path]) -> list[list[Path]]:
+    """The groups of ``files`` that hold the same bytes (by SHA-256), each in the order given: a copy of a file
+    would have every document in it counted twice. Only files of one size are hashed."""
+    by_size: dict[int, list[Path]] = {}
+    for f in files:
+        by_size.setdefault(os.stat(f).st_size, []).append(f)
+    groups = []
+    for same_size in by_size.values():
+        if len(same_size) < 2:
+            continue
+        by_digest: dict[str, list[Path]] = {}
+        for f in same_size:
+            with _reading(f) as fh:
+                by_digest.setdefault(hashlib.file_digest(fh, "sha256").hexdigest(), []).append(f)
+        groups.extend(g for g in by_digest.values() if len(g) > 1)
+    return sorted(groups, key=lambda g: files.index(g[0]))
+
+
+def check_distinct(files: list[Path]) -> None:
+    """Refuse corpus files that hold the same bytes, in one line that names them and the fix."""
+    groups = duplicate_files(files)
+    if groups:
+        first = groups[0]
+        more = f" (and {len(groups) - 1} more group(s) of copies)" if len(groups) > 1 else ""
+        raise CorpusError(f"the corpus files {', '.join(repr(str(f)) for f in first)} hold the same bytes{more}, so "
+                          f"every document in them would be counted {len(first)} times; pass each file once, or "
+                          f"add --allow-duplicate-files to count the copies on purpose")
 
 
 def iter_documents(
@@ -319,6 +379,7 @@ def iter_documents(
     clean: bool = False,
     batch_docs: int = 4096,
     stats: ReadStats | None = None,
+    progress: Progress | None = None,
 ) -> Iterator[list[str]]:
     """Yield batches of non-empty documents from ``files``, in order, never holding a whole file.
 
@@ -329,12 +390,16 @@ def iter_documents(
         clean (``bool``, defaults to ``False``): unescape HTML entities and turn ``<br />`` tags into spaces.
         batch_docs (``int``, defaults to 4096): documents per batch (a Parquet batch may differ).
         stats (``ReadStats`` or ``None``, defaults to ``None``): filled in with what reading saw.
+        progress (callable or ``None``, defaults to ``None``): told the bytes of each read from the files (as
+            stored: an archive's compressed bytes), from the thread that reads, so that a caller can show
+            progress within a file, and while a file yields no document (a flood of empty lines).
 
     Returns:
         ``Iterator[list[str]]``: batches of documents; empty documents are skipped and counted.
 
     Raises:
-        CorpusError: a file that cannot be read, a missing text column, or a corpus with no documents at all.
+        CorpusError: a file that cannot be read (or is not a regular file), a missing text column, a document
+            longer than ``MAX_DOCUMENT_BYTES`` (32 MB), or a corpus with no documents at all.
 
     Example::
 
@@ -349,17 +414,17 @@ def iter_documents(
     for f in files:
         before = stats.documents
         if detect_format(f.name) == "zip":
-            with _decompression_errors(str(f)), _open_zip(f, str(f)) as zf:
+            with _reading(f, progress) as fh, _decompression_errors(str(f)), _open_zip(fh, str(f)) as zf:
                 members, skipped = _zip_members(zf, str(f))
-                stats.skipped_members.extend(f"{f}!{m}" for m in skipped)
+                stats.skipped_members.extend(f"{printable_path(f)}!{m}" for m in skipped)
                 for info in members:
                     source = Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info))
                     yield from _read(source, text_column, clean, batch_docs, stats)
         else:
             plain = f if not f.name.lower().endswith(".gz") else None
-            source = Source(f.name, str(f), lambda f=f: open(f, "rb"), path=plain)
+            source = Source(f.name, str(f), lambda f=f: open_regular(f, progress), path=plain)
             yield from _read(source, text_column, clean, batch_docs, stats)
-        stats.per_file[str(f)] = stats.documents - before
+        stats.per_file[printable_path(f)] = stats.documents - before
     if stats.documents == 0:
         raise CorpusError(
             f"the corpus has no documents: every row of {[str(f) for f in files]} was empty "
@@ -384,6 +449,9 @@ def _decompression_errors(where: str) -> Iterator[None]:
         raise CorpusError(f"{where}: corrupt compressed data ({brief(e)}); copy or download it again") from None
     except PermissionError:
         raise CorpusError(f"{where}: cannot be read (permission denied); make it readable (chmod u+r)") from None
+    except FileNotFoundError:
+        raise CorpusError(f"{where}: no longer exists (moved or removed while graphmax read the corpus); put it "
+                          f"back, or leave it out") from None
     except OSError as e:
         raise CorpusError(f"{where}: cannot be read ({brief(e)}); check the file") from None
 
@@ -422,7 +490,36 @@ def _read(source: Source, column: str, clean: bool, batch_docs: int, stats: Read
                 yield docs[i:i + batch_docs]
 
 
-def arrow_text(arr: pa.Array, stats: ReadStats) -> list[str | None]:
+def _unpacked(arr: pa.Array) -> pa.Array:
+    """A text column as plain (large) strings or bytes: what pyarrow's length kernels take."""
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    if pa.types.is_string_view(arr.type):
+        return arr.cast(pa.large_string())
+    if pa.types.is_binary_view(arr.type):
+        return arr.cast(pa.large_binary())
+    return arr
+
+
+def _refuse_longer(sizes: pa.Array, where: str, first_row: int | None) -> None:
+    """Refuse a value longer than ``MAX_DOCUMENT_BYTES``, as the line and CSV readers refuse such a line, before
+    it becomes a Python string (and many times its size in the tokenizer). ``sizes``: the values' bytes."""
+    largest = pc.max(sizes).as_py()
+    if largest is not None and largest > MAX_DOCUMENT_BYTES:
+        row = "" if first_row is None else f"row {first_row + pc.index(sizes, largest).as_py():,} "
+        raise CorpusError(f"{where}: {row}holds a value of {largest / MB:,.0f} MB, longer than a document's "
+                          f"{MAX_DOCUMENT_BYTES // MB} MB, which is not a document but a damaged file or a "
+                          f"decompression bomb; split it into documents")
+
+
+def arrow_text(arr: pa.Array, stats: ReadStats, where: str = "the corpus") -> list[str | None]:
+    """The values of a text column as strings, each at most ``MAX_DOCUMENT_BYTES`` (a longer one is refused)."""
+    if not pa.types.is_null(arr.type):
+        _refuse_longer(pc.binary_length(_unpacked(arr)), where, None)
+    return _strings(arr, stats)
+
+
+def _strings(arr: pa.Array, stats: ReadStats) -> list[str | None]:
     # Fast path: a valid UTF-8 column converts in C; only a bad batch is decoded row by row.
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
@@ -455,12 +552,30 @@ def _missing_column(where: str, column: str, names: list[str]) -> CorpusError:
     )
 
 
+def _text_values(arr: pa.Array, stats: ReadStats, where: str, first_row: int) -> list[str | None]:
+    """A batch of a text column's values as strings, each at most ``MAX_DOCUMENT_BYTES`` (``first_row``: the
+    file's row number of the first); empty and null values are counted and dropped by pyarrow, so that a file of
+    millions of empty values costs no Python step each."""
+    if pa.types.is_null(arr.type):
+        stats.empty_skipped += len(arr)
+        return []
+    arr = _unpacked(arr)
+    sizes = pc.binary_length(arr)
+    _refuse_longer(sizes, where, first_row)
+    filled = pc.fill_null(pc.greater(sizes, 0), False)
+    kept = pc.sum(filled).as_py() or 0
+    if kept < len(arr):
+        stats.empty_skipped += len(arr) - kept
+        arr = arr.filter(filled)
+    return _strings(arr, stats)
+
+
 def _parquet_rows(source: Source, column: str, batch_docs: int,
                   stats: ReadStats) -> Iterator[list[str | None]]:
     where = source.where
-    with (source.open() if source.path is None else _nothing()) as fh:
+    with source.open() as fh:
         try:
-            pf = pq.ParquetFile(str(source.path) if source.path is not None else fh)
+            pf = pq.ParquetFile(fh)
             names = pf.schema_arrow.names
         except (pa.ArrowException, OSError) as e:
             if isinstance(e, gzip.BadGzipFile):
@@ -471,8 +586,10 @@ def _parquet_rows(source: Source, column: str, batch_docs: int,
             raise _missing_column(where, column, names)
         _check_column_type(pf.schema_arrow.field(column).type, where, column)
         try:
+            row = 1
             for batch in pf.iter_batches(batch_size=batch_docs, columns=[column]):
-                yield arrow_text(batch.column(0), stats)
+                yield _text_values(batch.column(0), stats, where, row)
+                row += batch.num_rows
         except (pa.ArrowException, OSError) as e:
             if isinstance(e, gzip.BadGzipFile):
                 raise
@@ -480,16 +597,11 @@ def _parquet_rows(source: Source, column: str, batch_docs: int,
                               f"re-create it") from None
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
-
-
 def _csv_rows(source: Source, column: str, delimiter: str, stats: ReadStats) -> Iterator[list[str | None]]:
     """The text column of a CSV/TSV; a row larger than pyarrow's block reopens the file with a larger one.
 
-    Rows already yielded are skipped after a reopen, so nothing is counted twice.
-    A plain file is read by pyarrow itself; a decompressed stream through ``_Replay``.
+    Rows already yielded are skipped after a reopen, so nothing is counted twice. pyarrow reads the file through
+    ``_Replay`` (the header line, read here first, then the rest), never by its name: a name need not be UTF-8.
     """
     kind = "TSV" if delimiter == "\t" else "CSV"
     block, done = CSV_BLOCK_BYTES, 0
@@ -505,10 +617,10 @@ def _csv_rows(source: Source, column: str, delimiter: str, stats: ReadStats) -> 
             # the last column too, to tell a quote left open at the end of the file.
             wanted = list(dict.fromkeys([column, last]))
             convert = pacsv.ConvertOptions(include_columns=wanted, column_types={c: pa.binary() for c in wanted})
-            body = _Replay(header, fh) if source.path is None else None
+            body = _Replay(header, fh)
             rows, tail_value, reader = 0, None, None
             try:
-                reader = pacsv.open_csv(body or str(source.path), read_options=pacsv.ReadOptions(block_size=block),
+                reader = pacsv.open_csv(body, read_options=pacsv.ReadOptions(block_size=block),
                                         parse_options=parse, convert_options=convert)
                 for batch in reader:
                     n = batch.num_rows
@@ -517,7 +629,7 @@ def _csv_rows(source: Source, column: str, delimiter: str, stats: ReadStats) -> 
                     if n:
                         tail_value = batch.column(last)[n - 1].as_py()
                     if skip < n:
-                        yield arrow_text(batch.column(column).slice(skip), stats)
+                        yield _text_values(batch.column(column).slice(skip), stats, source.where, rows - n + skip + 1)
                         done = rows
             except pa.ArrowException as e:
                 if "straddl" in str(e) and block < MAX_DOCUMENT_BYTES:
@@ -530,17 +642,11 @@ def _csv_rows(source: Source, column: str, delimiter: str, stats: ReadStats) -> 
                 # pyarrow reads ahead from a Python stream in its own threads: a reader left for the interpreter's
                 # exit to free (an error's traceback holds this frame) aborts the process, so drop it here.
                 reader = None
-            tail = body.tail if body is not None else _file_tail(source.path)
+            tail = body.tail
             if tail_value and (b"\n" in tail_value or b"\r" in tail_value) and not tail.rstrip(b"\r\n").endswith(b'"'):
                 raise CorpusError(f"{source.where}: a quote opened in the last row is never closed, so its field "
                                   f"runs to the end of the file; close the quote, or double it (\"\") inside a field")
             return
-
-
-def _file_tail(path: Path, size: int = 256) -> bytes:
-    with open(path, "rb") as fh:
-        fh.seek(max(os.fstat(fh.fileno()).st_size - size, 0))
-        return fh.read()
 
 
 def _csv_error(where: str, kind: str, e: pa.ArrowException) -> CorpusError:
@@ -601,11 +707,14 @@ class _Replay(io.RawIOBase):
 
 
 def _text_rows(source: Source, batch_docs: int, stats: ReadStats) -> Iterator[list[str | None]]:
+    """A document a line; blank lines are counted as empty documents, a run at a time (``Lines``)."""
+    lines = Lines(source)
     rows: list[bytes | None] = []
-    for _, line in source_lines(source):
+    for _, line in lines:
         rows.append(line)
         if len(rows) >= batch_docs:
             yield decode(rows, stats)
             rows = []
     if rows:
         yield decode(rows, stats)
+    stats.empty_skipped += lines.blank

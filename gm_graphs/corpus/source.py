@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import gzip
-import itertools
+import io
+import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,6 +17,11 @@ from typing import IO
 from gm_graphs.errors import CorpusError
 
 MAX_DOCUMENT_BYTES = 32 << 20  # a longer line is not a document but a damaged file or a decompression bomb
+LINE_BLOCK_BYTES = 1 << 20  # what the line readers read at a time
+# A block whose lines average fewer bytes than this is mostly blank: its lines with text are searched for, so that
+# a run of blank lines costs C's time, not a Python step each.
+_SPARSE_LINE_BYTES = 16
+_TEXT_BYTE = re.compile(rb"[^ \t\n\r\x0b\x0c]")  # what bytes.isspace() is not
 REPLACEMENT = "\ufffd"
 SURROGATE = re.compile("[\ud800-\udfff]")
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -57,6 +64,62 @@ class ReadStats:
     skipped_members: list[str] = field(default_factory=list)  # "archive.zip!member" of no corpus format
 
 
+Progress = Callable[[int], None]  # told the bytes of a file each read takes from the disk
+
+
+def not_regular(where: str, mode: int) -> CorpusError:
+    if stat.S_ISDIR(mode):
+        return CorpusError(f"{where!r} is a folder; pass the files in it, e.g. {os.path.join(where, '*.csv')!r}")
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return CorpusError(f"{where!r} is {kind}, not a regular file; write the corpus to a file and pass that")
+
+
+class _Counted(io.FileIO):
+    """A file that tells ``progress`` how many bytes each read took."""
+
+    def __init__(self, fd: int, progress: Progress):
+        super().__init__(fd, "rb")
+        self._progress = progress
+
+    def readinto(self, buffer) -> int | None:
+        n = super().readinto(buffer)
+        if n:
+            self._progress(n)
+        return n
+
+    def read(self, size: int = -1) -> bytes | None:
+        data = super().read(size)
+        if data:
+            self._progress(len(data))
+        return data
+
+    def readall(self) -> bytes:
+        data = super().readall()
+        if data:
+            self._progress(len(data))
+        return data
+
+
+def open_regular(path: Path, progress: Progress | None = None) -> IO[bytes]:
+    """``path`` opened for reading, if it is a regular file; anything else is a one-line ``CorpusError``.
+
+    It is opened without blocking and checked on the descriptor: opening a FIFO for reading waits for a writer,
+    forever, and a file checked before may have been replaced since. ``progress``, if given, is told the bytes of
+    each read. ``OSError`` (missing, no permission) is left to the caller, which knows what the file is for.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(os.fsdecode(path), mode)
+        os.set_blocking(fd, True)
+        raw = _Counted(fd, progress) if progress is not None else io.FileIO(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    return io.BufferedReader(raw)
+
+
 def check_encoding(head: bytes, where: str) -> None:
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise CorpusError(f"{where!r} is UTF-16 text; convert it to UTF-8 "
@@ -70,7 +133,7 @@ class Source:
     name: str  # its suffixes give the format
     where: str  # for messages: the path, or archive!member
     opener: Callable[[], IO[bytes]]
-    path: Path | None = None  # an uncompressed file, which pyarrow opens itself
+    path: Path | None = None  # an uncompressed file (a plain JSONL file is read by Polars, in blocks)
 
     @contextmanager
     def open(self) -> Iterator[IO[bytes]]:
@@ -117,17 +180,75 @@ def too_long(where: str, lineno: int) -> CorpusError:
                        f"document but a damaged file or a decompression bomb; split it into documents")
 
 
-def source_lines(source: Source) -> Iterator[tuple[int, bytes]]:
-    """Numbered lines of a source without their line breaks; a leading BOM is dropped, each line is bounded."""
-    with source.open() as fh:
-        for lineno in itertools.count(1):
-            line = read_first_line(fh, source.where) if lineno == 1 else fh.readline(MAX_DOCUMENT_BYTES + 2)
-            if not line:
-                return
-            body = line.rstrip(b"\r\n")
+class Lines:
+    """The numbered lines of a source that hold more than ASCII white space, without their line breaks, as
+    ``(line number, bytes)``; a leading byte-order mark is dropped and each line is bounded.
+
+    The source is read in blocks of ``LINE_BLOCK_BYTES``, and the blank lines between two lines with text are
+    skipped and counted (``blank``) in C, a run at a time: a flood of empty lines (an archive of newlines
+    inflates to hundreds of MB) is read in seconds, not a Python step a line.
+    """
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.blank = 0  # blank lines skipped so far
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        where = self.source.where
+        with self.source.open() as fh:
+            data = fh.read(LINE_BLOCK_BYTES)
+            check_encoding(data, where)
+            data = data[len(UTF8_BOM):] if data.startswith(UTF8_BOM) else data
+            lineno, partial, size = 1, [], 0  # partial: the pieces of a line whose end is not read yet, size bytes
+            while data:
+                cut = data.rfind(b"\n") + 1
+                if cut:
+                    block = b"".join([*partial, data[:cut]]) if partial else data[:cut]
+                    yield from self.lines_of(block, lineno)
+                    lineno += block.count(b"\n")
+                    partial, size = [], 0
+                if cut < len(data):
+                    partial.append(data[cut:])
+                    size += len(data) - cut
+                    if size > MAX_DOCUMENT_BYTES + 1:  # + a \r before the line break
+                        raise too_long(where, lineno)
+                data = fh.read(LINE_BLOCK_BYTES)
+            if partial:  # the last line has no line break
+                yield from self.lines_of(b"".join(partial) + b"\n", lineno)
+
+    def lines_of(self, block: bytes, first: int) -> Iterator[tuple[int, bytes]]:
+        """The lines with text of ``block``, whole lines read from this source, the first numbered ``first``."""
+        where = self.source.where
+        if block.count(b"\n") * _SPARSE_LINE_BYTES > len(block):
+            pos, lineno, search = 0, first, _TEXT_BYTE.search
+            while (m := search(block, pos)) is not None:
+                start = block.rfind(b"\n", pos, m.start()) + 1 or pos
+                skipped = block.count(b"\n", pos, start)
+                self.blank += skipped
+                lineno += skipped
+                end = block.index(b"\n", m.start())
+                body = block[start:end].rstrip(b"\r")
+                if len(body) > MAX_DOCUMENT_BYTES:
+                    raise too_long(where, lineno)
+                yield lineno, body
+                lineno, pos = lineno + 1, end + 1
+            self.blank += block.count(b"\n", pos)
+            return
+        lines = block.split(b"\n")
+        lines.pop()  # the block ends with a line break
+        for lineno, line in enumerate(lines, first):
+            body = line.rstrip(b"\r")
+            if not body or body.isspace():
+                self.blank += 1
+                continue
             if len(body) > MAX_DOCUMENT_BYTES:
-                raise too_long(source.where, lineno)
+                raise too_long(where, lineno)
             yield lineno, body
+
+
+def source_lines(source: Source) -> Iterator[tuple[int, bytes]]:
+    """The numbered lines of ``source`` that hold text (``Lines``), for a reader that counts no blank line."""
+    return iter(Lines(source))
 
 
 def no_surrogates(text: str, stats: ReadStats) -> str:

@@ -56,7 +56,8 @@ class CorpusSplit:
 
     def texts(self, side: str, limit: int | None = None) -> list[str]:
         """The documents of one side, in corpus order (the first ``limit`` of them)."""
-        table = pq.read_table(self.path(side), columns=["text"])
+        with pa.OSFile(os.fsencode(self.path(side))) as fh:  # by its bytes: the folder's name need not be UTF-8
+            table = pq.read_table(fh, columns=["text"])
         texts = table.column("text").to_pylist()
         return texts if limit is None else texts[:limit]
 
@@ -112,7 +113,8 @@ def split_corpus(corpus: CorpusSpec, path: str | os.PathLike, *, heldout_fractio
     schema = pa.schema([("text", pa.large_string())])
     with staged_folder(out, overwrite=overwrite, artefact=SPLIT) as tmp:
         (tmp / SPLIT_MARKER).write_text("a train / held-out split written by graphmax\n")
-        writers = {side: pq.ParquetWriter(tmp / f"{side}.parquet", schema, compression="zstd") for side in SIDES}
+        sinks = {side: pa.OSFile(os.fsencode(tmp / f"{side}.parquet"), "wb") for side in SIDES}
+        writers = {side: pq.ParquetWriter(sinks[side], schema, compression="zstd") for side in SIDES}
         try:
             for docs in iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=ReadStats()):
                 sides: dict[str, list[str]] = {side: [] for side in SIDES}
@@ -123,8 +125,9 @@ def split_corpus(corpus: CorpusSpec, path: str | os.PathLike, *, heldout_fractio
                         writers[side].write_table(pa.table({"text": pa.array(texts, pa.large_string())}))
                         counts[side] += len(texts)
         finally:
-            for w in writers.values():
+            for side, w in writers.items():
                 w.close()
+                sinks[side].close()
         empty = [side for side, n in counts.items() if n == 0]
         if empty:
             raise CorpusError(f"the {empty[0]} split is empty ({counts}); the corpus is too small for "

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from gm_graphs.corpus.read import ReadStats, iter_documents
+from gm_graphs.corpus.source import Progress
 from gm_graphs.count.ahead import END, Worker, ahead, put
 from gm_graphs.count.bigrams import check_ids
 from gm_graphs.count.runs import SortedRuns, feeders
@@ -31,18 +32,20 @@ _DEPTH = 4  # batches waiting between two stages
 
 
 def read_batches(files: list[Path], text_column: str, *, clean: bool, batch_docs: int,
-                 stats: ReadStats) -> Iterator[list[str]]:
+                 stats: ReadStats, progress: Progress | None = None) -> Iterator[list[str]]:
     """``iter_documents`` run by a thread ahead of the caller."""
-    return ahead(iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats), _DEPTH,
-                 "graphmax-read")
+    return ahead(iter_documents(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats,
+                                progress=progress), _DEPTH, "graphmax-read")
 
 
 def encoded_batches(files: list[Path], encoder: BatchEncoder, text_column: str, *, clean: bool, batch_docs: int,
-                    stats: ReadStats, timings: dict | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                    stats: ReadStats, timings: dict | None = None,
+                    progress: Progress | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(ids, offsets)`` of each batch of documents: read by a thread, encoded here. What a build counts, and
     what the tokenizer-only benchmark times."""
     encode_s = 0.0
-    for docs in read_batches(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats):
+    for docs in read_batches(files, text_column, clean=clean, batch_docs=batch_docs, stats=stats,
+                             progress=progress):
         t = time.perf_counter()
         ids, offsets = encoder.encode(docs)
         encode_s += time.perf_counter() - t
@@ -89,26 +92,25 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
             busy[0] += time.perf_counter() - t
 
     counter = Worker(consume, "graphmax-count", stop)
-    sizes = {str(f): f.stat().st_size for f in files}
     documents = tokens = 0
     t0 = time.perf_counter()
     try:
-        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
-            done = 0
+        with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc=desc,
+                  disable=not progress) as bar:
+
+            def advance(n: int) -> None:  # the reading thread's bytes, as they are read: also while a file
+                bar.update(min(n, bar.total - bar.n))  # yields no document (an archive of empty lines)
+
             for ids, offsets in encoded_batches(files, encoder, text_column, clean=clean, batch_docs=batch_docs,
-                                                stats=stats, timings=timings):
+                                                stats=stats, timings=timings, progress=advance if progress else None):
                 check_ids(ids, encoder.vocab_size)
                 documents += offsets.size - 1
                 tokens += ids.size
                 if not put(q, (ids, offsets), stop):
                     counter.check()
-                finished = sum(sizes[f] for f in list(stats.per_file))
-                if progress and finished > done:
-                    bar.update(finished - done)
-                    done = finished
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix(docs_s=f"{documents / elapsed:,.0f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
-            bar.update(bar.total - done)
+            bar.update(bar.total - bar.n)  # a Parquet file's other columns are never read
             timings["tokenize_s"] = time.perf_counter() - t0
             put(q, END, stop)
             counter.join()

@@ -104,7 +104,9 @@ class ParquetWriter:
         self.root, self.path, self.hasher = root, root / rel, hasher
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.schema = pa.schema([("src", pa.int32()), ("dst", pa.int32()), (value_name, value_type)])
-        self._writer = pq.ParquetWriter(self.path, self.schema, compression="zstd")
+        # opened by its bytes: pyarrow encodes a str path as UTF-8, which a folder's name need not be
+        self._sink = pa.OSFile(os.fsencode(self.path), "wb")
+        self._writer = pq.ParquetWriter(self._sink, self.schema, compression="zstd")
         self._pending: list[tuple[np.ndarray, ...]] = []
         self._rows = 0
 
@@ -127,6 +129,7 @@ class ParquetWriter:
     def close(self) -> Future:
         self._write(final=True)
         self._writer.close()
+        self._sink.close()
         return self.hasher.entry(self.root, self.path)
 
 

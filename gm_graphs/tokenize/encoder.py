@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from gm_graphs.corpus import bundled
+from gm_graphs.corpus.words import join_pieces, split_long_words
 from gm_graphs.errors import TokenizerError
 from gm_graphs.tokenize.bytelevel import WordCache, cacheable
 from gm_graphs.tokenize.gguf import load_gguf_tokenizer
@@ -210,7 +211,11 @@ class BatchEncoder:
                 )
 
     def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(ids, offsets)``: document i is ``ids[offsets[i]:offsets[i+1]]``."""
+        """Return ``(ids, offsets)``: document i is ``ids[offsets[i]:offsets[i+1]]``. A run of characters longer
+        than ``MAX_WORD_CHARS`` is encoded in pieces of that length (:mod:`gm_graphs.corpus.words`)."""
+        pieces, counts = split_long_words(docs)
+        if counts is not None:  # BPE would hold ~100 bytes for each byte of the run
+            return join_pieces(*self.encode(pieces), counts, framed=self.bos is not None)
         if self._words is not None:
             ids, offsets = self._words.encode(docs)
             return (ids, offsets) if self.bos is None else _framed(ids, offsets, self.bos, self.eos)
