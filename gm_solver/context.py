@@ -536,7 +536,7 @@ class ContextReference:
 
     def on(self, device: torch.device | str) -> _DeviceTables:
         """The arrays the torch path reads, as tensors on ``device`` (copied there once, then cached)."""
-        device = torch.device(device)
+        device = backends.canonical(device)
         key = str(device)
         if key in self._devices:
             return self._devices[key]

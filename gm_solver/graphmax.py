@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import backends
 from .checks import logit_value_checks, raise_unless
 from .operator import TransitionOperator
 from .solve_info import softmax_solution
@@ -21,6 +22,7 @@ def get_operator(graph: Any, device: torch.device, backend: str = "auto") -> Tra
     """The cached :class:`TransitionOperator` of ``graph`` on ``device`` (built once: it transposes M)."""
     if isinstance(graph, TransitionOperator):
         return graph
+    device = backends.canonical(device)
     try:
         per_graph = _operators.setdefault(graph, {})
     except TypeError:  # not weak-referenceable: build each time

@@ -71,7 +71,7 @@ class TransitionOperator:
         if matrix.shape[0] != matrix.shape[1]:
             raise ValueError(f"the graph operator must be square, got {matrix.shape}")
         self.n = matrix.shape[0]
-        self.device = torch.device(device)
+        self.device = backends.canonical(device)
         # the fused backend compiles the mirror steps around these products, which run eager on its device
         fused = backends.choose(self.device, backend) == "fused"
         self.backend = "torch" if fused else backends.choose(self.device, backend)

@@ -17,6 +17,7 @@ import scipy.sparse as sp
 import torch
 from transformers import LogitsProcessor
 
+from . import backends
 from .checks import integer, real
 from .choice import MODES, PAPER_SOLVERS, DecoderChoice, KnnConfig, PaperConfig
 from .context import SMOOTHINGS, ContextConfig, ContextReference
@@ -205,7 +206,7 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         """
         t0 = time.perf_counter()
         width, own = self._shape()
-        device = own if device is None else torch.device(device)
+        device = own if device is None else backends.canonical(device)
         for part in self._compiled_parts(device):  # the fused backend's steps (gm_solver.backends): compiled here
             if part.use_fused is None and device.type != "cpu":
                 part.use_fused = True

@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_solver import ContextConfig, ContextReference, graphmax, solve_toward
-from gm_solver import backends
+from gm_solver import ContextConfig, ContextReference, backends, graphmax, solve_toward
 from gm_solver.backends import eager, fused
 from gm_solver.backends import numba as numba_backend
 from gm_solver.divergences import DIVERGENCES
@@ -176,3 +175,11 @@ def test_solve_toward_reports_the_backend_it_took():
     assert solve_toward(z, q, lam)[1].backend == "numba"
     assert solve_toward(z, q, lam, backend="torch")[1].backend == "torch"
     assert solve_toward(z.float(), q.float(), lam)[1].backend == "torch"
+
+
+def test_a_device_named_without_its_index_is_the_current_one(monkeypatch):
+    # an operator or a reference's tables kept for "cuda" are found again from a tensor's cuda:N
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert backends.canonical("cuda") == torch.device("cuda", 3)
+    assert backends.canonical(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert backends.canonical("cpu") == CPU

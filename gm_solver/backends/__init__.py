@@ -119,6 +119,22 @@ def choose(device: torch.device, request: str = "auto", *, float64_only: bool = 
     return "fused" if fused and fused_available(device) else "torch"
 
 
+def canonical(device: str | torch.device) -> torch.device:
+    """``device`` with its index where it has one: ``cuda`` is the current GPU's ``cuda:N``, as a tensor's
+    ``.device`` says, so that what is kept per device (an operator, a reference's tables, a compiled step's
+    switch) is found again whichever way the device was named.
+
+    Example::
+
+        >>> canonical("cpu")
+        device(type='cpu')
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def room(name: str) -> ModuleType:
     """The module that implements backend ``name``'s operations (imported on first use: the fused backend's
     imports torch.compile's machinery only then)."""
