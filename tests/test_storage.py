@@ -151,8 +151,8 @@ def test_a_format_version_that_is_not_an_integer_is_named_as_such(small_graph, t
         load_graph(folder)
     _rewrite_manifest(folder, lambda m: m.update(format_version=1))  # format 1 with n-gram tables: upgrade it
     # named as the user gave it (a copied folder), never by the manifest's build-time name "g"
-    with pytest.raises(GraphFormatError,
-                       match=re.escape(f"format 1; convert it in place with `graphmax graphs upgrade --path {folder}`")):
+    upgrade = f"format 1; convert it in place with `graphmax graphs upgrade --path {folder}`"
+    with pytest.raises(GraphFormatError, match=re.escape(upgrade)):
         load_graph(folder)
     _rewrite_manifest(folder, lambda m: m.pop("ngrams"))  # format 1 without n-gram tables is laid out as format 2
     assert load_graph(folder).manifest["format_version"] == 1
