@@ -12,9 +12,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from scipy.special import lambertw
 
-from gm_solver.backends.numba import lambert as K
 from gm_solver import certificate_toward, solve_toward
 from gm_solver.backends.eager import log_lambertw_exp
+from gm_solver.backends.numba import lambert as K
 
 
 def _exact(s: float) -> float:
