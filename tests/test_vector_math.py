@@ -1,4 +1,5 @@
-"""gm_solver.backends.numba.vector_math: the kernels' own exp and log against the C library's, their maximum against numpy's."""
+"""gm_solver.backends.numba.vector_math: the kernels' own exp and log against the C library's, their maximum against
+numpy's."""
 
 from __future__ import annotations
 
