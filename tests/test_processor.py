@@ -434,11 +434,16 @@ def test_greedy_sampling_and_beam_search(tiny_llama, graph, decoder):
 
 
 def test_warpers_after_graphmax_see_its_log_probabilities(graph):
-    scores = torch.randn(1, VOCAB)
+    scores = 3 * torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
     procs = LogitsProcessorList([PaperGraphmaxLogitsProcessor(graph, lam=1.0), TemperatureLogitsWarper(0.5),
                                  TopKLogitsWarper(5)])
-    out = procs(torch.zeros(1, 1, dtype=torch.long), scores)
-    assert torch.isfinite(out).sum() == 5
+    out = procs(torch.zeros(1, 1, dtype=torch.long), scores.clone())
+    logp = log_graphmax(scores, graph, 1.0).to(scores.dtype)  # graphmax's log-probabilities, by the function
+    kept = torch.isfinite(out)
+    # the warpers kept graphmax's five most likely tokens, tempered: what the raw scores would give differs
+    assert set(kept.nonzero()[:, 1].tolist()) == set(logp.topk(5).indices[0].tolist())
+    torch.testing.assert_close(out[kept], logp[kept] / 0.5)
+    assert not torch.allclose(out[kept], scores[kept] / 0.5)
 
 
 def test_batch_with_left_padding_equals_single_rows(tiny_llama, graph):
@@ -460,8 +465,20 @@ def test_encoder_decoder_model(graph):
                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     model = T5ForConditionalGeneration(cfg).eval()
     for proc in (PaperGraphmaxLogitsProcessor(graph, lam=1.0), ContextGraphmaxLogitsProcessor(graph)):
-        out = _gen(model, torch.tensor([[5, 6, 7]]), proc, do_sample=False)
-        assert out.shape[1] == 7  # start token + 6
+        seen = []  # each step's scores as the model gave them, and as the decoder returned them
+
+        def recorded(ids, scores, proc=proc, seen=seen):
+            seen.append((scores.clone(), proc(ids, scores.clone())))
+            return seen[-1][1]
+
+        out = _gen(model, torch.tensor([[5, 6, 7]]), recorded, do_sample=False)
+        assert out.shape[1] == 7 and len(seen) == 6  # start token + 6, one decoder step each
+        for step, (raw, logp) in enumerate(seen):
+            # greedy took graphmax's most likely token, certified, and not the raw scores' argmax alone
+            assert out[0, step + 1] == logp.argmax(-1)[0]
+            torch.testing.assert_close(logp.exp().sum(-1), torch.ones(1))
+            assert not torch.allclose(logp, torch.log_softmax(raw, -1))
+        assert bool((proc.last_info.gap <= 1e-6).all())
 
 
 @pytest.mark.parametrize("make", [PaperGraphmaxLogitsProcessor, ContextGraphmaxLogitsProcessor],
