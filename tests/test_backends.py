@@ -17,7 +17,7 @@ from gm_solver.backends import numba as numba_backend
 from gm_solver.divergences import DIVERGENCES
 from gm_solver.operator import TransitionOperator
 
-from .helpers import DEVICES, random_graph, random_ngram_graph
+from .helpers import DEVICES, GRID, random_graph, random_ngram_graph
 
 CPU = torch.device("cpu")
 
@@ -183,3 +183,32 @@ def test_a_device_named_without_its_index_is_the_current_one(monkeypatch):
     assert backends.canonical("cuda") == torch.device("cuda", 3)
     assert backends.canonical(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert backends.canonical("cpu") == CPU
+
+
+@pytest.mark.parametrize(("dtype", "device"), GRID)
+def test_every_solve_keeps_its_inputs_dtype_and_device_and_agrees_with_the_kernels(dtype, device):
+    # solve_toward, the context step and graphmax promise any device and dtype: each on the grid against the numba
+    # kernels' float64 answer, rounded to the dtype's precision
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    z, q, lam = _problem(3, 3, 41, CPU)
+    want, _ = solve_toward(z, q, lam, divergence="l2", kl_share=0.2)
+    got, info = solve_toward(z.to(device, dtype), q.to(device, dtype), lam.to(device), divergence="l2",
+                             kl_share=0.2)
+    assert got.dtype == dtype and got.device == device and info.backend in ("numba", "torch")
+    torch.testing.assert_close(got.exp().cpu().double(), want.exp(), atol=tol, rtol=0)
+
+    ref = ContextReference(random_ngram_graph(1), ContextConfig())
+    ids = torch.randint(0, ref.n, (2, 5), generator=torch.Generator().manual_seed(1))
+    scores = 3 * torch.randn(2, ref.n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    want, _ = ref.step(ids, scores, backend="numba")
+    got, _ = ref.step(ids.to(device), scores.to(device, dtype))
+    assert got.dtype == dtype and got.device == device
+    torch.testing.assert_close(got.exp().cpu().double(), want.exp(), atol=tol if dtype == torch.float64 else 1e-6,
+                               rtol=0)
+
+    m = random_graph(30, 0.2, 5)
+    want = graphmax(z[:, :30], m, 1.0)
+    got = graphmax(z[:, :30].to(device, dtype), m, 1.0)
+    assert got.dtype == dtype and got.device == device
+    # two certified points of one problem (numba's and, off the CPU, torch's): each within its certificate
+    torch.testing.assert_close(got.cpu().double(), want, atol=2e-3, rtol=0)
