@@ -14,8 +14,8 @@ uncached, with one warning that names the folder. In any folder, a cache file th
 user's (or root's) that no one else may write is never read (:func:`gm_graphs.store.sealed.read_sealed`).
 
 numba reuses a cached kernel while the kernel's own source file is unchanged: it does not track the modules the
-kernel calls into (and inlines), nor the module constants it freezes in. ``context_kernel`` calls the kernels of
-``lambert_kernel``; after a merge changed ``lambert_kernel.py`` alone, ``context_kernel.reference_rows`` loaded
+kernel calls into (and inlines), nor the module constants it freezes in. ``gm_solver.backends.numba.context`` calls
+the kernels of ``lambert.py`` beside it; after a merge changed ``lambert.py`` alone, ``context.reference_rows`` loaded
 its old machine code, built against the old callees, and crashed the process (SIGSEGV). :func:`ensure_cache_dir`
 therefore also puts locators ahead of numba's own that take graphmax's kernels only, at the same places, and
 stamp them with a digest of every module of ``gm_graphs`` and ``gm_solver``: a change to any of them makes every
