@@ -25,7 +25,8 @@ from typing import Any
 
 from .backends.eager import certificate_toward
 from .choice import DecoderChoice
-from .context import ContextConfig, ContextReference
+from .context import ContextReference
+from .context_config import ContextConfig
 from .datastore import Datastore, HiddenStateTap, build_datastore, index_datastore, load_datastore
 from .divergences import solve_toward
 from .graphmax import graphmax, log_graphmax

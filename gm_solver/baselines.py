@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .context import ContextConfig, ContextReference
+from .context import ContextReference
+from .context_config import ContextConfig
 
 # ContextConfig's fields that set graphmax's solve, not q: interpolation has no solve
 _SOLVE_FIELDS = ("divergence", "lam", "kl_share")

@@ -18,7 +18,7 @@ from typing import Any
 from gm_graphs.errors import GraphFormatError
 
 from .checks import finite_nonnegative, finite_positive, integer, real
-from .context import ContextConfig
+from .context_config import ContextConfig
 from .datastore import MAX_MARGINAL_WEIGHT
 
 MODES = ("context", "paper")

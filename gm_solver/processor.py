@@ -20,7 +20,8 @@ from transformers import LogitsProcessor
 from . import backends
 from .checks import integer, real
 from .choice import MODES, PAPER_SOLVERS, DecoderChoice, KnnConfig, PaperConfig
-from .context import SMOOTHINGS, ContextConfig, ContextReference
+from .context import ContextReference
+from .context_config import SMOOTHINGS, ContextConfig
 from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
 from .graphmax import get_operator, log_graphmax

@@ -12,9 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_solver import ContextGraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor, graphmax
+from gm_solver import (
+    ContextConfig,
+    ContextGraphmaxLogitsProcessor,
+    ContextReference,
+    PaperGraphmaxLogitsProcessor,
+    graphmax,
+)
 from gm_solver.backends import eager, fused
-from gm_solver.context import ContextConfig, ContextReference
 from gm_solver.operator import TransitionOperator
 
 from .helpers import random_ngram_graph
