@@ -89,8 +89,9 @@ def test_import_falls_back_to_a_temporary_cache_folder(tmp_path):
 
 
 def test_every_graphmax_kernel_is_stamped_with_all_sources_and_sealed():
-    modules = [f"{package}.{path.stem}" for package in PACKAGES for path in sorted((ROOT / package).glob("*.py"))
-               if "import numba" in path.read_text()]
+    modules = [".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+               if "import numba" in path.read_text() and "__pycache__" not in path.parts]
     kernels = {}
     for name in modules:
         for kernel in vars(importlib.import_module(name)).values():
@@ -102,8 +103,8 @@ def test_every_graphmax_kernel_is_stamped_with_all_sources_and_sealed():
 
 
 def test_a_change_to_any_kernel_module_recompiles_the_kernels_that_call_it(tmp_path):
-    # numba alone reuses a kernel's cache while its own file is unchanged: context_kernel's kernels, built against
-    # lambert_kernel's, were loaded after lambert_kernel.py changed, and crashed
+    # numba alone reuses a kernel's cache while its own file is unchanged: backends/numba/context.py's kernels, built
+    # against lambert.py's, were loaded after lambert.py changed, and crashed
     site = tmp_path / "site"
     _copy_packages(site)
     other = site / "other_lib.py"  # another library's cached kernel, outside graphmax's packages
@@ -111,7 +112,7 @@ def test_a_change_to_any_kernel_module_recompiles_the_kernels_that_call_it(tmp_p
     (tmp_path / "home").mkdir()
     env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("NUMBA_CACHE_DIR", None)  # so the kernels are cached in the copy's __pycache__
-    # one small kernel of context_kernel (it compiles in about a second): was it loaded from the cache?
+    # one small kernel of backends/numba/context.py (it compiles in about a second): was it loaded from the cache?
     code = ("import numpy as np, other_lib; from gm_solver.backends.numba import context as ck; "
             "ck.count_stats(np.array([0, 1, 2]), np.array([1, 0]), np.ones(2), 2); "
             "print(sum(ck.count_stats.stats.cache_hits.values()), sum(ck.count_stats.stats.cache_misses.values()), "
