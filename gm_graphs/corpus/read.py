@@ -335,10 +335,10 @@ def printable_path(path: PathLike) -> str:
 
 
 @contextmanager
-def _reading(f: Path, progress: Progress | None = None) -> Iterator[IO[bytes]]:
+def _reading(f: Path) -> Iterator[IO[bytes]]:
     """A corpus file opened to be read (a regular file: anything else is refused without blocking)."""
     with _decompression_errors(str(f)):
-        fh = open_regular(f, progress)
+        fh = open_regular(f)
     with fh:
         yield fh
 
@@ -390,8 +390,8 @@ def iter_documents(
         clean (``bool``, defaults to ``False``): unescape HTML entities and turn ``<br />`` tags into spaces.
         batch_docs (``int``, defaults to 4096): documents per batch (a Parquet batch may differ).
         stats (``ReadStats`` or ``None``, defaults to ``None``): filled in with what reading saw.
-        progress (callable or ``None``, defaults to ``None``): told the bytes of each read from the files (as
-            stored: an archive's compressed bytes), from the thread that reads, so that a caller can show
+        progress (callable or ``None``, defaults to ``None``): told the bytes of text each read takes from a file
+            (decompressed: an archive's inflated bytes), from the thread that reads, so that a caller can show
             progress within a file, and while a file yields no document (a flood of empty lines).
 
     Returns:
@@ -414,15 +414,16 @@ def iter_documents(
     for f in files:
         before = stats.documents
         if detect_format(f.name) == "zip":
-            with _reading(f, progress) as fh, _decompression_errors(str(f)), _open_zip(fh, str(f)) as zf:
+            with _reading(f) as fh, _decompression_errors(str(f)), _open_zip(fh, str(f)) as zf:
                 members, skipped = _zip_members(zf, str(f))
                 stats.skipped_members.extend(f"{printable_path(f)}!{m}" for m in skipped)
                 for info in members:
-                    source = Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info))
+                    source = Source(info.filename, f"{f}!{info.filename}", lambda info=info: zf.open(info),
+                                    progress=progress)
                     yield from _read(source, text_column, clean, batch_docs, stats)
         else:
             plain = f if not f.name.lower().endswith(".gz") else None
-            source = Source(f.name, str(f), lambda f=f: open_regular(f, progress), path=plain)
+            source = Source(f.name, str(f), lambda f=f: open_regular(f), path=plain, progress=progress)
             yield from _read(source, text_column, clean, batch_docs, stats)
         stats.per_file[printable_path(f)] = stats.documents - before
     if stats.documents == 0:

@@ -64,7 +64,7 @@ class ReadStats:
     skipped_members: list[str] = field(default_factory=list)  # "archive.zip!member" of no corpus format
 
 
-Progress = Callable[[int], None]  # told the bytes of a file each read takes from the disk
+Progress = Callable[[int], None]  # told the bytes of text each read hands a reader (decompressed)
 
 
 def not_regular(where: str, mode: int) -> CorpusError:
@@ -74,38 +74,12 @@ def not_regular(where: str, mode: int) -> CorpusError:
     return CorpusError(f"{where!r} is {kind}, not a regular file; write the corpus to a file and pass that")
 
 
-class _Counted(io.FileIO):
-    """A file that tells ``progress`` how many bytes each read took."""
-
-    def __init__(self, fd: int, progress: Progress):
-        super().__init__(fd, "rb")
-        self._progress = progress
-
-    def readinto(self, buffer) -> int | None:
-        n = super().readinto(buffer)
-        if n:
-            self._progress(n)
-        return n
-
-    def read(self, size: int = -1) -> bytes | None:
-        data = super().read(size)
-        if data:
-            self._progress(len(data))
-        return data
-
-    def readall(self) -> bytes:
-        data = super().readall()
-        if data:
-            self._progress(len(data))
-        return data
-
-
-def open_regular(path: Path, progress: Progress | None = None) -> IO[bytes]:
+def open_regular(path: Path) -> IO[bytes]:
     """``path`` opened for reading, if it is a regular file; anything else is a one-line ``CorpusError``.
 
     It is opened without blocking and checked on the descriptor: opening a FIFO for reading waits for a writer,
-    forever, and a file checked before may have been replaced since. ``progress``, if given, is told the bytes of
-    each read. ``OSError`` (missing, no permission) is left to the caller, which knows what the file is for.
+    forever, and a file checked before may have been replaced since. ``OSError`` (missing, no permission) is left
+    to the caller, which knows what the file is for.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
@@ -113,11 +87,36 @@ def open_regular(path: Path, progress: Progress | None = None) -> IO[bytes]:
         if not stat.S_ISREG(mode):
             raise not_regular(os.fsdecode(path), mode)
         os.set_blocking(fd, True)
-        raw = _Counted(fd, progress) if progress is not None else io.FileIO(fd, "rb")
+        raw = io.FileIO(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
     return io.BufferedReader(raw)
+
+
+class _Tally:
+    """A stream that tells ``progress`` the bytes each read hands over, and is otherwise the stream itself."""
+
+    def __init__(self, stream: IO[bytes], progress: Progress):
+        self._stream, self._progress = stream, progress
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._progress(len(data))
+        return data
+
+    def readline(self, size: int = -1) -> bytes:
+        data = self._stream.readline(size)
+        self._progress(len(data))
+        return data
+
+    def readinto(self, buffer) -> int:
+        n = self._stream.readinto(buffer)
+        self._progress(n or 0)
+        return n
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def check_encoding(head: bytes, where: str) -> None:
@@ -134,15 +133,16 @@ class Source:
     where: str  # for messages: the path, or archive!member
     opener: Callable[[], IO[bytes]]
     path: Path | None = None  # an uncompressed file (a plain JSONL file is read by Polars, in blocks)
+    progress: Progress | None = None  # told the decompressed bytes of each read
 
     @contextmanager
     def open(self) -> Iterator[IO[bytes]]:
         with self.opener() as raw:
             if self.name.lower().endswith(".gz"):
                 with gzip.GzipFile(fileobj=raw) as fh:
-                    yield fh
+                    yield fh if self.progress is None else _Tally(fh, self.progress)
             else:
-                yield raw
+                yield raw if self.progress is None else _Tally(raw, self.progress)
 
 
 def brief(e: BaseException, limit: int = 160) -> str:

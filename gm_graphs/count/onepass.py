@@ -95,11 +95,14 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
     documents = tokens = 0
     t0 = time.perf_counter()
     try:
-        with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc=desc,
-                  disable=not progress) as bar:
+        # bytes of text read, told by the reading thread as it reads, also while a file yields no document (an
+        # archive of empty lines); out of the files' sizes where none is compressed, else with no total
+        packed = any(f.name.lower().endswith((".gz", ".zip")) for f in files)
+        with tqdm(total=None if packed else sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+                  desc=desc, disable=not progress) as bar:
 
-            def advance(n: int) -> None:  # the reading thread's bytes, as they are read: also while a file
-                bar.update(min(n, bar.total - bar.n))  # yields no document (an archive of empty lines)
+            def advance(n: int) -> None:
+                bar.update(n if bar.total is None else min(n, bar.total - bar.n))
 
             for ids, offsets in encoded_batches(files, encoder, text_column, clean=clean, batch_docs=batch_docs,
                                                 stats=stats, timings=timings, progress=advance if progress else None):
@@ -110,7 +113,8 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
                     counter.check()
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix(docs_s=f"{documents / elapsed:,.0f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
-            bar.update(bar.total - bar.n)  # a Parquet file's other columns are never read
+            if bar.total is not None:
+                bar.update(bar.total - bar.n)  # a Parquet file's other columns are never read
             timings["tokenize_s"] = time.perf_counter() - t0
             put(q, END, stop)
             counter.join()

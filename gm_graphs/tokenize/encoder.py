@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from gm_graphs.corpus import bundled
-from gm_graphs.corpus.words import join_pieces, split_long_words
+from gm_graphs.corpus.words import encode_in_pieces
 from gm_graphs.errors import TokenizerError
 from gm_graphs.tokenize.bytelevel import WordCache, cacheable
 from gm_graphs.tokenize.gguf import load_gguf_tokenizer
@@ -212,10 +212,11 @@ class BatchEncoder:
 
     def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(ids, offsets)``: document i is ``ids[offsets[i]:offsets[i+1]]``. A run of characters longer
-        than ``MAX_WORD_CHARS`` is encoded in pieces of that length (:mod:`gm_graphs.corpus.words`)."""
-        pieces, counts = split_long_words(docs)
-        if counts is not None:  # BPE would hold ~100 bytes for each byte of the run
-            return join_pieces(*self.encode(pieces), counts, framed=self.bos is not None)
+        than ``MAX_WORD_CHARS``, and a document longer than ``MAX_PIECE_CHARS``, are encoded in pieces
+        (:mod:`gm_graphs.corpus.words`: BPE holds ~100 bytes a byte of a word, the tokenizer ~300 a token)."""
+        pieced = encode_in_pieces(self.encode, docs, framed=self.bos is not None)
+        if pieced is not None:
+            return pieced
         if self._words is not None:
             ids, offsets = self._words.encode(docs)
             return (ids, offsets) if self.bos is None else _framed(ids, offsets, self.bos, self.eos)
