@@ -62,6 +62,18 @@ def test_a_parquet_value_longer_than_a_document_is_refused_in_one_line(tmp_path,
     assert "\n" not in message and "row 2 " in message and "32 MB" in message and "split it into documents" in message
 
 
+def test_a_parquet_row_group_too_large_for_its_rows_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    path = tmp_path / "bomb.parquet"
+    path.write_bytes(_parquet_bytes(["a" * (MAX_DOCUMENT_BYTES + (2 << 20))]))  # 34 MB in one row, 1.6 MB stored
+
+    def never(*args, **kwargs):
+        raise AssertionError("the row group was read")
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", never)
+    with pytest.raises(CorpusError, match=r"row group 0 holds 34 MB of text in 1 row\(s\), so a value is longer"):
+        _read([path])
+
+
 def test_a_parquet_value_of_exactly_the_limit_is_a_document(tmp_path):
     path = tmp_path / "edge.parquet"
     path.write_bytes(_parquet_bytes(["x" * MAX_DOCUMENT_BYTES]))

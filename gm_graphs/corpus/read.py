@@ -571,6 +571,22 @@ def _text_values(arr: pa.Array, stats: ReadStats, where: str, first_row: int) ->
     return _strings(arr, stats)
 
 
+def _refuse_oversized_row_groups(metadata: pq.FileMetaData, column: str, where: str) -> None:
+    """Refuse, from the footer alone, a row group whose text holds more bytes than its rows could as documents:
+    one of its values is longer than ``MAX_DOCUMENT_BYTES``, and reading it would cost several times its size.
+    (A long value among many short ones passes this and is refused as it is read.)"""
+    for i in range(metadata.num_row_groups):
+        group = metadata.row_group(i)
+        for k in range(group.num_columns):
+            chunk = group.column(k)
+            if chunk.path_in_schema == column and \
+                    chunk.total_uncompressed_size > group.num_rows * MAX_DOCUMENT_BYTES + MB:  # + page headers
+                raise CorpusError(f"{where}: row group {i} holds {chunk.total_uncompressed_size / MB:,.0f} MB of "
+                                  f"text in {group.num_rows:,} row(s), so a value is longer than a document's "
+                                  f"{MAX_DOCUMENT_BYTES // MB} MB, which is not a document but a damaged file or a "
+                                  f"decompression bomb; split it into documents")
+
+
 def _parquet_rows(source: Source, column: str, batch_docs: int,
                   stats: ReadStats) -> Iterator[list[str | None]]:
     where = source.where
@@ -586,6 +602,7 @@ def _parquet_rows(source: Source, column: str, batch_docs: int,
         if column not in names:
             raise _missing_column(where, column, names)
         _check_column_type(pf.schema_arrow.field(column).type, where, column)
+        _refuse_oversized_row_groups(pf.metadata, column, where)
         try:
             row = 1
             for batch in pf.iter_batches(batch_size=batch_docs, columns=[column]):
