@@ -5,7 +5,7 @@ about 60-100 bytes of memory per byte of the word (``Word::merge_all``), so one 
 single run of letters, costs 2-3 GB, and a 40 MB one ended in SIGABRT under a 6 GB limit. No pre-tokenizer cuts a
 run of characters of one kind (letters, or white space), so graphmax does: a run of more than
 ``MAX_WORD_CHARS`` characters without white space, or of white space alone, is cut every ``MAX_WORD_CHARS``
-characters. The Rust tokenizer also keeps ~300 bytes per token of a document until it is done with it (an
+characters. The Rust tokenizer also keeps 150-300 bytes per token of a document until it is done with it (an
 ``Encoding``: each token's text, offsets and masks), so a document longer than ``MAX_PIECE_CHARS`` characters is
 cut too, before a white space that precedes text (where GPT-2's expression, SmolLM2's, starts a word anyway, so
 its ids do not change), and handed over ``MAX_PIECE_CHARS`` characters at a time. The pieces' ids are laid end to
@@ -15,7 +15,8 @@ encoded as it is.
 
 Both bounds were chosen by measurement with SmolLM2's tokenizer (benchmarks/RESULTS.md): one word of 65,536
 characters takes at most ~26 MB while it is encoded (four-byte emoji; ~2 MB for ASCII letters), where 1 M letters
-take ~55-90 MB and 32 M letters ~1.7 GB; a piece of 262,144 characters (at most 1 MB of UTF-8) at most ~300 MB.
+take ~55-90 MB and 32 M letters ~1.7 GB; a piece of 262,144 characters takes at most ~120 MB (emoji: 786,432
+tokens). The worst 32 MB document then peaks at 1.2 GB in a whole build, where it took up to 5.6 GB.
 """
 
 from __future__ import annotations

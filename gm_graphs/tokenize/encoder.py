@@ -213,7 +213,7 @@ class BatchEncoder:
     def encode(self, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(ids, offsets)``: document i is ``ids[offsets[i]:offsets[i+1]]``. A run of characters longer
         than ``MAX_WORD_CHARS``, and a document longer than ``MAX_PIECE_CHARS``, are encoded in pieces
-        (:mod:`gm_graphs.corpus.words`: BPE holds ~100 bytes a byte of a word, the tokenizer ~300 a token)."""
+        (:mod:`gm_graphs.corpus.words`: BPE holds ~100 bytes a byte of a word, the tokenizer 150-300 a token)."""
         pieced = encode_in_pieces(self.encode, docs, framed=self.bos is not None)
         if pieced is not None:
             return pieced
