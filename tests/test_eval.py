@@ -273,7 +273,7 @@ def test_tune_tries_each_lambda_decay_and_keeps_lambda_t_at_the_median_position(
 def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from pipelines.eval import resolve_corpus
+    from pipelines.eval.cli import resolve_corpus
 
     args = Namespace(corpus=["drug-reviews"], text_column=None, clean=None)
     resolve_corpus(args)
@@ -290,7 +290,7 @@ def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path
 
 def test_the_paper_grids_are_the_options_given_else_the_default_or_full_ones():
     from pipelines.cli import make_parser
-    from pipelines.eval import PAPER_GRIDS, paper_grids
+    from pipelines.eval.experiment import PAPER_GRIDS, paper_grids
 
     def parse(argv):
         return make_parser(argv)[0].parse_args(argv)
@@ -301,14 +301,116 @@ def test_the_paper_grids_are_the_options_given_else_the_default_or_full_ones():
     assert len(PAPER_GRIDS["default"]["lams"]) < len(PAPER_GRIDS["full"]["lams"])  # the default fits 15 minutes
 
 
+def synthetic_results(rename):
+    """A ``Results`` of every decoder the eval can have (on the base, fine-tuned and prompted LMs, with the
+    datastore), its numbers drawn from a seeded generator, each label passed through ``rename``."""
+    import dataclasses
+
+    from gm_solver import ContextConfig
+    from pipelines.eval.probes import SolverTrace
+    from pipelines.eval.report import Results
+    from pipelines.eval.roster import (
+        ALGORITHM_1,
+        LM,
+        OURS,
+        OURS_DEFAULT,
+        OURS_KNN,
+        SOFTMAX,
+        Decoder,
+        Family,
+        Method,
+        Variant,
+        interpolation,
+        interpolation_optimum,
+        paper,
+    )
+    from pipelines.eval.scoring import bleu_comparisons, generated, perplexity_rows
+    from pipelines.metrics import References
+
+    gen = torch.Generator().manual_seed(0)
+    windows, paper_positions = [2, 4], 2
+    d = [Decoder(Family.BASELINE, LM.BASE, SOFTMAX, None, "softmax"),
+         *(Decoder(Family.PAPER, LM.BASE, paper(lam), None, f"paper graphmax Ã λ={lam:g}", paper_positions)
+           for lam in (0.1, 1.0)),
+         Decoder(Family.PAPER, LM.BASE, Variant(Method.PAPER_MIXTURE, lam=1.0), None, "paper graphmax Ã+Ã² λ=1",
+                 paper_positions),
+         Decoder(Family.PAPER, LM.BASE, ALGORITHM_1, None, "paper Algorithm 1 Ã λ=1", paper_positions),
+         Decoder(Family.OURS, LM.BASE, OURS_DEFAULT, None, "context graphmax, untuned defaults (ours)"),
+         *(Decoder(Family.OURS, lm, v, None, f"{v.method} on the {lm} LM") for lm in LM for v in (OURS, OURS_KNN)),
+         Decoder(Family.FINE_TUNED, LM.FINE_TUNED, SOFTMAX, None, "fine-tuned LM (LoRA), softmax"),
+         Decoder(Family.PROMPTED, LM.PROMPTED, SOFTMAX, None, "LM with a 2-shot prompt, softmax"),
+         interpolation(0.1), interpolation(0.3)]
+    weights = {lm: {w: float(torch.rand(1, generator=gen)) for w in windows} for lm in LM}
+    d += [interpolation_optimum(lm, weights[lm]) for lm in LM]
+    d = [dataclasses.replace(dec, label=rename(dec.label)) for dec in d]
+    tokens = torch.rand(len(d), 12, generator=gen, dtype=torch.float64) * 6
+    nll = {dec.id: {w: tokens[i, :3 * w] for w in windows if dec.positions is None or w <= dec.positions}
+           for i, dec in enumerate(d)}
+    perplexity = perplexity_rows(d, nll, {dec.id: 1.0 + i for i, dec in enumerate(d)}, windows)
+    words = "the pill helped my pain a lot but made me dizzy and tired".split()
+
+    def text(n):
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=gen))
+
+    openings, references = [text(3) for _ in range(5)], [text(12) for _ in range(8)]
+    samples = {dec.id: [text(6) for _ in openings] for dec in generated(d)}
+    generation = {dec.id: {"key": dec.key, "decoder": dec.label,
+                           **{f"BLEU-{n}": float(torch.rand(1, generator=gen)) * 40 for n in (2, 3, 4, 5)},
+                           "self-BLEU-4": 10.0, "distinct-1": 0.5, "distinct-2": 0.7, "LM perplexity": 30.0,
+                           "ms_per_token": 20.0 + i} for i, dec in enumerate(generated(d))}
+    bleu4 = bleu_comparisons(samples, References(references, 4), generation)
+    knn = {"keys": 80, "documents": 20, "seconds": 3.0, "knn_weight": 0.3, "knn_temperature": 10.0, "knn_k": 16,
+           "marginal_weight": 0.5}
+    tuned = ContextConfig()
+    finetune = {"budget_s": 9.0, "budget_given": False, "build_s": 5.0, "tune_s": 4.0, "seconds": 8.5, "steps": 4,
+                "tokens": 127, "tokens_per_s": 15.0, "tuned": tuned, "rank": 8, "alpha": 16.0, "lr": 2e-3,
+                "seq_len": 5, "batch_docs": 8, "target_modules": ["q_proj", "v_proj"], "seed": 0,
+                "loss_first": 5.5, "loss_last": 4.0, "knn": {**knn, "tuned": tuned}}
+    prompted = {"documents": 2, "tokens": 90, "doc_tokens": (8, 160), "seconds": 2.0, "tuned": tuned,
+                "knn": {**knn, "tuned": tuned}}
+    traces = {"paper": SolverTrace("paper Algorithm 1", [0.4, 0.2], [1.0, 0.5]),
+              "mirror": SolverTrace("ours (mirror descent)", [1e-3, 1e-12], [])}
+    cost = {"plain_ms": 10.0, "processor_run_ms": 10.5, "ratio": 1.05, "processor_ms": 0.4, "implied_ratio": 1.04}
+    return Results(corpus=["reviews.csv"], clean=True, model="smollm2", seed=0,
+                   sizes=dict(ppl_docs=2, positions=4, tune_docs=2, prompts=5, new_tokens=6, references=8),
+                   documents={"train": 40, "heldout": 10, "validation": 5, "test": 5}, tuned=tuned,
+                   windows=windows, perplexity=perplexity, nll=nll, interpolation_weights=weights,
+                   generation=generation, samples=samples, bleu4=bleu4, traces=traces, openings=openings, cost=cost,
+                   knn=knn, finetune=finetune, prompted=prompted)
+
+
+def test_a_renamed_label_changes_nothing_the_report_computes(tmp_path):
+    """The report finds rows by their records' fields: with every label renamed (to text that holds no λ, no
+    weight, no prefix), report.md is the same once each new label is read as the old one."""
+    from pipelines.eval.report import write_report
+
+    names: dict[str, str] = {}
+
+    def rename(label):
+        new = f"«decoder {len(names)}»"
+        names[new] = label
+        return new
+
+    for folder, results in (("plain", synthetic_results(lambda label: label)), ("renamed", synthetic_results(rename))):
+        (tmp_path / folder).mkdir()
+        write_report(tmp_path / folder, results)
+    plain, renamed = ((tmp_path / f / "report.md").read_text() for f in ("plain", "renamed"))
+    assert len(names) == 19 and all(new in renamed for new in names)
+    for new, old in sorted(names.items(), key=lambda kv: -len(kv[0])):  # «decoder 12» before «decoder 1»
+        renamed = renamed.replace(new, old)
+    assert renamed == plain
+    # what the renamed labels held, read from the fields: the mixture's λ and each LM's fitted weight
+    assert "λ=1: Ã+Ã²" in plain and plain.count("at its optimum on the test tokens, w = 0.") == 6 * 2
+
+
 @pytest.mark.slow
 def test_more_shots_than_short_training_documents_is_refused_before_the_long_jobs(smollm2, tmp_path, capsys,
                                                                                  monkeypatch):
-    import pipelines.eval as ev
+    from pipelines.eval import experiment
 
     def too_late(*args, **kwargs):
         raise AssertionError("the prompt was drawn after the tuning began")
-    monkeypatch.setattr(ev, "tune_config", too_late)
+    monkeypatch.setattr(experiment, "tune_config", too_late)
     corpus = tmp_path / "reviews.txt"
     corpus.write_text("\n".join(f"Review {i}: this medication helped with my pain after a week." for i in range(30))
                       + "\n")
@@ -322,11 +424,11 @@ def test_more_shots_than_short_training_documents_is_refused_before_the_long_job
 
 @pytest.mark.slow
 def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
-    import pipelines.eval as ev
+    from pipelines.eval import experiment, roster
 
     # two windows and the paper's decoders over the shorter one, at a size a test can afford
-    monkeypatch.setattr(ev, "SHORT_WINDOW", 2)
-    monkeypatch.setattr(ev, "PAPER_POSITIONS", 2)
+    monkeypatch.setattr(experiment, "SHORT_WINDOW", 2)
+    monkeypatch.setattr(roster, "PAPER_POSITIONS", 2)
     out = tmp_path / "report"
     assert main(["eval", "--corpus", "drug-reviews",  # a bundled corpus by name: its file, column and cleaning
                  "--out", str(out), "--heldout-fraction", "0.2", "--lams", "0,1", "--mixture-lams", "1",

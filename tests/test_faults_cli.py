@@ -30,11 +30,11 @@ def _error_line(err: str, prog: str) -> str:
 @pytest.fixture()
 def no_run(monkeypatch):
     """Makes running eval fail the test (a run would load the model): what is under test is refused while parsing."""
-    import pipelines.eval as ev
+    from pipelines.eval import cli
 
     def run(args):
         raise AssertionError("the command ran: its arguments were not refused while parsing")
-    monkeypatch.setattr(ev, "run", run)
+    monkeypatch.setattr(cli, "run", run)
 
 
 # ---- finding 5: an OSError whose filename is a descriptor or bytes ------------------------------------------------
@@ -109,11 +109,11 @@ def _corpus(folder: Path, docs: list[str], column: str = "text") -> Path:
 @pytest.fixture()
 def no_eval_model(monkeypatch):
     """Makes loading the model fail the test: the refusals under test come before it."""
-    import pipelines.eval as ev
+    from pipelines.eval import cli
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before the corpus was checked")
-    monkeypatch.setattr(ev, "load_model", fail)
+    monkeypatch.setattr(cli, "load_model", fail)
 
 
 @pytest.mark.parametrize("case, message", [
@@ -159,15 +159,15 @@ def test_eval_refused_for_its_model_makes_no_out_folder(tmp_path, home, capsys):
                          ids=["error", "interrupt"])
 def test_a_failure_after_the_claim_removes_only_what_eval_made(before, failure, tmp_path, home, monkeypatch,
                                                                capsys):
-    import pipelines.eval as ev
+    from pipelines.eval import cli, experiment
 
-    monkeypatch.setattr(ev, "load_model", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(cli, "load_model", lambda *args, **kwargs: (None, None))
 
     def prepare(args, tok, work):  # the split is written, then the run fails
         (work / "split").mkdir(parents=True)
         (work / "split" / "train.parquet").write_bytes(b"PAR1")
         raise failure
-    monkeypatch.setattr(ev, "prepare", prepare)
+    monkeypatch.setattr(experiment, "prepare", prepare)
     out = tmp_path / "top" / "report" if before == "absent parents" else tmp_path / "report"
     if before == "empty":
         out.mkdir()
@@ -186,9 +186,9 @@ def test_a_failure_after_the_claim_removes_only_what_eval_made(before, failure, 
 
 
 def test_a_folder_that_is_not_graphmaxs_is_refused_and_kept(tmp_path, home, monkeypatch, capsys):
-    import pipelines.eval as ev
+    from pipelines.eval import cli
 
-    monkeypatch.setattr(ev, "load_model", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(cli, "load_model", lambda *args, **kwargs: (None, None))
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("keep")

@@ -219,11 +219,11 @@ def test_eval_runs_on_a_padded_head(folders, corpus, tmp_path, monkeypatch):
     head and tokenizer class are what they cover least."""
     import csv
 
-    import pipelines.eval as ev
+    from pipelines.eval import experiment, roster
 
     folder = folders["qwen2"]
-    monkeypatch.setattr(ev, "SHORT_WINDOW", 2)
-    monkeypatch.setattr(ev, "PAPER_POSITIONS", 2)
+    monkeypatch.setattr(experiment, "SHORT_WINDOW", 2)
+    monkeypatch.setattr(roster, "PAPER_POSITIONS", 2)
     out = tmp_path / "report"
     assert main(["eval", "--corpus", str(corpus[0]), "--model", str(folder), "--out", str(out),
                  "--heldout-fraction", "0.3", "--lams", "0,1", "--mixture-lams", "1", "--ppl-docs", "2",
