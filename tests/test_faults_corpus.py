@@ -21,7 +21,7 @@ import pytest
 
 from gm_graphs import build_graph, load_graph
 from gm_graphs.corpus import read as corpus_read
-from gm_graphs.corpus.read import check_distinct, expand_corpus, fingerprint, iter_documents
+from gm_graphs.corpus.read import check_distinct, expand_corpus, fingerprint, iter_documents, text_bytes
 from gm_graphs.corpus.source import MAX_DOCUMENT_BYTES, ReadStats
 from gm_graphs.corpus.words import MAX_PIECE_CHARS, MAX_WORD_CHARS, split_long_words
 from gm_graphs.errors import CorpusError
@@ -160,6 +160,7 @@ def test_an_archive_of_blank_lines_is_skipped_a_block_at_a_time_with_progress(tm
     assert steps["decode"] == 1
     assert stats.empty_skipped == blank + 3 and stats.documents == 1
     assert len(read) > 1 and sum(read) == len(text)  # told as the archive is inflated, not once at its end
+    assert text_bytes([path]) == len(text)  # the bar's total, from the archive's directory
 
 
 def test_blank_lines_of_jsonl_are_skipped_in_bulk_and_errors_keep_their_line_numbers(tmp_path):

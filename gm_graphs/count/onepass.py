@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from gm_graphs.corpus.read import ReadStats, iter_documents
+from gm_graphs.corpus.read import ReadStats, iter_documents, text_bytes
 from gm_graphs.corpus.source import Progress
 from gm_graphs.count.ahead import END, Worker, ahead, put
 from gm_graphs.count.bigrams import check_ids
@@ -95,14 +95,13 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
     documents = tokens = 0
     t0 = time.perf_counter()
     try:
-        # bytes of text read, told by the reading thread as it reads, also while a file yields no document (an
-        # archive of empty lines); out of the files' sizes where none is compressed, else with no total
-        packed = any(f.name.lower().endswith((".gz", ".zip")) for f in files)
-        with tqdm(total=None if packed else sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
-                  desc=desc, disable=not progress) as bar:
+        # bytes of text read (inflated), told by the reading thread as it reads: also while a file yields no
+        # document (an archive of empty lines)
+        with tqdm(total=text_bytes(files) if progress else 0, unit="B", unit_scale=True, desc=desc,
+                  disable=not progress) as bar:
 
             def advance(n: int) -> None:
-                bar.update(n if bar.total is None else min(n, bar.total - bar.n))
+                bar.update(min(n, bar.total - bar.n))
 
             for ids, offsets in encoded_batches(files, encoder, text_column, clean=clean, batch_docs=batch_docs,
                                                 stats=stats, timings=timings, progress=advance if progress else None):
@@ -113,8 +112,7 @@ def count_pass(files: list[Path], encoder: BatchEncoder, counters: dict[int, Sor
                     counter.check()
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix(docs_s=f"{documents / elapsed:,.0f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
-            if bar.total is not None:
-                bar.update(bar.total - bar.n)  # a Parquet file's other columns are never read
+            bar.update(bar.total - bar.n)  # a Parquet file's other columns are never read
             timings["tokenize_s"] = time.perf_counter() - t0
             put(q, END, stop)
             counter.join()
