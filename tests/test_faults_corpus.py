@@ -183,6 +183,22 @@ def test_the_line_reader_reads_what_it_read_a_line_at_a_time(tmp_path, monkeypat
     assert stats.empty_skipped == 5
 
 
+@pytest.mark.parametrize("name", ["long.txt", "long.jsonl.gz", "long.parquet"])
+def test_a_batch_holds_about_batch_bytes_of_text_whatever_its_number_of_documents(tmp_path, monkeypatch, name):
+    docs = [str(i) * (1 << 20) for i in range(6)]  # 1 MB each
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        path.write_bytes(_parquet_bytes(docs))
+    elif name.endswith(".gz"):
+        path.write_bytes(gzip.compress("".join(f'{{"text": "{d}"}}\n' for d in docs).encode(), compresslevel=1))
+    else:
+        path.write_text("\n".join(docs) + "\n")
+    for module in ("gm_graphs.corpus.source", "gm_graphs.corpus.read"):
+        monkeypatch.setattr(f"{module}.BATCH_BYTES", 2 << 20)
+    batches = list(iter_documents([path]))
+    assert [d for b in batches for d in b] == docs and max(map(len, batches)) <= 2 and len(batches) >= 3
+
+
 def test_a_line_longer_than_a_document_is_refused_with_its_number(tmp_path):
     path = tmp_path / "long.txt.gz"
     path.write_bytes(gzip.compress(b"ok\n\n" + b"y" * (MAX_DOCUMENT_BYTES + 2) + b"\n", compresslevel=1))

@@ -25,6 +25,7 @@ from gm_graphs.corpus.source import (
     Lines,
     ReadStats,
     Source,
+    batches,
     brief,
     check_encoding,
     decode,
@@ -45,9 +46,7 @@ def jsonl_rows(source: Source, column: str, batch_docs: int, stats: ReadStats,
                 first_line: int = 1) -> Iterator[list[str | None]]:
     """The text field of each JSON line from line ``first_line`` on."""
     lines = itertools.dropwhile(lambda numbered: numbered[0] < first_line, source_lines(source))
-    values = jsonl_values(lines, source.where, column, stats)
-    while rows := list(itertools.islice(values, batch_docs)):
-        yield rows
+    yield from batches(jsonl_values(lines, source.where, column, stats), batch_docs)
 
 
 def jsonl_values(lines: Iterable[tuple[int, bytes]], where: str, column: str,

@@ -6,7 +6,9 @@ through Polars in blocks of lines (``gm_graphs.corpus.jsonl``), which hands
 Python's ``json`` every block it cannot vouch for; compressed or archived JSONL
 and text are read in blocks of lines (``Lines``: runs of blank lines are skipped
 a run at a time). No document is longer than ``MAX_DOCUMENT_BYTES`` (32 MB): a
-longer line or Parquet/CSV value is refused in one line, whatever the reader.
+longer line or Parquet/CSV value is refused in one line, whatever the reader; and
+a batch holds about ``BATCH_BYTES`` (64 MB) of text at most, whatever its number
+of documents.
 Every file is opened by ``open_regular`` (never a FIFO or a device, which could
 block forever) and handed to pyarrow open, never by name (a name need not be UTF-8).
 Files may be gzip'd (``.gz``) or members of a ``.zip`` archive (members gzip'd
@@ -46,6 +48,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from gm_graphs.corpus.source import (
+    BATCH_BYTES,
     MAX_DOCUMENT_BYTES,
     MB,
     REPLACEMENT,
@@ -53,6 +56,7 @@ from gm_graphs.corpus.source import (
     Progress,
     ReadStats,
     Source,
+    batches,
     brief,
     check_encoding,
     decode,
@@ -590,20 +594,26 @@ def _text_values(arr: pa.Array, stats: ReadStats, where: str, first_row: int) ->
     return _strings(arr, stats)
 
 
-def _refuse_oversized_row_groups(metadata: pq.FileMetaData, column: str, where: str) -> None:
-    """Refuse, from the footer alone, a row group whose text holds more bytes than its rows could as documents:
-    one of its values is longer than ``MAX_DOCUMENT_BYTES``, and reading it would cost several times its size.
-    (A long value among many short ones passes this and is refused as it is read.)"""
+def _rows_per_batch(metadata: pq.FileMetaData, column: str, batch_docs: int, where: str) -> int:
+    """Rows of text to read at a time: ``batch_docs``, or fewer where the footer says a row holds so much text that
+    they would be more than ``BATCH_BYTES``. A row group whose text holds more bytes than its rows could as
+    documents is refused from the footer alone: one of its values is longer than ``MAX_DOCUMENT_BYTES``, and
+    reading it would cost several times its size. (A long value among many short ones passes this and is refused
+    as it is read.)"""
+    most = 0.0  # bytes of text per row, in the row group that holds the most
     for i in range(metadata.num_row_groups):
         group = metadata.row_group(i)
         for k in range(group.num_columns):
             chunk = group.column(k)
-            if chunk.path_in_schema == column and \
-                    chunk.total_uncompressed_size > group.num_rows * MAX_DOCUMENT_BYTES + MB:  # + page headers
+            if chunk.path_in_schema != column or not group.num_rows:
+                continue
+            if chunk.total_uncompressed_size > group.num_rows * MAX_DOCUMENT_BYTES + MB:  # + page headers
                 raise CorpusError(f"{where}: row group {i} holds {chunk.total_uncompressed_size / MB:,.0f} MB of "
                                   f"text in {group.num_rows:,} row(s), so a value is longer than a document's "
                                   f"{MAX_DOCUMENT_BYTES // MB} MB, which is not a document but a damaged file or a "
                                   f"decompression bomb; split it into documents")
+            most = max(most, chunk.total_uncompressed_size / group.num_rows)
+    return max(1, min(batch_docs, int(BATCH_BYTES // most))) if most else batch_docs
 
 
 def _parquet_rows(source: Source, column: str, batch_docs: int,
@@ -621,10 +631,10 @@ def _parquet_rows(source: Source, column: str, batch_docs: int,
         if column not in names:
             raise _missing_column(where, column, names)
         _check_column_type(pf.schema_arrow.field(column).type, where, column)
-        _refuse_oversized_row_groups(pf.metadata, column, where)
+        rows = _rows_per_batch(pf.metadata, column, batch_docs, where)
         try:
             row = 1
-            for batch in pf.iter_batches(batch_size=batch_docs, columns=[column]):
+            for batch in pf.iter_batches(batch_size=rows, columns=[column]):
                 yield _text_values(batch.column(0), stats, where, row)
                 row += batch.num_rows
         except (pa.ArrowException, OSError) as e:
@@ -746,12 +756,6 @@ class _Replay(io.RawIOBase):
 def _text_rows(source: Source, batch_docs: int, stats: ReadStats) -> Iterator[list[str | None]]:
     """A document a line; blank lines are counted as empty documents, a run at a time (``Lines``)."""
     lines = Lines(source)
-    rows: list[bytes | None] = []
-    for _, line in lines:
-        rows.append(line)
-        if len(rows) >= batch_docs:
-            yield decode(rows, stats)
-            rows = []
-    if rows:
+    for rows in batches((line for _, line in lines), batch_docs):
         yield decode(rows, stats)
     stats.empty_skipped += lines.blank

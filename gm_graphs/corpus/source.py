@@ -8,16 +8,17 @@ import io
 import os
 import re
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from gm_graphs.errors import CorpusError
 
 MAX_DOCUMENT_BYTES = 32 << 20  # a longer line is not a document but a damaged file or a decompression bomb
 LINE_BLOCK_BYTES = 1 << 20  # what the line readers read at a time
+BATCH_BYTES = 64 << 20  # about the most text in one batch of documents, whatever their number
 # A block whose lines average fewer bytes than this is mostly blank: its lines with text are searched for, so that
 # a run of blank lines costs C's time, not a Python step each.
 _SPARSE_LINE_BYTES = 16
@@ -64,6 +65,7 @@ class ReadStats:
     skipped_members: list[str] = field(default_factory=list)  # "archive.zip!member" of no corpus format
 
 
+T = TypeVar("T")
 Progress = Callable[[int], None]  # told the bytes of text each read hands a reader (decompressed)
 
 
@@ -244,6 +246,21 @@ class Lines:
             if len(body) > MAX_DOCUMENT_BYTES:
                 raise too_long(where, lineno)
             yield lineno, body
+
+
+def batches(items: Iterable[T], batch_docs: int) -> Iterator[list[T]]:
+    """``items`` in lists of at most ``batch_docs`` items and about ``BATCH_BYTES`` of text: a batch of 4,096 lines
+    of 32 MB each would be 128 GB."""
+    batch: list[T] = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += len(item) if item is not None else 0
+        if len(batch) >= batch_docs or size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def source_lines(source: Source) -> Iterator[tuple[int, bytes]]:
