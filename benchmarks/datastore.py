@@ -140,7 +140,7 @@ def ivf_table(model, tok, datastore_path: Path, lists: int, new_tokens: int) -> 
 
 def random_datastore(path: Path, model, tok, keys: int, chunk: int = 100_000) -> Path:
     """A datastore of ``keys`` random keys (normal, the model's width) and random next tokens, for the model."""
-    from gm_graphs.format.datastore import write_datastore
+    from gm_graphs.format.datastore_files import write_datastore
     from gm_graphs.tokenize.encoder import TokenizerIdentity
     from gm_solver.datastore import model_fingerprint
 

@@ -23,7 +23,7 @@ def outputs(root: Path) -> dict:
     import scipy.sparse as sp
     import torch
 
-    from gm_graphs.count.ngrams import NgramCounts
+    from gm_graphs.count.ngram_counts import NgramCounts
     from gm_solver import ContextConfig, ContextReference, PaperGraphmaxLogitsProcessor, graphmax, solve_toward
 
     rng = np.random.default_rng(3)

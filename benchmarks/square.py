@@ -4,7 +4,8 @@ Prints a table; not a test.
     python3 benchmarks/square.py /path/to/synth4m-graph              # every row: square_blocks, as the build runs it
     python3 benchmarks/square.py /path/to/synth4m-graph --blocks 12  # 12 blocks of 256 rows, the heaviest among them
 
-The old kernel is the package's ``gm_graphs/operators.py`` at ``--baseline`` (git), compiled without numba's cache.
+The old kernel is the package's ``gm_graphs/powers.py`` (``gm_graphs/operators.py`` at revisions before that name)
+at ``--baseline`` (git), compiled without numba's cache.
 Both run on the same Ã (the graph's order1, as the build passes it) in the same process, interleaved (old, new, old,
 new, ...) at 1 and 2 threads; the table gives the median of ``--repeat`` runs and old/new. Every run's output is
 compared: indices and float32 values must be the same bytes; the mass kept per row may differ at float64 rounding
@@ -33,20 +34,23 @@ import scipy.sparse as sp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gm_graphs import PruneRule, load_graph, operators  # noqa: E402
+from gm_graphs import PruneRule, load_graph, powers  # noqa: E402
 
 BASELINE = "7d30983"  # the last commit with the unbounded kernel
+KERNEL_PATHS = ("gm_graphs/powers.py", "gm_graphs/operators.py")  # the kernel's module, by the name it has at a rev
 
 
 def baseline_module(rev: str):
-    """``gm_graphs/operators.py`` at git revision ``rev``, as the module ``gm_graphs._square_baseline``."""
-    src = subprocess.run(["git", "show", f"{rev}:gm_graphs/operators.py"], cwd=REPO, check=True, capture_output=True,
+    """The kernel's module at git revision ``rev``, as the module ``gm_graphs._square_baseline``."""
+    path = next(p for p in KERNEL_PATHS if subprocess.run(["git", "cat-file", "-e", f"{rev}:{p}"], cwd=REPO,
+                                                           capture_output=True).returncode == 0)
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
                          text=True).stdout.replace("cache=True", "cache=False")
     spec = importlib.util.spec_from_loader("gm_graphs._square_baseline", loader=None)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "gm_graphs"
     sys.modules[spec.name] = module
-    exec(compile(src, f"{rev}:gm_graphs/operators.py", "exec"), module.__dict__)
+    exec(compile(src, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 
@@ -98,7 +102,7 @@ class OldRows:
 class NewRows:
     def __init__(self, base: sp.csr_matrix, rule: PruneRule):
         self.rule = rule
-        self.layout = operators._SquareLayout.of(base, *operators._bounds_split(base.shape[0]))
+        self.layout = powers._SquareLayout.of(base, *powers._bounds_split(base.shape[0]))
 
     def scratch(self, n: int) -> tuple:
         return self.layout.scratch()
@@ -143,7 +147,7 @@ def main() -> None:
     t = time.perf_counter()
     new_rows = NewRows(base, rule)
     layout_s = time.perf_counter() - t
-    bounded = new_rows.layout.meta[operators._BOUNDED::operators._FIELDS].astype(bool)
+    bounded = new_rows.layout.meta[powers._BOUNDED::powers._FIELDS].astype(bool)
     print(f"new layout: {layout_s:.2f} s (first call compiles), prefix {new_rows.layout.prefix} columns, groups of "
           f"{new_rows.layout.group}; bounded rows {bounded.sum():,} holding {work[bounded].sum() / work.sum():.1%} "
           f"of the multiply-adds")
@@ -157,9 +161,9 @@ def main() -> None:
                    "new": lambda threads: run_blocks(new_rows, blocks, 256, n, threads)}
     else:
         kernels = {name: (lambda threads, f=f: list(f(base, rule, workers=threads, progress=False)))
-                   for name, f in (("old", old_module.square_blocks), ("new", operators.square_blocks))}
-    tiny = operators.normalize(sp.random(300, 300, density=0.05, format="csr", random_state=0) * 9 + 0)
-    for f in (old_module.square_blocks, operators.square_blocks):  # compile outside the timings
+                   for name, f in (("old", old_module.square_blocks), ("new", powers.square_blocks))}
+    tiny = powers.normalize(sp.random(300, 300, density=0.05, format="csr", random_state=0) * 9 + 0)
+    for f in (old_module.square_blocks, powers.square_blocks):  # compile outside the timings
         list(f(tiny.astype(np.float32), rule, workers=1, progress=False))
     print(f"{'threads':>7} {'old s':>8} {'new s':>8} {'old/new':>8} {'runs':>5}  identical  frac max rel diff")
     for threads in (int(x) for x in args.threads.split(",")):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from gm_graphs.count.ngrams import NgramCounts, tables_of
+from gm_graphs.count.ngram_counts import NgramCounts, tables_of
 from gm_graphs.errors import GraphBusyError, GraphFormatError, TokenizerError
 from gm_graphs.format.graph_files import (
     GraphFiles,
@@ -21,7 +21,7 @@ from gm_graphs.format.graph_files import (
     write_manifest,
 )
 from gm_graphs.format.validate import check_decoder
-from gm_graphs.operators import OperatorSpec
+from gm_graphs.powers import OperatorSpec
 from gm_graphs.store.folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
 
 __all__ = ["Graph", "graphmax_home", "list_graphs", "load_graph"]

@@ -205,7 +205,7 @@ softmax), got -1
         Example::
 
             >>> import tempfile, numpy as np; from pathlib import Path
-            >>> from gm_graphs.format.datastore import write_datastore
+            >>> from gm_graphs.format.datastore_files import write_datastore
             >>> from gm_solver import load_datastore
             >>> tok = {"name": "t", "vocab_size": 3, "vocab_sha256": "0" * 64}
             >>> store = load_datastore(write_datastore(Path(tempfile.mkdtemp()) / "ds", [(np.eye(3, 4), np.arange(3))],

@@ -44,7 +44,7 @@ import torch
 from gm_graphs.count.ngram_trie import empty_view
 from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import validate
-from gm_graphs.operators import normalize
+from gm_graphs.powers import normalize
 
 from . import backends
 from .backends import eager

@@ -17,7 +17,7 @@ positions, e(w) = Σ_i softmax(z_i)(w), beside the tokens' own counts c(w) there
 habits are not the corpus' (another register, other names, other punctuation), whatever the context; the log ratio
 b(w) = log((c(w) + δ)/(e(w) + δ)) added to the scores with a weight w (:meth:`Datastore.marginal_bias`) is the
 unigram marginal adaptation of Kneser, Peters & Klakow (1997), with the LM's own marginals as the background.
-The folder's format is ``gm_graphs.format.datastore``'s.
+The folder's format is ``gm_graphs.format.datastore_files``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gm_graphs.errors import DatastoreError
-from gm_graphs.format.datastore import (
+from gm_graphs.format.datastore_files import (
     KEY_DTYPE,
     VALUE_DTYPE,
     check_datastore_target,
@@ -483,7 +483,7 @@ def buffers_fingerprint(model: Any) -> str:
 
 def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True,
                    precision: str = "bfloat16", nprobe: int = NPROBE) -> Datastore:
-    """The datastore folder at ``path`` (checked by ``gm_graphs.format.datastore.open_datastore``), its keys on
+    """The datastore folder at ``path`` (checked by ``gm_graphs.format.datastore_files.open_datastore``), its keys on
     ``device`` in ``precision``, searched through its inverted-file index when it has one (see :class:`Datastore`).
 
     Args:
@@ -502,7 +502,7 @@ def load_datastore(path: str | os.PathLike, device: str | torch.device = "cpu", 
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs.format.datastore import write_datastore
+        >>> from gm_graphs.format.datastore_files import write_datastore
         >>> tok = {"name": "t", "vocab_size": 3, "vocab_sha256": "0" * 64}
         >>> path = write_datastore(Path(tempfile.mkdtemp()) / "ds", [(np.eye(3, 4), np.array([2, 0, 1]))], dim=4,
         ...                        tokenizer=tok, model="m", model_sha256="1" * 64, positions=8, documents=1)
@@ -533,7 +533,7 @@ def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0,
     Example::
 
         >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs.format.datastore import write_datastore
+        >>> from gm_graphs.format.datastore_files import write_datastore
         >>> tok = {"name": "t", "vocab_size": 5, "vocab_sha256": "0" * 64}
         >>> keys = np.random.default_rng(0).normal(size=(200, 8))
         >>> path = write_datastore(Path(tempfile.mkdtemp()) / "ds", [(keys, np.arange(200) % 5)], dim=8,
@@ -595,7 +595,7 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
         model (``transformers.PreTrainedModel``): a causal LM with output embeddings (the model that will decode).
         tokenizer (``transformers.PreTrainedTokenizerBase``): its tokenizer.
         texts (sequence of ``str``): the documents (a corpus' training split).
-        path (``str`` or ``os.PathLike``): the folder to write (atomically; see ``gm_graphs.format.datastore``).
+        path (``str`` or ``os.PathLike``): the folder to write (atomically; see ``gm_graphs.format.datastore_files``).
         positions (``int``, defaults to 64): the keys kept per document, ≥ 1.
         batch_docs (``int``, defaults to 16): documents per forward call.
         model_name (``str``, defaults to ``""``): recorded in the folder.

@@ -42,7 +42,7 @@ EXAMPLES = """examples:
 ~/.cache/graphmax/graphs)."""
 # command → the module whose register() defines it; only the module of the command run is imported
 JOBS = {"build": "build", "merge": "build", "graphs": "build", "generate": "generate", "demo": "demo",
-        "tune": "tune", "eval": "eval", "datastore": "datastore"}
+        "tune": "tune", "eval": "eval", "datastore": "datastore_command"}
 # file-system errors that are the user's to fix: what happened, and what to do
 OS_ERRORS = {
     errno.ENOSPC: ("no space left on device", "free space and run again"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 
 from gm_graphs import add_ngrams, build_graph, bundled, graph_path, load_graph
-from gm_graphs.count.ngrams import ORDERS as NGRAM_ORDERS
+from gm_graphs.count.ngram_counts import ORDERS as NGRAM_ORDERS
 from gm_graphs.errors import GraphFormatError
 from gm_solver import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
 

@@ -18,9 +18,9 @@ import scipy.sparse as sp
 import torch
 from hypothesis import strategies as st
 
-from gm_graphs.count.ngrams import NgramCounts
-from gm_graphs.format.datastore import META as DATASTORE_META
-from gm_graphs.format.datastore import write_datastore
+from gm_graphs.count.ngram_counts import NgramCounts
+from gm_graphs.format.datastore_files import META as DATASTORE_META
+from gm_graphs.format.datastore_files import write_datastore
 from gm_solver.datastore import index_datastore
 
 REPO = Path(__file__).resolve().parents[1]

@@ -160,10 +160,10 @@ CLI_PLUMBING = {
     "gm_graphs.errors": None,  # every name
     "gm_graphs.build.graphs": {"ENGINES"},
     "gm_graphs.count.runs": {"RUN_ENTRIES"},
-    "gm_graphs.count.ngrams": {"ORDERS", "MAX_ORDER"},
+    "gm_graphs.count.ngram_counts": {"ORDERS", "MAX_ORDER"},
     "gm_graphs.build.options": {"MAX_ORDER"},
     "gm_graphs.corpus.read": {"fingerprint"},
-    "gm_graphs.format.datastore": {"check_datastore_target"},
+    "gm_graphs.format.datastore_files": {"check_datastore_target"},
     "gm_graphs.store.folders": {"claim_folder"},
 }
 

@@ -87,9 +87,9 @@ def test_every_benchmark_answers_help(script, helps):
 
 def test_a_name_that_is_gone_is_found(tmp_path):
     script = tmp_path / "old.py"
-    script.write_text("def main():\n    from gm_graphs.count.ngrams import _fold\n"
+    script.write_text("def main():\n    from gm_graphs.count.ngram_counts import _fold\n"
                       "    from gm_graphs import load_graph\n")
-    assert missing(graphmax_imports(script)) == ["2: gm_graphs.count.ngrams._fold"]
+    assert missing(graphmax_imports(script)) == ["2: gm_graphs.count.ngram_counts._fold"]
 
 
 def test_the_device_table_runs_on_the_cpu(tmp_path, bpe_tokenizer):

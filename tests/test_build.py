@@ -178,12 +178,12 @@ def test_cli_build_reads_a_corpus_file_named_like_a_glob_as_that_file(home, tmp_
 
 
 def test_cli_build_with_ngrams_in_sorted_runs(home, csv_corpus, bpe_tokenizer_file, bpe_tokenizer, capsys):
-    from gm_graphs.build import ngrams as ngrams_module
+    from gm_graphs.build import ngram_tables
 
     path, _ = csv_corpus
     assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "ng", "--ngrams", "3",
                  "--ngram-run-entries", "60"]) == 0
-    in_memory = ngrams_module.count_ngrams(path, bpe_tokenizer, (3,), progress=False)[3]
+    in_memory = ngram_tables.count_ngrams(path, bpe_tokenizer, (3,), progress=False)[3]
     stored = load_graph("ng").ngrams[3]
     assert np.array_equal(stored.count_values(), in_memory.count_values())
     assert np.array_equal(stored.keys(), in_memory.keys())

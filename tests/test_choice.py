@@ -11,7 +11,7 @@ from transformers import LogitsProcessorList
 
 from gm_graphs import count_corpus, load_graph, write_graph
 from gm_graphs.errors import GraphFormatError
-from gm_graphs.format.datastore import write_datastore
+from gm_graphs.format.datastore_files import write_datastore
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,

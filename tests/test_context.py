@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs.count.ngrams import NgramCounts
+from gm_graphs.count.ngram_counts import NgramCounts
 from gm_solver import (
     ContextConfig,
     ContextGraphmaxLogitsProcessor,

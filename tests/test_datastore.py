@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import gm_solver.datastore as dsmod
 from gm_graphs.errors import DatastoreError
-from gm_graphs.format.datastore import META, open_datastore, write_datastore
+from gm_graphs.format.datastore_files import META, open_datastore, write_datastore
 from gm_solver import ContextConfig, Datastore, HiddenStateTap, KnnContextGraphmaxLogitsProcessor
 
 from .helpers import (
@@ -339,7 +339,7 @@ from pathlib import Path
 import numpy as np
 sys.path.insert(0, "tests")
 import faiss  # imported once, not in each forked child
-from gm_graphs.format.datastore import open_datastore
+from gm_graphs.format.datastore_files import open_datastore
 from gm_solver.datastore import index_datastore
 from helpers import forked, random_keys, write_store
 path, log = Path(sys.argv[1]), Path(sys.argv[2])
@@ -474,7 +474,7 @@ import numpy as np
 sys.path.insert(0, "tests")
 import faiss, transformers.models.llama.modeling_llama  # imported once, not in each child
 import gm_graphs.store.faults as faults
-from gm_graphs.format.datastore import open_datastore
+from gm_graphs.format.datastore_files import open_datastore
 from gm_solver.datastore import build_datastore
 from helpers import TEXTS, random_keys, tiny_lm, write_store
 path, log = Path(sys.argv[1]), Path(sys.argv[2])

@@ -1,4 +1,4 @@
-"""The kNN datastore's folder (gm_graphs.format.datastore): a round trip, atomic writes under kills, a folder
+"""The kNN datastore's folder (gm_graphs.format.datastore_files): a round trip, atomic writes under kills, a folder
 graphmax did not write left alone, and hostile folders (arrays, index, marginals) refused in one line."""
 
 from __future__ import annotations
@@ -14,10 +14,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import gm_graphs.format.datastore
+import gm_graphs.format.datastore_files
 import gm_solver.datastore as dsmod
 from gm_graphs.errors import DatastoreError, GraphExistsError, NotOwnedError
-from gm_graphs.format.datastore import DATASTORE_MARKER, KEYS, MARGINALS, META, VALUES, open_datastore, write_datastore
+from gm_graphs.format.datastore_files import (
+    DATASTORE_MARKER,
+    KEYS,
+    MARGINALS,
+    META,
+    VALUES,
+    open_datastore,
+    write_datastore,
+)
 from gm_solver import Datastore
 
 from .helpers import (

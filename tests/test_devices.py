@@ -76,7 +76,7 @@ def test_each_command_says_in_one_line_that_cuda_is_absent_before_loading_anythi
         command, corpus_graph, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     loaded = []
-    for module in ("datastore", "demo", "eval", "generate", "tune"):
+    for module in ("datastore_command", "demo", "eval", "generate", "tune"):
         monkeypatch.setattr(f"pipelines.{module}.load_model", lambda *a, **k: loaded.append(a))
     out = tmp_path / "out"
     assert main([*_argv(command, *corpus_graph, out), "--device", "cuda"]) == 2
@@ -94,7 +94,7 @@ def test_each_command_loads_the_model_on_the_device_and_in_the_dtype_asked(
         asked.append((device, dtype))
         raise GraphmaxError("stopped where the model would load")
 
-    for module in ("datastore", "demo", "eval", "generate", "tune"):
+    for module in ("datastore_command", "demo", "eval", "generate", "tune"):
         monkeypatch.setattr(f"pipelines.{module}.load_model", load_model)
     assert main([*_argv(command, *corpus_graph, tmp_path / "out"), "--device", "cpu", "--dtype", "bfloat16"]) == 2
     assert "stopped where the model would load" in capsys.readouterr().err

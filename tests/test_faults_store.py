@@ -387,22 +387,22 @@ def test_a_full_disk_during_upgrade_leaves_no_partial_tables(format_1_graph, tmp
 
 
 def test_a_clean_up_that_fails_is_not_reported_as_nothing_written(format_1_graph, monkeypatch):
-    from gm_graphs.build import ngrams
+    from gm_graphs.build import ngram_tables
 
     monkeypatch.setenv("GRAPHMAX_FAULT", "upgrade.written:enospc")
 
     def remove_tree(path):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    real = ngrams.remove_tree
-    monkeypatch.setattr(ngrams, "remove_tree", remove_tree)
+    real = ngram_tables.remove_tree
+    monkeypatch.setattr(ngram_tables, "remove_tree", remove_tree)
     with pytest.raises(StorageError) as e:
         upgrade_graph(format_1_graph)
     left = [p for p in format_1_graph.iterdir() if p.name.startswith("ngrams-") and p.name != "ngrams-00000000000f"]
     assert len(left) == 1 and "nothing was written" not in str(e.value)
     assert f"the partial {left[0]} could not be removed" in str(e.value) and "\n" not in str(e.value)
     monkeypatch.delenv("GRAPHMAX_FAULT")
-    monkeypatch.setattr(ngrams, "remove_tree", real)
+    monkeypatch.setattr(ngram_tables, "remove_tree", real)
     assert upgrade_graph(format_1_graph) and not left[0].exists()  # the next write removed it
 
 

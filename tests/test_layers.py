@@ -1,5 +1,5 @@
 """The import graph: no cycle between graphmax's modules (imports inside functions included), every import points
-down the layers (pipelines → gm_solver → gm_graphs; inside gm_graphs build → graph → format → operators → count →
+down the layers (pipelines → gm_solver → gm_graphs; inside gm_graphs build → graph → format → powers → count →
 tokenize → corpus → store → errors), and no module imports another module's private (``_``) name."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gm_graphs", "gm_solver", "pipelines")
 # top to bottom; a module may import its own layer's modules (without a cycle) and those of the layers below
 LAYERS = ("pipelines", "gm_solver", "gm_graphs", "gm_graphs.build", "gm_graphs.graph", "gm_graphs.format",
-          "gm_graphs.operators", "gm_graphs.count", "gm_graphs.tokenize", "gm_graphs.corpus", "gm_graphs.store",
+          "gm_graphs.powers", "gm_graphs.count", "gm_graphs.tokenize", "gm_graphs.corpus", "gm_graphs.store",
           "gm_graphs.errors")
 
 

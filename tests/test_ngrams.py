@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gm_graphs import add_ngrams, build_graph, load_graph, merge_graphs
-from gm_graphs.build.ngrams import count_ngrams
+from gm_graphs.build.ngram_tables import count_ngrams
 from gm_graphs.count.ngram_trie import COUNT_PARTS, PTR_PARTS, part_dtypes
 from gm_graphs.errors import GraphFormatError, MergeError, TokenizerError
 from gm_solver import ContextConfig, ContextReference

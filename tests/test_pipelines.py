@@ -317,7 +317,7 @@ def test_alternate_swaps_which_decoder_runs_first_and_cycles_the_prompts(monkeyp
 ])
 def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model(graph_path, no_model, capsys,
                                                                                   tmp_path, monkeypatch, argv, error):
-    from gm_graphs.format.datastore import write_datastore
+    from gm_graphs.format.datastore_files import write_datastore
 
     monkeypatch.chdir(tmp_path)
     tokenizer = load_graph(graph_path).manifest["tokenizer"]
@@ -333,7 +333,7 @@ def test_generate_refuses_datastore_options_in_one_line_before_loading_the_model
 
 def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(graph_path, tmp_path):
     from gm_graphs.errors import GraphmaxError
-    from gm_graphs.format.datastore import write_datastore
+    from gm_graphs.format.datastore_files import write_datastore
 
     tokenizer = load_graph(graph_path).manifest["tokenizer"]
     vocab = tokenizer["vocab_size"]
@@ -387,7 +387,7 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
 
 
 def test_tune_refuses_a_datastore_in_one_line_before_loading_the_model(graph_path, tmp_path, monkeypatch, capsys):
-    from gm_graphs.format.datastore import write_datastore
+    from gm_graphs.format.datastore_files import write_datastore
     from pipelines import tune
 
     def fail(*args, **kwargs):
@@ -480,7 +480,7 @@ def test_datastore_then_generate_with_it(graph_path, tiny_model, tmp_path, capsy
 
 
 def test_generate_refuses_a_datastore_of_another_model(home, drug_graph, tmp_path, capsys):
-    from gm_graphs.format.datastore import write_datastore
+    from gm_graphs.format.datastore_files import write_datastore
 
     tokenizer = drug_graph.manifest["tokenizer"]
     for name, dim in (("narrow", 32), ("other-weights", 576)):
@@ -494,11 +494,11 @@ def test_generate_refuses_a_datastore_of_another_model(home, drug_graph, tmp_pat
 
 
 def test_datastore_checks_its_out_folder_before_loading_the_model(tmp_path, monkeypatch, capsys):
-    from pipelines import datastore
+    from pipelines import datastore_command
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was checked")
-    monkeypatch.setattr(datastore, "load_model", fail)
+    monkeypatch.setattr(datastore_command, "load_model", fail)
     corpus = tmp_path / "train.txt"
     corpus.write_text("a b c\n")
     (tmp_path / "mine").mkdir()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gm_graphs import PruneRule, load_graph
-from gm_graphs.operators import (
+from gm_graphs.powers import (
     _BOUNDED,
     _FIELDS,
     OperatorSpec,

@@ -12,16 +12,16 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from gm_graphs import PruneRule, load_graph
-from gm_graphs.build.ngrams import read_tables
+from gm_graphs.build.graph_source import GraphSource, write_graph_into
+from gm_graphs.build.ngram_tables import read_tables
 from gm_graphs.build.options import BuildOptions
-from gm_graphs.build.source import GraphSource, write_graph_into
 from gm_graphs.count import ngram_trie
 from gm_graphs.count.bigrams import BigramCounts
-from gm_graphs.count.ngrams import NgramCounts
+from gm_graphs.count.ngram_counts import NgramCounts
 from gm_graphs.errors import GraphFormatError
 from gm_graphs.format import validate
 from gm_graphs.format.writer import LaidOutRange, OrderRanges, write_ngrams, write_range
-from gm_graphs.operators import OperatorSpec, build_operators, normalize, square_blocks
+from gm_graphs.powers import OperatorSpec, build_operators, normalize, square_blocks
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
 from .helpers import assert_same_blocks, make_docs

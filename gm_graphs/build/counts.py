@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from gm_graphs.build.graph_source import GraphSource, opened_graph, write_graph_into
 from gm_graphs.build.local import counters
 from gm_graphs.build.options import BuildOptions
-from gm_graphs.build.source import GraphSource, opened_graph, write_graph_into
 from gm_graphs.corpus.read import CorpusSpec, expand_corpus, fingerprint
 from gm_graphs.count.bigrams import BigramCounts, key_dtype
-from gm_graphs.count.ngrams import NgramCounts, merge_ngrams
+from gm_graphs.count.ngram_counts import NgramCounts, merge_ngrams
 from gm_graphs.count.onepass import count_pass
 from gm_graphs.count.runs import RUN_ENTRIES
 from gm_graphs.errors import MergeError
@@ -22,7 +22,7 @@ from gm_graphs.format.graph_files import (
     GRAPH,
 )
 from gm_graphs.graph import Graph, load_graph
-from gm_graphs.operators import PruneRule
+from gm_graphs.powers import PruneRule
 from gm_graphs.store.folders import (
     check_replaceable,
     locked,

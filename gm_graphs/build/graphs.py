@@ -21,7 +21,7 @@ from gm_graphs.format.graph_files import (
     DEFAULT_SHARD_NNZ,
 )
 from gm_graphs.graph import Graph
-from gm_graphs.operators import PruneRule
+from gm_graphs.powers import PruneRule
 from gm_graphs.store.folders import (
     target_folder,
 )

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from gm_graphs.build.graph_source import WORKERS, GraphSource, corpus_entry, opened_graph, write_graph_into
 from gm_graphs.build.options import BuildOptions
-from gm_graphs.build.source import WORKERS, GraphSource, corpus_entry, opened_graph, write_graph_into
 from gm_graphs.corpus.read import CorpusSpec, expand_corpus, fingerprint
-from gm_graphs.count.ngrams import check_orders
+from gm_graphs.count.ngram_counts import check_orders
 from gm_graphs.count.onepass import PassResult, count_pass
 from gm_graphs.count.runs import SortedRuns
 from gm_graphs.format.graph_files import (

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gm_graphs.count.ngrams import check_orders
+from gm_graphs.count.ngram_counts import check_orders
 from gm_graphs.count.runs import RUN_ENTRIES
 from gm_graphs.errors import OptionError
 from gm_graphs.format.graph_files import (
     DEFAULT_SHARD_NNZ,
 )
-from gm_graphs.operators import PruneRule
+from gm_graphs.powers import PruneRule
 
 MAX_ORDER = 999  # operator names have at most three digits (gm_graphs.format.validate)
 

@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from gm_graphs.build.graph_source import GraphSource, corpus_entry, opened_graph, write_graph_into
 from gm_graphs.build.options import BuildOptions
-from gm_graphs.build.source import GraphSource, corpus_entry, opened_graph, write_graph_into
 from gm_graphs.corpus.read import (
     ReadStats,
     arrow_text,
@@ -62,7 +62,7 @@ from gm_graphs.corpus.read import (
     iter_documents,
 )
 from gm_graphs.count.bigrams import check_ids, count_bits, unpack
-from gm_graphs.count.ngrams import check_orders
+from gm_graphs.count.ngram_counts import check_orders
 from gm_graphs.count.runs import SortedRuns, feeders
 from gm_graphs.errors import CorpusError, GraphmaxError, OptionError
 from gm_graphs.format.graph_files import (

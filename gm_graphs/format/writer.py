@@ -239,7 +239,7 @@ class BigramWriter:
         self.stats["row_counts"][first:last] = row_sums
         self.stats["successors"][first:last] = lengths
         _column_sums(dst, counts, self.stats["predecessors"], self.stats["column_counts"])
-        # Ã = D⁻¹A, D_ii = Σ_j A_ij + ε, as gm_graphs.operators.normalize computes it (float64, then float32)
+        # Ã = D⁻¹A, D_ii = Σ_j A_ij + ε, as gm_graphs.powers.normalize computes it (float64, then float32)
         degree = row_sums.astype(np.float64)
         with np.errstate(divide="ignore"):
             inv = np.where(degree > 0, 1.0 / (degree + self.eps), 0.0)

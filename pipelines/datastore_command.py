@@ -3,14 +3,14 @@
 
 Each document gives its first ``--positions`` positions: the LM head's input there, and the token that followed;
 the model's softmax summed over the same positions is recorded beside them (its marginals, for the marginal bias).
-The folder is written atomically and only where graphmax may write (``gm_graphs.format.datastore``).
+The folder is written atomically and only where graphmax may write (``gm_graphs.format.datastore_files``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gm_graphs.format.datastore import check_datastore_target
+from gm_graphs.format.datastore_files import check_datastore_target
 from gm_solver import build_datastore
 
 from .args import CLEAN_HELP, CorpusFiles, integer

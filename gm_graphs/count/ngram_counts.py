@@ -2,7 +2,7 @@
 
 A bigram graph conditions on one token; its powers Ãᵏ marginalise over the tokens in between instead of
 conditioning on them. The tables of consecutive orders are the levels of one trie (``gm_graphs.count.ngram_trie``,
-docs/format.md); ``gm_graphs.build.ngrams`` counts and stores them.
+docs/format.md); ``gm_graphs.build.ngram_tables`` counts and stores them.
 
 Keys (context·N + w) are int64, so n ≤ 4 for vocabularies below 55,000 tokens
 (N⁴ < 2⁶³).

@@ -1,5 +1,6 @@
-"""n-gram tables from a corpus: counted in one pass (in memory or in sorted runs on disk), written as tables, and
-added to a built graph (its tables replaced in one manifest commit)."""
+"""A graph's n-gram tables (``gm_graphs.count.ngram_counts.NgramCounts``) from a corpus: counted in one pass (in
+memory or in sorted runs on disk), written and read back, and added to a built graph or rewritten in the current
+format (``upgrade_graph``), the graph's tables replaced in one manifest commit."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gm_graphs.build.source import WORKERS
+from gm_graphs.build.graph_source import WORKERS
 from gm_graphs.corpus.read import CorpusSpec, expand_corpus
+from gm_graphs.count.ngram_counts import ORDERS, NgramCounts, check_orders, tables_of
 from gm_graphs.count.ngram_trie import Level
-from gm_graphs.count.ngrams import ORDERS, NgramCounts, check_orders, tables_of
 from gm_graphs.count.onepass import count_pass
 from gm_graphs.count.runs import RUN_ENTRIES, SortedRuns
 from gm_graphs.errors import GraphmaxError, OptionError

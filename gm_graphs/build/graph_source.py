@@ -24,7 +24,7 @@ from gm_graphs.format.graph_files import (
 )
 from gm_graphs.format.writer import BigramWriter, Hasher, resolve, write_ngrams, write_operator
 from gm_graphs.graph import Graph
-from gm_graphs.operators import OperatorSpec, PruneRule, build_operators, square_blocks
+from gm_graphs.powers import OperatorSpec, PruneRule, build_operators, square_blocks
 from gm_graphs.store.faults import fault_point
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
