@@ -1,12 +1,30 @@
 """The doctests that ``--doctest-modules`` collects from gm_graphs and gm_solver run in a sandbox: an empty working
 folder, with ``$GRAPHMAX_HOME`` and temporary folders under it, so that an example never writes into the user's
-graphs, verification cache or working folder (tests/test_api.py runs the exported objects' examples the same way)."""
+graphs, verification cache or working folder.
+
+The examples that build graphs share one set-up, given in their namespace where they use it:
+
+- ``tok``: ``word_tokenizer("the cat dog sat ran".split())`` (ids: 0 ``[UNK]``, then the words 1 … 5);
+- ``folder``: a ``pathlib.Path`` in the sandbox holding ``reviews.txt`` (:data:`REVIEWS`) and ``more.txt``
+  (:data:`MORE`), the corpora of the examples.
+"""
 
 from __future__ import annotations
 
+import re
 import tempfile
 
 import pytest
+
+WORDS = "the cat dog sat ran".split()
+REVIEWS = "the cat sat\nthe dog sat\nthe cat ran\n"
+MORE = "the dog ran\n"
+
+
+def _uses(item, name: str) -> bool:
+    """Whether the doctest ``item``'s examples use ``name`` (the tokenizer imports transformers: ~2 s, so only an
+    example that uses it gets it)."""
+    return any(re.search(rf"\b{name}\b", example.source) for example in item.dtest.examples)
 
 
 @pytest.fixture(autouse=True)
@@ -20,4 +38,15 @@ def _doctest_sandbox(request: pytest.FixtureRequest):
     monkeypatch.setenv("GRAPHMAX_HOME", str(tmp / "home"))
     (tmp / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp / "tmp"))
+    namespace = request.getfixturevalue("doctest_namespace")
+    if _uses(request.node, "folder"):
+        folder = tmp / "examples"
+        folder.mkdir()
+        (folder / "reviews.txt").write_text(REVIEWS)
+        (folder / "more.txt").write_text(MORE)
+        monkeypatch.setitem(namespace, "folder", folder)
+    if _uses(request.node, "tok"):
+        from gm_graphs import word_tokenizer
+
+        monkeypatch.setitem(namespace, "tok", word_tokenizer(WORDS))
     yield

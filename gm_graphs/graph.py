@@ -35,11 +35,7 @@ def list_graphs() -> list[str]:
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
         >>> from gm_graphs import build_graph
         >>> import os
         >>> from unittest import mock
@@ -71,11 +67,7 @@ class Graph:
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
         >>> from gm_graphs import build_graph
         >>> _ = build_graph(folder / "reviews.txt", tok, path=folder / "graph", orders=(1, 2), progress=False)
         >>> g = Graph(folder / "graph", order=2)
@@ -231,13 +223,10 @@ class Graph:
 
         Example::
 
-            >>> import tempfile; from pathlib import Path
+            >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
             >>> from gm_graphs import build_graph, word_tokenizer
-            >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-            >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\n")
-            >>> g = build_graph(folder / "reviews.txt", word_tokenizer("the cat dog sat".split()),
-            ...                 path=folder / "graph", progress=False)
-            >>> g.check_tokenizer(word_tokenizer("the cat dog sat".split()))      # the same: nothing raised
+            >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
+            >>> g.check_tokenizer(tok)      # the same: nothing raised
             >>> try:
             ...     g.check_tokenizer(word_tokenizer("the cat dog ran".split()))    # another vocabulary
             ... except TokenizerError as e:
@@ -274,19 +263,16 @@ class Graph:
 
         Example::
 
-            >>> import tempfile; from pathlib import Path
-            >>> from gm_graphs import build_graph, word_tokenizer
-            >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-            >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\n")
-            >>> g = build_graph(folder / "reviews.txt", word_tokenizer("the cat dog sat".split()),
-            ...                 path=folder / "graph", progress=False)
-            >>> g.check_output_width(5), g.check_output_width(8)    # as wide as the vocabulary, or padded
+            >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
+            >>> from gm_graphs import build_graph
+            >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
+            >>> g.check_output_width(6), g.check_output_width(8)    # as wide as the vocabulary, or padded
             (None, None)
             >>> try:
-            ...     g.check_output_width(4)
+            ...     g.check_output_width(5)
             ... except TokenizerError as e:
             ...     print(str(e).split(" (")[0])
-            graph 'graph' has 5 tokens but the model scores 4
+            graph 'graph' has 6 tokens but the model scores 5
         """
         if not isinstance(width, (int, np.integer)) or isinstance(width, bool) or width < 1:
             raise ValueError(f"width must be the model's output width, an int >= 1, got {width!r}")
@@ -325,11 +311,7 @@ def load_graph(graph: str | os.PathLike, order: int = 1, mixture: int | None = N
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
         >>> from gm_graphs import build_graph
         >>> _ = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
         >>> g = load_graph(folder / "graph", tokenizer=tok)

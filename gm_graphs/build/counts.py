@@ -50,12 +50,7 @@ class CorpusCounts:
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import build_graph, word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
-        >>> _ = (folder / "more.txt").write_text("the dog ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt, more.txt (conftest.py)
         >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
         >>> cc.counts.total, cc.tokenizer.vocab_size, cc.options["text_column"]
         (6, 6, 'text')
@@ -116,11 +111,7 @@ def count_corpus(corpus: CorpusSpec, tokenizer, *, text_column: str = "text", cl
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import build_graph, word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
         >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
         >>> cc.counts.to_csr()[1].toarray()       # "the" is followed by "cat" twice and "dog" once
         array([[0, 0, 2, 1, 0, 0]])
@@ -177,11 +168,7 @@ def write_graph(cc: CorpusCounts, graph: str | os.PathLike, *, orders: Sequence[
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import build_graph, word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
         >>> cc = count_corpus(folder / "reviews.txt", tok, progress=False)
         >>> g = write_graph(cc, folder / "graph", orders=(1, 2), progress=False)
         >>> sorted(g.operators), g.vocab_size
@@ -206,11 +193,9 @@ def load_counts(graph: Graph) -> CorpusCounts:
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import build_graph, word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
+        >>> from pathlib import Path
+        >>> from gm_graphs import build_graph
         >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
         >>> cc = load_counts(g)
         >>> cc.counts.total, [Path(f["path"]).name for f in cc.files]
@@ -245,12 +230,8 @@ def merge_graphs(graphs: Sequence[Graph | str | os.PathLike], name: str | None =
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import build_graph, word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
-        >>> _ = (folder / "more.txt").write_text("the dog ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt, more.txt (conftest.py)
+        >>> from gm_graphs import build_graph
         >>> a = build_graph(folder / "reviews.txt", tok, path=folder / "a", progress=False)
         >>> b = build_graph(folder / "more.txt", tok, path=folder / "b", progress=False)
         >>> merged = merge_graphs([a, b], path=folder / "merged", progress=False)

@@ -84,11 +84,7 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
         >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", orders=(1, 2), ngrams=(3,),
         ...                 progress=False)
         >>> [round(p, 3) for p in g.matrix[1].toarray()[0].tolist()]      # Ã's row of "the"

@@ -68,11 +68,8 @@ def add_ngrams(graph: Graph | str | os.PathLike, corpus: CorpusSpec, tokenizer, 
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import build_graph, word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
+        >>> from gm_graphs import build_graph
         >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", progress=False)
         >>> tables = add_ngrams(g, folder / "reviews.txt", tok, orders=(3,), progress=False)
         >>> nxt, counts = tables[3].successors([1, 2])     # after "the cat": "sat" (4) once, "ran" (5) once
@@ -124,11 +121,8 @@ def upgrade_graph(graph: str | os.PathLike, *, chunk: int = 1 << 22) -> bool:
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import build_graph, word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
+        >>> from gm_graphs import build_graph
         >>> g = build_graph(folder / "reviews.txt", tok, path=folder / "graph", ngrams=(3,), progress=False)
         >>> upgrade_graph(folder / "graph")      # built by this version: already format 2
         False
@@ -240,11 +234,7 @@ def count_ngrams(corpus: CorpusSpec, tokenizer, orders: Sequence[int] = ORDERS, 
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs import word_tokenizer
-        >>> tok = word_tokenizer("the cat dog sat ran".split())     # any transformers tokenizer, or "smollm2"
-        >>> tmp = tempfile.TemporaryDirectory(); folder = Path(tmp.name)
-        >>> _ = (folder / "reviews.txt").write_text("the cat sat\\nthe dog sat\\nthe cat ran\\n")
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
         >>> tables = count_ngrams(folder / "reviews.txt", tok, orders=(3,), progress=False)
         >>> nxt, counts = tables[3].successors([1, 2])     # after "the cat": "sat" (4) once, "ran" (5) once
         >>> nxt.tolist(), counts.tolist()
