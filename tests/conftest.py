@@ -105,7 +105,7 @@ def _bundled_model_loaded_once(request, monkeypatch):
             return real(spec, device=device, dtype=dtype)
         return copy.deepcopy(_bundled_model())
 
-    for module in ("datastore_command", "demo", "eval", "generate", "tune"):
+    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
         monkeypatch.setattr(importlib.import_module(f"pipelines.{module}"), "load_model", load_model)
 
 
