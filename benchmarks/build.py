@@ -84,6 +84,7 @@ def _child(job: str, files: list[str], out: str) -> dict:
     """One measurement in this (fresh) process."""
     sys.path.insert(0, str(REPO))
     from gm_graphs import build_graph, load_tokenizer
+    from gm_graphs.build.ray_engine import RayOptions
     from gm_graphs.corpus.read import ReadStats
     from gm_graphs.count.onepass import encoded_batches
     from gm_graphs.tokenize.encoder import BatchEncoder
@@ -123,7 +124,8 @@ def _child(job: str, files: list[str], out: str) -> dict:
         disk = _Disk(target)
         t0 = time.perf_counter()
         g = build_graph(files, tok, path=target, orders=(1, 2), ngrams=(3, 4), progress=False, overwrite=True,
-                        engine="local" if job == "local" else "ray", ray_address=address)
+                        engine="local" if job == "local" else "ray",
+                        engine_options=None if job == "local" else RayOptions(address=address))
         seconds = time.perf_counter() - t0
         c, ng = g.manifest["corpus"], g.manifest["ngrams"]["orders"]
         result = {"seconds": seconds, "tokens": c["tokens"], "documents": c["documents"],

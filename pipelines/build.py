@@ -11,6 +11,7 @@ from pathlib import Path
 from gm_graphs import PruneRule, build_graph, graph_path, list_graphs, load_graph, merge_graphs, upgrade_graph
 from gm_graphs.build.graphs import ENGINES
 from gm_graphs.build.options import MAX_ORDER
+from gm_graphs.build.ray_engine import RayOptions
 from gm_graphs.corpus.read import check_distinct, expand_corpus
 from gm_graphs.count.ngram_counts import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
@@ -124,7 +125,8 @@ def run_build(args) -> int:
     g = build_graph(args.corpus, args.tokenizer, name=args.name, path=args.path, text_column=args.text_column,
                     orders=args.orders, mixture=args.mixture, eps=args.eps, clean=args.clean,
                     bos_eos=args.bos_eos, prune=_prune(args), overwrite=args.overwrite, ngrams=args.ngrams or (),
-                    ngram_run_entries=args.ngram_run_entries, engine=args.engine, ray_address=args.ray_address)
+                    ngram_run_entries=args.ngram_run_entries, engine=args.engine,
+                    engine_options=RayOptions(address=args.ray_address) if args.engine == "ray" else None)
     _summary(g, time.perf_counter() - t0)
     return 0
 

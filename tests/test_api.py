@@ -162,6 +162,7 @@ CLI_PLUMBING = {
     "gm_graphs.count.runs": {"RUN_ENTRIES"},
     "gm_graphs.count.ngram_counts": {"ORDERS", "MAX_ORDER"},
     "gm_graphs.build.options": {"MAX_ORDER"},
+    "gm_graphs.build.ray_engine": {"RayOptions"},
     "gm_graphs.corpus.read": {"fingerprint"},
     "gm_graphs.format.datastore_files": {"check_datastore_target"},
     "gm_graphs.store.folders": {"claim_folder"},

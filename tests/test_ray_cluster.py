@@ -31,7 +31,7 @@ import pytest
 
 from gm_graphs import build_graph
 from gm_graphs.build import ray_engine
-from gm_graphs.build.ray_engine import EngineError
+from gm_graphs.build.ray_engine import EngineError, RayOptions
 
 from .helpers import REPO, assert_same_graph, graph_files, make_docs, write_jsonl
 
@@ -115,7 +115,7 @@ def _build_removing_workers(cluster, points: Path, phase: str, every: bool, targ
     def build() -> None:
         try:
             result["graph"] = build_graph(corpus, tokenizer, path=target, overwrite=True, engine="ray",
-                                          ray_address=cluster.address, **KW)
+                                          engine_options=RayOptions(address=cluster.address), **KW)
         except Exception as e:  # noqa: BLE001 - the caller checks which outcome
             result["error"] = e
 
@@ -141,7 +141,7 @@ def test_a_two_node_cluster_builds_the_local_graph_byte_for_byte(cluster, corpus
                                                                  tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHMAX_FAULT_LOG", str(tmp_path / "points"))
     distributed = build_graph(corpus, str(bpe_tokenizer_file), path=tmp_path / "g", engine="ray",
-                              ray_address=cluster.address, **KW)
+                              engine_options=RayOptions(address=cluster.address), **KW)
     assert not ray.is_initialized()  # the build joined the cluster, and left it
     assert_same_graph(local_graph, distributed)
     assert _log(tmp_path / "points").count("count.batch") >= 4 * 8  # every unit counted, batch by batch
@@ -267,7 +267,8 @@ def test_a_driver_killed_mid_build_leaves_no_graph_and_the_next_build_succeeds(c
     print(f"\ndriver killed after {len(at)} fault points; left in graphs/: {sorted(os.listdir(graphs))}")
     cluster.wait_for_nodes()  # the cluster lost no node with its driver
     monkeypatch.setenv("GRAPHMAX_HOME", str(home))
-    again = build_graph(corpus, str(bpe_tokenizer_file), "g", engine="ray", ray_address=cluster.address, **KW)
+    again = build_graph(corpus, str(bpe_tokenizer_file), "g", engine="ray",
+                        engine_options=RayOptions(address=cluster.address), **KW)
     assert_same_graph(local_graph, again)
     assert sorted(os.listdir(graphs)) == ["g"]  # the dead build's staging folder and lock are gone
     assert len(cluster.worker_nodes) == 2

@@ -6,6 +6,7 @@ where the ``ray`` extra is not installed (``pip install 'graphmax[ray]'``, which
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import socket
@@ -21,7 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from gm_graphs import build_graph, bundled, load_graph
-from gm_graphs.build.ray_engine import EngineError
+from gm_graphs.build import ray_engine
+from gm_graphs.build.local import build_local
+from gm_graphs.build.ray_engine import EngineError, RayOptions
 from gm_graphs.errors import CorpusError, OptionError
 
 from .helpers import assert_same_graph, graph_files, make_docs, processes_with_env, write_jsonl
@@ -242,6 +245,42 @@ def test_ray_address_without_the_ray_engine_is_refused(csv_corpus, bpe_tokenizer
     assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--ray-address",
                  "auto"]) == 2
     assert "--engine ray" in capsys.readouterr().err
+
+
+def test_the_local_engine_takes_no_ray_options_and_the_ray_engine_only_its_own(csv_corpus, bpe_tokenizer, tmp_path):
+    path, _ = csv_corpus
+    assert "ray_options" not in inspect.signature(build_local).parameters
+    with pytest.raises(OptionError, match=r"the local engine takes no engine options, got RayOptions\(address='auto'"):
+        build_graph(path, bpe_tokenizer, path=tmp_path / "g", engine_options=RayOptions(address="auto"),
+                    progress=False)
+    with pytest.raises(OptionError, match="the ray engine's options are a RayOptions, got 'auto'"):
+        build_graph(path, bpe_tokenizer, path=tmp_path / "g", engine="ray", engine_options="auto", progress=False)
+    for bad, says in ((dict(address=""), "the Ray address is"), (dict(ranges=0), "ranges is an integer >= 1")):
+        with pytest.raises(OptionError, match=says):
+            RayOptions(**bad)
+    assert not (tmp_path / "g").exists()
+
+
+def test_the_clis_ray_address_reaches_the_ray_engines_connection(csv_corpus, bpe_tokenizer_file, home, monkeypatch,
+                                                                  capsys):
+    """Without starting Ray: the Ray engine is handed ``RayOptions(address=…)`` and joins the cluster it names."""
+    from pipelines.cli import main
+
+    asked = []
+
+    def connect(ray, address):
+        asked.append(address)
+        raise EngineError("stopped where the build would join the cluster")
+
+    monkeypatch.setattr(ray_engine, "import_ray", lambda: None)
+    monkeypatch.setattr(ray_engine, "connect", connect)
+    path, _ = csv_corpus
+    assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--engine", "ray",
+                 "--ray-address", "10.0.0.1:6379"]) == 2
+    assert "stopped where the build would join the cluster" in capsys.readouterr().err
+    assert asked == ["10.0.0.1:6379"]
+    assert main(["build", str(path), "--tokenizer", str(bpe_tokenizer_file), "--name", "g", "--engine", "ray"]) == 2
+    assert asked == ["10.0.0.1:6379", None]  # no address: Ray is started here
 
 
 def test_merged_rows_asked_for_out_of_order_raise_instead_of_coming_back_empty():

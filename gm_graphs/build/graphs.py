@@ -9,11 +9,12 @@ sub-folder and commits by replacing the manifest. A kill at any point leaves the
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gm_graphs.build.local import build_local
 from gm_graphs.build.options import BuildOptions
-from gm_graphs.build.ray_engine import build_on_ray
+from gm_graphs.build.ray_engine import RayOptions, build_on_ray
 from gm_graphs.corpus.read import CorpusSpec
 from gm_graphs.count.runs import RUN_ENTRIES
 from gm_graphs.errors import OptionError
@@ -26,9 +27,18 @@ from gm_graphs.store.folders import (
     target_folder,
 )
 
-# the engines a build runs on, each called as engine(corpus, tokenizer, target, options, overwrite=, progress=,
-# ray_address=) and writing the same graph
-ENGINES = {"local": build_local, "ray": build_on_ray}
+
+@dataclass(frozen=True)
+class Engine:
+    """A build engine: ``build(corpus, tokenizer, target, options, overwrite=, progress=)`` writes the graph, and
+    an engine with ``options`` (the record of what only it takes) gets one as a fifth argument."""
+
+    build: Callable[..., Graph]
+    options: type | None = None
+
+
+# the engines a build runs on, each writing the same graph
+ENGINES = {"local": Engine(build_local), "ray": Engine(build_on_ray, RayOptions)}
 
 
 def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: str | os.PathLike | None = None, *,
@@ -36,7 +46,7 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
                 eps: float = 1e-8, clean: bool = False, bos_eos: bool = False, prune: PruneRule = PruneRule(),
                 shard_nnz: int = DEFAULT_SHARD_NNZ, overwrite: bool = False, batch_docs: int = 2048,
                 ngrams: Sequence[int] = (), ngram_run_entries: int = RUN_ENTRIES, progress: bool = True,
-                engine: str = "local", ray_address: str | None = None) -> Graph:
+                engine: str = "local", engine_options=None) -> Graph:
     """Build a graph from ``corpus`` with ``tokenizer`` as ``$GRAPHMAX_HOME/graphs/<name>`` or in the folder ``path``.
 
     The corpus is read and tokenized once; the bigrams and every n-gram order (``ngrams``, such as ``(3, 4)``) are
@@ -47,8 +57,9 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
 
     ``engine="ray"`` runs the same build on Ray Data (``pip install 'graphmax[ray]'``): the workers read, tokenize
     and count blocks of the corpus and merge ranges of the counts; this process writes the graph, byte for byte the
-    one the local engine writes (the manifest's ``build`` section aside). ``ray_address`` is the cluster
-    (``"auto"``, ``"ray://host:10001"``, …); without it, a Ray already initialised in this process, else a local one.
+    one the local engine writes (the manifest's ``build`` section aside). Its ``engine_options`` are a
+    :class:`~gm_graphs.build.ray_engine.RayOptions` (the cluster's address, …); without them, a Ray already
+    initialised in this process, else a local one.
 
     A real build names a corpus, the LM's tokenizer and a graph name:
     ``build_graph("reviews/*.csv.gz", "smollm2", name="amazon", orders=(1, 2), ngrams=(3, 4))``.
@@ -77,7 +88,8 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
             before they are sorted into a run on disk.
         progress (``bool``, defaults to ``True``): show progress bars.
         engine (``str``, defaults to ``"local"``): one of ``ENGINES``: ``"local"`` or ``"ray"``.
-        ray_address (``str`` or ``None``, defaults to ``None``): the Ray cluster (``engine="ray"`` only).
+        engine_options (defaults to ``None``): the options only ``engine`` takes, its record: a ``RayOptions`` for
+            ``"ray"``; the local engine takes none. ``None``: the engine's defaults.
 
     Returns:
         ``Graph``: the built graph, opened at order 1.
@@ -98,5 +110,14 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
                            ngram_run_entries=ngram_run_entries)
     if engine not in ENGINES:
         raise OptionError(f"engine is one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
-    return ENGINES[engine](corpus, tokenizer, target, options, overwrite=overwrite, progress=progress,
-                           ray_address=ray_address)
+    run = ENGINES[engine]
+    if run.options is None:
+        if engine_options is not None:
+            raise OptionError(f"the {engine} engine takes no engine options, got {engine_options!r}; drop them, or "
+                              f"build on the engine they are for")
+        return run.build(corpus, tokenizer, target, options, overwrite=overwrite, progress=progress)
+    if engine_options is None:
+        engine_options = run.options()
+    elif not isinstance(engine_options, run.options):
+        raise OptionError(f"the {engine} engine's options are a {run.options.__name__}, got {engine_options!r}")
+    return run.build(corpus, tokenizer, target, options, engine_options, overwrite=overwrite, progress=progress)

@@ -49,8 +49,8 @@ def local_source(counted: PassResult, ident: TokenizerIdentity, files: list[Path
 
 
 def build_local(corpus: CorpusSpec, tokenizer, target: Path, options: BuildOptions, *, overwrite: bool,
-                progress: bool, ray_address: str | None = None) -> Graph:
-    """``build_graph(engine="local")``: one pass over the corpus here (``ray_address`` is the Ray engine's)."""
+                progress: bool) -> Graph:
+    """``build_graph(engine="local")``: one pass over the corpus here; the engine takes no options of its own."""
     tok = load_tokenizer(tokenizer)
     ident = TokenizerIdentity.of(tok)
     ngrams = check_orders(options.ngrams, ident.vocab_size) if options.ngrams else ()

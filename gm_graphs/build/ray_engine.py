@@ -106,6 +106,40 @@ class EngineError(GraphmaxError, RuntimeError):
     """The Ray engine cannot run (no cluster at the address) or an input block keeps failing."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RayOptions:
+    """What only the Ray engine takes (``build_graph(…, engine="ray", engine_options=RayOptions(…))``), checked when
+    the record is made; the options of the graph itself are :class:`~gm_graphs.build.options.BuildOptions`.
+
+    Args:
+        address (``str`` or ``None``, defaults to ``None``): the cluster: ``"auto"`` (the cluster of this node),
+            ``"HOST:6379"``, or ``"ray://HOST:10001"`` (Ray Client); ``None``: the Ray already initialised in this
+            process, else one started on this machine for the build and stopped after it.
+        ranges (``int`` or ``None``, defaults to ``None``): the ranges of leading tokens the counts are merged in,
+            a merge task each; ``None``: 16 per CPU of the cluster, from 64 to 1,024.
+
+    Example::
+
+        >>> RayOptions(address="auto").address
+        'auto'
+        >>> RayOptions(ranges=0)
+        Traceback (most recent call last):
+        ...
+        gm_graphs.errors.OptionError: ranges is an integer >= 1 or None (16 per CPU of the cluster), got 0
+    """
+
+    address: str | None = None
+    ranges: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.address is not None and not (isinstance(self.address, str) and self.address.strip()):
+            raise OptionError(f"the Ray address is 'auto', HOST:6379 or ray://HOST:10001 (or None: a local Ray), "
+                              f"got {self.address!r}")
+        if self.ranges is not None and not (isinstance(self.ranges, int) and not isinstance(self.ranges, bool)
+                                            and self.ranges >= 1):
+            raise OptionError(f"ranges is an integer >= 1 or None (16 per CPU of the cluster), got {self.ranges!r}")
+
+
 def import_ray():
     """``ray`` with Ray Data, or an :class:`OptionError` that names the extra to install."""
     try:
@@ -673,9 +707,9 @@ class _Stream:
             yield np.frombuffer(row["keys"], dtype=np.int64), np.frombuffer(row["counts"], dtype=np.int64)
 
 
-def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, overwrite: bool, progress: bool,
-                 ray_address: str | None, ranges: int | None = None) -> Graph:
-    """``build_graph(engine="ray")``; see the module's docstring."""
+def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, ray_options: RayOptions, *, overwrite: bool,
+                 progress: bool) -> Graph:
+    """``build_graph(engine="ray", engine_options=ray_options)``; see the module's docstring."""
     text_column, clean, bos_eos, batch_docs = options.text_column, options.clean, options.bos_eos, options.batch_docs
     ray = import_ray()
     tok = load_tokenizer(tokenizer)
@@ -691,7 +725,7 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
                           f"{next(u for u in uris if not u.lower().endswith(('.parquet', '.pq')))!r}")
     files = expand_corpus(local) if local else []
     check_replaceable(target, overwrite, GRAPH)
-    session = connect(ray, ray_address)
+    session = connect(ray, ray_options.address)
     watch = None
     timings: dict = {}
     ctx = ray.data.DataContext.get_current()
@@ -709,7 +743,8 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, *, over
             encoder = BatchEncoder(tok, add_bos_eos=bos_eos)
             read = {"text_column": text_column, "clean": clean}
             cpus = int(ray.cluster_resources().get("CPU", 1))
-            n_ranges = ranges or min(1024, max(64, 16 * cpus))  # small merges: a range is ~1/64 of the counts
+            # small merges: a range is ~1/64 of the counts
+            n_ranges = ray_options.ranges or min(1024, max(64, 16 * cpus))
             spec = CountSpec(ray.put(tok), ident.vocab_size, (2, *ngrams),
                              _bounds(_sample(files, uris, read, ray, 4 * batch_docs), encoder, n_ranges),
                              text_column, clean, bos_eos, batch_docs, options.ngram_run_entries)
