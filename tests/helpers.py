@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -153,6 +154,36 @@ def random_ngram_graph(seed: int, n: int = 40):
     graph = type("Graph", (), {})()
     graph.counts, graph.ngrams = sp.csr_matrix(dense), tables
     return graph
+
+
+def as_format_1(folder: Path) -> None:
+    """Rewrite a graph's n-gram tables as format 1 stored them (flat contexts, indptr, next, counts), as a graph
+    built before format 2 has them."""
+    from gm_graphs.format.graph_files import sha256_file
+
+    m = json.loads((folder / "manifest.json").read_text())
+    from gm_graphs import load_graph
+
+    tables = load_graph(folder).ngrams
+    out = folder / "ngrams-00000000000f"
+    orders = {}
+    for order, t in tables.items():
+        contexts, indptr, nxt, counts = t.dense()
+        arrays = {"contexts": contexts, "indptr": indptr.astype(np.int32), "next": nxt.astype(np.int32),
+                  "counts": counts.astype(np.int32)}
+        files = {}
+        for part, a in arrays.items():
+            (out / str(order)).mkdir(parents=True, exist_ok=True)
+            np.save(out / str(order) / f"{part}.npy", a)
+            p = out / str(order) / f"{part}.npy"
+            files[part] = {"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
+                           "sha256": sha256_file(p)}
+        orders[str(order)] = {"contexts": int(contexts.size), "entries": int(nxt.size), "files": files}
+    shutil.rmtree(folder / m["ngrams"]["levels"]["2"]["files"]["next"]["file"].split("/")[0])
+    m["ngrams"] = {"corpus": m["ngrams"]["corpus"], "clean": m["ngrams"]["clean"],
+                   "text_column": m["ngrams"]["text_column"], "orders": orders}
+    m["format_version"] = 1
+    (folder / "manifest.json").write_text(json.dumps(m))
 
 
 def random_counts(n: int, seed: int) -> sp.csr_matrix:

@@ -18,7 +18,7 @@ from gm_graphs import build_graph, load_graph
 from gm_graphs.errors import GraphFormatError
 from pipelines.cli import main, os_error_message
 
-from .helpers import make_docs
+from .helpers import as_format_1, make_docs
 
 
 def _error_line(err: str, prog: str) -> str:
@@ -230,30 +230,6 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _as_format_1(folder: Path) -> None:
-    """A graph's n-gram tables as format 1 stored them (flat contexts, indptr, next, counts per order)."""
-    from gm_graphs.format.graph_files import sha256_file
-
-    m = _manifest(folder)
-    tables = load_graph(folder).ngrams
-    orders = {}
-    for order, t in tables.items():
-        contexts, indptr, nxt, counts = t.dense()
-        files = {}
-        for part, a in {"contexts": contexts, "indptr": indptr.astype(np.int32), "next": nxt.astype(np.int32),
-                        "counts": counts.astype(np.int32)}.items():
-            p = folder / "ngrams-00000000000f" / str(order) / f"{part}.npy"
-            p.parent.mkdir(parents=True, exist_ok=True)
-            np.save(p, a)
-            files[part] = {"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
-                           "sha256": sha256_file(p)}
-        orders[str(order)] = {"contexts": int(contexts.size), "entries": int(nxt.size), "files": files}
-    shutil.rmtree(folder / m["ngrams"]["levels"]["2"]["files"]["next"]["file"].split("/")[0])
-    m["ngrams"] = {**{k: m["ngrams"][k] for k in ("corpus", "clean", "text_column")}, "orders": orders}
-    m["format_version"] = 1
-    (folder / "manifest.json").write_text(json.dumps(m))
-
-
 @pytest.mark.parametrize("orders, message", [
     (lambda o: {}, "manifest field ngrams.orders should be orders like 3, 4, got []"),
     (lambda o: {"3": o["3"], "5": o["4"]}, "manifest field ngrams.orders should be consecutive orders, like 3, 4, "
@@ -263,7 +239,7 @@ def test_upgrade_refuses_up_front_a_format_1_graph_it_could_not_write_and_remove
                                                                                          message, capsys):
     old = tmp_path / "g"
     shutil.copytree(small.path, old)
-    _as_format_1(old)
+    as_format_1(old)
     _edit(old, lambda m: m["ngrams"].update(orders=orders(m["ngrams"]["orders"])))
     before = _files(old)
     assert main(["graphs", "upgrade", "--path", str(old)]) == 2
@@ -275,7 +251,7 @@ def test_upgrade_refuses_up_front_a_format_1_graph_it_could_not_write_and_remove
 def test_upgrade_of_a_whole_format_1_graph_still_converts_it(small, tmp_path, capsys):
     old = tmp_path / "g"
     shutil.copytree(small.path, old)
-    _as_format_1(old)
+    as_format_1(old)
     assert main(["graphs", "upgrade", "--path", str(old)]) == 0
     new = load_graph(old)
     for order in (3, 4):
@@ -285,7 +261,7 @@ def test_upgrade_of_a_whole_format_1_graph_still_converts_it(small, tmp_path, ca
 def test_the_format_1_refusal_names_the_folder_given_quoted_never_the_manifests_name(small, tmp_path, home):
     folder = tmp_path / "copy of g; $(touch pwned)"  # a path that is shell text, quoted where it is suggested
     shutil.copytree(small.path, folder)
-    _as_format_1(folder)
+    as_format_1(folder)
     _edit(folder, lambda m: m.update(name="$(touch owned)"))
     with pytest.raises(GraphFormatError) as e:
         load_graph(folder)

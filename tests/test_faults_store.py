@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import resource
-import shutil
 import signal
 import threading
 import warnings
@@ -26,7 +25,7 @@ from gm_graphs.format import validate
 from gm_graphs.store import folders, kernel_cache, sealed, verified
 from gm_graphs.store.sealed import seal
 
-from .helpers import forked
+from .helpers import as_format_1, forked
 
 VALUES = np.array([3.0, 2.2, 1.0])
 CALLS = [(VALUES, 2), (VALUES.astype(np.int32), 2), (VALUES, 2.5)]
@@ -334,32 +333,12 @@ def test_no_fifo_in_a_graph_folder_or_the_verification_cache_hangs(tmp_path, mon
 @pytest.fixture()
 def format_1_graph(tmp_path, home) -> Path:
     """A tiny graph as format 1 stored its n-gram tables (flat contexts, indptr, next, counts)."""
-    from gm_graphs.format.graph_files import sha256_file
-
     corpus = tmp_path / "c.txt"
     corpus.write_text("the cat sat\nthe dog sat\nthe cat ran\nthe dog ran\n")
     tok = word_tokenizer("the cat dog sat ran".split())
     folder = tmp_path / "g"
     build_graph(corpus, tok, path=folder, orders=(1, 2), ngrams=(3,), progress=False)
-    m = json.loads((folder / "manifest.json").read_text())
-    tables = load_graph(folder).ngrams
-    out = folder / "ngrams-00000000000f"
-    orders = {}
-    for order, t in tables.items():
-        contexts, indptr, nxt, counts = t.dense()
-        files = {}
-        for part, a in {"contexts": contexts, "indptr": indptr.astype(np.int32), "next": nxt.astype(np.int32),
-                        "counts": counts.astype(np.int32)}.items():
-            p = out / str(order) / f"{part}.npy"
-            p.parent.mkdir(parents=True, exist_ok=True)
-            np.save(p, a)
-            files[part] = {"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
-                           "sha256": sha256_file(p)}
-        orders[str(order)] = {"contexts": int(contexts.size), "entries": int(nxt.size), "files": files}
-    shutil.rmtree(folder / m["ngrams"]["levels"]["2"]["files"]["next"]["file"].split("/")[0])
-    m["ngrams"] = {k: m["ngrams"][k] for k in ("corpus", "clean", "text_column")} | {"orders": orders}
-    m["format_version"] = 1
-    (folder / "manifest.json").write_text(json.dumps(m))
+    as_format_1(folder)
     return folder
 
 

@@ -31,7 +31,7 @@ from gm_graphs.errors import CorpusError, GraphBusyError, GraphFormatError, Merg
 from gm_graphs.store import pagecache
 from pipelines.cli import main
 
-from .helpers import fork_child, forked, make_docs
+from .helpers import as_format_1, fork_child, forked, make_docs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,34 +78,6 @@ def _state(home: Path) -> dict:
         except Exception as e:  # noqa: BLE001 - reported to the test
             state["valid"] = f"{type(e).__name__}: {e}"
     return state
-
-
-def as_format_1(folder: Path) -> None:
-    """Rewrite a graph's n-gram tables as format 1 stored them (flat contexts, indptr, next, counts), as a graph
-    built before format 2 has them."""
-    from gm_graphs.format.graph_files import sha256_file
-
-    m = json.loads((folder / "manifest.json").read_text())
-    tables = load_graph(folder).ngrams
-    out = folder / "ngrams-00000000000f"
-    orders = {}
-    for order, t in tables.items():
-        contexts, indptr, nxt, counts = t.dense()
-        arrays = {"contexts": contexts, "indptr": indptr.astype(np.int32), "next": nxt.astype(np.int32),
-                  "counts": counts.astype(np.int32)}
-        files = {}
-        for part, a in arrays.items():
-            (out / str(order)).mkdir(parents=True, exist_ok=True)
-            np.save(out / str(order) / f"{part}.npy", a)
-            p = out / str(order) / f"{part}.npy"
-            files[part] = {"file": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size,
-                           "sha256": sha256_file(p)}
-        orders[str(order)] = {"contexts": int(contexts.size), "entries": int(nxt.size), "files": files}
-    shutil.rmtree(folder / m["ngrams"]["levels"]["2"]["files"]["next"]["file"].split("/")[0])
-    m["ngrams"] = {"corpus": m["ngrams"]["corpus"], "clean": m["ngrams"]["clean"],
-                   "text_column": m["ngrams"]["text_column"], "orders": orders}
-    m["format_version"] = 1
-    (folder / "manifest.json").write_text(json.dumps(m))
 
 
 def _jobs(tok, corpora: dict[str, str]):
