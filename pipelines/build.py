@@ -8,11 +8,20 @@ import os
 import time
 from pathlib import Path
 
-from gm_graphs import PruneRule, build_graph, graph_path, list_graphs, load_graph, merge_graphs, upgrade_graph
+from gm_graphs import (
+    PruneRule,
+    build_graph,
+    expand_corpus,
+    graph_path,
+    list_graphs,
+    load_graph,
+    merge_graphs,
+    upgrade_graph,
+)
 from gm_graphs.build.graphs import ENGINES
 from gm_graphs.build.options import MAX_ORDER
 from gm_graphs.build.ray_engine import RayOptions
-from gm_graphs.corpus.read import check_distinct, expand_corpus
+from gm_graphs.corpus.read import check_distinct
 from gm_graphs.count.ngram_counts import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError

@@ -76,7 +76,7 @@ def test_each_command_says_in_one_line_that_cuda_is_absent_before_loading_anythi
         command, corpus_graph, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     loaded = []
-    for module in ("datastore_command", "demo", "eval", "generate", "tune"):
+    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
         monkeypatch.setattr(f"pipelines.{module}.load_model", lambda *a, **k: loaded.append(a))
     out = tmp_path / "out"
     assert main([*_argv(command, *corpus_graph, out), "--device", "cuda"]) == 2
