@@ -11,7 +11,6 @@ from pathlib import Path
 from gm_graphs import (
     PruneRule,
     build_graph,
-    expand_corpus,
     graph_path,
     list_graphs,
     load_graph,
@@ -21,7 +20,6 @@ from gm_graphs import (
 from gm_graphs.build.graphs import ENGINES
 from gm_graphs.build.options import MAX_ORDER
 from gm_graphs.build.ray_engine import RayOptions
-from gm_graphs.corpus.read import check_distinct
 from gm_graphs.count.ngram_counts import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
@@ -128,14 +126,13 @@ def register(sub) -> None:
 def run_build(args) -> int:
     if args.ray_address is not None and args.engine != "ray":
         raise OptionError("--ray-address names the Ray cluster of --engine ray; add --engine ray, or drop it")
-    if not args.allow_duplicate_files:
-        check_distinct(expand_corpus(args.corpus))
     t0 = time.perf_counter()
     g = build_graph(args.corpus, args.tokenizer, name=args.name, path=args.path, text_column=args.text_column,
                     orders=args.orders, mixture=args.mixture, eps=args.eps, clean=args.clean,
                     bos_eos=args.bos_eos, prune=_prune(args), overwrite=args.overwrite, ngrams=args.ngrams or (),
                     ngram_run_entries=args.ngram_run_entries, engine=args.engine,
-                    engine_options=RayOptions(address=args.ray_address) if args.engine == "ray" else None)
+                    engine_options=RayOptions(address=args.ray_address) if args.engine == "ray" else None,
+                    allow_duplicate_files=args.allow_duplicate_files)
     _summary(g, time.perf_counter() - t0)
     return 0
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gm_graphs import build_graph, load_graph
+from gm_graphs import build_graph, load_graph, load_tokenizer
 from gm_graphs.corpus import read as corpus_read
 from gm_graphs.corpus.read import check_distinct, expand_corpus, fingerprint, iter_documents, text_bytes
 from gm_graphs.corpus.source import MAX_DOCUMENT_BYTES, ReadStats
@@ -249,6 +249,13 @@ def test_corpus_files_that_hold_the_same_bytes_are_refused_unless_allowed(home, 
     assert "--allow-duplicate-files" in err and not (home / "graphs" / "g").exists()
     assert main([*build, "--allow-duplicate-files"]) == 0, capsys.readouterr().err
     assert load_graph("g").manifest["corpus"]["documents"] == 3 * len(docs)
+    # the Python API holds the same rule: refused before anything is written, counted on purpose when allowed
+    tok = load_tokenizer(bpe_tokenizer_file)
+    with pytest.raises(CorpusError, match="allow_duplicate_files=True"):
+        build_graph([first, copy], tok, name="h", progress=False)
+    assert not (home / "graphs" / "h").exists()
+    g = build_graph([first, copy], tok, name="h", progress=False, allow_duplicate_files=True)
+    assert g.manifest["corpus"]["documents"] == 2 * len(docs)
 
 
 # ---- graphs upgrade, the glob warning -----------------------------------------------------------------------

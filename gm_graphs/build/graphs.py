@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from gm_graphs.build.local import build_local
 from gm_graphs.build.options import BuildOptions
 from gm_graphs.build.ray_engine import RayOptions, build_on_ray
-from gm_graphs.corpus.read import CorpusSpec
+from gm_graphs.corpus.read import CorpusSpec, check_distinct, expand_corpus
 from gm_graphs.count.runs import RUN_ENTRIES
 from gm_graphs.errors import OptionError
 from gm_graphs.format.graph_files import (
@@ -46,7 +46,7 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
                 eps: float = 1e-8, clean: bool = False, bos_eos: bool = False, prune: PruneRule = PruneRule(),
                 shard_nnz: int = DEFAULT_SHARD_NNZ, overwrite: bool = False, batch_docs: int = 2048,
                 ngrams: Sequence[int] = (), ngram_run_entries: int = RUN_ENTRIES, progress: bool = True,
-                engine: str = "local", engine_options=None) -> Graph:
+                engine: str = "local", engine_options=None, allow_duplicate_files: bool = False) -> Graph:
     """Build a graph from ``corpus`` with ``tokenizer`` as ``$GRAPHMAX_HOME/graphs/<name>`` or in the folder ``path``.
 
     The corpus is read and tokenized once; the bigrams and every n-gram order (``ngrams``, such as ``(3, 4)``) are
@@ -90,6 +90,9 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
         engine (``str``, defaults to ``"local"``): one of ``ENGINES``: ``"local"`` or ``"ray"``.
         engine_options (defaults to ``None``): the options only ``engine`` takes, its record: a ``RayOptions`` for
             ``"ray"``; the local engine takes none. ``None``: the engine's defaults.
+        allow_duplicate_files (``bool``, defaults to ``False``): count corpus files that hold the same bytes once
+            each, on purpose; otherwise they are refused in one line naming them (a glob over a folder that holds a
+            backup copy would double every count).
 
     Returns:
         ``Graph``: the built graph, opened at order 1.
@@ -110,6 +113,8 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
                            ngram_run_entries=ngram_run_entries)
     if engine not in ENGINES:
         raise OptionError(f"engine is one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+    if not allow_duplicate_files:
+        check_distinct(expand_corpus(corpus))
     run = ENGINES[engine]
     if run.options is None:
         if engine_options is not None:

@@ -392,7 +392,8 @@ def check_distinct(files: list[Path]) -> None:
         more = f" (and {len(groups) - 1} more group(s) of copies)" if len(groups) > 1 else ""
         raise CorpusError(f"the corpus files {', '.join(repr(str(f)) for f in first)} hold the same bytes{more}, so "
                           f"every document in them would be counted {len(first)} times; pass each file once, or "
-                          f"add --allow-duplicate-files to count the copies on purpose")
+                          f"add --allow-duplicate-files (allow_duplicate_files=True in Python) to count the copies "
+                          f"on purpose")
 
 
 def iter_documents(
