@@ -94,7 +94,7 @@ def test_each_command_loads_the_model_on_the_device_and_in_the_dtype_asked(
         asked.append((device, dtype))
         raise GraphmaxError("stopped where the model would load")
 
-    for module in ("datastore_command", "demo", "eval", "generate", "tune"):
+    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
         monkeypatch.setattr(f"pipelines.{module}.load_model", load_model)
     assert main([*_argv(command, *corpus_graph, tmp_path / "out"), "--device", "cpu", "--dtype", "bfloat16"]) == 2
     assert "stopped where the model would load" in capsys.readouterr().err
