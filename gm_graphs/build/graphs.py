@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from gm_graphs.build.local import build_local
 from gm_graphs.build.options import BuildOptions
 from gm_graphs.build.ray_engine import RayOptions, build_on_ray
-from gm_graphs.corpus.read import CorpusSpec, check_distinct, expand_corpus
+from gm_graphs.corpus.read import CorpusSpec
 from gm_graphs.count.runs import RUN_ENTRIES
 from gm_graphs.errors import OptionError
 from gm_graphs.format.graph_files import (
@@ -110,11 +110,9 @@ def build_graph(corpus: CorpusSpec, tokenizer, name: str | None = None, path: st
     target = target_folder(name, path)
     options = BuildOptions(text_column=text_column, orders=orders, mixture=mixture, eps=eps, clean=clean,
                            bos_eos=bos_eos, prune=prune, shard_nnz=shard_nnz, batch_docs=batch_docs, ngrams=ngrams,
-                           ngram_run_entries=ngram_run_entries)
+                           ngram_run_entries=ngram_run_entries, allow_duplicate_files=allow_duplicate_files)
     if engine not in ENGINES:
         raise OptionError(f"engine is one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
-    if not allow_duplicate_files:
-        check_distinct(expand_corpus(corpus))
     run = ENGINES[engine]
     if run.options is None:
         if engine_options is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gm_graphs.build.graph_source import WORKERS, GraphSource, corpus_entry, opened_graph, write_graph_into
 from gm_graphs.build.options import BuildOptions
-from gm_graphs.corpus.read import CorpusSpec, expand_corpus, fingerprint
+from gm_graphs.corpus.read import CorpusSpec, check_distinct, expand_corpus, fingerprint
 from gm_graphs.count.ngram_counts import check_orders
 from gm_graphs.count.onepass import PassResult, count_pass
 from gm_graphs.count.runs import SortedRuns
@@ -57,6 +57,8 @@ def build_local(corpus: CorpusSpec, tokenizer, target: Path, options: BuildOptio
     with staged_folder(target, overwrite=overwrite, artefact=GRAPH) as tmp:
         fault_point("build.started")
         files = expand_corpus(corpus)
+        if not options.allow_duplicate_files:
+            check_distinct(files)
         work = tmp / ".work"
         # the encoder (its word cache: up to ~90 MB) is dropped when the pass ends, before the merges
         counted = count_pass(files, BatchEncoder(tok, add_bos_eos=options.bos_eos),

@@ -41,6 +41,8 @@ class BuildOptions:
         ngrams (sequence of ``int``, defaults to ``()``): n-gram orders (each ≥ 3) to count and store.
         ngram_run_entries (``int``, defaults to 2²⁴): entries of each order buffered in memory before they are
             sorted into a run on disk.
+        allow_duplicate_files (``bool``, defaults to ``False``): count corpus files that hold the same bytes, each
+            once, on purpose; otherwise an engine refuses them in one line naming them.
 
     Example::
 
@@ -63,6 +65,7 @@ class BuildOptions:
     batch_docs: int = 2048
     ngrams: Sequence[int] = ()
     ngram_run_entries: int = RUN_ENTRIES
+    allow_duplicate_files: bool = False
 
     def __post_init__(self) -> None:
         check_options(orders=self.orders, mixture=self.mixture, eps=self.eps, prune=self.prune,
@@ -74,6 +77,8 @@ class BuildOptions:
         if not _is_int(self.ngram_run_entries) or self.ngram_run_entries < 1:
             raise OptionError(f"ngram_run_entries is an integer >= 1, got {self.ngram_run_entries!r}")
         object.__setattr__(self, "orders", tuple(self.orders))
+        if not isinstance(self.allow_duplicate_files, bool):
+            raise OptionError(f"allow_duplicate_files is True or False, got {self.allow_duplicate_files!r}")
 
     @property
     def counting(self) -> dict:

@@ -56,6 +56,7 @@ from gm_graphs.build.options import BuildOptions
 from gm_graphs.corpus.read import (
     ReadStats,
     arrow_text,
+    check_distinct,
     clean_review_text,
     expand_corpus,
     fingerprint,
@@ -724,6 +725,8 @@ def build_on_ray(corpus, tokenizer, target: Path, options: BuildOptions, ray_opt
         raise OptionError(f"object-store inputs are read by Ray Data's Parquet reader: give .parquet URIs, got "
                           f"{next(u for u in uris if not u.lower().endswith(('.parquet', '.pq')))!r}")
     files = expand_corpus(local) if local else []
+    if not options.allow_duplicate_files:
+        check_distinct(files)
     check_replaceable(target, overwrite, GRAPH)
     session = connect(ray, ray_options.address)
     watch = None
