@@ -12,9 +12,11 @@ import os
 import random
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 import torch
 from hypothesis import strategies as st
@@ -184,6 +186,37 @@ def as_format_1(folder: Path) -> None:
                    "text_column": m["ngrams"]["text_column"], "orders": orders}
     m["format_version"] = 1
     (folder / "manifest.json").write_text(json.dumps(m))
+
+
+def finishes_within(seconds: float, run, fifos: list[Path] = ()):
+    """``run()``'s result, failing the test (not hanging it) if it takes over ``seconds``: a reader or writer blocked
+    on one of ``fifos`` is then let go (again and again, as a regression may open it more than once) so that the
+    thread ends and releases what it holds (numba's compiler lock)."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = run()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for _ in range(600):
+            for fifo, flags in ((f, fl) for f in fifos for fl in (os.O_WRONLY, os.O_RDONLY)):
+                try:
+                    os.close(os.open(fifo, flags | os.O_NONBLOCK))  # the blocked open returns (then reads EOF)
+                except OSError:
+                    pass
+            thread.join(0.05)
+            if not thread.is_alive():
+                break
+        pytest.fail(f"still blocked after {seconds} s (on a FIFO)")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
 
 
 def random_counts(n: int, seed: int) -> sp.csr_matrix:

@@ -9,7 +9,6 @@ import io
 import os
 import re
 import sys
-import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -28,7 +27,7 @@ from gm_graphs.errors import CorpusError
 from gm_graphs.tokenize.encoder import BatchEncoder
 from pipelines.cli import main
 
-from .helpers import make_docs
+from .helpers import finishes_within, make_docs
 
 
 def _read(files, **kw) -> list[str]:
@@ -290,30 +289,6 @@ def test_the_glob_warning_is_printed_once_as_one_line(home, tmp_path, bpe_tokeni
 
 # ---- nothing but regular files ------------------------------------------------------------------------------
 
-def _in_time(fifo: Path, run, seconds: float = 10.0):
-    """``run()``'s result or error, or a failure if it is still waiting after ``seconds``: then a writer is
-    opened on the FIFO so that the waiting read ends rather than hanging the test run."""
-    result: dict = {}
-
-    def target():
-        try:
-            result["value"] = run()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            result["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        os.close(fd)
-        thread.join(5)
-        pytest.fail(f"still waiting on the FIFO {fifo} after {seconds} s")
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
-
-
 @pytest.mark.parametrize("how", ["iter_documents", "replaced after the check", "fingerprint", "duplicates"])
 @pytest.mark.parametrize("name", ["fifo.txt", "fifo.csv", "fifo.parquet", "fifo.jsonl", "fifo.zip"])
 def test_a_fifo_in_place_of_a_corpus_file_is_refused_without_blocking(tmp_path, how, name):
@@ -336,5 +311,5 @@ def test_a_fifo_in_place_of_a_corpus_file_is_refused_without_blocking(tmp_path, 
         run = {"iter_documents": lambda: _read([fifo]), "fingerprint": lambda: fingerprint([fifo]),
                "duplicates": lambda: check_distinct([fifo, fifo])}[how]
     with pytest.raises(CorpusError) as e:
-        _in_time(fifo, run)
+        finishes_within(10, run, [fifo])
     assert "is a FIFO, not a regular file" in str(e.value) and "\n" not in str(e.value)

@@ -10,7 +10,6 @@ import os
 import pickle
 import resource
 import signal
-import threading
 import warnings
 from pathlib import Path
 
@@ -25,42 +24,11 @@ from gm_graphs.format import validate
 from gm_graphs.store import folders, kernel_cache, sealed, verified
 from gm_graphs.store.sealed import seal
 
-from .helpers import as_format_1, forked
+from .helpers import as_format_1, finishes_within, forked
 
 VALUES = np.array([3.0, 2.2, 1.0])
 CALLS = [(VALUES, 2), (VALUES.astype(np.int32), 2), (VALUES, 2.5)]
 EXPECTED = [validate._first_below.py_func(*call) for call in CALLS]
-
-
-def _within(seconds: float, run, fifos: list[Path] = ()):
-    """``run()``'s result, failing the test (not hanging it) if it takes over ``seconds``: a reader or writer blocked
-    on one of ``fifos`` is then let go (again and again, as a regression may open it more than once) so that the
-    thread ends and releases what it holds (numba's compiler lock)."""
-    result: dict = {}
-
-    def target():
-        try:
-            result["value"] = run()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            result["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        for _ in range(600):
-            for fifo, flags in ((f, fl) for f in fifos for fl in (os.O_WRONLY, os.O_RDONLY)):
-                try:
-                    os.close(os.open(fifo, flags | os.O_NONBLOCK))  # the blocked open returns (then reads EOF)
-                except OSError:
-                    pass
-            thread.join(0.05)
-            if not thread.is_alive():
-                break
-        pytest.fail(f"still blocked after {seconds} s (on a FIFO)")
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
 
 
 @pytest.fixture()
@@ -244,7 +212,7 @@ def test_a_fifo_in_place_of_a_kernel_index_is_a_miss_with_one_warning(tmp_path, 
             kernel = numba.njit(cache=True)(validate._first_below.py_func)
             return [int(kernel(*call)) for call in CALLS], _messages(caught)
 
-    answers, messages = _within(20, run, [index])
+    answers, messages = finishes_within(20, run, [index])
     assert answers == EXPECTED
     assert len(messages) == 1 and f"ignores the cache entry {index}: it is not a regular file" in messages[0]
     assert index.is_file()  # the save replaced it
@@ -291,7 +259,7 @@ def test_a_fifo_in_place_of_a_tokenizer_cache_entry_is_a_miss(tiny_gguf, fresh_w
     os.mkfifo(entry)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tok = _within(20, lambda: load_tokenizer(tiny_gguf), [entry])
+        tok = finishes_within(20, lambda: load_tokenizer(tiny_gguf), [entry])
     assert tok("the")["input_ids"] and entry.is_file()
     assert [m for m in _messages(caught) if "not a regular file" in m] != []
 
@@ -312,20 +280,20 @@ def test_no_fifo_in_a_graph_folder_or_the_verification_cache_hangs(tmp_path, mon
 
     with monkeypatch.context() as patch:
         patch.setattr(os, "lstat", lstat)
-        assert _within(10, lambda: folders.is_graph_folder(graph), [manifest]) is False
+        assert finishes_within(10, lambda: folders.is_graph_folder(graph), [manifest]) is False
     with pytest.raises(GraphFormatError, match="not a regular file"):
-        _within(10, lambda: load_graph(graph), [manifest])
+        finishes_within(10, lambda: load_graph(graph), [manifest])
 
     entry = Path(verified._entry("sha256", {}, []))
     entry.parent.mkdir(parents=True)
     os.mkfifo(entry)
-    _within(10, lambda: verified.remember("sha256", {}, []), [entry])
+    finishes_within(10, lambda: verified.remember("sha256", {}, []), [entry])
     assert not verified.is_verified("sha256", {}, [])
 
     staged = tmp_path / "staged"
     staged.mkdir()
     os.mkfifo(staged / "planted")
-    _within(10, lambda: folders.sync_tree(staged), [staged / "planted"])
+    finishes_within(10, lambda: folders.sync_tree(staged), [staged / "planted"])
 
 
 # ---- finding 10: a full disk during an n-gram write leaves nothing half-written -----------------------------------
