@@ -219,6 +219,33 @@ def finishes_within(seconds: float, run, fifos: list[Path] = ()):
     return result.get("value")
 
 
+def write_tiny_gguf(path: Path, extra: list[str] = ()) -> Path:
+    """A GGUF file holding a byte-level BPE tokenizer of the printable ASCII characters, ChatML's special tokens
+    and "the" (plus ``extra`` tokens), and a one-tensor model around it: what the GGUF tokenizer loader reads."""
+    from gguf import GGUFWriter
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(chr(c) for c in range(33, 127)), "Ġ", "Ġt", "he",
+              "Ġthe", *extra]
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    for key, value in (("context_length", 64), ("embedding_length", 8), ("block_count", 1),
+                       ("feed_forward_length", 16), ("head_count", 2)):
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def random_counts(n: int, seed: int) -> sp.csr_matrix:
     """A seeded random n×n matrix of bigram counts 1..8 at density 0.2."""
     rng = np.random.default_rng(seed)

@@ -24,7 +24,7 @@ from gm_graphs.format import validate
 from gm_graphs.store import folders, kernel_cache, sealed, verified
 from gm_graphs.store.sealed import seal
 
-from .helpers import as_format_1, finishes_within, forked
+from .helpers import as_format_1, finishes_within, forked, write_tiny_gguf
 
 VALUES = np.array([3.0, 2.2, 1.0])
 CALLS = [(VALUES, 2), (VALUES.astype(np.int32), 2), (VALUES, 2.5)]
@@ -218,36 +218,13 @@ def test_a_fifo_in_place_of_a_kernel_index_is_a_miss_with_one_warning(tmp_path, 
     assert index.is_file()  # the save replaced it
 
 
-def _write_gguf(path: Path) -> Path:
-    from gguf import GGUFWriter
-
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(chr(c) for c in range(33, 127)), "Ġ", "Ġt", "he"]
-    w = GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(["Ġ t", "h e"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    for key, value in (("context_length", 64), ("embedding_length", 8), ("block_count", 1),
-                       ("feed_forward_length", 16), ("head_count", 2)):
-        getattr(w, f"add_{key}")(value)
-    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture()
 def tiny_gguf(tmp_path, monkeypatch):
     from gm_graphs.tokenize import gguf
 
     monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(gguf, "_warned", False, raising=False)
-    return _write_gguf(tmp_path / "tiny.gguf")
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
 
 
 def test_a_fifo_in_place_of_a_tokenizer_cache_entry_is_a_miss(tiny_gguf, fresh_warnings):

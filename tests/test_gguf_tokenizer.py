@@ -13,41 +13,15 @@ from gm_graphs import load_tokenizer
 from gm_graphs.store.sealed import seal
 from gm_graphs.tokenize import gguf
 
-from .helpers import forked
+from .helpers import forked, write_tiny_gguf
 
 TEXTS = ["the theme", "  the\n\nthe<|im_end|>x", "é 😀 中", "<|im_start|>user\nthe<|im_end|>", ""]
-
-
-def _write_gguf(path: Path, extra: list[str] = ()) -> Path:
-    import numpy as np
-    from gguf import GGUFWriter
-
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(chr(c) for c in range(33, 127)), "Ġ", "Ġt", "he",
-              "Ġthe", *extra]
-    w = GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
-    for key, value in (("context_length", 64), ("embedding_length", 8), ("block_count", 1),
-                       ("feed_forward_length", 16), ("head_count", 2)):
-        getattr(w, f"add_{key}")(value)
-    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture()
 def tiny(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
-    return _write_gguf(tmp_path / "tiny.gguf")
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
 
 
 def _converted(path: Path):
@@ -123,7 +97,7 @@ def test_a_damaged_or_foreign_entry_is_converted_again_and_replaced(damage, tiny
 
 def test_a_changed_gguf_file_gets_its_own_entry(tiny, monkeypatch):
     before = load_tokenizer(tiny)
-    _write_gguf(tiny, extra=["Ġthem"])  # the same path, another vocabulary
+    write_tiny_gguf(tiny, extra=["Ġthem"])  # the same path, another vocabulary
     after = load_tokenizer(tiny)
     assert len(after) == len(before) + 1 and "Ġthem" in after.get_vocab()
     _assert_same(after, _converted(tiny))
@@ -131,7 +105,7 @@ def test_a_changed_gguf_file_gets_its_own_entry(tiny, monkeypatch):
 
 
 def test_an_unwritable_cache_converts_every_time_without_an_error(tmp_path, monkeypatch):
-    path = _write_gguf(tmp_path / "tiny.gguf")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "file" / "home"))
     conversions = _conversions(monkeypatch)
