@@ -404,7 +404,7 @@ class ContextReference:
             logx, info = softmax_solution(scores.to(torch.float64))
             return logx.to(scores.dtype), info
         out = backends.room(name).context_step(self, input_ids, scores, lam, share, tol=tol, max_iter=max_iter,
-                                        check_every=check_every, knn=knn)
+                                               check_every=check_every, knn=knn)
         if out is None:  # compiling failed (``fused.failures``): the eager step
             name, out = "torch", eager.context_step(self, input_ids, scores, lam, share, tol=tol, max_iter=max_iter,
                                                     check_every=check_every, knn=knn)
