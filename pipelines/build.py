@@ -20,6 +20,7 @@ from gm_graphs import (
 from gm_graphs.build.graphs import ENGINES
 from gm_graphs.build.options import MAX_ORDER
 from gm_graphs.build.ray_engine import RayOptions
+from gm_graphs.corpus.readers import READERS
 from gm_graphs.count.ngram_counts import MAX_ORDER as MAX_NGRAM_ORDER
 from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
@@ -75,7 +76,7 @@ def _prune(args) -> PruneRule:
 def register(sub) -> None:
     p = sub.add_parser("build", help="build a graph from a corpus")
     p.add_argument("corpus", nargs="+", action=CorpusFiles,
-                   help="files or globs: .parquet .csv .tsv .jsonl .txt (optionally .gz), .zip")
+                   help=f"files or globs: {READERS.described()}")
     p.add_argument("--tokenizer", required=True,
                    help="a local tokenizer folder, tokenizer.json, .gguf file, or 'smollm2' (bundled)")
     _add_target_options(p)

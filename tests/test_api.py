@@ -164,6 +164,7 @@ CLI_PLUMBING = {
     "gm_graphs.build.options": {"MAX_ORDER"},
     "gm_graphs.build.ray_engine": {"RayOptions"},
     "gm_graphs.corpus.read": {"fingerprint"},
+    "gm_graphs.corpus.readers": {"READERS"},  # the build's help lists the formats the readers read
     "gm_graphs.corpus.split": {"heldout_side"},  # eval's split checked before --out is made
     "gm_graphs.format.graph_files": {"read_manifest"},  # upgrade reads the manifest before walking the folder
     "gm_graphs.format.datastore_files": {"check_datastore_target"},

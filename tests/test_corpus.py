@@ -21,8 +21,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_graphs.corpus import jsonl as corpus_jsonl
+from gm_graphs.corpus import read as corpus_read
 from gm_graphs.corpus.read import ReadStats, clean_review_text, expand_corpus, iter_documents
+from gm_graphs.corpus.readers import FORMATS, READERS, Reader, Registry
+from gm_graphs.corpus.readers import jsonl as corpus_jsonl
+from gm_graphs.corpus.readers.zip import ZipReader
 from gm_graphs.errors import CorpusError
 
 from .helpers import make_docs, write_jsonl
@@ -158,6 +161,42 @@ def test_unknown_suffix(tmp_path):
     (tmp_path / "c.docx").write_text("x")
     with pytest.raises(CorpusError, match="cannot tell the format"):
         expand_corpus(tmp_path / "c.docx")
+
+
+class _ParagraphReader(Reader):
+    """A format made up for the test: paragraphs separated by blank lines, a document each."""
+
+    name = "paragraphs"
+    suffixes = (".para",)
+
+    def rows(self, source, column, batch_docs, stats):
+        with source.open() as fh:
+            yield [p.strip() for p in fh.read().decode().split("\n\n")]
+
+
+def test_a_new_format_is_one_reader_class_and_one_registry_entry(tmp_path, monkeypatch):
+    formats = Registry([*FORMATS.readers, _ParagraphReader()])
+    monkeypatch.setattr(corpus_read, "READERS", Registry([*formats.readers, ZipReader(formats)]))
+    (tmp_path / "a.para").write_text("great film\nwell acted\n\ndull\n")
+    (tmp_path / "b.para.gz").write_bytes(gzip.compress(b"second file"))
+    with zipfile.ZipFile(tmp_path / "c.zip", "w") as zf:
+        zf.writestr("in/archive.para", "archived\n\n\n")
+    got = _read([tmp_path / "a.para", tmp_path / "b.para.gz", tmp_path / "c.zip"])
+    assert got == ["great film\nwell acted", "dull", "second file", "archived"]
+    (tmp_path / "d.docx").write_text("x")
+    with pytest.raises(CorpusError, match=r"use one of the suffixes .*\.para, .*\(optionally \.gz\), or \.zip"):
+        expand_corpus(tmp_path / "d.docx")
+
+
+def test_every_suffix_names_one_reader_and_the_messages_list_them_all():
+    suffixes = [s for reader in READERS.readers for s in reader.suffixes]
+    assert len(suffixes) == len(set(suffixes))
+    assert all(READERS.reader_for(f"x{s.upper()}").suffixes == READERS.reader_for(f"x{s}.gz").suffixes
+               for s in suffixes)
+    assert READERS.described() == (".csv, .json, .jsonl, .ndjson, .parquet, .pq, .text, .tsv, .txt "
+                                   "(optionally .gz), or .zip")
+    with pytest.raises(ValueError, match="the suffix '.csv' is claimed by the CSV and paragraphs readers"):
+        Registry([*FORMATS.readers, type("Clash", (_ParagraphReader,), {"suffixes": (".csv",)})()])
 
 
 def test_missing_column_names_the_columns_and_the_fix(csv_corpus):
@@ -664,7 +703,7 @@ import gzip, io, json, random, sys, zipfile
 from pathlib import Path
 from gm_graphs.errors import CorpusError
 from unittest import mock
-from gm_graphs.corpus import jsonl
+from gm_graphs.corpus.readers import jsonl
 from gm_graphs.corpus.read import ReadStats, expand_corpus, iter_documents
 JSONL_READERS = ("polars", "json")
 folder = Path(sys.argv[1])

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from gm_graphs import build_graph, load_graph, load_tokenizer
-from gm_graphs.corpus import read as corpus_read
 from gm_graphs.corpus.read import check_distinct, expand_corpus, fingerprint, iter_documents, text_bytes
+from gm_graphs.corpus.readers import text as text_reader
 from gm_graphs.corpus.source import MAX_DOCUMENT_BYTES, ReadStats
 from gm_graphs.corpus.words import MAX_PIECE_CHARS, MAX_WORD_CHARS, split_long_words
 from gm_graphs.errors import CorpusError
@@ -147,13 +147,13 @@ def test_an_archive_of_blank_lines_is_skipped_a_block_at_a_time_with_progress(tm
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("flood.txt", text)
     steps = {"decode": 0}
-    decode = corpus_read.decode
+    decode = text_reader.decode
 
     def counted(values, stats):  # one call per batch of documents: the Python work the flood costs
         steps["decode"] += 1
         return decode(values, stats)
 
-    monkeypatch.setattr(corpus_read, "decode", counted)
+    monkeypatch.setattr(text_reader, "decode", counted)
     stats, read = ReadStats(), []
     assert _read([path], stats=stats, progress=read.append) == ["the only document"]
     assert steps["decode"] == 1
@@ -192,7 +192,7 @@ def test_a_batch_holds_about_batch_bytes_of_text_whatever_its_number_of_document
         path.write_bytes(gzip.compress("".join(f'{{"text": "{d}"}}\n' for d in docs).encode(), compresslevel=1))
     else:
         path.write_text("\n".join(docs) + "\n")
-    for module in ("gm_graphs.corpus.source", "gm_graphs.corpus.read"):
+    for module in ("gm_graphs.corpus.source", "gm_graphs.corpus.readers.parquet"):
         monkeypatch.setattr(f"{module}.BATCH_BYTES", 2 << 20)
     batches = list(iter_documents([path]))
     assert [d for b in batches for d in b] == docs and max(map(len, batches)) <= 2 and len(batches) >= 3

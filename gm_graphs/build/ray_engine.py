@@ -55,13 +55,13 @@ from gm_graphs.build.graph_source import GraphSource, corpus_entry, opened_graph
 from gm_graphs.build.options import BuildOptions
 from gm_graphs.corpus.read import (
     ReadStats,
-    arrow_text,
     check_distinct,
     clean_review_text,
     expand_corpus,
     fingerprint,
     iter_documents,
 )
+from gm_graphs.corpus.readers.columns import arrow_text
 from gm_graphs.count.bigrams import check_ids, count_bits, unpack
 from gm_graphs.count.ngram_counts import check_orders
 from gm_graphs.count.runs import SortedRuns, feeders

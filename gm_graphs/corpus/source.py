@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import gzip
 import io
+import lzma
 import os
 import re
 import stat
+import struct
+import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -145,6 +149,35 @@ class Source:
                     yield fh if self.progress is None else _Tally(fh, self.progress)
             else:
                 yield raw if self.progress is None else _Tally(raw, self.progress)
+
+
+@contextmanager
+def decompression_errors(where: str) -> Iterator[None]:
+    """Turn what a damaged file raises while it is read into one CorpusError naming the file and the fix."""
+    try:
+        yield
+    except CorpusError:
+        raise
+    except EOFError:
+        raise CorpusError(f"{where}: the compressed data ends early (the file is truncated); "
+                          f"copy or download it again") from None
+    except gzip.BadGzipFile as e:
+        raise CorpusError(f"{where}: not valid gzip data ({brief(e)}); copy or download it again, "
+                          f"or remove the .gz suffix if it is not compressed") from None
+    except (zlib.error, zipfile.BadZipFile, lzma.LZMAError, struct.error, UnicodeDecodeError) as e:
+        raise CorpusError(f"{where}: corrupt compressed data ({brief(e)}); copy or download it again") from None
+    except PermissionError:
+        raise CorpusError(f"{where}: cannot be read (permission denied); make it readable (chmod u+r)") from None
+    except FileNotFoundError:
+        raise CorpusError(f"{where}: no longer exists (moved or removed while graphmax read the corpus); put it "
+                          f"back, or leave it out") from None
+    except OSError as e:
+        raise CorpusError(f"{where}: cannot be read ({brief(e)}); check the file") from None
+
+
+def printable_path(path: str | os.PathLike) -> str:
+    """``path`` as UTF-8 text: the bytes of a name that is not UTF-8 escaped as ``\\xe9``."""
+    return os.fsencode(path).decode("utf-8", errors="backslashreplace")
 
 
 def brief(e: BaseException, limit: int = 160) -> str:

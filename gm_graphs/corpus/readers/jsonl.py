@@ -1,4 +1,4 @@
-"""JSONL corpus files: Python's ``json`` line by line (compressed and archived files, and what Polars cannot vouch
+"""JSONL: Python's ``json`` line by line (compressed and archived files, and what Polars cannot vouch
 for), and Polars in blocks of lines for a plain file: 5-7× faster (benchmarks/RESULTS.md).
 
 The Polars reader reads what the line-by-line reader reads: the same documents in the same order, the same
@@ -17,9 +17,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
-import polars as pl
-
+from gm_graphs.corpus.readers.base import Reader
 from gm_graphs.corpus.source import (
     UTF8_BOM,
     Lines,
@@ -34,12 +34,39 @@ from gm_graphs.corpus.source import (
 )
 from gm_graphs.errors import CorpusError
 
-# What Polars raises on input it cannot read; a Rust panic is a BaseException, so it is named too.
-_POLARS_ERRORS = (pl.exceptions.PolarsError, pl.exceptions.PanicException)
+if TYPE_CHECKING:
+    import polars as pl
+
 BLOCK_BYTES = 8 << 20  # read per Polars call; a line longer than this goes to the line-by-line reader
 # The text Polars makes of a JSON number, boolean, list or object when the field's type is String.
 _NOT_A_JSON_STRING = r"(?s)^(?:-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|\[.*\]|\{.*\})$"
 
+
+class JsonlReader(Reader):
+    """A JSONL file's text field: one JSON object a line; blank lines are skipped.
+
+    A plain file is read by Polars in blocks of lines (``polars_jsonl_rows``); a gzip'd file or an archive
+    member line by line by Python's ``json`` (``jsonl_rows``).
+
+    Example::
+
+        >>> import tempfile; from pathlib import Path
+        >>> from gm_graphs.corpus.source import ReadStats, Source, open_regular
+        >>> path = Path(tempfile.mkdtemp()) / "reviews.jsonl"
+        >>> _ = path.write_text('{"text": "great film", "stars": 5}\\n\\n{"text": "dull"}\\n')
+        >>> source = Source(path.name, str(path), lambda: open_regular(path), path=path)
+        >>> list(JsonlReader().rows(source, "text", 4096, ReadStats()))
+        [['great film', 'dull']]
+    """
+
+    name = "JSONL"
+    suffixes = (".jsonl", ".ndjson", ".json")
+
+    def rows(self, source: Source, column: str, batch_docs: int,
+             stats: ReadStats) -> Iterator[list[str | None]]:
+        if source.path is not None:
+            return polars_jsonl_rows(source, column, batch_docs, stats)
+        return jsonl_rows(source, column, batch_docs, stats)
 
 
 def jsonl_rows(source: Source, column: str, batch_docs: int, stats: ReadStats,
@@ -115,11 +142,13 @@ def _block_rows(source: Source, block: bytes, first_line: int, column: str, batc
 
 def _polars_values(block: bytes, column: str) -> pl.Series | None:
     """The field of each line as Polars reads it, or None where Python's ``json`` may read otherwise."""
+    import polars as pl  # imported by the files that need it, not by every command that reads a corpus
+
     try:
         values = pl.read_ndjson(block, schema={column: pl.String}).get_column(column)
         if values.null_count() or values.str.contains("\x00", literal=True).any() \
                 or values.str.contains(_NOT_A_JSON_STRING).any():
             return None
-    except _POLARS_ERRORS:
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException):  # a Rust panic is a BaseException
         return None
     return values
