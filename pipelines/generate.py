@@ -34,7 +34,6 @@ from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .models import DEFAULT_MODEL, check_fits, load_model
 from .prompt import SEPARATOR
 
-DECODERS = ("paper", "context")
 # each decoder's options (argparse dest); --order/--mixture choose which operator of the graph the paper one uses
 OPTIONS = {
     "paper": ("lam", "tol", "solver", "max_iter", "order", "mixture"),
@@ -132,7 +131,7 @@ def register(sub) -> None:
                         "by blank lines (few-shot); the context decoder's λ_t counts the prompt's tokens only")
     # the graph, and its decoder: each decoder's options are refused with the other (defaults: the stored choice)
     add_graph_arguments(p, "--graph")
-    p.add_argument("--decoder", choices=DECODERS,
+    p.add_argument("--decoder", choices=tuple(OPTIONS),
                    help="default: the decoder `graphmax tune` stored in the graph, else context")
     p.add_argument("--lam", type=number(at_least=0),
                    help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
@@ -189,7 +188,7 @@ def build_decoder(args, prompt_length: int = 0,
     kind = args.decoder or DecoderChoice.stored_mode(graph) or "context"  # the kind from_graph will make
     for name in given:
         if name not in OPTIONS[kind]:
-            other = "paper" if kind == "context" else "context"
+            other = " or ".join(k for k, options in OPTIONS.items() if name in options)
             hint = "" if args.decoder else f" (this graph's {'stored' if graph.decoder else 'default'} decoder is " \
                                            f"{kind})"
             raise GraphmaxError(f"--{name.replace('_', '-')} applies to --decoder {other}{hint}")
