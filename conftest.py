@@ -7,12 +7,18 @@ The examples that build graphs share one set-up, given in their namespace where 
 - ``tok``: ``word_tokenizer("the cat dog sat ran".split())`` (ids: 0 ``[UNK]``, then the words 1 … 5);
 - ``folder``: a ``pathlib.Path`` in the sandbox holding ``reviews.txt`` (:data:`REVIEWS`) and ``more.txt``
   (:data:`MORE`), the corpora of the examples.
+
+The examples of the corpus readers get ``source(name, content)``: a ``Source`` of a file of that name in the sandbox
+holding ``content`` (text; bytes; a pyarrow table, written as Parquet; or a dict of member names and texts, written
+as a zip archive).
 """
 
 from __future__ import annotations
 
 import re
 import tempfile
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -45,8 +51,28 @@ def _doctest_sandbox(request: pytest.FixtureRequest):
         (folder / "reviews.txt").write_text(REVIEWS)
         (folder / "more.txt").write_text(MORE)
         monkeypatch.setitem(namespace, "folder", folder)
+    if _uses(request.node, "source"):
+        monkeypatch.setitem(namespace, "source", lambda name, content: _source(tmp / "tmp" / name, content))
     if _uses(request.node, "tok"):
         from gm_graphs import word_tokenizer
 
         monkeypatch.setitem(namespace, "tok", word_tokenizer(WORDS))
     yield
+
+
+def _source(path: Path, content):
+    from gm_graphs.corpus.source import Source, open_regular
+
+    if isinstance(content, str):
+        path.write_text(content)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif isinstance(content, dict):
+        with zipfile.ZipFile(path, "w") as zf:
+            for member, text in content.items():
+                zf.writestr(member, text)
+    else:
+        import pyarrow.parquet as pq
+
+        pq.write_table(content, path)
+    return Source(path.name, str(path), lambda: open_regular(path), path=None if path.suffix == ".gz" else path)

@@ -28,12 +28,9 @@ class CsvReader(Reader):
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs.corpus.source import ReadStats, Source, open_regular
-        >>> path = Path(tempfile.mkdtemp()) / "reviews.csv"
-        >>> _ = path.write_text('label,text\\n1,"great, long film"\\n0,dull\\n')
-        >>> source = Source(path.name, str(path), lambda: open_regular(path))
-        >>> list(CsvReader().rows(source, "text", 4096, ReadStats()))
+        >>> from gm_graphs.corpus.source import ReadStats
+        >>> reviews = source("reviews.csv", 'label,text\\n1,"great, long film"\\n0,dull\\n')
+        >>> list(CsvReader().rows(reviews, "text", 4096, ReadStats()))
         [['great, long film', 'dull']]
     """
 
@@ -97,12 +94,9 @@ class TsvReader(CsvReader):
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs.corpus.source import ReadStats, Source, open_regular
-        >>> path = Path(tempfile.mkdtemp()) / "reviews.tsv"
-        >>> _ = path.write_text("text\\tlabel\\ngreat film\\t1\\n")
-        >>> source = Source(path.name, str(path), lambda: open_regular(path))
-        >>> list(TsvReader().rows(source, "text", 4096, ReadStats()))
+        >>> from gm_graphs.corpus.source import ReadStats
+        >>> reviews = source("reviews.tsv", "text\\tlabel\\ngreat film\\t1\\n")
+        >>> list(TsvReader().rows(reviews, "text", 4096, ReadStats()))
         [['great film']]
     """
 

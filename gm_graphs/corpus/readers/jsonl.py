@@ -50,12 +50,9 @@ class JsonlReader(Reader):
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs.corpus.source import ReadStats, Source, open_regular
-        >>> path = Path(tempfile.mkdtemp()) / "reviews.jsonl"
-        >>> _ = path.write_text('{"text": "great film", "stars": 5}\\n\\n{"text": "dull"}\\n')
-        >>> source = Source(path.name, str(path), lambda: open_regular(path), path=path)
-        >>> list(JsonlReader().rows(source, "text", 4096, ReadStats()))
+        >>> from gm_graphs.corpus.source import ReadStats
+        >>> reviews = source("reviews.jsonl", '{"text": "great film", "stars": 5}\\n\\n{"text": "dull"}\\n')
+        >>> list(JsonlReader().rows(reviews, "text", 4096, ReadStats()))
         [['great film', 'dull']]
     """
 

@@ -22,13 +22,10 @@ class ParquetReader(Reader):
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> import pyarrow as pa, pyarrow.parquet as pq
-        >>> from gm_graphs.corpus.source import ReadStats, Source, open_regular
-        >>> path = Path(tempfile.mkdtemp()) / "reviews.parquet"
-        >>> pq.write_table(pa.table({"text": ["great film", None]}), path)
-        >>> source = Source(path.name, str(path), lambda: open_regular(path))
-        >>> list(ParquetReader().rows(source, "text", 4096, ReadStats()))
+        >>> import pyarrow as pa
+        >>> from gm_graphs.corpus.source import ReadStats
+        >>> reviews = source("reviews.parquet", pa.table({"text": ["great film", None]}))
+        >>> list(ParquetReader().rows(reviews, "text", 4096, ReadStats()))
         [['great film']]
     """
 

@@ -14,13 +14,9 @@ class TextReader(Reader):
 
     Example::
 
-        >>> import tempfile; from pathlib import Path
-        >>> from gm_graphs.corpus.source import ReadStats, Source, open_regular
-        >>> path = Path(tempfile.mkdtemp()) / "reviews.txt"
-        >>> _ = path.write_text("great film\\n\\n\\ndull\\n")
-        >>> source = Source(path.name, str(path), lambda: open_regular(path))
-        >>> stats = ReadStats()
-        >>> list(TextReader().rows(source, "text", 4096, stats)), stats.empty_skipped
+        >>> from gm_graphs.corpus.source import ReadStats
+        >>> reviews, stats = source("reviews.txt", "great film\\n\\n\\ndull\\n"), ReadStats()
+        >>> list(TextReader().rows(reviews, "text", 4096, stats)), stats.empty_skipped
         ([['great film', 'dull']], 2)
     """
 

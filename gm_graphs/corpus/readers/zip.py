@@ -27,16 +27,10 @@ class ZipReader(Reader):
 
     Example::
 
-        >>> import tempfile, zipfile; from pathlib import Path
         >>> from gm_graphs.corpus.readers import FORMATS
-        >>> from gm_graphs.corpus.source import ReadStats, Source, open_regular
-        >>> path = Path(tempfile.mkdtemp()) / "reviews.zip"
-        >>> with zipfile.ZipFile(path, "w") as zf:
-        ...     zf.writestr("a.txt", "great film\\n")
-        ...     zf.writestr("README", "not a corpus")
-        >>> source = Source(path.name, str(path), lambda: open_regular(path), path=path)
-        >>> stats = ReadStats()
-        >>> list(ZipReader(FORMATS).rows(source, "text", 4096, stats)), stats.skipped_members[0][-6:]
+        >>> from gm_graphs.corpus.source import ReadStats
+        >>> reviews, stats = source("reviews.zip", {"a.txt": "great film\\n", "README": "not a corpus"}), ReadStats()
+        >>> list(ZipReader(FORMATS).rows(reviews, "text", 4096, stats)), stats.skipped_members[0][-6:]
         ([['great film']], 'README')
     """
 
