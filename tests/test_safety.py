@@ -168,6 +168,12 @@ def _run_crafted(spec: dict) -> dict:
             return 0
         return run
 
+    # numba sets up its typing and lowering registries on a process's first kernel (about 0.35 s), which every
+    # child would pay again: a kernel of no threads pays it here once. Not a decoder's kernel: those are parallel,
+    # and a child may not run a parallel kernel once its parent has started OpenMP's threads
+    import numba
+
+    numba.njit(lambda: 0)()
     out = {}
     for i, (name, folder) in enumerate(spec["folders"].items()):
         err = Path(spec["work"]) / f"case{i}.err"
