@@ -55,8 +55,9 @@ class TransitionOperator:
         graph (``gm_graphs.Graph``, scipy sparse matrix or torch sparse CSR tensor): M, square.
         device (``str`` or ``torch.device``, defaults to ``"cpu"``): where the rows it is applied to live.
         backend (``str``, defaults to ``"auto"``): ``"numba"`` (CPU kernels), ``"torch"`` (sparse CSR on
-            ``device``), ``"fused"`` (torch's products, and the mirror steps around them compiled: CUDA) or ``"auto"``
-            (numba on the CPU, torch elsewhere; fused once a decoder's warmup on a GPU turned it on).
+            ``device``, the mirror steps eager even after a warm-up), ``"fused"`` (torch's products, and the mirror
+            steps around them compiled: CUDA) or ``"auto"`` (numba on the CPU, torch elsewhere; fused once a
+            decoder's warmup on a GPU turned it on).
 
     Example::
 
@@ -76,9 +77,10 @@ class TransitionOperator:
         fused = backends.choose(self.device, backend) == "fused"
         self.backend = "torch" if fused else backends.choose(self.device, backend)
         self._room = backends.room(self.backend)
-        # the paper decoder's compiled mirror steps: True uses them wherever they are available, False never; None,
-        # until a decoder's warmup on a GPU turns them on (compiling is paid there)
-        self.use_fused: bool | None = True if fused else None
+        # the paper decoder's compiled mirror steps: True uses them wherever they are available, False never (a
+        # "torch" asked for by name stays eager, as the context decoder's does); None, until a decoder's warmup on a
+        # GPU turns them on (compiling is paid there)
+        self.use_fused: bool | None = True if fused else False if backend == "torch" else None
         self.nnz = int(matrix.nnz)
         transposed = matrix.T.tocsr()
         transposed.sort_indices()

@@ -151,6 +151,9 @@ def test_the_paper_decoder_takes_the_fused_mirror_steps_once_on(monkeypatch):
     op, z = _paper_state(7)
     proc = PaperGraphmaxLogitsProcessor(op.__dict__["_matrix"], device="cpu")
     proc.operator = TransitionOperator(op.__dict__["_matrix"], backend="torch")
+    # "auto" waits for a warm-up on a GPU to turn the compiled steps on; "torch" by name stays eager, as the context
+    # decoder's does, until they are turned on by hand
+    assert TransitionOperator(op.__dict__["_matrix"]).use_fused is None and proc.operator.use_fused is False
     plain = proc(None, z)
     assert proc.backend == "torch"
     proc.operator.use_fused = True
