@@ -157,6 +157,14 @@ def test_an_existing_path_is_read_as_that_file_whatever_glob_characters_its_name
         expand_corpus(str(tmp_path / "[x].csv"))
 
 
+def test_a_glob_that_matches_only_folders_is_refused_naming_one(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.txt").write_text("the cat sat\n")
+    with pytest.raises(CorpusError, match=r"the glob '.*pla\*' matches only folders, e.g. '.*plain'; pass the files"):
+        expand_corpus(str(tmp_path / "pla*"))
+    assert [f.name for f in expand_corpus(str(tmp_path / "pla*" / "*.txt"))] == ["a.txt"]
+
+
 def test_unknown_suffix(tmp_path):
     (tmp_path / "c.docx").write_text("x")
     with pytest.raises(CorpusError, match="cannot tell the format"):

@@ -94,10 +94,11 @@ def expand_corpus(corpus: CorpusSpec) -> list[Path]:
             if not matches:
                 raise CorpusError(f"no file is named {spec!r}, and the glob {spec!r} matches no file; check the "
                                   f"path, the pattern and the folder")
-            for m in matches:
-                if os.path.isdir(m) and not _named_like_corpus(m):
-                    continue  # `data/**` also matches folders
-                files.append(Path(m))
+            found = [m for m in matches if not (os.path.isdir(m) and not _named_like_corpus(m))]  # `data/**`
+            if not found:
+                raise CorpusError(f"the glob {spec!r} matches only folders, e.g. {matches[0]!r}; pass the files in "
+                                  f"them, e.g. {os.path.join(matches[0], '*.txt')!r}")
+            files.extend(Path(m) for m in found)
         else:
             if glob.has_magic(spec):
                 _warn_if_also_a_glob(spec)
