@@ -346,8 +346,7 @@ def _ours_what(r: Results, lm: LM, variant: Variant) -> str:
     if lm is LM.FINE_TUNED:
         s = r.finetune["knn"]
         return (f"context-aware graphmax with a kNN datastore of the fine-tuned LM's own states ({s['keys']:,} keys; "
-                f"β = {s['knn_weight']:g}, T = {s['knn_temperature']:g}, marginal bias weight "
-                f"{s.get('marginal_weight', 0):g}) on the fine-tuned LM")
+                f"{_knn_settings(s)}) on the fine-tuned LM")
     shots = f"a {r.prompted['documents']}-shot prompt"
     if not knn:
         return f"context-aware graphmax on the LM with {shots}"
@@ -455,6 +454,12 @@ def _on_top(r: Results, decoder: DecoderId, alone: DecoderId, alone_label: str,
     return text, _all_lower([*vs_alone.values(), *vs_ours.values()])
 
 
+def _knn_settings(knn: dict) -> str:
+    """A tuned datastore's settings as the report writes them: β, T and the marginal bias' weight."""
+    return (f"β = {knn['knn_weight']:g}, T = {knn['knn_temperature']:g}, marginal bias weight "
+            f"{knn.get('marginal_weight', 0):g}")
+
+
 def finetune_section(ft: dict) -> list[str]:
     """The fine-tuned baseline's section: the run, and graphmax re-tuned on top of it."""
     tuned = ft["tuned"]
@@ -478,9 +483,7 @@ def finetune_section(ft: dict) -> list[str]:
             f"among the neighbours of the base LM's choice, λ's scale twice, on its validation logits) in "
             f"{ft['knn']['seconds']:.0f} s after the "
             f"fine-tuning, outside its budget: "
-            f"β = {ft['knn']['knn_weight']:g}, T = {ft['knn']['knn_temperature']:g}, marginal bias weight "
-            f"{ft['knn'].get('marginal_weight', 0):g}, "
-            f"λ = {ft['knn']['tuned'].lam:g}."]),
+            f"{_knn_settings(ft['knn'])}, λ = {ft['knn']['tuned'].lam:g}."]),
         "",
     ]
 
@@ -523,8 +526,7 @@ def prompt_section(pr: dict) -> list[str]:
         + ("" if knn is None else
            f"; with the datastore (the base LM's keys, from documents without a prompt) β, T, λ's scale and the "
            f"marginal bias' weight tuned again, among the neighbours of the base LM's choice: "
-           f"β = {knn['knn_weight']:g}, T = {knn['knn_temperature']:g}, "
-           f"marginal bias weight {knn.get('marginal_weight', 0):g}, λ = {knn['tuned'].lam:g}")
+           f"{_knn_settings(knn)}, λ = {knn['tuned'].lam:g}")
         + f". Scoring the validation documents with the prompt and tuning took {pr['seconds']:.0f} s. The "
           "generated continuations of the prompted rows read the same prompt before each opening (graphmax's λ_t "
           "counts the opening's tokens on, as in scoring).",
