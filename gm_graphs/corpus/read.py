@@ -94,7 +94,7 @@ def expand_corpus(corpus: CorpusSpec) -> list[Path]:
             if not matches:
                 raise CorpusError(f"no file is named {spec!r}, and the glob {spec!r} matches no file; check the "
                                   f"path, the pattern and the folder")
-            found = [m for m in matches if not (os.path.isdir(m) and not _named_like_corpus(m))]  # `data/**`
+            found = [m for m in matches if not os.path.isdir(m) or _named_like_corpus(m)]  # `data/**`: folders
             if not found:
                 raise CorpusError(f"the glob {spec!r} matches only folders, e.g. {matches[0]!r}; pass the files in "
                                   f"them, e.g. {os.path.join(matches[0], '*.txt')!r}")
@@ -221,10 +221,9 @@ def text_bytes(files: list[Path]) -> int:
     for f in files:
         with _reading(f) as fh:
             size = os.fstat(fh.fileno()).st_size
-            if f.name.lower().endswith(".gz"):
-                if size >= 4:
-                    fh.seek(size - 4)
-                    total += int.from_bytes(fh.read(4), "little")
+            if f.name.lower().endswith(".gz") and size >= 4:
+                fh.seek(size - 4)
+                total += int.from_bytes(fh.read(4), "little")
             else:
                 total += READERS.reader_for(f.name).text_bytes(fh, str(f), size)
     return total
