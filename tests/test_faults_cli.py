@@ -5,10 +5,16 @@ that ``graphs upgrade`` would have broken, and the messages that named the wrong
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
+import os
+import re
 import shlex
 import shutil
+import signal
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +24,7 @@ from gm_graphs import build_graph, load_graph
 from gm_graphs.errors import GraphFormatError
 from pipelines.cli import main, os_error_message
 
-from .helpers import as_format_1, make_docs
+from .helpers import as_format_1, fork_child, make_docs
 
 
 def _error_line(err: str, prog: str) -> str:
@@ -320,3 +326,130 @@ def test_two_entries_naming_one_file_are_refused(small, tmp_path):
     assert str(e.value) == (f"graph {folder}: manifest fields ngrams.levels.2.files.indptr_wide_at.file and "
                             f"ngrams.levels.3.files.indptr_wide_at.file name one file {name!r}; each file has one "
                             f"entry; rebuild the graph (graphmax build … --overwrite)")
+
+
+# ---- issue 57, item 1: a report folder's clean-up removes only what eval wrote ------------------------------------
+
+USER_FILES = {"NOTES.md": "my notes\n", "my-notes/idea.txt": "an idea\n", "work/mine.txt": "mine too\n"}
+
+
+def _add_user_files(out: Path) -> None:
+    for name, text in USER_FILES.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+
+
+def _assert_only_user_files_left(out: Path, err: str) -> None:
+    from pipelines.eval.cli import REPORT_MARKER
+
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert left == sorted([REPORT_MARKER, *USER_FILES]), left  # the marker kept: the folder stays a report folder
+    assert all((out / name).read_text() == text for name, text in USER_FILES.items())
+    assert sorted(p.name for p in (out / "work").iterdir()) == ["mine.txt"]  # eval's split, lock, temp: gone
+    kept = [line for line in err.splitlines() if line.startswith("graphmax eval: kept ")]
+    assert kept == [f"graphmax eval: kept NOTES.md, my-notes/, work/mine.txt in {out}, which eval did not write; the "
+                    f"rest of this run's report was removed, and {out} stays a report folder (.graphmax-report)"], err
+
+
+@pytest.mark.parametrize("before", ["absent", "empty"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_files_a_user_adds_while_eval_runs_survive_a_signal(signum, before, tmp_path, home, monkeypatch):
+    from pipelines.eval import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *args, **kwargs: (None, None))  # the split comes first
+    corpus, out = _corpus(tmp_path, make_docs(60, seed=7)), tmp_path / "rep"
+    if before == "empty":
+        out.mkdir()
+    log, err = tmp_path / "points", tmp_path / "stderr"
+
+    def run():  # the console script's path: main's status is the process's
+        code = main(["eval", "--corpus", str(corpus), "--out", str(out), "--device", "cpu"])
+        sys.stderr.flush()
+        os._exit(code)
+
+    # paused inside the split's staged folder, as a run is after claiming --out
+    pid = fork_child(run, {"GRAPHMAX_FAULT_LOG": str(log), "GRAPHMAX_FAULT": "stage.created:pause"}, err)
+    try:
+        deadline = time.monotonic() + 300  # a bound on a stuck child, not a timing assertion
+        while time.monotonic() < deadline and "stage.created" not in (log.read_text() if log.exists() else "") \
+                and os.waitpid(pid, os.WNOHANG) == (0, 0):
+            time.sleep(0.02)
+        assert (out / ".graphmax-report").is_file() and (out / "work").is_dir(), err.read_text()[-2000:]
+        _add_user_files(out)
+        os.kill(pid, signum)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    text = err.read_text()
+    assert status == (130 if signum == signal.SIGINT else 143), text[-2000:]
+    assert text.strip().splitlines()[-1].startswith(
+        "graphmax eval: " + ("interrupted" if signum == signal.SIGINT else "terminated")), text[-2000:]
+    _assert_only_user_files_left(out, text)
+
+
+@pytest.mark.parametrize("before", ["absent", "empty"])
+@pytest.mark.parametrize("failure", [GraphFormatError("a failure after the claim; fix it"),
+                                     OSError(errno.ENOSPC, "No space left on device")], ids=["error", "disk full"])
+def test_files_a_user_adds_while_eval_runs_survive_an_error(failure, before, tmp_path, home, monkeypatch, capsys):
+    from pipelines.eval import cli, experiment
+    from pipelines.eval.cli import REPORT_FILES
+
+    monkeypatch.setattr(cli, "load_model", lambda *args, **kwargs: (None, None))
+    out = tmp_path / "top" / "rep" if before == "absent" else tmp_path / "rep"
+    if before == "empty":
+        out.mkdir()
+
+    def prepare(args, tok, work):  # everything eval writes, the user's notes meanwhile, then the failure
+        for name in ("split", "graph", "datastore", "datastore-fine-tuned"):
+            (work / name).mkdir(parents=True)
+            (work / name / "x.npy").write_bytes(b"\0")
+        (work / ".graph.lock").write_bytes(b"")
+        (work / ".datastore.tmp-0123456789ab").mkdir()
+        for name in REPORT_FILES:
+            (work.parent / name).write_bytes(b"eval's")
+        _add_user_files(work.parent)
+        raise failure
+    monkeypatch.setattr(experiment, "prepare", prepare)
+    assert main(["eval", "--corpus", str(_corpus(tmp_path, make_docs(60, seed=7))), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    _assert_only_user_files_left(out, err)
+    assert err.strip().splitlines()[-1].startswith("graphmax eval: error: ")
+    # still a report folder: a later run is let in, writes its report beside the notes and keeps them
+    monkeypatch.setattr(experiment, "prepare", lambda args, tok, work: (_ for _ in ()).throw(failure))
+    assert main(["eval", "--corpus", str(_corpus(tmp_path, make_docs(60, seed=7))), "--out", str(out)]) == 2
+    assert "is a folder graphmax did not write" not in capsys.readouterr().err
+    assert all((out / name).read_text() == text for name, text in USER_FILES.items())
+
+
+def test_every_name_eval_writes_into_its_folder_is_one_the_clean_up_knows():
+    from pipelines.eval.cli import REPORT_FILES, WORK, WORK_FOLDERS
+
+    root = Path(__file__).resolve().parents[1] / "pipelines"
+    sources = {p.name: p.read_text() for p in [*sorted((root / "eval").glob("*.py")), root / "figures.py"]}
+    written = {m for text in sources.values() for m in re.findall(r"\bout / \"([^\"]+)\"", text)}
+    in_work = {m for text in sources.values() for m in re.findall(r"\bwork / \"([^\"]+)\"", text)}
+    assert written and in_work  # the patterns still find the writes
+    assert written <= REPORT_FILES | {WORK}, written - REPORT_FILES
+    assert in_work <= WORK_FOLDERS, in_work - WORK_FOLDERS
+
+
+@pytest.mark.parametrize("target", ["an empty folder", "an earlier report", "nothing"])
+def test_eval_out_given_a_symlink_is_refused_naming_it_and_what_it_points_to(target, tmp_path, home,
+                                                                             no_eval_model, capsys):
+    real, link = tmp_path / "real", tmp_path / "link"
+    if target != "nothing":
+        real.mkdir()
+    if target == "an earlier report":
+        (real / ".graphmax-report").write_text("{}\n")
+        (real / "report.md").write_text("the earlier report\n")
+    before = sorted(p.name for p in real.iterdir()) if real.exists() else None
+    link.symlink_to(real)
+    argv = ["eval", "--corpus", str(_corpus(tmp_path, make_docs(60, seed=7))), "--out", str(link)]
+    assert main(argv) == 2
+    assert _error_line(capsys.readouterr().err, "graphmax eval") == (
+        f"--out {link} is a symlink (to {real}); graphmax writes a report only into a folder named by its own path, "
+        f"never through a link: pass --out {real}")
+    assert link.is_symlink() and (sorted(p.name for p in real.iterdir()) if real.exists() else None) == before

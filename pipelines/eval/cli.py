@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from gm_graphs import bundled
+from gm_graphs.errors import NotOwnedError
 from gm_graphs.store.folders import REPORT_MARKER, claim_folder
 
 from ..args import CLEAN_HELP, MAX_SEED, integer, number, numbers
@@ -96,6 +99,7 @@ def run(args) -> int:
 def run_eval(args) -> Path:
     """Check what can be checked before the report's folder is made (the device, the corpus, the model), then
     measure into that folder; returns it."""
+    check_out(Path(args.out))
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     check_corpus(args)
@@ -114,25 +118,84 @@ def _absent_folders(path: Path) -> list[Path]:
     return absent[::-1]
 
 
-def _empty_report(folder: Path) -> None:
-    """Remove what a run wrote into ``folder``, its marker last: a kill midway leaves it claimable again."""
-    for entry in os.scandir(folder):
-        if entry.name == REPORT_MARKER:
+# Every name eval writes into --out (experiment.evaluate: report.write_tables, write_ab_sheet, write_report and
+# probes.draw's figures; work/ holds data.prepare's split and graph and the datastores of experiment.fit and
+# baselines.finetuned): a clean-up removes these and nothing else, so a file the user put there while eval ran stays.
+REPORT_FILES = frozenset({
+    "report.md", "perplexity.csv", "generation.csv", "tuning.csv", "ab_sheet.csv", "ab_key.csv", "ab_sheet.html",
+    "lambda_perplexity.png", "lambda_bleu.png", "solver_convergence.png", "top10_tokens.png"})
+WORK = "work"
+WORK_FOLDERS = frozenset({"split", "graph", "datastore", "datastore-fine-tuned"})
+# beside each of them while it is written: its lock file and the temporary or moved-aside folder of its writer
+_WORK_TEMPORARY = re.compile(rf"\.({'|'.join(map(re.escape, sorted(WORK_FOLDERS)))})\.(lock|(tmp|old)-[0-9a-f]{{12}})")
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before anything loads, an ``--out`` that is a symlink: the report and its clean-up act only on the
+    folder named, never through a link to another one."""
+    if os.path.islink(out):
+        target = os.path.realpath(out)
+        raise NotOwnedError(f"--out {out} is a symlink (to {target}); graphmax writes a report only into a folder "
+                            f"named by its own path, never through a link: pass --out {target}")
+
+
+def _remove_written(folder: Path, names: frozenset[str], folders: frozenset[str],
+                    temporary: re.Pattern | None = None) -> list[str]:
+    """Remove from ``folder`` the files named in ``names`` and the folders in ``folders`` (or matching
+    ``temporary``), each only if it is of that kind; returns the names of what is left, a folder's ending in '/'."""
+    kept = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        is_dir = entry.is_dir(follow_symlinks=False)
+        try:
+            if is_dir and (entry.name in folders or (temporary is not None and temporary.fullmatch(entry.name))):
+                shutil.rmtree(entry.path)
+                continue
+            if not is_dir and (entry.name in names or (temporary is not None and temporary.fullmatch(entry.name))):
+                os.unlink(entry.path)
+                continue
+        except FileNotFoundError:
             continue
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
+        except OSError:
+            pass  # it could not be removed: named with what is kept
+        kept.append(entry.name + ("/" if is_dir else ""))
+    return kept
+
+
+def _empty_report(folder: Path) -> list[str]:
+    """Remove what eval writes into ``folder``, by name (``REPORT_FILES``, ``work/`` and what eval writes in it),
+    and return what is left, which eval did not write: a user's notes put there while it ran. Only when nothing is
+    left is the marker removed too, last, so that a kill midway leaves the folder claimable again; a folder that
+    still holds the user's files keeps its marker and stays a report folder, into which a later eval writes only
+    its own names."""
+    kept = _remove_written(folder, REPORT_FILES, frozenset())
+    if f"{WORK}/" in kept:
+        inside = _remove_written(folder / WORK, frozenset(), WORK_FOLDERS, _WORK_TEMPORARY)
+        if inside:
+            kept[kept.index(f"{WORK}/"):kept.index(f"{WORK}/") + 1] = [f"{WORK}/{name}" for name in inside]
         else:
-            os.unlink(entry.path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(folder / REPORT_MARKER)
+            os.rmdir(folder / WORK)
+            kept.remove(f"{WORK}/")
+    kept = [name for name in kept if name != REPORT_MARKER]
+    if not kept:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(folder / REPORT_MARKER)
+    return kept
+
+
+def _say_kept(folder: Path, kept: list[str]) -> None:
+    shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+    print(f"graphmax eval: kept {shown} in {folder}, which eval did not write; the rest of this run's report was "
+          f"removed, and {folder} stays a report folder ({REPORT_MARKER})", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def report_folder(out: Path) -> Iterator[Path]:
     """``out`` claimed for the report (``claim_folder``: absent, empty or a report graphmax wrote, never a user's
-    folder); if the block fails, what this run made is removed: the folders it created (``out`` and any parent that
-    was missing), or the contents of an ``out`` that was empty. A report folder from an earlier run is left as it
-    is, for it was there before."""
+    folder, nor a symlink); if the block fails, what this run made is removed: the folders it created (``out`` and
+    any parent that was missing), or what it wrote into an ``out`` that was empty, by name (``_empty_report``):
+    anything else, put there while eval ran, is kept, and one line names it. A report folder from an earlier run is
+    left as it is, for it was there before."""
+    check_out(out)
     absent = _absent_folders(out)
     was_empty = not absent and out.is_dir() and not out.is_symlink() and not any(out.iterdir())
     created: list[Path] = []
@@ -143,9 +206,12 @@ def report_folder(out: Path) -> Iterator[Path]:
                 created.append(folder)
         yield claim_folder(out)
     except BaseException:
+        kept = []
         with contextlib.suppress(OSError):  # best effort: the failure that got here is the one to report
             if out in created or was_empty:
-                _empty_report(out)
+                kept = _empty_report(out)
             for folder in reversed(created):
-                os.rmdir(folder)  # empty now; a folder another process put something in stays
+                os.rmdir(folder)  # empty now; a folder holding the user's files stays
+        if kept:
+            _say_kept(out, kept)
         raise
