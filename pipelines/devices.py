@@ -26,7 +26,8 @@ def resolve_device(name: str | torch.device | None = None) -> torch.device:
         ``torch.device``: with its index for a GPU (``cuda:0`` for ``cuda``), so that tensors compare equal.
 
     Raises:
-        GraphmaxError: a name torch does not know, or a GPU this machine does not have (one line, with the fix).
+        GraphmaxError: a name torch does not know, a CPU index other than 0, or a GPU this machine does not have
+            (one line, with the fix).
 
     Example::
 
@@ -41,6 +42,9 @@ def resolve_device(name: str | torch.device | None = None) -> torch.device:
     except (RuntimeError, TypeError) as e:
         raise GraphmaxError(f"--device {name!r} is not a device torch knows; use 'cpu', 'cuda' or 'cuda:N'") from e
     if device.type == "cpu":
+        if device.index not in (None, 0):  # torch runs on every core as the one device cpu (cpu:0)
+            raise GraphmaxError(f"--device {name!r}: the CPU is one device, with no index {device.index} (torch "
+                                f"uses every core on it); use --device cpu")
         return torch.device("cpu")
     if device.type != "cuda":
         raise GraphmaxError(f"--device {name!r}: graphmax runs on 'cpu' or 'cuda' devices; use one of them")

@@ -43,7 +43,7 @@ def corpus_graph(tmp_path_factory, tiny_llama):
 
 
 def test_devices_resolve_to_what_is_asked_and_default_to_what_is_here(monkeypatch):
-    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cpu") == resolve_device("cpu:0") == torch.device("cpu")
     assert resolve_dtype(None, torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == resolve_dtype(torch.bfloat16, torch.device("cpu")) \
         == torch.bfloat16
@@ -54,6 +54,7 @@ def test_devices_resolve_to_what_is_asked_and_default_to_what_is_here(monkeypatc
 @pytest.mark.parametrize(("device", "dtype", "says"), [
     ("cuda", None, "CUDA is not available here"), ("cuda:1", None, "CUDA is not available here"),
     ("mps", None, "runs on 'cpu' or 'cuda'"), ("gpu0", None, "not a device torch knows"),
+    ("cpu:1", None, "the CPU is one device, with no index 1"), ("cpu:7", "float32", "no index 7"),
     ("cpu", "float16", "float16 on the CPU"), ("cpu", "int8", "not one graphmax runs a model in")])
 def test_a_device_or_dtype_this_machine_cannot_give_is_refused_in_one_line(monkeypatch, device, dtype, says):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -83,6 +84,19 @@ def test_each_command_says_in_one_line_that_cuda_is_absent_before_loading_anythi
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"graphmax {command}: error: --device 'cuda' but CUDA is not available" in err
     assert not loaded and not out.exists()  # nothing loaded, no report or datastore folder begun
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_refuses_a_cpu_index_in_one_line_before_loading_anything(
+        command, corpus_graph, tmp_path, monkeypatch, capsys):
+    loaded = []
+    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
+        monkeypatch.setattr(f"pipelines.{module}.load_model", lambda *a, **k: loaded.append(a))
+    out = tmp_path / "out"
+    assert main([*_argv(command, *corpus_graph, out), "--device", "cpu:1"]) == 2
+    assert capsys.readouterr().err == (f"graphmax {command}: error: --device 'cpu:1': the CPU is one device, with no "
+                                       f"index 1 (torch uses every core on it); use --device cpu\n")
+    assert not loaded and not out.exists()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
