@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -10,16 +11,23 @@ import torch
 from gm_graphs import GraphmaxError, bundled, load_tokenizer
 from gm_graphs.errors import TokenizerError
 
+from . import model_cache
 from .devices import resolve_device, resolve_dtype
 
 DEFAULT_MODEL = "smollm2"
+
+
+def _spec_path(spec: str | os.PathLike) -> Path:
+    return Path(str(bundled.smollm2_gguf()) if spec == DEFAULT_MODEL else os.fspath(spec))
 
 
 def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.device | None = None,
                dtype: str | torch.dtype | None = None):
     """``(model, tokenizer)`` from 'smollm2' (bundled GGUF), a .gguf file or a local model folder, on ``device``.
 
-    GGUF weights are dequantised to ``dtype`` by transformers; nothing is downloaded.
+    A GGUF file is converted once into graphmax's model cache (:mod:`pipelines.model_cache`), which later loads
+    read in about a second; the model is the one transformers makes from the GGUF file, bit for bit. Nothing is
+    downloaded.
 
     Args:
         spec (``str`` or ``os.PathLike``, defaults to ``"smollm2"``): the bundled model, a ``.gguf`` file or a
@@ -34,25 +42,104 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.d
     Raises:
         GraphmaxError: a device this machine lacks, or a model that cannot be loaded (one line, with the fix).
     """
-    from transformers import AutoModelForCausalLM
-
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    path = Path(str(bundled.smollm2_gguf()) if spec == DEFAULT_MODEL else os.fspath(spec))
-    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {"local_files_only": True}
-    folder = str(path.parent) if path.suffix == ".gguf" else str(path)
+    path = _spec_path(spec)
     try:
-        tok = load_tokenizer(path)  # a GGUF file's from graphmax's tokenizer cache; a folder's as transformers reads it
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+        if path.suffix == ".gguf":
+            model, tok = _load_gguf(path, dtype)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            tok = load_tokenizer(path)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     except Exception as e:  # transformers raises many kinds here; all mean "cannot load"
-        cause = e.__cause__ if isinstance(e, TokenizerError) and e.__cause__ is not None else e  # the fix is ours
-        first = str(cause).splitlines()[0] if str(cause) else ""
-        raise GraphmaxError(f"cannot load the model {spec!r} ({type(cause).__name__}: {first}); pass 'smollm2', a "
-                            f".gguf file or a local model folder (no network)") from e
+        raise _cannot_load(spec, e) from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.to(device).eval()
     return model, tok
+
+
+def _cannot_load(spec, e: Exception) -> GraphmaxError:
+    cause = e.__cause__ if isinstance(e, TokenizerError) and e.__cause__ is not None else e  # the fix is ours
+    first = str(cause).splitlines()[0] if str(cause) else ""
+    return GraphmaxError(f"cannot load the model {spec!r} ({type(cause).__name__}: {first}); pass 'smollm2', a "
+                         f".gguf file or a local model folder (no network)")
+
+
+_warned = False  # a cache that cannot be written once cannot be written again: one warning per process
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    """The GGUF file's model, through the model cache, and its tokenizer (from the tokenizer cache). Where the
+    model cache cannot be written, the model is read from the GGUF file with one warning per process, which also
+    stands for the tokenizer cache's (both live in ``$GRAPHMAX_HOME``)."""
+    global _warned
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings(record=True) as tokenizer_warnings:
+        warnings.simplefilter("always")
+        tok = load_tokenizer(path)
+    try:
+        with model_cache.cached_entry(path) as entry:
+            model = AutoModelForCausalLM.from_pretrained(str(entry.read_path), dtype=dtype, local_files_only=True)
+        model.name_or_path = model.config.name_or_path = str(path)  # not the descriptor's path it was read through
+        for w in tokenizer_warnings:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return model, tok
+    except model_cache.CacheUnwritable as failed:
+        if not _warned:
+            _warned = True
+            ignored = f" (the entry there {failed.ignored})" if failed.ignored else ""
+            warnings.warn(f"graphmax cannot cache the model {path}: writing in {failed.where} failed "
+                          f"({failed.why}){ignored}; it is read from the GGUF file at each load (10-40 s) until it "
+                          f"can be; free space there or make it writable, or set GRAPHMAX_HOME to a writable folder",
+                          RuntimeWarning, stacklevel=3)
+        if failed.model is not None and dtype == torch.float32:
+            model = failed.model  # converted in float32 already
+        else:
+            model = model_cache.load_gguf(path, dtype)
+        model.name_or_path = model.config.name_or_path = str(path)
+        return model, tok
+
+
+def model_folder(spec: str | os.PathLike = DEFAULT_MODEL) -> Path:
+    """A ``save_pretrained`` folder holding the model and tokenizer of ``spec``, for a library that reads folders
+    (vLLM): a GGUF file's entry in the model cache (converted first when it has none), or the folder given.
+
+    Args:
+        spec (``str`` or ``os.PathLike``, defaults to ``"smollm2"``): the bundled model, a ``.gguf`` file or a
+            ``save_pretrained`` folder.
+
+    Returns:
+        ``pathlib.Path``: the folder; a GGUF file's holds ``config.json``, ``model.safetensors`` (float32) and the
+        tokenizer's files.
+
+    Raises:
+        GraphmaxError: no such file or folder, a GGUF file that cannot be read, or a model cache that cannot be
+            written (one line, with the fix).
+
+    Example::
+
+        >>> folder = model_folder("smollm2")  # doctest: +SKIP
+        >>> sorted(p.name for p in folder.glob("*.json"))  # doctest: +SKIP
+        ['config.json', 'generation_config.json', 'graphmax-model.json', 'tokenizer.json', 'tokenizer_config.json']
+    """
+    path = _spec_path(spec)
+    if path.suffix != ".gguf":
+        if not path.is_dir():
+            raise GraphmaxError(f"no model folder at {str(path)!r}; pass 'smollm2', a .gguf file or a folder that "
+                                f"save_pretrained wrote")
+        return path
+    try:
+        with model_cache.cached_entry(path) as entry:
+            return entry.path
+    except model_cache.CacheUnwritable as failed:
+        raise GraphmaxError(f"cannot write the model cache in {failed.where} ({failed.why}); free space there or "
+                            f"make it writable, or set GRAPHMAX_HOME to a writable folder") from None
+    except (OSError, ValueError) as e:
+        raise _cannot_load(spec, e) from e
 
 
 def check_fits(graph, model, tok) -> None:
