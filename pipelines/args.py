@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 from gm_graphs import expand_corpus
 from gm_graphs.errors import CorpusError
 
 __all__ = ["MAX_SEED", "CLEAN_HELP", "integer", "number", "integers", "numbers", "nonblank", "CorpusFiles",
-           "corpus_error"]
+           "corpus_error", "model_error"]
 
 
 # the largest seed: numpy's legacy seeds, torch's and the split's hash key all take it
@@ -119,6 +120,28 @@ def corpus_error(args: argparse.Namespace) -> str | None:
     except CorpusError as e:
         return str(argparse.ArgumentError(action, str(e)))
     return None
+
+
+# what transformers reads a tokenizer from in a model folder: the fast tokenizer's file, or a slow tokenizer's
+# vocabulary (SentencePiece, BPE, WordPiece, tiktoken), which tokenizer_config.json names the class of
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
+def model_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with a ``--model`` folder that can be told before it loads (as argparse words it), or None:
+    a folder with no tokenizer in it, which transformers reports only as a failed load."""
+    from gm_graphs.tokenize.encoder import BUNDLED_ALIASES
+
+    spec = getattr(args, "model", None)
+    if not isinstance(spec, (str, os.PathLike)) or spec in BUNDLED_ALIASES or not os.path.isdir(spec):
+        return None
+    names = set(os.listdir(spec))
+    if names.intersection(TOKENIZER_FILES) or any(name.endswith(".tiktoken") for name in names):
+        return None
+    return (f"argument --model: the model folder {os.fsdecode(spec)} has no tokenizer (no tokenizer.json, nor the "
+            f"vocabulary of one: {', '.join(TOKENIZER_FILES[1:])}); save the model's tokenizer into it with "
+            f"tokenizer.save_pretrained(folder)")
 
 
 def _within(value: float, at_least: float | None, above: float | None, below: float | None) -> bool:

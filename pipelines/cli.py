@@ -9,24 +9,34 @@ SIGTERM (``kill``'s default, and what schedulers send) ends a command as Ctrl-C 
 thread as :class:`Terminated`, so the cleanup a failure runs (a staged folder removed, a lock released) runs too,
 and the command prints one line and exits with status 143 (128 + SIGTERM). A second SIGTERM while that cleanup
 runs ends the process at once, as a kill would; the next writer of that graph removes what it left.
+
+The line of a command that writes a folder says whether its write was committed (``graphmax build: interrupted;
+nothing was written: …/g is as it was``, or ``…/g was written whole before it stopped (committed)``). As the process'
+entry point, once that line or the command's status is known, a further Ctrl-C or SIGTERM prints one line and exits
+at once, so a late signal never ends the process by the signal itself with nothing said. Paths whose names are not
+UTF-8 print as backslash escapes (``\\xff`` as ``\\udcff``) on any stdout and stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
+import io
 import os
 import re
 import signal
+import stat
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from gm_graphs import GraphmaxError
 
-from .args import corpus_error
+from .args import corpus_error, model_error
 
 DESCRIPTION = """Make a pretrained language model write like your corpus, without fine-tuning: build a
 word-transition graph from the corpus in the model's tokens, then decode with graphmax, a softmax
@@ -119,20 +129,51 @@ def _check_path_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names (``sys.argv[1:]`` when None) and return its exit status.
+
+    Called with ``argv=None`` it is the process's entry point (the console script, ``python -m pipelines.cli``):
+    once the status is known, a Ctrl-C or SIGTERM no longer raises but prints one line saying how the command had
+    ended and exits at once, so that a late signal never ends the process silently by the signal itself.
+    """
+    entry = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
+    restore_streams = tolerant_streams()
+    state = _Run(f"graphmax {argv[0]}" if argv and argv[0] in JOBS else "graphmax")
+    # signal handlers can only be set from the main thread; a caller on another thread keeps its own, and a SIGTERM
+    # a parent set to be ignored stays ignored
+    on_main = threading.current_thread() is threading.main_thread()
+    catch_term = on_main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    previous = signal.signal(signal.SIGTERM, _terminate) if catch_term else None
+    code = None
+    try:
+        try:
+            code = _run(argv, state)
+            if entry and on_main:  # a signal before this line is an interrupt of the command, said below
+                _exit_on_signal({how: state.ended_line(code, how) for how in _LATE})
+        except KeyboardInterrupt:
+            code = state.stopped("interrupted", 130, entry and on_main)
+        except Terminated:
+            code = state.stopped("terminated", 143, entry and on_main)
+        return code
+    finally:
+        if code is None or not (entry and on_main):  # an entry point's handlers stay: the process is ending
+            if catch_term:  # None: a handler set outside Python, which cannot be put back; the default instead
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if not entry:
+                restore_streams()
+
+
+def _run(argv: list[str], state: _Run) -> int:
+    """Parse ``argv`` and run its command; graphmax's and the file system's errors become one line and status 2."""
     parser, commands = make_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse leaves these to the top parser: name the command they were given to
         commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    bad_corpus = corpus_error(args)  # checked after every other argument: a mistyped option is named first
-    if bad_corpus:
-        commands[args.command].error(bad_corpus)
-    prog = f"graphmax {args.command}"
-    # signal handlers can only be set from the main thread; a caller on another thread keeps its own, and a SIGTERM
-    # a parent set to be ignored stays ignored
-    on_main = threading.current_thread() is threading.main_thread() \
-        and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
+    bad = corpus_error(args) or model_error(args)  # after every other argument: a mistyped option is named first
+    if bad:
+        commands[args.command].error(bad)
+    prog = state.prog = f"graphmax {args.command}"
+    state.watch(args)
     try:
         return int(args.run(args) or 0)
     except GraphmaxError as e:
@@ -147,15 +188,142 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno not in OS_ERRORS:
             raise
         return fail(prog, os_error_message(e, args))
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-    except Terminated:
-        print(f"{prog}: terminated", file=sys.stderr)
-        return 143
-    finally:
-        if on_main:  # None: a handler set outside Python, which cannot be put back from here; the default instead
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+class _Run:
+    """What an interrupt's line says: the command, and whether the folder it writes was committed, known by
+    comparing that folder as it was before the command ran with what is there when it stops.
+
+    Every graphmax writer commits a graph, split, datastore or decoder choice in one step (a rename, or a manifest
+    replaced), so a folder that changed was written whole; eval's report, written file by file, is complete only
+    once its report.md is new.
+    """
+
+    def __init__(self, prog: str) -> None:
+        self.prog = prog
+        self.target: Path | None = None
+        self.before: object = None
+        self.started = False
+
+    def watch(self, args: argparse.Namespace) -> None:
+        self.started = True
+        self.target = write_target(args)
+        self.before = _state(self.target) if self.target is not None else None
+
+    def outcome(self) -> str | None:
+        """Whether the write was committed, in words; None when the command writes no folder."""
+        if not self.started:
+            return "nothing was written"
+        if self.target is None:
+            return None
+        after = _state(self.target)
+        if after == self.before:
+            return f"nothing was written: {self.target} is as it was"
+        if self.prog == "graphmax eval":  # report.md is written last: a new one means a whole report
+            if any(entry[0] == "report.md" for entry in _entries(after) - _entries(self.before)):
+                return f"the report in {self.target} was written whole"
+            return f"{self.target} holds no complete report of this run (not committed)"
+        return f"{self.target} was written whole before it stopped (committed)"
+
+    def stopped(self, how: str, code: int, entry: bool) -> int:
+        """Print the line of a command stopped by a signal (``how``: interrupted, terminated); returns ``code``."""
+        if entry:  # another signal from here on: this line, at once, and the exit
+            _exit_on_signal(dict.fromkeys(_LATE, f"{self.prog}: {how}\n"), code)
+        outcome = self.outcome()
+        line = f"{self.prog}: {how}" + (f"; {outcome}" if outcome else "")
+        if entry:
+            _exit_on_signal(dict.fromkeys(_LATE, f"{line}\n"), code)
+        print(line, file=sys.stderr, flush=True)
+        return code
+
+    def ended_line(self, code: int, how: str) -> str:
+        """The line a signal (``how``: interrupted, terminated) prints once the command has ended with ``code``."""
+        outcome = self.outcome() if code == 0 else None
+        written = f"; {outcome}" if outcome and not outcome.startswith("nothing") else ""
+        return f"{self.prog}: {how} as it exited, after the command had ended with status {code}{written}\n"
+
+
+def write_target(args: argparse.Namespace) -> Path | None:
+    """The folder ``args``' command writes (a graph, a datastore, a report), or None."""
+    from gm_graphs.store.folders import graph_path, target_folder
+
+    try:
+        if args.command in ("build", "merge"):
+            return target_folder(args.name, args.path)
+        if args.command in ("datastore", "eval"):
+            return Path(args.out)
+        if args.command == "tune" or (args.command == "graphs" and args.run.__name__ == "run_upgrade"):
+            return graph_path(args.graph_path if args.graph_path is not None else args.graph)
+    except (GraphmaxError, AttributeError, TypeError, ValueError):  # the command refuses it in its own words
+        return None
+    return None
+
+
+def _state(path: Path) -> object:
+    """What ``path`` is now, to compare: None if absent, else its identity and that of each entry in it."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+        entries = []
+        for entry in os.scandir(path):
+            with contextlib.suppress(FileNotFoundError):
+                e = entry.stat(follow_symlinks=False)
+                entries.append((entry.name, e.st_ino, e.st_mtime_ns, e.st_size))
+        return st.st_dev, st.st_ino, frozenset(entries)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return ("unreadable", e.errno)
+
+
+def _entries(state: object) -> frozenset:
+    return state[2] if isinstance(state, tuple) and len(state) == 3 else frozenset()
+
+
+_LATE = {"interrupted": signal.SIGINT, "terminated": signal.SIGTERM}
+_late_lines: dict[int, bytes] = {}
+_late_code: int | None = None
+
+
+def _exit_on_signal(lines: dict[str, str], code: int | None = None) -> None:
+    """From now on, a Ctrl-C or SIGTERM writes its line of ``lines`` (by the word for it: interrupted,
+    terminated) to stderr and ends the process at once, with ``code`` (None: 128 + the signal)."""
+    global _late_code
+    _late_code = code
+    for how, signum in _LATE.items():
+        _late_lines[signum] = lines[how].encode("utf-8", "backslashreplace")
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _late_signal)
+
+
+def _late_signal(signum, frame) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a flush this signal interrupted: what it held is lost either way
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, _late_lines.get(signum, b""))
+    os._exit(128 + signum if _late_code is None else _late_code)
+
+
+def tolerant_streams() -> Callable[[], None]:
+    """stdout and stderr set to write what they cannot encode as backslash escapes (``\\udcff``), so that a path
+    whose name is not UTF-8 (a str holding ``os.fsdecode``'s surrogates) prints on a strict UTF-8 stream instead of
+    raising UnicodeEncodeError; returns the function that puts their error handlers back."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        if errors in ("backslashreplace", "surrogateescape", "replace") or not hasattr(stream, "reconfigure"):
+            continue  # surrogateescape (the C locale's) writes the name's own bytes back
+        with contextlib.suppress(ValueError, AttributeError, io.UnsupportedOperation):
+            stream.reconfigure(errors="backslashreplace")
+            changed.append((stream, errors))
+
+    def restore() -> None:
+        for stream, errors in changed:
+            with contextlib.suppress(ValueError, AttributeError, io.UnsupportedOperation):
+                stream.reconfigure(errors=errors)
+    return restore
 
 
 def fail(prog: str, message: str) -> int:

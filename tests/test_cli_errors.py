@@ -8,12 +8,14 @@ input file, and one bad argument per command, also runs as `python -m pipelines.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import gzip
 import os
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -345,3 +347,169 @@ def test_file_system_error_names_the_path_in_a_child(csv_corpus, bpe_tokenizer_f
     assert run.returncode == 2, run.stderr[-3000:]
     line = _one_error_line(run.stderr, "graphmax build")
     assert "home-is-a-file" in line and "check the path" in line
+
+
+# ---- issue 57: paths that are not UTF-8, a model folder with no tokenizer, what an interrupt says ----------------
+
+def _strict_cli(args: list[str], home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GRAPHMAX_HOME": str(home), "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8:strict",
+           "LC_ALL": "C.UTF-8"}
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, env=env, cwd=ROOT,
+                          timeout=300)
+
+
+def test_a_folder_whose_name_is_not_utf8_prints_on_a_strict_utf8_stdout(tmp_path, csv_corpus, bpe_tokenizer_file):
+    home, corpus = tmp_path / "home", str(csv_corpus[0])
+    graph = os.fsdecode(os.fsencode(tmp_path) + b"/g2\xff")  # a name with a byte that is not UTF-8
+    shown = os.fsencode(tmp_path) + b"/g2\\udcff"  # how it prints: escaped, never UnicodeEncodeError
+    built = _strict_cli(["build", corpus, "--tokenizer", str(bpe_tokenizer_file), "--path", graph], home)
+    assert built.returncode == 0 and b"Traceback" not in built.stderr, built.stderr[-3000:]
+    assert b"at " + shown in built.stdout and os.path.isdir(graph)
+    info = _strict_cli(["graphs", "info", "--path", graph], home)
+    assert info.returncode == 0 and b"at " + shown in info.stdout, info.stderr[-3000:]
+    again = _strict_cli(["build", corpus, "--tokenizer", str(bpe_tokenizer_file), "--path", graph], home)
+    assert again.returncode == 2 and again.stderr.count(b"\n") == 1 and shown in again.stderr, again.stderr[-3000:]
+    missing = _strict_cli(["graphs", "info", "--path", graph + "-missing"], home)
+    assert missing.returncode == 2 and missing.stderr.startswith(b"graphmax graphs: error: no graph folder ") \
+        and missing.stderr.count(b"\n") == 1 and shown + b"-missing" in missing.stderr, missing.stderr[-3000:]
+
+
+def test_the_streams_are_put_back_after_an_in_process_run(home, capsys):
+    errors = (sys.stdout.errors, sys.stderr.errors)
+    assert main(["graphs", "list"]) == 0
+    assert (sys.stdout.errors, sys.stderr.errors) == errors
+
+
+def _model_folder(folder: Path, *names: str) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"")
+    for name in names:
+        (folder / name).write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--graph", "g", "--prompt", "x"], ["tune", "g", "--corpus", CORPUS],
+    ["eval", "--corpus", CORPUS], ["datastore", "--corpus", CORPUS, "--out", "ds"]], ids=lambda a: a[0])
+def test_a_model_folder_without_a_tokenizer_is_refused_in_one_line_before_it_loads(argv, tmp_path, home,
+                                                                                   csv_corpus, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    folder = _model_folder(tmp_path / "m", "tokenizer_config.json")  # save_pretrained's, less tokenizer.json
+    argv = [str(csv_corpus[0]) if a == CORPUS else a for a in argv] + ["--model", str(folder)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert _one_error_line(capsys.readouterr().err, f"graphmax {argv[0]}") == (
+        f"graphmax {argv[0]}: error: argument --model: the model folder {folder} has no tokenizer (no "
+        f"tokenizer.json, nor the vocabulary of one: tokenizer.model, spiece.model, sentencepiece.bpe.model, "
+        f"vocab.json, vocab.txt); save the model's tokenizer into it with tokenizer.save_pretrained(folder)")
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "eval-report").exists()
+
+
+@pytest.mark.parametrize("names", [("tokenizer.json",), ("tokenizer_config.json", "tokenizer.model"),
+                                   ("vocab.json", "merges.txt"), ("qwen.tiktoken",)])
+def test_a_model_folder_with_a_tokenizer_passes_the_check(names, tmp_path):
+    from pipelines.args import model_error
+
+    assert model_error(argparse.Namespace(model=str(_model_folder(tmp_path / "m", *names)))) is None
+    assert model_error(argparse.Namespace(model="smollm2")) is None
+
+
+def _interrupt_at(monkeypatch, point: str, signal_error: type[BaseException]) -> None:
+    """Raise ``signal_error`` (as Ctrl-C or SIGTERM would) when a write reaches the fault point ``point``."""
+    from gm_graphs.store import folders
+
+    def fault_point(name):
+        if name == point:
+            raise signal_error()
+    monkeypatch.setattr(folders, "fault_point", fault_point)
+
+
+@pytest.mark.parametrize("point, committed", [("stage.filled", False), ("stage.unmarked", False),
+                                              ("commit.renamed", True), ("commit.exchanged", True)])
+@pytest.mark.parametrize("how", ["interrupted", "terminated"])
+def test_an_interrupted_build_says_whether_its_graph_was_committed(how, point, committed, home, csv_corpus,
+                                                                   bpe_tokenizer_file, monkeypatch, capsys):
+    from gm_graphs import load_graph
+    from pipelines.cli import Terminated
+
+    argv = ["build", str(csv_corpus[0]), "--tokenizer", str(bpe_tokenizer_file), "--name", "g"]
+    if point == "commit.exchanged":  # an old graph, replaced in one step
+        assert main(argv) == 0
+        argv.append("--overwrite")
+    before = sorted(os.listdir(home / "graphs")) if (home / "graphs").is_dir() else []
+    old = (home / "graphs" / "g" / "manifest.json").read_bytes() if "--overwrite" in argv else None
+    capsys.readouterr()
+    _interrupt_at(monkeypatch, point, KeyboardInterrupt if how == "interrupted" else Terminated)
+    assert main(argv) == (130 if how == "interrupted" else 143)
+    target = home / "graphs" / "g"
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    if committed:
+        assert last == f"graphmax build: {how}; {target} was written whole before it stopped (committed)"
+        assert load_graph("g").manifest["corpus"]["documents"] > 0
+    else:
+        assert last == f"graphmax build: {how}; nothing was written: {target} is as it was"
+        assert (sorted(os.listdir(home / "graphs")) if (home / "graphs").is_dir() else []) == before
+    if old is not None and not committed:
+        assert (target / "manifest.json").read_bytes() == old
+
+
+_ENTRY = """
+import os, signal, sys, time
+from pipelines import build, cli
+how, when = sys.argv[1:3]
+signum = signal.SIGINT if how == "interrupted" else signal.SIGTERM
+if when == "while reporting":  # the command is interrupted, then the signal comes again as the line is made
+    def run_list(args):
+        raise KeyboardInterrupt
+    build.run_list = run_list
+    outcome = cli._Run.outcome
+    def late(self):
+        os.kill(os.getpid(), signum)
+        time.sleep(30)
+        return outcome(self)
+    cli._Run.outcome = late
+sys.argv = ["graphmax", "graphs", "list"]
+code = cli.main()
+os.kill(os.getpid(), signum)  # as the process exits
+time.sleep(30)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("when", ["after the command ended", "while reporting"])
+@pytest.mark.parametrize("how", ["interrupted", "terminated"])
+def test_a_late_signal_prints_one_line_and_never_ends_the_process_by_itself(how, when, home):
+    env = {**os.environ, "GRAPHMAX_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", _ENTRY, how, when], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=120)
+    lines = run.stderr.strip().splitlines()
+    if when == "after the command ended":
+        assert run.returncode == (130 if how == "interrupted" else 143), run.stderr[-3000:]
+        assert lines == [f"graphmax graphs: {how} as it exited, after the command had ended with status 0"]
+    else:  # the first interrupt's line, said once the second came, and its status
+        assert run.returncode == 130 and lines == ["graphmax graphs: interrupted"], run.stderr[-3000:]
+
+
+def test_ctrl_c_after_a_build_committed_says_so_in_a_child(tmp_path, csv_corpus, bpe_tokenizer_file):
+    home, log = tmp_path / "home", tmp_path / "points"
+    env = {**os.environ, "GRAPHMAX_HOME": str(home), "PYTHONPATH": str(ROOT), "GRAPHMAX_FAULT": "commit.renamed:pause",
+           "GRAPHMAX_FAULT_LOG": str(log)}
+    child = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "build", str(csv_corpus[0]), "--tokenizer",
+                              str(bpe_tokenizer_file), "--name", "g"], env=env, cwd=ROOT, stderr=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 300  # a bound on a stuck child, not a timing assertion
+        while time.monotonic() < deadline and "commit.renamed" not in (log.read_text() if log.exists() else "") \
+                and child.poll() is None:
+            time.sleep(0.02)
+        child.send_signal(signal.SIGINT)
+        err = child.communicate(timeout=120)[1]
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, err[-3000:]
+    assert err.replace("\r", "\n").strip().splitlines()[-1] == \
+        f"graphmax build: interrupted; {home / 'graphs' / 'g'} was written whole before it stopped (committed)"
+    assert (home / "graphs" / "g" / "manifest.json").is_file()

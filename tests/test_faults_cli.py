@@ -385,8 +385,9 @@ def test_files_a_user_adds_while_eval_runs_survive_a_signal(signum, before, tmp_
                 os.waitpid(pid, 0)
     text = err.read_text()
     assert status == (130 if signum == signal.SIGINT else 143), text[-2000:]
-    assert text.strip().splitlines()[-1].startswith(
-        "graphmax eval: " + ("interrupted" if signum == signal.SIGINT else "terminated")), text[-2000:]
+    how = "interrupted" if signum == signal.SIGINT else "terminated"
+    assert text.strip().splitlines()[-1] == \
+        f"graphmax eval: {how}; {out} holds no complete report of this run (not committed)", text[-2000:]
     _assert_only_user_files_left(out, text)
 
 
