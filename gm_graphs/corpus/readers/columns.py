@@ -21,6 +21,16 @@ def _unpacked(arr: pa.Array) -> pa.Array:
     return arr
 
 
+def longest_value(arr: pa.Array) -> int:
+    """The bytes of the longest value of a text column (0 for none); of a dictionary array, its longest dictionary
+    value, found without decoding the array (400 rows that refer to one 16 MB value would decode to 6.4 GB)."""
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary
+    if pa.types.is_null(arr.type) or not len(arr):
+        return 0
+    return pc.max(pc.binary_length(_unpacked(arr))).as_py() or 0
+
+
 def _refuse_longer(sizes: pa.Array, where: str, first_row: int | None) -> None:
     """Refuse a value longer than ``MAX_DOCUMENT_BYTES``, as the line and CSV readers refuse such a line, before
     it becomes a Python string (and many times its size in the tokenizer). ``sizes``: the values' bytes."""
