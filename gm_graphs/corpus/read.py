@@ -23,12 +23,15 @@ import os
 import re
 import stat
 import warnings
+import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from gm_graphs.corpus.readers import READERS, Reader
+from gm_graphs.corpus.readers.zip import ZipReader
 from gm_graphs.corpus.source import (
     REPLACEMENT,
     Progress,
@@ -238,34 +241,93 @@ def _reading(f: Path) -> Iterator[IO[bytes]]:
         yield fh
 
 
-def duplicate_files(files: list[Path]) -> list[list[Path]]:
-    """The groups of ``files`` that hold the same bytes (by SHA-256), each in the order given: a copy of a file
-    would have every document in it counted twice. Only files of one size are hashed."""
-    by_size: dict[int, list[Path]] = {}
+@dataclass(frozen=True)
+class _Stream:
+    """One stream of bytes the duplicate check compares: a corpus file, or a member of a zip archive."""
+
+    index: int  # its place in the order given
+    file: Path
+    member: str | None  # the member's name in the archive; None for the file itself
+    size: int
+    crc: int | None  # a member's CRC-32, from the archive's directory; None for a file
+
+    @property
+    def where(self) -> str:
+        return str(self.file) if self.member is None else f"{self.file}!{self.member}"
+
+
+def duplicate_files(files: list[Path]) -> list[list[str]]:
+    """The groups of ``files`` and their zip members (``archive.zip!member``) that hold the same bytes, each in the
+    order given: a copy would have every document in it counted twice (see ``_copies``)."""
+    return [[s.where for s in group] for group in _copies(files)]
+
+
+def _copies(files: list[Path]) -> list[list[_Stream]]:
+    """The groups of ``files`` and their zip members that hold the same bytes, each in the order given.
+
+    Only streams of one size are compared: by CRC-32 first (a member's from the archive's directory, a file's
+    computed as it is hashed), then by SHA-256. A member whose directory lies about its CRC-32 fails its check
+    when it is read, so no copy is counted twice unseen. Empty members, which hold no document, are not compared.
+    """
+    streams: list[_Stream] = []
     for f in files:
-        by_size.setdefault(os.stat(f).st_size, []).append(f)
-    groups = []
-    for same_size in by_size.values():
-        if len(same_size) < 2:
-            continue
-        by_digest: dict[str, list[Path]] = {}
-        for f in same_size:
+        streams.append(_Stream(len(streams), f, None, os.stat(f).st_size, None))
+        reader = READERS.reader_for(f.name)
+        if isinstance(reader, ZipReader):
             with _reading(f) as fh:
-                by_digest.setdefault(hashlib.file_digest(fh, "sha256").hexdigest(), []).append(f)
+                for info in (i for i in reader.members(fh, str(f)) if i.file_size):
+                    streams.append(_Stream(len(streams), f, info.filename, info.file_size, info.CRC))
+    crcs: dict[_Stream, int] = {}
+    digests: dict[_Stream, str] = {}
+    by_size: dict[int, list[_Stream]] = {}
+    for s in streams:
+        by_size.setdefault(s.size, []).append(s)
+    for same_size in (g for g in by_size.values() if len(g) > 1):
+        for s in same_size:
+            if s.member is None:
+                crcs[s], digests[s] = _crc_and_digest(s.file)
+            else:
+                crcs[s] = s.crc
+    by_crc: dict[tuple[int, int], list[_Stream]] = {}
+    for s, crc in crcs.items():
+        by_crc.setdefault((s.size, crc), []).append(s)
+    wanted: dict[Path, list[_Stream]] = {}  # the members to hash, by archive: each archive opened once
+    for s in (s for g in by_crc.values() if len(g) > 1 for s in g if s.member is not None):
+        wanted.setdefault(s.file, []).append(s)
+    for archive, members in wanted.items():
+        with _reading(archive) as fh:
+            found = READERS.reader_for(archive.name).member_digests(fh, str(archive), [s.member for s in members])
+        digests.update({s: found[s.member] for s in members})
+    groups = []
+    for same in (g for g in by_crc.values() if len(g) > 1):
+        by_digest: dict[str, list[_Stream]] = {}
+        for s in same:
+            by_digest.setdefault(digests[s], []).append(s)
         groups.extend(g for g in by_digest.values() if len(g) > 1)
-    return sorted(groups, key=lambda g: files.index(g[0]))
+    return sorted((sorted(g, key=lambda s: s.index) for g in groups), key=lambda g: g[0].index)
+
+
+def _crc_and_digest(f: Path) -> tuple[int, str]:
+    """A file's CRC-32 and SHA-256, in one pass."""
+    crc, sha = 0, hashlib.sha256()
+    with _reading(f) as fh:
+        while block := fh.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+            sha.update(block)
+    return crc, sha.hexdigest()
 
 
 def check_distinct(files: list[Path]) -> None:
-    """Refuse corpus files that hold the same bytes, in one line that names them and the fix."""
-    groups = duplicate_files(files)
+    """Refuse corpus files, or zip members, that hold the same bytes, in one line that names them and the fix."""
+    groups = _copies(files)
     if groups:
         first = groups[0]
         more = f" (and {len(groups) - 1} more group(s) of copies)" if len(groups) > 1 else ""
-        raise CorpusError(f"the corpus files {', '.join(repr(str(f)) for f in first)} hold the same bytes{more}, so "
-                          f"every document in them would be counted {len(first)} times; pass each file once, or "
-                          f"add --allow-duplicate-files (allow_duplicate_files=True in Python) to count the copies "
-                          f"on purpose")
+        fix = "pass each file once" + ("; leave one copy in the archive" if any(s.member for s in first) else "")
+        raise CorpusError(f"the corpus files {', '.join(repr(s.where) for s in first)} hold the same bytes{more}, so "
+                          f"every document in them would be counted {len(first)} times; {fix}, or add "
+                          f"--allow-duplicate-files (allow_duplicate_files=True in Python) to count the copies on "
+                          f"purpose")
 
 
 def iter_documents(

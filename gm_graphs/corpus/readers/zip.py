@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zipfile
 from collections.abc import Iterator
@@ -61,6 +62,20 @@ class ZipReader(Reader):
                                 lambda info=info: zf.open(info), progress=source.progress)
                 with decompression_errors(member.where):
                     yield from self.formats.reader_for(info.filename).rows(member, column, batch_docs, stats)
+
+    def members(self, fh: IO[bytes], where: str) -> list[zipfile.ZipInfo]:
+        """The members ``rows`` reads, in its order, from the archive's directory alone (names, sizes, CRC-32)."""
+        with _open_zip(fh, where) as zf:
+            return self._members(zf, where)[0]
+
+    def member_digests(self, fh: IO[bytes], where: str, names: list[str]) -> dict[str, str]:
+        """The SHA-256 of each named member's bytes, inflated as they are read (a damaged member is one line)."""
+        digests = {}
+        with _open_zip(fh, where) as zf:
+            for name in names:
+                with decompression_errors(f"{where}!{name}"), zf.open(name) as member:
+                    digests[name] = hashlib.file_digest(member, "sha256").hexdigest()
+        return digests
 
     def _members(self, zf: zipfile.ZipFile, where: str) -> tuple[list[zipfile.ZipInfo], list[str]]:
         """The members to read, in name order, and those skipped (metadata, hidden files, other formats)."""
