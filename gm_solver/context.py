@@ -221,21 +221,68 @@ class ContextReference:
             row = (row @ self.transition).tocsr()
         return row.indices, row.data
 
-    def weights_at(self, length: int) -> list[float]:
-        """β_k / Σβ for k = 1, 2, …, over the orders a context of ``length`` tokens reaches (0 for the others)."""
-        betas = [b if length >= k else 0.0 for k, b in enumerate(self.config.order_weights, start=1)]
-        total = sum(betas)
-        return [b / total if total > 0 else 0.0 for b in betas]
+    def contexts(self, tokens: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' contexts as every decoding step reads them: (B, ``tail``) int64 ids, oldest first, −1 where a
+        row has no token (before its first: a row shorter than the tail, or left padding). Engine-neutral: a
+        serving engine passes each request's own last tokens, and a row's decoding never depends on its batch.
 
-    def _extra(self, ctx: np.ndarray, weights: list[float]) -> tuple[np.ndarray, ...]:
-        """Orders k ≥ 2 for every row of ``ctx``, weighted: unigram coefficients (B,) and the rows of Ãᵏ as CSR."""
+        Args:
+            tokens (``torch.Tensor`` (B, T)): ids, any T ≥ 0 (the last ``tail`` columns are read; −1 means none).
+            starts (``torch.Tensor`` (B,) or ``None``): the column of each row's first token (a left-padded batch's
+                padding, from its attention mask); ``None``: every column is a token.
+
+        Returns:
+            ``torch.LongTensor`` (B, ``tail``) on ``tokens``' device; ``tokens`` itself when it already is one.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> ref = ContextReference(sp.csr_matrix([[0, 3], [2, 0]]), ContextConfig(order_weights=(1.0, 0.5)))
+            >>> ref.contexts(torch.tensor([[1]])), ref.contexts(torch.tensor([[0, 0, 1]]), starts=torch.tensor([2]))
+            (tensor([[-1,  1]]), tensor([[-1,  1]]))
+        """
+        width = tokens.shape[1]
+        ctx = tokens[:, max(width - self.tail, 0):]
+        if starts is not None:  # the columns before a row's start are padding, not context
+            column = torch.arange(width - ctx.shape[1], width, device=ctx.device)
+            ctx = torch.where(column[None, :] >= starts.to(ctx.device)[:, None], ctx, -1)
+        if ctx.shape[1] < self.tail:
+            ctx = torch.cat([torch.full((ctx.shape[0], self.tail - ctx.shape[1]), -1, dtype=ctx.dtype,
+                                        device=ctx.device), ctx], 1)
+        return ctx if ctx.dtype == torch.int64 else ctx.long()
+
+    def weights(self, ctx: torch.Tensor) -> torch.Tensor:
+        """β_k / Σβ for k = 1, 2, … per row of ``ctx`` (:meth:`contexts`), over the orders its context reaches (the
+        token k back present; 0 for the others): (B, K) float64 on ``ctx``'s device, with no host synchronisation."""
+        betas = [(ctx[:, self.tail - k] >= 0).to(torch.float64) * b
+                 for k, b in enumerate(self.config.order_weights, start=1)]
+        total = betas[0]
+        for b in betas[1:]:  # summed in order, as the host's sum of the same floats
+            total = total + b
+        safe = torch.where(total > 0, total, 1.0)
+        return torch.stack([torch.where(total > 0, b / safe, 0.0) for b in betas], 1)
+
+    def lam_rows(self, lengths: Any, rows: int, device: torch.device) -> float | torch.Tensor:
+        """λ_t of each row after ``lengths`` tokens of its own (``ContextConfig.lam_at``): the config's λ as a float
+        when it does not decay (every row alike; 0: softmax), else a (B,) float64 tensor on ``device``."""
+        if self.config.lam_decay == 0 or self.config.lam == 0:
+            return self.config.lam
+        lengths = lengths.tolist() if torch.is_tensor(lengths) else list(lengths)
+        if len(lengths) != rows:
+            raise ValueError(f"lengths has {len(lengths)} entries for {rows} rows; one per row")
+        return torch.tensor([self.config.lam_at(t) for t in lengths], dtype=torch.float64, device=device)
+
+    def _extra(self, ctx: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Orders k ≥ 2 for every row of ``ctx``, weighted by its row of ``weights`` (B, K): unigram coefficients
+        (B,) and the rows of Ãᵏ as CSR."""
         rows, length = ctx.shape
         alpha = np.zeros(rows)
         ptr, idx, val = np.zeros(rows + 1, dtype=np.int64), [np.zeros(0, np.int32)], [np.zeros(0)]
         kappa = self.config.kappa
         filled = 0
         for b in range(rows):
-            for k, beta in enumerate(weights[1:], start=2):
+            for k in range(2, weights.shape[1] + 1):
+                beta = weights[b, k - 1]
                 if beta == 0.0:
                     continue
                 token = int(ctx[b, length - k])
@@ -252,19 +299,21 @@ class ContextReference:
             ptr[b + 1] = filled
         return alpha, ptr, np.concatenate(idx), np.concatenate(val)
 
-    def kernel_args(self, input_ids: torch.Tensor, knn: tuple | None = None) -> tuple:
-        """The arguments of ``backends.numba.context.reference_rows`` up to its output rows, for the contexts
-        ``input_ids`` (and a kNN distribution mixed in: its tokens and weights join the sparse pieces of each row)."""
-        ctx = np.ascontiguousarray(input_ids[:, -self.tail:].detach().cpu().numpy(), dtype=np.int64)
-        weights = self.weights_at(ctx.shape[1])
+    def kernel_args(self, contexts: torch.Tensor, knn: tuple | None = None) -> tuple:
+        """The arguments of ``backends.numba.context.reference_rows`` up to its output rows, for ``contexts``
+        (:meth:`contexts`; or ids, whose last ``tail`` columns are read) and a kNN distribution mixed in (its tokens
+        and weights join the sparse pieces of each row)."""
+        ctx_t = self.contexts(contexts.detach().cpu())
+        ctx = np.ascontiguousarray(ctx_t.numpy(), dtype=np.int64)
+        weights = self.weights(ctx_t).numpy()
         if knn is not None:
-            weights = [(1.0 - knn[2]) * w for w in weights]
+            weights = (1.0 - knn[2]) * weights
         extra = self._extra(ctx, weights)
         if knn is not None:
             extra = (extra[0], *_append_pieces(*extra[1:], knn[0].cpu().numpy(), knn[2] * knn[1].cpu().numpy()))
-        return (ctx, weights[0], self.indptr, self.indices, self.counts, self.row_counts, self.successors,
-                self.unigram, self.log_unigram, self._tables, self.kneser_ney, self.config.discount, self.config.kappa,
-                *extra)
+        return (ctx, np.ascontiguousarray(weights[:, 0]), self.indptr, self.indices, self.counts, self.row_counts,
+                self.successors, self.unigram, self.log_unigram, self._tables, self.kneser_ney, self.config.discount,
+                self.config.kappa, *extra)
 
     def _check_knn(self, knn: Any, rows: int, width: int, sync: bool = True) -> tuple | None:
         """``knn`` = (tokens (B, k) ids below ``width``, weights (B, k) ≥ 0 summing to 1 per row, share in [0, 1]);
@@ -344,21 +393,35 @@ class ContextReference:
         q = self(input_ids, width=scores.shape[-1]).to(scores.device)
         return eager.restrict_reference(q, torch.isfinite(scores))[0]
 
-    def step(self, input_ids: torch.Tensor, scores: torch.Tensor, *, lam: float | torch.Tensor | None = None,
-             tol: float = 1e-6, max_iter: int | None = None, check_every: int | None = None,
-             backend: str = "auto", knn: tuple | None = None) -> tuple[torch.Tensor, SolveInfo]:
-        """One decoding step: log x of the config's problem toward q(· | ``input_ids``) for each row of ``scores``,
-        in ``scores``' dtype and on its device, with the solve's info (certificate per row).
+    def step(self, contexts: torch.Tensor, scores: torch.Tensor, *, lengths: Any = None,
+             lam: float | torch.Tensor | None = None, tol: float = 1e-6, max_iter: int | None = None,
+             check_every: int | None = None, backend: str = "auto",
+             knn: tuple | None = None) -> tuple[torch.Tensor, SolveInfo]:
+        """One decoding step: log x of the config's problem toward q(· | context) for each row of ``scores``, in
+        ``scores``' dtype and on its device, with the solve's info (certificate per row).
 
-        ``lam`` overrides the config's λ_t (``ContextConfig.lam_at`` of ``input_ids``' length): a float, or a (B,)
-        tensor of λ ≥ 0 per row. ``backend`` (``gm_solver.backends``): "numba" (CPU only): one kernel call does
-        everything (``backends.numba.context.decode_step``). "torch": everything stays on the scores' device, the
-        reference rows and the solve in eager torch. "fused": the same, compiled (CUDA; once ``use_fused`` is on).
-        "auto": numba on the CPU, fused where it is on, torch elsewhere. ``max_iter`` and ``check_every`` default to
-        ``backends.DEFAULTS``: on the CPU 60 ν steps at most, each checked; elsewhere 8 ν steps with nothing read back
-        (rows frozen once converged, ``info.converged`` left on the device). ``knn`` = (tokens (B, k), weights (B, k),
-        β): the reference is
-        (1 − β)·q + β·p_knn, p_knn the sparse rows given (``gm_solver.datastore``).
+        The engine-neutral step: each row brings its own context and length, so a row decodes the same whatever
+        else is in the batch (``transformers``' processors, a serving engine's requests).
+
+        Args:
+            contexts (``torch.LongTensor`` (B, T)): each row's last tokens, oldest first, −1 where it has none
+                (:meth:`contexts`); ids of any width T (the last ``tail`` columns are read).
+            scores (``torch.Tensor`` (B, V)): the LM's scores, V at least the graph's size.
+            lengths (sequence of ``int`` or ``torch.Tensor`` (B,), defaults to ``None``): each row's t for λ_t
+                (``ContextConfig.lam_at``); ``None``: T for every row.
+            lam (``float`` or ``torch.Tensor`` (B,), defaults to ``None``): λ_t itself, per row or for all,
+                overriding ``lengths``.
+            tol, max_iter, check_every: the certificate's tolerance and the ν solve's budget (``max_iter`` and
+                ``check_every`` default to ``backends.DEFAULTS``: on the CPU 60 ν steps at most, each checked;
+                elsewhere 8 ν steps with nothing read back, rows frozen once converged).
+            backend (``str``, defaults to ``"auto"``): ``gm_solver.backends``: "numba" (CPU only, one kernel call
+                for everything), "torch" (eager, on the scores' device), "fused" (the same compiled; CUDA, once
+                ``use_fused`` is on), "auto" (numba on the CPU, fused where it is on, torch elsewhere).
+            knn (``tuple`` or ``None``): (tokens (B, k), weights (B, k), β): the reference is (1 − β)·q + β·p_knn,
+                p_knn the sparse rows given (``gm_solver.datastore``).
+
+        Returns:
+            ``(torch.Tensor (B, V), SolveInfo)``: log x and the solve's info.
 
         Example::
 
@@ -370,43 +433,44 @@ class ContextReference:
             ([0.206, 0.583, 0.211], True)
         """
         self._check_graph()
-        out = self._solve(input_ids, scores, lam, tol, max_iter, check_every, backend, knn)
+        out = self._solve(contexts, scores, lengths, lam, tol, max_iter, check_every, backend, knn)
         self._check_graph()  # a file rewritten during the step may have been read as zeros (gm_graphs.store.leases)
         return out
 
-    def _solve(self, input_ids: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor | None, tol: float,
-               max_iter: int | None, check_every: int | None, backend: str,
+    def _solve(self, contexts: torch.Tensor, scores: torch.Tensor, lengths: Any, lam: float | torch.Tensor | None,
+               tol: float, max_iter: int | None, check_every: int | None, backend: str,
                knn: tuple | None) -> tuple[torch.Tensor, SolveInfo]:
         backends.check_request(backend)
         if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
             raise ValueError(f"scores must be a (B, V) tensor, got {tuple(getattr(scores, 'shape', ()))}")
-        self._check_ids(input_ids, scores.shape[0])
+        self._check_ids(contexts, scores.shape[0])
         if scores.shape[-1] < self.n:
             raise ValueError(f"scores have {scores.shape[-1]} entries but the graph has {self.n} nodes; "
                              f"rebuild the graph with this model's tokenizer")
         budget = backends.defaults(scores.device)
         check_every = budget.check_every if check_every is None else check_every
         max_iter = budget.nu_steps if max_iter is None else max_iter
-        # the compiled step reads nothing back, and is traced for contexts as long as the n-gram tail (another shape,
-        # and only the first steps of a prompt of one or two tokens)
-        traceable = check_every == 0 and input_ids.shape[1] >= self.tail
-        name = backends.choose(scores.device, backend, fused=bool(self.use_fused) and traceable)
-        name = "torch" if name == "fused" and not traceable else name
+        # the compiled step reads nothing back (every context is ``tail`` wide: one traced shape)
+        name = backends.choose(scores.device, backend, fused=bool(self.use_fused) and check_every == 0)
         kernel = name == "numba"
         knn = self._check_knn(knn, scores.shape[0], scores.shape[-1], sync=kernel or check_every != 0)
         share = 1.0 if self.config.divergence == "kl" else self.config.kl_share
+        if lam is None:
+            lam = self.config.lam_at(contexts.shape[1]) if lengths is None else \
+                self.lam_rows(lengths, scores.shape[0], scores.device)
         # the kernel checks the scores' values in its first pass (one pass fewer)
-        lam = check_inputs(scores, None, self.config.lam_at(input_ids.shape[1]) if lam is None else lam, share, tol,
-                           max_iter, sync=check_every != 0, skip_z_values=kernel, name="scores")
+        lam = check_inputs(scores, None, lam, share, tol, max_iter, sync=check_every != 0, skip_z_values=kernel,
+                           name="scores")
         if isinstance(lam, float) and lam == 0.0:
             if kernel:  # (no kernel runs to check them)
                 raise_unless(logit_value_checks(scores, "scores"), True)
             logx, info = softmax_solution(scores.to(torch.float64))
             return logx.to(scores.dtype), info
-        out = backends.room(name).context_step(self, input_ids, scores, lam, share, tol=tol, max_iter=max_iter,
+        ctx = self.contexts(contexts)
+        out = backends.room(name).context_step(self, ctx, scores, lam, share, tol=tol, max_iter=max_iter,
                                                check_every=check_every, knn=knn)
         if out is None:  # compiling failed (``fused.failures``): the eager step
-            name, out = "torch", eager.context_step(self, input_ids, scores, lam, share, tol=tol, max_iter=max_iter,
+            name, out = "torch", eager.context_step(self, ctx, scores, lam, share, tol=tol, max_iter=max_iter,
                                                     check_every=check_every, knn=knn)
         self.backend = out[1].backend = name
         return out

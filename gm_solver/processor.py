@@ -8,8 +8,10 @@ returns the decoder ``graphmax tune`` stored in a graph.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -529,6 +531,7 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         self.config = config
         self.reference = ContextReference(graph, self.config)
         self.last_info = None
+        self._starts: torch.Tensor | None = None  # each row's first column, inside padding()
 
     @classmethod
     def from_config(cls, graph: Any, config: ContextConfig, *, tokenizer: Any = None,
@@ -567,8 +570,54 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         # reference rows, solve and certificate for the whole batch in one call, on the scores' device (at λ_t = 0,
         # softmax with its info: solvers.softmax_solution)
         scores = _without_padding(scores, self.reference.n)
-        logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids))
+        contexts, lengths = self._rows(input_ids)
+        logp, self.last_info = self.reference.step(contexts, scores, lengths=lengths)
         return logp
+
+    @contextlib.contextmanager
+    def padding(self, attention_mask: torch.Tensor) -> Iterator[ContextGraphmaxLogitsProcessor]:
+        """Decode a left-padded batch: inside the block, each row's padding (the zeros before its first token in
+        ``attention_mask``) is never read as context, and λ_t counts the row's own tokens, so a row decodes as it
+        does alone. ``generate()`` passes a processor ``input_ids`` only, hence this block around it.
+
+        Args:
+            attention_mask (``torch.Tensor`` (B, T)): the batch's mask, padded on the left (``tok.padding_side =
+                "left"``, as decoder-only generation needs); beams and ``num_return_sequences`` repeat its rows.
+
+        Returns:
+            A context manager yielding ``self``; one ``generate()`` at a time per processor.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> proc = ContextGraphmaxLogitsProcessor(sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]]), lam=2.0)
+            >>> alone = proc(torch.tensor([[0]]), torch.zeros(1, 3))
+            >>> with proc.padding(torch.tensor([[0, 0, 1], [1, 1, 1]])):   # row 0 is [pad, pad, 0]
+            ...     batch = proc(torch.tensor([[2, 2, 0], [1, 2, 0]]), torch.zeros(2, 3))
+            >>> torch.equal(batch[0], alone[0])
+            True
+        """
+        starts = _left_padding(attention_mask)
+        previous, self._starts = self._starts, starts
+        try:
+            yield self
+        finally:
+            self._starts = previous
+
+    def _rows(self, input_ids: Any) -> tuple[Any, Any]:
+        """(contexts, lengths) of a transformers batch: each row's last tokens without its padding, and its own
+        length after the examples (``prompt_length``), for λ_t."""
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+            return input_ids, None  # (malformed ids are the reference's to refuse)
+        rows, width = input_ids.shape
+        starts = self._starts
+        if starts is None:
+            return input_ids, [width - self.prompt_length] * rows
+        if rows % starts.shape[0]:
+            raise ValueError(f"input_ids has {rows} rows but the attention mask given to padding() has "
+                             f"{starts.shape[0]}; pass the mask of the batch generate() decodes")
+        starts = starts.repeat_interleave(rows // starts.shape[0])  # beams and returned sequences: repeated rows
+        return self.reference.contexts(input_ids, starts), (width - self.prompt_length - starts).tolist()
 
     @property
     def backend(self) -> str | None:
@@ -578,12 +627,6 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
 
     def _compiled_parts(self, device: torch.device) -> list[Any]:
         return [self.reference]
-
-    def _lam_at(self, input_ids: Any) -> float | None:
-        """λ_t after the prompt (None: the reference's own, from the whole input's length)."""
-        if self.prompt_length == 0 or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
-            return None  # (malformed ids are the reference's to refuse)
-        return self.config.lam_at(input_ids.shape[1] - self.prompt_length)
 
     def _shape(self) -> tuple[int, torch.device]:
         return self.reference.n, torch.device("cpu")
@@ -707,7 +750,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         knn = self.knn
         scores = _without_padding(scores, self.reference.n)
         tokens, weights = self.datastore.distribution(hidden, knn.knn_k, knn.knn_temperature)
-        logp, self.last_info = self.reference.step(input_ids, scores, lam=self._lam_at(input_ids),
+        contexts, lengths = self._rows(input_ids)
+        logp, self.last_info = self.reference.step(contexts, scores, lengths=lengths,
                                                    knn=(tokens, weights, knn.knn_weight))
         return logp
 
@@ -811,3 +855,21 @@ def _ngram_tables(graph: Any) -> list[int]:
                          f"that choice would have no effect: pass load_graph(name) (order 1) and weigh the rows of "
                          f"Ãᵏ with `order_weights`")
     return sorted(n for n, table in (getattr(graph, "ngrams", None) or {}).items() if table.entries > 0)
+
+
+def _left_padding(attention_mask: Any) -> torch.Tensor:
+    """The column of each row's first token in a left-padded ``attention_mask`` (B, T), checked: 0s then 1s."""
+    mask = attention_mask
+    if not (torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[0] >= 1 and not mask.is_complex()):
+        raise ValueError(f"attention_mask must be a (B, T) tensor, got {type(mask).__name__} of shape "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    mask = mask.detach().cpu()
+    ones = mask == 1
+    if not bool((ones | (mask == 0)).all()):
+        raise ValueError("attention_mask must hold 0s and 1s (the tokenizer's mask of the batch)")
+    starts = (~ones).long().cumprod(1).sum(1)  # the zeros before the first 1
+    tokens = ones.long().sum(1)
+    if not bool(((starts + tokens == mask.shape[1]) & (tokens > 0)).all()):
+        raise ValueError("attention_mask must be padded on the left (set tok.padding_side = 'left') with a token in "
+                         "every row; right padding would put pad ids into the context")
+    return starts

@@ -203,18 +203,20 @@ def _nu_solve(divergence: str, t: torch.Tensor, a: torch.Tensor, lam: torch.Tens
     return torch.where(valid & (x > 0), logx, torch.full_like(logx, -torch.inf)), iters
 
 
-def reference_rows(reference: Any, input_ids: torch.Tensor, width: int, knn: tuple | None = None) -> torch.Tensor:
-    """``reference``'s rows q(· | context) (B, ``width``) in float64 on ``input_ids``' device: the numba kernel's q,
-    from fixed-width gathers (no size is read back to the host). ``knn`` = (tokens (B, k), weights (B, k), β) mixes
-    a sparse distribution in: (1 − β)·q + β·p_knn."""
-    dev = reference.on(input_ids.device)
-    ctx = input_ids[:, -reference.tail:].long()
-    rows, length = ctx.shape
-    q = torch.zeros(rows, width, dtype=torch.float64, device=input_ids.device)
-    for k, beta in enumerate(reference.weights_at(length), start=1):
+def reference_rows(reference: Any, contexts: torch.Tensor, width: int, knn: tuple | None = None) -> torch.Tensor:
+    """``reference``'s rows q(· | context) (B, ``width``) in float64 on ``contexts``' device: the numba kernel's q,
+    from fixed-width gathers (no size is read back to the host). ``contexts``: ``ContextReference.contexts`` (or
+    ids, whose last ``tail`` columns are read). ``knn`` = (tokens (B, k), weights (B, k), β) mixes a sparse
+    distribution in: (1 − β)·q + β·p_knn."""
+    dev = reference.on(contexts.device)
+    ctx = reference.contexts(contexts)
+    rows = ctx.shape[0]
+    weights = reference.weights(ctx)  # per row: the orders its own context reaches
+    q = torch.zeros(rows, width, dtype=torch.float64, device=contexts.device)
+    for k, beta in enumerate(reference.config.order_weights, start=1):
         if beta > 0.0:
-            q[:, :reference.n] += beta * (_order_one(reference, ctx, dev) if k == 1
-                                          else _order_k(reference, ctx[:, -k], k, dev))
+            q[:, :reference.n] += weights[:, k - 1:k] * (_order_one(reference, ctx, dev) if k == 1
+                                                         else _order_k(reference, ctx[:, -k], k, dev))
     if knn is not None:
         tokens, weights, share = knn
         q = (1.0 - share) * q
@@ -243,8 +245,6 @@ def _order_one(reference: Any, ctx: torch.Tensor, dev: Any) -> torch.Tensor:
         piece = vals / (c + cfg.kappa)[:, None]
     q = (coef[:, None] * dev.unigram).scatter_add_(1, cols, torch.where(mask, piece, 0.0))
     for order, contexts, table_ptr, table_next, table_counts, widest in dev.ngrams:
-        if ctx.shape[1] < order - 1:
-            continue
         history = ctx[:, ctx.shape[1] - (order - 1):]
         inside = ((history >= 0) & (history < reference.n)).all(-1)
         key = torch.zeros_like(history[:, 0])
@@ -297,12 +297,12 @@ def _candidate(valid, s, x, ly, diag, lam):
     return torch.log_softmax(_masked(s + damp * (ly - s), valid), dim=-1)
 
 
-def context_step(reference: Any, input_ids: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor,
+def context_step(reference: Any, contexts: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor,
                  kl_share: float, *, tol: float, max_iter: int, check_every: int,
                  knn: tuple | None = None) -> tuple[torch.Tensor, SolveInfo]:
     """One step of the context decoders: :func:`reference_rows` then :func:`solve_rows` on the scores in float64;
     log x comes back in the scores' dtype."""
-    q = reference_rows(reference, input_ids.to(scores.device), scores.shape[-1], knn)
+    q = reference_rows(reference, contexts.to(scores.device), scores.shape[-1], knn)
     logx, info = solve_rows(reference.config.divergence, scores.to(torch.float64), q, lam, kl_share, tol=tol,
                             max_iter=max_iter, check_every=check_every)
     return logx.to(scores.dtype), info

@@ -84,14 +84,14 @@ def _lam_rows(lam: float | torch.Tensor, rows: int, device: torch.device) -> tor
     return _lams[key]
 
 
-def context_step(reference: Any, input_ids: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor,
+def context_step(reference: Any, contexts: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor,
                  kl_share: float, *, tol: float, max_iter: int, check_every: int = 0, knn: tuple | None = None,
                  backend: str = "inductor", fullgraph: bool = False) -> tuple[torch.Tensor, SolveInfo] | None:
-    """``eager.context_step`` compiled, for contexts at least ``reference.tail`` tokens long; None where compiling
-    failed (the caller then runs ``eager``). ``check_every`` is always 0 here: the step reads nothing back.
+    """``eager.context_step`` compiled (contexts as ``ContextReference.contexts`` makes them, ``tail`` wide: one
+    traced shape); None where compiling failed (the caller then runs ``eager``). ``check_every`` is always 0 here: the step reads nothing back.
     ``backend`` and ``fullgraph`` are torch.compile's (the tests trace on the CPU)."""
     rows = scores.shape[0]
-    ctx = input_ids[:, -reference.tail:].to(scores.device, torch.int64)
+    ctx = reference.contexts(contexts.to(scores.device, torch.int64))
     args = [ctx, scores.to(torch.float64), _lam_rows(lam, rows, scores.device), *(() if knn is None else knn[:2])]
     # one row runs as two (torch specialises a dimension of size 1) and every input is contiguous (a slice's
     # strides are guarded): each would be one more compile

@@ -49,14 +49,14 @@ def solve_rows(divergence: str, z: torch.Tensor, q: torch.Tensor, lam: float | t
     return torch.from_numpy(out), SolveInfo(torch.from_numpy(iters), g, g <= tol, 0)
 
 
-def reference_rows(reference: Any, input_ids: torch.Tensor, width: int, knn: tuple | None = None) -> torch.Tensor:
+def reference_rows(reference: Any, contexts: torch.Tensor, width: int, knn: tuple | None = None) -> torch.Tensor:
     """``reference``'s rows q(· | context) (B, ``width``) in float64 on the CPU, by ``context.reference_rows``."""
-    q = np.empty((input_ids.shape[0], width))
-    context.reference_rows(*reference.kernel_args(input_ids, knn), q, np.empty_like(q))
+    q = np.empty((contexts.shape[0], width))
+    context.reference_rows(*reference.kernel_args(contexts, knn), q, np.empty_like(q))
     return torch.from_numpy(q)
 
 
-def context_step(reference: Any, input_ids: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor,
+def context_step(reference: Any, contexts: torch.Tensor, scores: torch.Tensor, lam: float | torch.Tensor,
                  kl_share: float, *, tol: float, max_iter: int, check_every: int = 1,
                  knn: tuple | None = None) -> tuple[torch.Tensor, SolveInfo]:
     """One step of the context decoders in one kernel call (``context.decode_step``): the reference rows and the ν
@@ -74,7 +74,7 @@ def context_step(reference: Any, input_ids: torch.Tensor, scores: torch.Tensor, 
     gaps = np.empty(rows)
     kind = lambert.L2 if reference.config.divergence == "l2" else lambert.RKL  # kl: share 1, no ν steps
     with lambert.one_task_at_a_time():
-        status = context.decode_step(kind, z, *reference.kernel_args(input_ids, knn), lam_np, kl_share, max_iter,
+        status = context.decode_step(kind, z, *reference.kernel_args(contexts, knn), lam_np, kl_share, max_iter,
                                      lambert.TABLE, work[2:], out, iters, gaps, lambert.schedule(rows))
     raise_for_status(status, "scores")
     g = torch.from_numpy(gaps)

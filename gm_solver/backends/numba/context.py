@@ -62,9 +62,9 @@ def _coefficients(ctx, beta1, row_counts, successors, tables, kneser_ney, discou
     scales = np.zeros((rows, orders.size))
     size = extra_idx.size
     for b in range(rows):
-        if not (beta1 > 0.0 and length >= 1):
+        if not (beta1[b] > 0.0 and length >= 1):
             continue
-        factor = beta1  # what the orders below the current table get
+        factor = beta1[b]  # what the orders below the current table get
         for j in range(orders.size - 1, -1, -1):
             order = orders[j]
             if order == 0 or length < order - 1:
@@ -153,7 +153,8 @@ def reference_rows(ctx, beta1, indptr, indices, counts, row_counts, successors, 
     """Fill ``q`` (B, V ≥ N) with the reference after each row of ``ctx`` (B, L; its last tokens, oldest first),
     zeros past the graph, and ``logq`` with its logs.
 
-    ``beta1`` is order 1's weight β₁/Σβ (0: order 1 left out); ``tables`` is (chains, orders): per n-gram table
+    ``beta1`` (B,) is each row's order-1 weight β₁/Σβ (0: order 1 left out); a token −1 in ``ctx`` is none (before
+    the row's start); ``tables`` is (chains, orders): per n-gram table
     by ascending order n (n = 0: an empty one, skipped), the kernel views of the trie's levels 2 … above it;
     ``extra_alpha`` (B,) and the CSR ``extra_ptr``/``extra_idx``/``extra_val`` the orders
     k ≥ 2, already weighted: their unigram coefficient and sparse part. The lookups
