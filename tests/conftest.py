@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import fcntl
 import importlib
 import os
 from pathlib import Path
@@ -64,65 +62,29 @@ def smollm2_tokenizer():
     return load_tokenizer("smollm2")
 
 
-_BUNDLED: dict = {}  # the bundled SmolLM2 and its tokenizer, loaded once per test session
-_SHARED = "smollm2-loaded.pt"  # the loaded model, pickled for the other pytest-xdist workers of the run
+_BUNDLED: dict = {}  # the bundled SmolLM2 and its tokenizer, loaded once per test session (per xdist worker)
+_HOME = os.environ.get("GRAPHMAX_HOME")  # the session's, before any test points it at a temporary folder
 
 
-def _bundled_model(config):
-    """The bundled SmolLM2 and its tokenizer as ``load_model`` returns them. Under pytest-xdist the first worker
-    that needs them loads them (10-20 s of reading and dequantising the GGUF file) and pickles them into the run's
-    shared temporary folder; the other workers unpickle that (under a second) instead of loading them again."""
+def _bundled_model():
+    """The bundled SmolLM2 and its tokenizer as ``load_model`` returns them, loaded through the model cache of the
+    session's ``$GRAPHMAX_HOME`` whichever test asks first: the first load on a machine converts the GGUF file
+    once, the others (every later session, every other xdist worker) read the cached folder in about a second."""
     from pipelines.models import DEFAULT_MODEL, load_model
 
-    if _BUNDLED:
-        return _BUNDLED["model"]
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        _BUNDLED["model"] = load_model(DEFAULT_MODEL)
-        return _BUNDLED["model"]
-    import torch
-
-    shared = _shared_folder(config)
-    with _locked(shared):
-        if (shared / _SHARED).is_file():
-            _BUNDLED["model"] = torch.load(shared / _SHARED, weights_only=False)  # written by this run
-        else:
+    if not _BUNDLED:
+        with pytest.MonkeyPatch.context() as mp:
+            if _HOME is None:
+                mp.delenv("GRAPHMAX_HOME", raising=False)
+            else:
+                mp.setenv("GRAPHMAX_HOME", _HOME)
             _BUNDLED["model"] = load_model(DEFAULT_MODEL)
-            torch.save(_BUNDLED["model"], shared / f"{_SHARED}.part")
-            os.replace(shared / f"{_SHARED}.part", shared / _SHARED)
     return _BUNDLED["model"]
 
 
-def _shared_folder(config) -> Path:
-    return Path(config.option.basetemp).parent  # xdist gives each worker a basetemp inside the controller's
-
-
-@contextlib.contextmanager
-def _locked(shared: Path):
-    """The workers' lock on the pickled model; the file also lists the workers that have finished."""
-    with open(shared / f"{_SHARED}.lock", "a+") as file:
-        fcntl.flock(file, fcntl.LOCK_EX)  # released when the file closes
-        yield file
-
-
-def pytest_sessionfinish(session):
-    """The last xdist worker to finish removes the pickled model (540 MB): no worker needs it after its own end."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    shared = _shared_folder(session.config)
-    with _locked(shared) as lock:
-        lock.seek(0)
-        done = set(lock.read().split()) | {os.environ["PYTEST_XDIST_WORKER"]}
-        lock.seek(0)
-        lock.truncate()
-        lock.write(" ".join(sorted(done)))
-        lock.flush()
-        if len(done) >= int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")):
-            (shared / _SHARED).unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="session")
-def smollm2(pytestconfig):
-    return _bundled_model(pytestconfig)
+def smollm2():
+    return _bundled_model()
 
 
 def _imports_pipelines(module) -> bool:
@@ -134,11 +96,10 @@ def _imports_pipelines(module) -> bool:
 @pytest.fixture(autouse=True)
 def _bundled_model_loaded_once(request, monkeypatch):
     """The commands tests run in this process get a fresh copy of the bundled model (a command may change its
-    model, as LoRA does) instead of reading its GGUF file again (10-20 s a load); the ``smollm2`` fixture's one
-    load goes through ``load_model`` itself (:func:`_bundled_model`), and the subprocess tests load it as users
-    do. Only in the test modules that import ``pipelines``: the others (gm_graphs' and gm_solver's own, and the
-    doctests) run no command, and would import the five command modules, and transformers with them, for
-    nothing."""
+    model, as LoRA does) instead of loading it again; the ``smollm2`` fixture's one load goes through
+    ``load_model`` itself (:func:`_bundled_model`), and the subprocess tests load it as users do. Only in the test
+    modules that import ``pipelines``: the others (gm_graphs' and gm_solver's own, and the doctests) run no
+    command, and would import the five command modules, and transformers with them, for nothing."""
     if request.module is None or not _imports_pipelines(request.module):
         return
     import torch
@@ -152,7 +113,7 @@ def _bundled_model_loaded_once(request, monkeypatch):
         device = resolve_device(device)
         if spec != models.DEFAULT_MODEL or resolve_dtype(dtype, device) != torch.float32 or device.type != "cpu":
             return real(spec, device=device, dtype=dtype)
-        return copy.deepcopy(_bundled_model(request.config))
+        return copy.deepcopy(_bundled_model())
 
     for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
         monkeypatch.setattr(importlib.import_module(f"pipelines.{module}"), "load_model", load_model)
