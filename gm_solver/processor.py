@@ -61,6 +61,7 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
     """
 
     last_info: SolveInfo | None = None
+    _starts: torch.Tensor | None = None  # each row's first column, inside padding()
     origin: str | None = None  # from_graph's: "stored" (the graph's stored choice) or "defaults"
     warmup_seconds: float | None = None  # what the last warmup() took
 
@@ -183,6 +184,37 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         proc._set_source(source)
         proc.origin = origin
         return proc
+
+    @contextlib.contextmanager
+    def padding(self, attention_mask: torch.Tensor) -> Iterator[GraphmaxLogitsProcessor]:
+        """Decode a left-padded batch: inside the block, each row's padding (the zeros before its first token in
+        ``attention_mask``) is never read as context, and λ_t counts the row's own tokens, so a row decodes as it
+        does alone (the context decoders; the paper's read no context, and are the same inside). ``generate()``
+        passes a processor ``input_ids`` only, hence this block around it.
+
+        Args:
+            attention_mask (``torch.Tensor`` (B, T)): the batch's mask, padded on the left (``tok.padding_side =
+                "left"``, as decoder-only generation needs); beams and ``num_return_sequences`` repeat its rows.
+
+        Returns:
+            A context manager yielding ``self``; one ``generate()`` at a time per processor.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> proc = ContextGraphmaxLogitsProcessor(sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]]), lam=2.0)
+            >>> alone = proc(torch.tensor([[0]]), torch.zeros(1, 3))
+            >>> with proc.padding(torch.tensor([[0, 0, 1], [1, 1, 1]])):   # row 0 is [pad, pad, 0]
+            ...     batch = proc(torch.tensor([[2, 2, 0], [1, 2, 0]]), torch.zeros(2, 3))
+            >>> torch.equal(batch[0], alone[0])
+            True
+        """
+        starts = _left_padding(attention_mask)
+        previous, self._starts = self._starts, starts
+        try:
+            yield self
+        finally:
+            self._starts = previous
 
     def warmup(self, device: str | torch.device | None = None,
                dtype: torch.dtype = torch.float32) -> GraphmaxLogitsProcessor:
@@ -531,7 +563,6 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         self.config = config
         self.reference = ContextReference(graph, self.config)
         self.last_info = None
-        self._starts: torch.Tensor | None = None  # each row's first column, inside padding()
 
     @classmethod
     def from_config(cls, graph: Any, config: ContextConfig, *, tokenizer: Any = None,
@@ -573,36 +604,6 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         contexts, lengths = self._rows(input_ids)
         logp, self.last_info = self.reference.step(contexts, scores, lengths=lengths)
         return logp
-
-    @contextlib.contextmanager
-    def padding(self, attention_mask: torch.Tensor) -> Iterator[ContextGraphmaxLogitsProcessor]:
-        """Decode a left-padded batch: inside the block, each row's padding (the zeros before its first token in
-        ``attention_mask``) is never read as context, and λ_t counts the row's own tokens, so a row decodes as it
-        does alone. ``generate()`` passes a processor ``input_ids`` only, hence this block around it.
-
-        Args:
-            attention_mask (``torch.Tensor`` (B, T)): the batch's mask, padded on the left (``tok.padding_side =
-                "left"``, as decoder-only generation needs); beams and ``num_return_sequences`` repeat its rows.
-
-        Returns:
-            A context manager yielding ``self``; one ``generate()`` at a time per processor.
-
-        Example::
-
-            >>> import scipy.sparse as sp, torch
-            >>> proc = ContextGraphmaxLogitsProcessor(sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]]), lam=2.0)
-            >>> alone = proc(torch.tensor([[0]]), torch.zeros(1, 3))
-            >>> with proc.padding(torch.tensor([[0, 0, 1], [1, 1, 1]])):   # row 0 is [pad, pad, 0]
-            ...     batch = proc(torch.tensor([[2, 2, 0], [1, 2, 0]]), torch.zeros(2, 3))
-            >>> torch.equal(batch[0], alone[0])
-            True
-        """
-        starts = _left_padding(attention_mask)
-        previous, self._starts = self._starts, starts
-        try:
-            yield self
-        finally:
-            self._starts = previous
 
     def _rows(self, input_ids: Any) -> tuple[Any, Any]:
         """(contexts, lengths) of a transformers batch: each row's last tokens without its padding, and its own

@@ -8,6 +8,7 @@ count it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import statistics
@@ -60,13 +61,30 @@ def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_to
     torch.manual_seed(seed)
     extra = {"do_sample": True, "top_k": top_k, "temperature": 1.0} if do_sample else {"do_sample": False}
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), padded(processor, batch["attention_mask"]):
         out = model.generate(**batch, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              logits_processor=LogitsProcessorList([processor] if processor else []),
                              pad_token_id=tok.pad_token_id, top_p=None, **extra)
     seconds = time.perf_counter() - t0
     new = out[:, batch["input_ids"].shape[1]:]
     return tok.batch_decode(new, skip_special_tokens=True), 1e3 * seconds / max_new_tokens
+
+
+def padded(processor, attention_mask: torch.Tensor) -> contextlib.ExitStack:
+    """A block in which every graphmax processor inside ``processor`` (itself, a list's members, a wrapper's
+    ``inner``) reads the batch's left padding from ``attention_mask`` (``GraphmaxLogitsProcessor.padding``), so that
+    a row decodes as it does alone; other processors are left as they are."""
+    stack = contextlib.ExitStack()
+    todo = [processor]
+    while todo:
+        p = todo.pop()
+        if isinstance(p, (list, tuple)):
+            todo.extend(p)
+        elif hasattr(p, "inner"):
+            todo.append(p.inner)
+        elif hasattr(p, "padding"):
+            stack.enter_context(p.padding(attention_mask))
+    return stack
 
 
 def warm_up(model, tok, processors: list[GraphmaxLogitsProcessor]) -> None:

@@ -88,8 +88,8 @@ def context_step(reference: Any, contexts: torch.Tensor, scores: torch.Tensor, l
                  kl_share: float, *, tol: float, max_iter: int, check_every: int = 0, knn: tuple | None = None,
                  backend: str = "inductor", fullgraph: bool = False) -> tuple[torch.Tensor, SolveInfo] | None:
     """``eager.context_step`` compiled (contexts as ``ContextReference.contexts`` makes them, ``tail`` wide: one
-    traced shape); None where compiling failed (the caller then runs ``eager``). ``check_every`` is always 0 here: the step reads nothing back.
-    ``backend`` and ``fullgraph`` are torch.compile's (the tests trace on the CPU)."""
+    traced shape); None where compiling failed (the caller then runs ``eager``). ``check_every`` is always 0 here:
+    the step reads nothing back. ``backend`` and ``fullgraph`` are torch.compile's (the tests trace on the CPU)."""
     rows = scores.shape[0]
     ctx = reference.contexts(contexts.to(scores.device, torch.int64))
     args = [ctx, scores.to(torch.float64), _lam_rows(lam, rows, scores.device), *(() if knn is None else knn[:2])]
