@@ -6,6 +6,7 @@ import argparse
 import csv
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from gm_solver import (
     PaperGraphmaxLogitsProcessor,
 )
 from pipelines.cli import main
+from pipelines.eval.cli import REPORT_FILES, WORK, WORK_FOLDERS
 from pipelines.heldout import (
     HeldOut,
     decoded_positions,
@@ -439,6 +441,9 @@ def test_tiny_eval_writes_the_report(smollm2, tmp_path, capsys, monkeypatch):
                  "ab_key.csv", "lambda_bleu.png", "lambda_perplexity.png", "solver_convergence.png",
                  "top10_tokens.png"):
         assert (out / name).stat().st_size > 0, name
+    # every name a run writes is one its clean-up removes by name (pipelines.eval.cli), and nothing else
+    assert set(os.listdir(out)) == REPORT_FILES | {WORK, ".graphmax-report"}
+    assert set(os.listdir(out / WORK)) <= WORK_FOLDERS, os.listdir(out / WORK)
     report = (out / "report.md").read_text()
     assert report.count("| **") >= 6 and "Algorithm 1" in report
     assert "greedy, one opening at a time" in report and "batch 1 greedy" in capsys.readouterr().out
