@@ -262,15 +262,20 @@ class ContextReference:
         safe = torch.where(total > 0, total, 1.0)
         return torch.stack([torch.where(total > 0, b / safe, 0.0) for b in betas], 1)
 
-    def lam_rows(self, lengths: Any, rows: int, device: torch.device) -> float | torch.Tensor:
-        """λ_t of each row after ``lengths`` tokens of its own (``ContextConfig.lam_at``): the config's λ as a float
-        when it does not decay (every row alike; 0: softmax), else a (B,) float64 tensor on ``device``."""
-        if self.config.lam_decay == 0 or self.config.lam == 0:
+    def lam_rows(self, lengths: Any, rows: int, device: torch.device,
+                 lams: Any = None) -> float | torch.Tensor:
+        """λ_t of each row after ``lengths`` tokens of its own (``ContextConfig.lam_at``), from the config's λ or each
+        row's own (``lams``, a sequence; a serving engine's requests): a float when every row has the same (the
+        config's λ, not decaying; 0: softmax), else a (B,) float64 tensor on ``device``."""
+        if lams is None and (self.config.lam_decay == 0 or self.config.lam == 0):
             return self.config.lam
         lengths = lengths.tolist() if torch.is_tensor(lengths) else list(lengths)
-        if len(lengths) != rows:
-            raise ValueError(f"lengths has {len(lengths)} entries for {rows} rows; one per row")
-        return torch.tensor([self.config.lam_at(t) for t in lengths], dtype=torch.float64, device=device)
+        lams = [None] * len(lengths) if lams is None else list(lams)
+        if not len(lengths) == len(lams) == rows:
+            raise ValueError(f"lengths and lams have {len(lengths)} and {len(lams)} entries for {rows} rows; one per "
+                             f"row")
+        return torch.tensor([self.config.lam_at(t, lam) for t, lam in zip(lengths, lams)], dtype=torch.float64,
+                            device=device)
 
     def _extra(self, ctx: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, ...]:
         """Orders k ≥ 2 for every row of ``ctx``, weighted by its row of ``weights`` (B, K): unigram coefficients

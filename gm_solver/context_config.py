@@ -86,9 +86,11 @@ class ContextConfig:
         if not isinstance(self.source, dict):
             raise ValueError(f"`source` must be a dict (where the settings came from), got {self.source!r}")
 
-    def lam_at(self, length: int) -> float:
-        """λ_t for a step after ``length`` tokens of context: λ·t^(−lam_decay), t = max(length, 1)."""
-        return self.lam if self.lam_decay == 0 else self.lam * max(int(length), 1) ** -self.lam_decay
+    def lam_at(self, length: int, lam: float | None = None) -> float:
+        """λ_t for a step after ``length`` tokens of context: λ·t^(−lam_decay), t = max(length, 1); ``lam``: another
+        λ than the config's (a request's own, in a serving engine)."""
+        lam = self.lam if lam is None else lam
+        return lam if self.lam_decay == 0 else lam * max(int(length), 1) ** -self.lam_decay
 
     @property
     def divergence_label(self) -> str:

@@ -600,9 +600,35 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # reference rows, solve and certificate for the whole batch in one call, on the scores' device (at λ_t = 0,
         # softmax with its info: solvers.softmax_solution)
+        return self.step_rows(*self._rows(input_ids), scores)
+
+    def step_rows(self, contexts: torch.Tensor, lengths: Any, scores: torch.Tensor,
+                  lams: Any = None) -> torch.Tensor:
+        """One decoding step for rows that each bring their own context and length: the engine-neutral step that
+        ``__call__`` (a transformers batch) and the serving plug-ins (``gm_solver.serving``) share.
+
+        Args:
+            contexts (``torch.LongTensor`` (B, T)): each row's last tokens, −1 where it has none
+                (``ContextReference.contexts``).
+            lengths (sequence of ``int`` or ``None``): each row's own length, for λ_t; ``None``: T.
+            scores (``torch.FloatTensor`` (B, V)): the LM's scores; columns past the graph get ``-inf``.
+            lams (sequence of ``float`` or ``None``, defaults to ``None``): each row's own λ (λ_t decays from it as
+                from the config's); ``None``: the config's.
+
+        Returns:
+            ``torch.FloatTensor`` (B, V): log-probabilities in the scores' dtype; ``last_info`` holds the solve's.
+
+        Example::
+
+            >>> import scipy.sparse as sp, torch
+            >>> proc = ContextGraphmaxLogitsProcessor(sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]]))
+            >>> rows = proc.step_rows(torch.tensor([[-1, 0], [2, 0]]), [1, 2], torch.zeros(2, 3), lams=[2.0, 2.0])
+            >>> torch.equal(rows[0], rows[1])    # one context: the same row, whatever came before it
+            True
+        """
         scores = _without_padding(scores, self.reference.n)
-        contexts, lengths = self._rows(input_ids)
-        logp, self.last_info = self.reference.step(contexts, scores, lengths=lengths)
+        lam = None if lams is None else self.reference.lam_rows(lengths, scores.shape[0], scores.device, lams)
+        logp, self.last_info = self.reference.step(contexts, scores, lengths=lengths, lam=lam)
         return logp
 
     def _rows(self, input_ids: Any) -> tuple[Any, Any]:
