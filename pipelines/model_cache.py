@@ -213,14 +213,34 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+@functools.cache
+def _plain_reader():
+    """gguf's reader over a plain ndarray view of its memory map: the same bytes, but each of the ~250,000 slices
+    its parser takes (two per token of a 49,152-token vocabulary) skips numpy.memmap's Python-level hooks."""
+    import gguf
+    import numpy as np
+
+    class PlainReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)
+
+    return PlainReader
+
+
 @contextlib.contextmanager
 def _gguf_read_once():
-    """transformers' GGUF loader, with gguf's reader and tensor-name map made once per file instead of twice and
-    397 times (the same objects, only not rebuilt): 43 s → 12 s for SmolLM2 on two busy cores."""
+    """transformers' GGUF loader, with gguf's reader made once per file instead of twice, over a plain view of its
+    memory map, and its tensor-name map once instead of 397 times (the same values, only not rebuilt). SmolLM2 in a
+    warm process, two cores: ~25 s → ~5 s (``benchmarks/model_load.py``)."""
     import gguf
 
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.cache(lambda path, mode="r": real_reader(path, mode))
+    gguf.GGUFReader = functools.cache(_plain_reader())
     gguf.get_tensor_name_map = functools.cache(real_map)
     try:
         yield
@@ -236,8 +256,9 @@ def load_gguf(path: Path, dtype):
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
 
 
-def _save(model, tok, folder: Path, key: str) -> None:
-    """Write the converted model, its tokenizer and the manifest into the empty ``folder``, and sync them."""
+def _save(model, tok, folder: Path, key: str) -> dict:
+    """Write the converted model, its tokenizer and the manifest into the empty ``folder``, and sync them; returns
+    the manifest's files (name: [size, SHA-256])."""
     model.hf_quantizer = None  # save_pretrained refuses a model whose quantizer cannot serialise (GGUF's)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -255,6 +276,15 @@ def _save(model, tok, folder: Path, key: str) -> None:
     write_sealed(folder / MANIFEST, _identity(key), json.dumps({"files": files}, sort_keys=True).encode())
     sync_tree(folder)
     fault_point("model_cache.synced")
+    return files
+
+
+def _remember(folder: Path, key: str, files: dict) -> None:
+    """Record the files just written as checked (their SHA-256 was taken as they were written), so that the check
+    after the commit hashes nothing."""
+    for name, (_size, sha256) in files.items():
+        st = os.stat(folder / name, follow_symlinks=False)
+        remember("model-file", {"key": key}, [FileIdentity.of(str(folder / name), st, sha256)])
 
 
 def _remove(path: Path) -> None:
@@ -321,8 +351,9 @@ def _convert(path: Path, key: str, ignored: str | None):
     try:
         fault_point("model_cache.staged")
         model = load_gguf(path, torch.float32)
-        _save(model, load_tokenizer(path), staged, key)
+        files = _save(model, load_tokenizer(path), staged, key)
         _commit(staged, target)
+        _remember(target, key, files)
     except BaseException as e:
         with contextlib.suppress(OSError):
             _remove(staged)

@@ -127,7 +127,8 @@ def _load(path, dtype="float32"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cached_model_is_the_gguf_model_bit_for_bit_and_converts_once(dtype, tiny, monkeypatch, capfd):
-    ref = _logits(_direct(tiny, dtype))
+    direct = _direct(tiny, dtype)
+    ref = _logits(direct)
     conversions = _conversions(monkeypatch)
     first, w1 = _load(tiny, dtype)
     second, w2 = _load(tiny, dtype)
@@ -136,6 +137,11 @@ def test_the_cached_model_is_the_gguf_model_bit_for_bit_and_converts_once(dtype,
         logits = _logits(model)
         assert logits.dtype == dtype and torch.equal(logits, ref)
         assert model.name_or_path == str(tiny) and model.config.name_or_path == str(tiny)
+        assert model.generation_config.to_dict() == direct.generation_config.to_dict()
+        a, b = direct.config.to_dict(), model.config.to_dict()
+        # what differs: the GGUF quantizer's record (removed before saving), the class saved, the path
+        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"quantization_config", "architectures",
+                                                                            "_name_or_path"}
     announced = [line for line in capfd.readouterr().err.splitlines() if line.startswith("graphmax: converting")]
     assert announced == [f"graphmax: converting {tiny} once into {_entry(tiny)}; later loads take about a second"]
 
