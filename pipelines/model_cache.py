@@ -280,8 +280,8 @@ def _save(model, tok, folder: Path, key: str) -> dict:
 
 
 def _remember(folder: Path, key: str, files: dict) -> None:
-    """Record the files just written as checked (their SHA-256 was taken as they were written), so that the check
-    after the commit hashes nothing."""
+    """Record the files of the entry just committed as checked (``_save`` hashed them right after writing them, in a
+    folder no other user may write), so that the check after the commit hashes nothing."""
     for name, (_size, sha256) in files.items():
         st = os.stat(folder / name, follow_symlinks=False)
         remember("model-file", {"key": key}, [FileIdentity.of(str(folder / name), st, sha256)])
