@@ -2,7 +2,8 @@
 many requests.
 
 A request opts in with ``{"graphmax": {"graph": NAME, ...}}`` among its extra arguments (vLLM's
-``SamplingParams.extra_args``; ``vllm_xargs`` over its OpenAI-compatible server). Besides ``graph``, it may name the
+``SamplingParams.extra_args``), or flat, as vLLM's OpenAI-compatible server takes them (its ``vllm_xargs`` hold no
+nested object): ``{"graphmax": NAME, "graphmax_lam": 2.0, ...}``. Besides ``graph``, it may name the
 ``decoder`` (``"context"`` or ``"paper"``; default: the one ``graphmax tune`` stored in the graph, else context) and
 that decoder's settings, as ``graphmax generate`` takes them (e.g. ``"lam": 2.0``); anything else is refused. The
 graph is a *name* among those the server serves (:class:`Graphs`), never a path: a remote client cannot make the
@@ -32,6 +33,7 @@ from ..processor import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor
 __all__ = ["ARGUMENT", "GRAPHS_VARIABLE", "Graphs", "Request", "Rows", "parse"]
 
 ARGUMENT = "graphmax"  # the key of a request's extra arguments
+FLAT = "graphmax_"  # the flat form's settings: graphmax_lam, graphmax_decoder, …
 GRAPHS_VARIABLE = "GRAPHMAX_SERVE_GRAPHS"  # the graphs a server serves: names, comma-separated
 DECODERS = ("context", "paper")
 SETTINGS = {"context": tuple(f.name for f in fields(ContextConfig) if f.name != "source"),
@@ -70,16 +72,29 @@ def parse(extra_args: Any) -> Request | None:
 
         >>> parse({"other": 1}) is None
         True
+        >>> parse({"graphmax": "amazon", "graphmax_lam": 2})      # the flat form of vLLM's server
+        Request(graph='amazon', decoder=None, settings=(), lam=2.0)
         >>> parse({"graphmax": {"graph": "../../etc"}})
         Traceback (most recent call last):
         ValueError: graphmax: "graph" must be the name of a graph the server serves, got '../../etc'
     """
-    if extra_args is None or not isinstance(extra_args, Mapping) or ARGUMENT not in extra_args:
+    if extra_args is None or not isinstance(extra_args, Mapping):
+        return None
+    flat = {str(k)[len(FLAT):]: v for k, v in extra_args.items() if str(k).startswith(FLAT)}
+    if ARGUMENT not in extra_args:
+        if flat:
+            raise ValueError(f"graphmax: {_show(FLAT + next(iter(flat)))} given without {_show(ARGUMENT)}; name the "
+                             f'graph too, e.g. {{"{ARGUMENT}": "NAME", "{FLAT}lam": 2.0}}')
         return None
     args = extra_args[ARGUMENT]
-    if not isinstance(args, Mapping):
+    if isinstance(args, str):  # the flat form
+        args = {"graph": args, **flat}
+    elif not isinstance(args, Mapping):
         raise ValueError(f'graphmax: the "{ARGUMENT}" argument must be an object such as {{"graph": "NAME", '
-                         f'"lam": 2.0}}, got {_show(args)}')
+                         f'"lam": 2.0}} or a graph name, got {_show(args)}')
+    elif flat:
+        raise ValueError(f'graphmax: give the settings inside "{ARGUMENT}" or as {FLAT}* arguments beside a graph '
+                         f"name, not both")
     graph = args.get("graph")
     if not isinstance(graph, str):
         raise ValueError(f'graphmax: "graph" must name a graph the server serves, got {_show(graph)}')
@@ -198,12 +213,17 @@ class Graphs:
 @dataclass
 class Row:
     """One request's row: its decoder, its own λ, and its tokens (the prompt's, and the output as the engine
-    appends to it)."""
+    appends to it; or, where an engine keeps the tokens itself, the last few of them and the row's ``length``)."""
 
     decoder: GraphmaxLogitsProcessor
     lam: float | None
     prompt: Sequence[int]
     output: Sequence[int] = field(default_factory=list)
+    length: int | None = None  # the tokens the row has seen; None: its prompt's and output's
+
+    @property
+    def seen(self) -> int:
+        return len(self.prompt) + len(self.output) if self.length is None else self.length
 
     def context(self, tail: int) -> list[int]:
         """The row's last ``tail`` tokens, oldest first, −1 before its first."""
@@ -286,7 +306,7 @@ class Rows:
             return proc(torch.zeros(len(rows), 1, dtype=torch.long, device=scores.device), scores)
         tail = proc.reference.tail
         contexts = torch.tensor([r.context(tail) for r in rows], dtype=torch.long, device=scores.device)
-        lengths = [len(r.prompt) + len(r.output) for r in rows]
+        lengths = [r.seen for r in rows]
         lams = None if all(r.lam is None for r in rows) else [proc.config.lam if r.lam is None else r.lam
                                                               for r in rows]
         return proc.step_rows(contexts, lengths, scores, lams)
