@@ -64,8 +64,8 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.d
 def _cannot_load(spec, e: Exception) -> GraphmaxError:
     cause = e.__cause__ if isinstance(e, TokenizerError) and e.__cause__ is not None else e  # the fix is ours
     first = str(cause).splitlines()[0] if str(cause) else ""
-    return GraphmaxError(f"cannot load the model {spec!r} ({type(cause).__name__}: {first}); pass 'smollm2', a "
-                         f".gguf file or a local model folder (no network)")
+    return GraphmaxError(f"cannot load the model {os.fspath(spec)!r} ({type(cause).__name__}: {first}); pass "
+                         f"'smollm2', a .gguf file or a local model folder (no network)")
 
 
 _warned = False  # a cache that cannot be written once cannot be written again: one warning per process
@@ -93,9 +93,9 @@ def _load_gguf(path: Path, dtype: torch.dtype):
             _warned = True
             ignored = f" (the entry there {failed.ignored})" if failed.ignored else ""
             warnings.warn(f"graphmax cannot cache the model {path}: writing in {failed.where} failed "
-                          f"({failed.why}){ignored}; it is read from the GGUF file at each load (10-40 s) until it "
-                          f"can be; free space there or make it writable, or set GRAPHMAX_HOME to a writable folder",
-                          RuntimeWarning, stacklevel=3)
+                          f"({failed.why}){ignored}; it is read from the GGUF file at each load (several seconds) "
+                          f"until it can be; free space there or make it writable, or set GRAPHMAX_HOME to a writable "
+                          f"folder", RuntimeWarning, stacklevel=3)
         if failed.model is not None and dtype == torch.float32:
             model = failed.model  # converted in float32 already
         else:
@@ -138,7 +138,7 @@ def model_folder(spec: str | os.PathLike = DEFAULT_MODEL) -> Path:
     except model_cache.CacheUnwritable as failed:
         raise GraphmaxError(f"cannot write the model cache in {failed.where} ({failed.why}); free space there or "
                             f"make it writable, or set GRAPHMAX_HOME to a writable folder") from None
-    except (OSError, ValueError) as e:
+    except Exception as e:  # transformers raises many kinds for a GGUF file it cannot read
         raise _cannot_load(spec, e) from e
 
 

@@ -160,6 +160,8 @@ def test_model_folder_is_a_save_pretrained_folder_of_the_model_and_its_tokenizer
     assert model_folder(folder) == folder and conversions == ["tiny.gguf"]
     with pytest.raises(GraphmaxError, match="no model folder at .*; pass 'smollm2', a .gguf file or a folder"):
         model_folder(folder / "missing")
+    with pytest.raises(GraphmaxError, match=r"cannot load the model '.*missing.gguf' \(FileNotFoundError: .*; pass"):
+        model_folder(tiny.parent / "missing.gguf")
 
 
 def test_the_entry_is_keyed_by_content_a_copy_shares_it_and_a_rewrite_gets_its_own(tiny, monkeypatch):
