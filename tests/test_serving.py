@@ -46,7 +46,7 @@ def graphs(home, monkeypatch):
 # ---- a request's arguments -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
-    ("reviews", "must be an object"),
+    (3, "must be an object"),
     ({}, '"graph" must name a graph'),
     ({"graph": "../../etc/passwd"}, "must be the name of a graph"),
     ({"graph": "/etc"}, "must be the name of a graph"),
@@ -64,6 +64,16 @@ def test_a_bad_request_is_one_line(args, message):
     with pytest.raises(ValueError, match=message) as e:
         parse({"graphmax": args})
     assert "\n" not in str(e.value) and str(e.value).startswith("graphmax: ")
+
+
+def test_the_flat_form_is_the_object_form():
+    assert parse({"graphmax": "reviews", "graphmax_lam": 2, "graphmax_order_weights": [1.0, 0.5], "other": 1}) == \
+        parse({"graphmax": {"graph": "reviews", "lam": 2.0, "order_weights": (1.0, 0.5)}, "other": 1})
+    for extra, message in [({"graphmax": "reviews", "graphmax_beam": 2}, "'beam' is not an argument"),
+                           ({"graphmax_lam": 2}, "'graphmax_lam' given without 'graphmax'"),
+                           ({"graphmax": {"graph": "reviews"}, "graphmax_lam": 2}, "not both")]:
+        with pytest.raises(ValueError, match=message):
+            parse(extra)
 
 
 def test_a_request_without_the_argument_asks_for_nothing():
