@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes .venv-vllm, the environment the vLLM tests run in: vLLM's CPU build first, then graphmax into it, which must
 # not replace any version vLLM installed (graphmax's floors are true ones: the check below fails otherwise).
-# Usage: tests/vllm/setup_venv.sh [VENV]   (then: VENV/bin/python -m pytest -q -p no:xdist tests/vllm)
+# Usage: tests/vllm/setup_venv.sh [VENV]   (then: VENV/bin/python -m pytest -q -n 0 tests/vllm)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=${1:-.venv-vllm}

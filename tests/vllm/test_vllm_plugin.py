@@ -1,6 +1,6 @@
 """The vLLM plug-in (gm_solver.serving.vllm) in vLLM's CPU build, on the bundled SmolLM2 converted to a folder, with
 two graphs built from the bundled corpora. Runs in vLLM's own environment: `tests/vllm/setup_venv.sh`, then
-`.venv-vllm/bin/python -m pytest -q -p no:xdist tests/vllm` (collected only where vLLM is installed).
+`.venv-vllm/bin/python -m pytest -q -n 0 tests/vllm` (collected only where vLLM is installed).
 
 - greedy output through vLLM with the plug-in equals transformers' `generate` with the same decoder, row by row
   (float32): one engine, requests mixing plain rows, two λ, two graphs and the paper's decoder, half of them added
