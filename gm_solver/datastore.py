@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from gm_graphs.errors import DatastoreError
 from gm_graphs.format.datastore_files import (
     KEY_DTYPE,
+    MODEL_DTYPES,
     VALUE_DTYPE,
     check_datastore_target,
     checked_chunk,
@@ -254,7 +255,8 @@ class Datastore:
 
     def check_model(self, model: Any) -> None:
         """Raise :class:`DatastoreError` unless ``model`` computed these keys: its LM head's input width, and (when
-        the datastore records them) the fingerprints of its weights and of its buffers."""
+        the datastore records them) the fingerprints of its weights and of its buffers. Where the datastore records
+        the dtype its model ran in and this model runs in another, the message names the dtype to pass."""
         width = getattr(_head(model), "in_features", None)
         recorded, buffers = self.meta.get("model_sha256"), self.meta.get("buffers_sha256")
         weights_differ = recorded is not None and recorded != model_fingerprint(model)
@@ -263,6 +265,15 @@ class Datastore:
         if width != self.dim or weights_differ or buffers_differ:
             what = f"{width}-wide states" if width != self.dim else "other weights" if weights_differ else \
                 "other buffers: the same weights under another configuration, e.g. its rotary base"
+            built, mine = self.meta.get("model_dtype"), model_dtype(model)
+            if width == self.dim and built is not None and built != mine:  # (datastores before it record none)
+                same = recorded is not None and recorded == model_fingerprint(model, as_dtype=getattr(torch, built))
+                raise DatastoreError(
+                    f"the datastore's keys were computed by {self.meta.get('model') or 'another model'!r} in "
+                    f"{built}, and this model runs in {mine}"
+                    + (f" (its weights in {built} are the datastore's)" if same else "")
+                    + f"; pass --dtype {built} (dtype=torch.{built} in Python) to decode with this datastore, or "
+                    f"build the datastore again in {mine}")
             raise DatastoreError(f"the datastore's keys ({self.dim}-wide) were computed by "
                                  f"{self.meta.get('model') or 'another model'!r}, not by this model ({what}); "
                                  f"build the datastore with the model that decodes (graphmax datastore --model)")
@@ -426,13 +437,28 @@ def _head(model: Any) -> torch.nn.Module:
     return head
 
 
-def model_fingerprint(model: Any) -> str:
+def model_dtype(model: Any) -> str:
+    """The dtype ``model`` runs in, by name (``"float32"``, ``"bfloat16"``, ``"float16"``): its first floating-point
+    parameter's, ``"float32"`` for a model without one.
+
+    Example::
+
+        >>> model_dtype(torch.nn.Linear(2, 2).to(torch.bfloat16))
+        'bfloat16'
+    """
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+    return str(dtype).removeprefix("torch.")
+
+
+def model_fingerprint(model: Any, as_dtype: torch.dtype | None = None) -> str:
     """SHA-256 of every parameter of ``model`` (names, shapes, float32 values): what identifies the model whose
     hidden states a datastore holds. All of them, not the head alone: LoRA on the attention (or any fine-tuning
     below the head) changes the states and leaves the head as it was. 0.28 s for SmolLM2-135M on this CPU.
 
     Args:
         model (``torch.nn.Module``): the model.
+        as_dtype (``torch.dtype`` or ``None``, defaults to ``None``): fingerprint the weights as they would be in
+            this dtype (rounded to it), e.g. a float32 model's as in bfloat16; ``None``: as they are.
 
     Returns:
         ``str``: 64 hex digits.
@@ -447,7 +473,8 @@ def model_fingerprint(model: Any) -> str:
     """
     digest = hashlib.sha256()
     for name, param in model.named_parameters():  # shared (tied) weights once
-        value = param.detach().to("cpu", torch.float32).contiguous().numpy()
+        value = param.detach().to("cpu")
+        value = (value if as_dtype is None else value.to(as_dtype)).to(torch.float32).contiguous().numpy()
         digest.update(f"{name}:{tuple(value.shape)};".encode())
         digest.update(memoryview(value).cast("B"))
     return digest.hexdigest()
@@ -552,7 +579,8 @@ def index_datastore(path: str | os.PathLike, lists: int, *, seed: int = 0,
     _write_indexed(path, arrays.keys, arrays.values, lists, seed=seed, points_per_list=points_per_list,
                    tokenizer=meta["tokenizer"], model=meta["model"], model_sha256=meta["model_sha256"],
                    positions=meta["positions"], documents=meta["documents"], overwrite=True,
-                   marginals=arrays.marginals, buffers_sha256=meta.get("buffers_sha256"))
+                   marginals=arrays.marginals, buffers_sha256=meta.get("buffers_sha256"),
+                   model_dtype=meta.get("model_dtype"))
     return load_datastore(path, verify=False)
 
 
@@ -561,8 +589,8 @@ def _write_indexed(path: str | os.PathLike, keys: np.ndarray, values: np.ndarray
     """Write ``keys`` (N, d) and ``values`` (N,) at ``path`` in one atomic ``write_datastore`` with an inverted-file
     index of ``lists`` lists (checked by the caller): k-means (faiss) on a sample of ``points_per_list`` keys per
     list, each key in the list of its nearest centroid, the keys stored list after list. ``meta``: write_datastore's
-    other keyword arguments (tokenizer, model, model_sha256, buffers_sha256, positions, documents, overwrite,
-    marginals)."""
+    other keyword arguments (tokenizer, model, model_sha256, buffers_sha256, model_dtype, positions, documents,
+    overwrite, marginals)."""
     faiss = _faiss()
     n, dim = keys.shape
     rng = np.random.default_rng(seed)
@@ -671,6 +699,7 @@ def build_datastore(model: Any, tokenizer: Any, texts: Sequence[str], path: str 
 
     meta = dict(tokenizer=identity, model=model_name, model_sha256=fingerprint,
                 buffers_sha256=buffers_fingerprint(model), positions=positions,
+                model_dtype=model_dtype(model) if model_dtype(model) in MODEL_DTYPES else None,
                 documents=len(encoded), overwrite=overwrite, marginals=marginals)
     n = sum(len(e) - 1 for e in encoded)
     if ivf_lists and n:

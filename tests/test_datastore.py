@@ -237,6 +237,45 @@ def test_the_same_weights_under_another_rotary_base_are_another_model(tmp_path):
         dsmod.load_datastore(tmp_path / "ds")
 
 
+def test_a_datastore_of_the_same_model_in_another_dtype_names_the_dtype_to_pass(tmp_path):
+    """A datastore built in bfloat16 and a decoder in float32 (the defaults of a GPU and of a CPU): refused as
+    "other weights" before the datastore recorded its dtype; now the message names the dtype to pass."""
+    import copy
+
+    lm, tok = tiny_lm()
+    half = copy.deepcopy(lm).to(torch.bfloat16)
+    store = dsmod.build_datastore(half, tok, TEXTS, tmp_path / "ds", positions=6, progress=False)
+    assert store.meta["model_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "ds" / META).read_text())["model_dtype"] == "bfloat16"
+    store.check_model(half)
+    with pytest.raises(DatastoreError, match=r"in bfloat16, and this model runs in float32 \(its weights in "
+                                             r"bfloat16 are the datastore's\); pass --dtype bfloat16") as refused:
+        store.check_model(lm)
+    assert "\n" not in str(refused.value) and "other weights" not in str(refused.value)
+    # the other way round: a float32 datastore cannot be told from a bfloat16 model's weights; the dtype is named
+    full = dsmod.build_datastore(lm, tok, TEXTS, tmp_path / "full", positions=6, progress=False)
+    assert full.meta["model_dtype"] == "float32"
+    with pytest.raises(DatastoreError, match=r"in float32, and this model runs in bfloat16; pass --dtype float32"):
+        full.check_model(half)
+    # the index keeps the record; another model in another dtype is named by its dtype too
+    assert dsmod.index_datastore(tmp_path / "ds", 2).meta["model_dtype"] == "bfloat16"
+    other = tiny_lm(seed=1)[0]
+    with pytest.raises(DatastoreError, match=r"pass --dtype bfloat16") as refused:
+        store.check_model(other)
+    assert "its weights in" not in str(refused.value)
+    # a datastore written before graphmax recorded the dtype still loads, and says "other weights" as before
+    meta = json.loads((tmp_path / "ds" / META).read_text())
+    del meta["model_dtype"]
+    (tmp_path / "ds" / META).write_text(json.dumps(meta))
+    old = dsmod.load_datastore(tmp_path / "ds")
+    old.check_model(half)
+    with pytest.raises(DatastoreError, match="other weights"):
+        old.check_model(lm)
+    rewrite_meta(tmp_path / "ds", model_dtype="float64")
+    with pytest.raises(DatastoreError, match="model_dtype that is none of float32, bfloat16, float16"):
+        dsmod.load_datastore(tmp_path / "ds")
+
+
 def test_a_remembered_datastore_searches_each_state_once_and_answers_the_same():
 
     from pipelines.heldout import HeldOut

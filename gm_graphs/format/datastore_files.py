@@ -42,6 +42,7 @@ CENTROIDS, LISTS = "ivf_centroids.npy", "ivf_lists.npy"
 KEY_DTYPE, VALUE_DTYPE = np.dtype("<f2"), np.dtype("<i4")
 CENTROID_DTYPE, LIST_DTYPE = np.dtype("<f4"), np.dtype("<i8")
 MARGINALS, MARGINAL_DTYPE = "marginals.npy", np.dtype("<f8")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what meta.json's model_dtype may name: the dtypes a model runs in
 DATASTORE_MARKER = ".graphmax-datastore"
 DATASTORE = marked("datastore", DATASTORE_MARKER, (META, KEYS, VALUES, MARGINALS, CENTROIDS, LISTS))
 _MARGINAL_SUM = 1e-6  # relative: float64 sums of float32 softmax rows stay far within it
@@ -68,7 +69,8 @@ class DatastoreArrays:
 def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, np.ndarray]], *, dim: int,
                     tokenizer: dict, model: str, model_sha256: str, positions: int, documents: int,
                     overwrite: bool = False, ivf: tuple[np.ndarray, np.ndarray] | None = None,
-                    marginals: np.ndarray | None = None, buffers_sha256: str | None = None) -> Path:
+                    marginals: np.ndarray | None = None, buffers_sha256: str | None = None,
+                    model_dtype: str | None = None) -> Path:
     """Write (keys (n, dim), values (n,)) chunks as a datastore folder at ``path``, atomically.
 
     Args:
@@ -95,6 +97,8 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
         buffers_sha256 (``str`` or ``None``): a fingerprint of the model's buffers
             (``gm_solver.datastore.buffers_fingerprint``: its rotary frequencies, which the config sets and no
             parameter shows), checked like ``model_sha256`` when recorded.
+        model_dtype (``str`` or ``None``): the dtype the model ran in (``"float32"``, ``"bfloat16"``,
+            ``"float16"``), so that a reader whose model differs only by its dtype can say which one to pass.
 
     Returns:
         ``pathlib.Path``: ``path``.
@@ -118,10 +122,12 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
     tokenizer = _checked_tokenizer(tokenizer)
     if tokenizer is None or not (_int(dim) and 1 <= dim <= _MAX_DIM) or not is_sha256(model_sha256) \
             or not (_int(positions) and positions >= 0 and _int(documents) and documents >= 0) \
-            or not (buffers_sha256 is None or is_sha256(buffers_sha256)):
+            or not (buffers_sha256 is None or is_sha256(buffers_sha256)) \
+            or not (model_dtype is None or model_dtype in MODEL_DTYPES):
         raise DatastoreError(f"write_datastore needs dim in [1, {_MAX_DIM}], a tokenizer identity (name, vocab_size "
                              f"below 2**31, vocab_sha256, and split_sha256 if any), a model_sha256 (and "
-                             f"buffers_sha256, if any) and counts >= 0; got dim={dim!r}, "
+                             f"buffers_sha256, if any), a model_dtype among {', '.join(MODEL_DTYPES)} (if any) "
+                             f"and counts >= 0; got dim={dim!r}, model_dtype={model_dtype!r}, "
                              f"tokenizer={tokenizer!r}, positions={positions!r}, documents={documents!r}")
     vocab_size = tokenizer["vocab_size"]
     if ivf is not None:
@@ -169,6 +175,8 @@ def write_datastore(path: str | os.PathLike, chunks: Iterable[tuple[np.ndarray, 
             meta["ivf_lists"] = int(ivf[0].shape[0])
         if buffers_sha256 is not None:
             meta["buffers_sha256"] = buffers_sha256
+        if model_dtype is not None:
+            meta["model_dtype"] = model_dtype
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
         fault_point("datastore.written")
     return path
@@ -419,6 +427,9 @@ def _read_meta(root: Path) -> dict:
                          f"(model_sha256)")
     if "buffers_sha256" in meta and not is_sha256(meta["buffers_sha256"]):
         raise _bad(root, f"{META} has a buffers_sha256 that is not 64 lowercase hex digits")
+    if "model_dtype" in meta and meta["model_dtype"] not in MODEL_DTYPES:  # absent in datastores written before it
+        raise _bad(root, f"{META} has a model_dtype that is none of {', '.join(MODEL_DTYPES)}: "
+                         f"{repr(meta['model_dtype'])[:40]}")
     meta["tokenizer"], meta["model"] = tokenizer, str(meta.get("model", ""))
     for key in ("positions", "documents"):
         meta[key] = meta[key] if _int(meta.get(key)) and meta[key] >= 0 else 0
