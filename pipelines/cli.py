@@ -37,6 +37,7 @@ from typing import NoReturn
 from gm_graphs import GraphmaxError
 
 from .args import corpus_error, model_error
+from .devices import device_error
 
 DESCRIPTION = """Make a pretrained language model write like your corpus, without fine-tuning: build a
 word-transition graph from the corpus in the model's tokens, then decode with graphmax, a softmax
@@ -169,13 +170,15 @@ def _run(argv: list[str], state: _Run) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # argparse leaves these to the top parser: name the command they were given to
         commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    bad = corpus_error(args) or model_error(args)  # after every other argument: a mistyped option is named first
+    # after every other argument, so that a mistyped option is named first; before torch is imported
+    bad = corpus_error(args) or model_error(args) or device_error(args)
     if bad:
         commands[args.command].error(bad)
     prog = state.prog = f"graphmax {args.command}"
     state.watch(args)
     try:
-        return int(args.run(args) or 0)
+        with _kernels_for(args):
+            return int(args.run(args) or 0)
     except GraphmaxError as e:
         cause = e.__cause__
         if isinstance(cause, OSError) and cause.errno == errno.ENAMETOOLONG:  # the wrapper's fix would be another's
@@ -188,6 +191,19 @@ def _run(argv: list[str], state: _Run) -> int:
         if e.errno not in OS_ERRORS:
             raise
         return fail(prog, os_error_message(e, args))
+
+
+def _kernels_for(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """A command whose parser sets ``quick_start`` (a short decode: generate, demo) decodes with torch on the CPU
+    where numba's kernels are not compiled yet, while they compile in the background for the next run
+    (``gm_solver.backends.compile_in_background``); other commands compile them where they are first called."""
+    if not getattr(args, "quick_start", False):
+        return contextlib.nullcontext()
+    from gm_solver.backends import compile_in_background
+
+    from .warm import BACKGROUND
+
+    return compile_in_background(BACKGROUND)
 
 
 class _Run:

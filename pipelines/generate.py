@@ -186,7 +186,7 @@ def register(sub) -> None:
                         "--knn-weight, else 0: none)")
     p.add_argument("--lam-decay", type=number(at_least=0),
                    help="context: γ in λ_t = λ·t^(−γ) after t tokens of context (default 0: λ constant)")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, quick_start=True)  # numba compiles in the background where it has not (pipelines.cli)
 
 
 def build_decoder(args, prompt_length: int = 0,

@@ -17,6 +17,7 @@ two saves of one kernel safe.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -66,7 +67,7 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def warm_kernels(tokenizer: str = "smollm2") -> float:
+def warm_kernels(tokenizer: str = "smollm2", workers: int | None = None) -> float:
     """Build small graphs (Ã, Ã², n-gram tables) in temporary folders and run one step of each decoder on them,
     which compiles every kernel the build and the decoders use: :data:`TASKS`, each in a process of its own up to
     the cores this process may use, else one after another here.
@@ -74,11 +75,12 @@ def warm_kernels(tokenizer: str = "smollm2") -> float:
     Args:
         tokenizer (``str``, defaults to ``"smollm2"``): anything ``--tokenizer`` accepts; the bundled one by default,
             so that the arrays have the types of the graphs users build for SmolLM2.
+        workers (``int`` or ``None``, defaults to ``None``): processes at most; ``None``: one a core, up to a task each.
 
     Returns:
         ``float``: the seconds it took.
     """
-    workers = min(len(TASKS), _cores())
+    workers = min(len(TASKS), _cores() if workers is None else max(1, workers))
     t0 = time.perf_counter()
     if workers == 1:
         for task in TASKS:
@@ -91,5 +93,26 @@ def warm_kernels(tokenizer: str = "smollm2") -> float:
     return time.perf_counter() - t0
 
 
+def warm_in_background() -> None:
+    """What ``python -m pipelines.warm --background`` runs, started by a command that decodes with torch meanwhile
+    (``gm_solver.backends.compile_in_background``): :func:`warm_kernels` in this one process at the lowest priority,
+    so that the command beside it keeps both cores; a second one started meanwhile leaves at once."""
+    import fcntl
+
+    os.nice(19)
+    with open(Path(tempfile.gettempdir()) / f"graphmax-warm-{os.getuid()}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        warm_kernels(workers=1)
+
+
+#: the command ``compile_in_background`` starts: this module, by the interpreter running graphmax
+BACKGROUND = [sys.executable, "-m", "pipelines.warm", "--background"]
+
 if __name__ == "__main__":
-    print(f"graphmax: numba kernels compiled into numba's cache in {warm_kernels():.1f} s")
+    if sys.argv[1:] == ["--background"]:
+        warm_in_background()
+    else:
+        print(f"graphmax: numba kernels compiled into numba's cache in {warm_kernels():.1f} s")

@@ -26,7 +26,12 @@ operation              what it computes
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -115,8 +120,67 @@ def choose(device: torch.device, request: str = "auto", *, float64_only: bool = 
     if request != "auto":
         return request
     if cpu and not float64_only:
-        return "numba"
+        return "numba" if _numba_ready() else "torch"
     return "fused" if fused and fused_available(device) else "torch"
+
+
+#: the numba kernels a decoding step calls first (``gm_solver.backends.numba``'s modules), which ``pipelines.warm``
+#: compiles: all in numba's cache means a step loads them in about a second instead of compiling them for minutes
+ENTRY_KERNELS = ("context.decode_step", "csr.product", "mirror.start_rows")
+_quick = {"command": None, "ready": None}
+
+
+@contextlib.contextmanager
+def compile_in_background(command: list[str]) -> Iterator[None]:
+    """Inside this block, :func:`choose`'s ``"auto"`` takes numba on the CPU only where its kernels are in numba's
+    cache already (:data:`ENTRY_KERNELS`); where they are not (a first run after installing), it takes torch, which
+    needs no compiling, prints one line saying so, and starts ``command`` detached (a process that compiles them into
+    the cache, e.g. ``python -m pipelines.warm --background``) for the next run. Outside it, numba compiles where
+    it is first called, as a library's caller expects. Decided once per block, so that a run does not switch
+    backends between steps.
+
+    Measured on 2 busy cores (``benchmarks/first_use.py``): compiling the context decoder's step took 116 s; the
+    torch step on the CPU costs about 0.2 s a token more than numba's, so a short first run is over long before.
+
+    Args:
+        command (``list[str]``): the compiling process' command line.
+    """
+    before = dict(_quick)
+    _quick.update(command=list(command), ready=None)
+    try:
+        yield
+    finally:
+        _quick.update(before)
+
+
+def _numba_ready() -> bool:
+    if _quick["command"] is None:
+        return True
+    if _quick["ready"] is None:
+        _quick["ready"] = ready = _kernels_cached()
+        if not ready:
+            print("graphmax: numba's kernels are not compiled yet on this machine; this run decodes with torch on the "
+                  "CPU (slower a token), while they compile in the background (a few minutes) for the next run",
+                  file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                subprocess.Popen(_quick["command"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    return _quick["ready"]
+
+
+def _kernels_cached() -> bool:
+    """Whether every kernel of :data:`ENTRY_KERNELS` has a compiled signature in numba's cache (graphmax's sealed
+    index, ``gm_graphs.store.kernel_cache``); True where that cannot be told (numba then loads or compiles them as
+    before)."""
+    try:
+        room_ = importlib.import_module(".numba", __name__)
+        for name in ENTRY_KERNELS:
+            module, kernel = name.split(".")
+            if not getattr(getattr(room_, module), kernel)._cache._cache_file._index():
+                return False
+    except (AttributeError, ImportError, OSError, TypeError, ValueError):
+        return True
+    return not os.environ.get("NUMBA_DISABLE_JIT")
 
 
 def canonical(device: str | torch.device) -> torch.device:
