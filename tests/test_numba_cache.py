@@ -8,10 +8,12 @@ import importlib
 import json
 import multiprocessing
 import os
+import pickle
 import re
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -332,3 +334,267 @@ def test_a_kernel_cached_after_loading_its_parallel_callee_from_the_cache_runs_f
         assert out.returncode == 0, (step, out.returncode, out.stderr[-2000:])
         outputs.append(out.stdout.split())
     assert outputs == [["20.0"], ["20.0", "1"], ["20.0", "1"]]
+
+
+# ---- cache folders another user could write (issue 57, item 2): each case run as another user -----------------------
+
+VICTIM, ATTACKER = 65534, 65533  # the user graphmax runs as, and another local user
+
+
+class _Payload:
+    """What a planted index unpickles to: it runs ``os.mkdir(marker)``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.fixture()
+def shared(tmp_path_factory):
+    """A folder under /tmp that another user can reach (pytest's own are root's alone), with ``reports/`` and
+    ``markers/`` that anyone may write; removed afterwards."""
+    if os.getuid() != 0:
+        pytest.skip("running as another user needs root")
+    import tempfile
+
+    for call in CALLS:  # numba's lazy imports done here: the other user may not read this Python's folder
+        numba.njit(validate._first_below.py_func)(*call)
+    base = Path(tempfile.mkdtemp(prefix="gm-cache-trust-"))
+    base.chmod(0o755)
+    for name in ("reports", "markers"):
+        (base / name).mkdir(mode=0o777)
+        (base / name).chmod(0o777)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _fork_as_user(uid: int, run) -> int:
+    """The pid of a forked child that becomes user ``uid`` and runs ``run()``: exit code 0 when it returned."""
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            run()
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported on the child's stderr
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _as_user(uid: int, run, seconds: float = 120) -> int | None:
+    """``run()`` as user ``uid`` (:func:`_fork_as_user`): its exit code, or None when it was still running after
+    ``seconds`` (then killed)."""
+    pid = _fork_as_user(uid, run)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def _victim_runs(report: Path, make_kernel, calls: list[tuple], setup=None):
+    """What the victim's process does: graphmax's once-per-process state as a new process has it, then the kernel
+    made and called; its answers, cache hits and warnings written to ``report``."""
+    from gm_graphs.store import sealed
+
+    def run():
+        numba_cache._distrust_warned = False
+        numba_cache._unwritable = set()
+        sealed._warned = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if setup is not None:
+                setup()
+            kernel = make_kernel()
+            answers = _outputs(kernel, calls)
+        report.write_text(json.dumps([answers, sum(kernel.stats.cache_hits.values()),
+                                      [str(w.message) for w in caught]]))
+    return run
+
+
+def _probe(cache: Path) -> tuple[Path, tuple]:
+    """Where the index of validate._first_below goes under NUMBA_CACHE_DIR=cache, and its seal's identity."""
+    numba.config.CACHE_DIR = str(cache)
+    probe = numba.njit(cache=True)(validate._first_below.py_func)._cache
+    return Path(probe._cache_path) / f"{probe._impl.filename_base}.gmi", probe._cache_file._identity
+
+
+def _planted(path: Path, identity: tuple, marker: Path) -> None:
+    from gm_graphs.store.sealed import seal
+
+    path.write_bytes(seal(identity, pickle.dumps(_Payload(marker))))  # anyone can compute a seal
+    path.chmod(0o644)
+
+
+def test_a_world_writable_numba_cache_dir_is_never_read_not_even_a_root_owned_index_hard_linked_into_it(
+        shared, monkeypatch):
+    # a file's own check passed (root's, not writable by others), so the planted index ran its pickle: another
+    # user hard-links a root-owned file where graphmax looks (fs.protected_hardlinks=0 allows it)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", None)
+    cache = shared / "numba"
+    cache.mkdir()
+    index, identity = _probe(cache)
+    cache.chmod(0o777)
+    index.parent.chmod(0o777)
+    marker = shared / "markers" / "payload-ran"
+    root_owned = shared / "root-owned.bin"
+    _planted(root_owned, identity, marker)
+    os.link(root_owned, index)
+    report = shared / "reports" / "victim.json"
+
+    def kernel():
+        numba.config.CACHE_DIR = str(cache)
+        return numba.njit(cache=True)(validate._first_below.py_func)
+
+    assert _as_user(VICTIM, _victim_runs(report, kernel, CALLS)) == 0
+    answers, hits, messages = json.loads(report.read_text())
+    assert answers == EXPECTED and hits == 0 and not marker.exists()
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert messages[0].startswith(f"graphmax does not cache its kernels in {index.parent}: ")
+    assert "every user may write it (mode 0777)" in messages[0] and "NUMBA_CACHE_DIR" in messages[0]
+    assert sorted(p.name for p in index.parent.iterdir()) == [index.name]  # nothing written there either
+
+
+def test_a_kernel_subfolder_another_user_made_a_symlink_is_not_followed(shared, monkeypatch):
+    # in a shared (sticky) NUMBA_CACHE_DIR another user made the kernel's subfolder a symlink to the victim's own
+    # folder, and graphmax wrote its cache there; without the link the victim caches in a subfolder of its own
+    monkeypatch.setattr(numba.config, "CACHE_DIR", None)
+    cache = shared / "numba"
+    cache.mkdir()
+    index, _ = _probe(cache)
+    shutil.rmtree(index.parent)
+    cache.chmod(0o1777)
+    victims = shared / "victims-folder"
+    victims.mkdir()
+    os.chown(victims, VICTIM, VICTIM)
+    index.parent.symlink_to(victims)
+    os.lchown(index.parent, ATTACKER, ATTACKER)
+    report = shared / "reports" / "victim.json"
+
+    def kernel():
+        numba.config.CACHE_DIR = str(cache)
+        return numba.njit(cache=True)(validate._first_below.py_func)
+
+    assert _as_user(VICTIM, _victim_runs(report, kernel, CALLS)) == 0
+    answers, hits, messages = json.loads(report.read_text())
+    assert answers == EXPECTED and list(victims.iterdir()) == []
+    assert len(messages) == 1 and "symlink that another user could have made" in messages[0], messages
+    index.parent.unlink()  # a sticky folder anyone may write, and no attack: cached in the victim's own subfolder
+    for _ in range(2):
+        assert _as_user(VICTIM, _victim_runs(report, kernel, CALLS)) == 0
+    answers, hits, messages = json.loads(report.read_text())
+    assert answers == EXPECTED and hits == len(CALLS) and messages == []
+    st = os.lstat(index.parent)
+    assert st.st_uid == VICTIM and stat.S_IMODE(st.st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(index.parent / numba_cache._LOCK).st_mode) == 0o600  # no one else may lock it
+
+
+def _hold_forever(lock: Path, held: Path) -> None:
+    import fcntl
+
+    fd = os.open(lock, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    held.write_text("")
+    time.sleep(3600)
+
+
+def test_a_lock_another_user_holds_forever_is_waited_for_a_bounded_time_then_the_kernels_run_uncached(
+        shared, monkeypatch):
+    # _locked took LOCK_EX with no timeout: another user holding graphmax-kernels.lock blocked every save forever
+    monkeypatch.setattr(numba.config, "CACHE_DIR", None)
+    monkeypatch.setattr(numba_cache, "_LOCK_WAIT_S", 0.5)
+    cache = shared / "numba"
+    cache.mkdir()
+    index, _ = _probe(cache)
+    lock = index.parent / numba_cache._LOCK
+    lock.write_text("")
+    lock.chmod(0o644)  # as an older graphmax made it (0666 under a umask of 022): others could open it
+    for path in (cache, index.parent, lock):
+        os.chown(path, VICTIM, VICTIM)
+    held = shared / "markers" / "held"
+    holder = _fork_as_user(ATTACKER, lambda: _hold_forever(lock, held))
+    try:
+        deadline = time.monotonic() + 30
+        while not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held.exists()
+        report = shared / "reports" / "victim.json"
+
+        def kernel():
+            numba.config.CACHE_DIR = str(cache)
+            return numba.njit(cache=True)(validate._first_below.py_func)
+
+        assert _as_user(VICTIM, _victim_runs(report, kernel, CALLS), seconds=60) == 0, "blocked on the lock"
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    answers, hits, messages = json.loads(report.read_text())
+    assert answers == EXPECTED
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert messages[0].startswith(f"graphmax cannot write its kernel cache in {index.parent} (another process has "
+                                  f"held {numba_cache._LOCK} there for over 0.5 s")
+    assert not [p for p in index.parent.iterdir() if p.suffix in (".gmi", ".gmc", ".tmp")]
+
+
+PROBE = '''
+import numba
+
+
+@numba.njit(cache=True)
+def first_below(values, bound):
+    for i in range(values.size):
+        if values[i] < bound:
+            return i
+    return -1
+'''
+
+
+def test_a_pycache_others_may_write_is_never_read_and_said_once(shared, monkeypatch):
+    # graphmax checked that the sources' __pycache__ was writable, not that others could write it too: a planted
+    # index there ran its pickle (and Python runs another user's .pyc from there at import)
+    import importlib.util
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", None)
+    source = shared / "src"
+    source.mkdir(mode=0o755)
+    (source / "probe_kernels.py").write_text(PROBE)
+    monkeypatch.setattr(numba_cache, "_PACKAGES", (*numba_cache._PACKAGES, source))  # a graphmax kernel folder
+    spec = importlib.util.spec_from_file_location("probe_kernels", source / "probe_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    probe = module.first_below._cache
+    assert Path(probe._cache_path) == source / "__pycache__"
+    (source / "__pycache__").chmod(0o777)
+    marker = shared / "markers" / "payload-ran"
+    _planted(source / "__pycache__" / f"{probe._impl.filename_base}.gmi", probe._cache_file._identity, marker)
+    report = shared / "reports" / "victim.json"
+    calls = [(VALUES, 2), (VALUES, 2.5)]
+
+    def setup():  # (in the child: monkeypatch's undoing stays in the parent)
+        sys.dont_write_bytecode = True
+        numba_cache._PACKAGES = (source,)  # its only sources: the __pycache__ numba would cache in is writable
+        numba_cache._pycache_checked = False
+        numba_cache.ensure_cache_dir()  # as each kernel module calls it at import
+
+    assert _as_user(VICTIM, _victim_runs(report, lambda: numba.njit(cache=True)(module.first_below.py_func), calls,
+                                         setup)) == 0
+    answers, hits, messages = json.loads(report.read_text())
+    assert answers == [2, 1] and hits == 0 and not marker.exists()
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert messages[0].startswith(f"graphmax does not cache its kernels in {source / '__pycache__'}: it every user "
+                                  f"may write it (mode 0777)")
+    assert ".pyc" in messages[0]
+    assert not [p for p in (source / "__pycache__").iterdir() if p.suffix == ".gmc"]

@@ -10,8 +10,15 @@ A cached kernel is code: whoever can write the cache can run code in every graph
 (below) does not tell who wrote a file, since anyone can compute one. Another local user can create the
 temporary folder's name first, so :func:`ensure_cache_dir` creates it for this user alone (mode 0700) and
 refuses one that exists with another owner, wider permissions, or as a symlink: graphmax's kernels then run
-uncached, with one warning that names the folder. In any folder, a cache file that is not a regular file of this
-user's (or root's) that no one else may write is never read (:func:`gm_graphs.store.sealed.read_sealed`).
+uncached, with one warning that names the folder. Every other folder a graphmax kernel would be cached in
+(``NUMBA_CACHE_DIR``'s, the sources' ``__pycache__``, the user's cache folder) is checked from ``/`` down before
+numba makes or writes it (:func:`_distrusted`): each folder on the way owned by this user or root and not writable
+by others unless sticky (the cache folder itself not even then: a hard link to a file root owns can be put into a
+sticky folder), and no symlink that another user could have placed; otherwise the kernels run uncached with one
+warning per process. In any folder, a cache file that is not a regular file of this user's (or root's) that no one
+else may write is never read (:func:`gm_graphs.store.sealed.read_sealed`). The folder's lock file is this user's
+alone (0600) and is waited for at most :data:`_LOCK_WAIT_S`: one held longer (by another user who could open an
+older 0644 one, or a stuck process) means this process saves no kernel there, with one warning.
 
 numba reuses a cached kernel while the kernel's own source file is unchanged: it does not track the modules the
 kernel calls into (and inlines), nor the module constants it freezes in. ``gm_solver.backends.numba.context`` calls
@@ -47,11 +54,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import grp
 import hashlib
 import os
 import pickle
+import pwd
 import stat
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,8 +87,11 @@ _PACKAGES = tuple(sorted({path.parent for package in ("gm_graphs", "gm_solver")
 _NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
 _MAX_BYTES = 1 << 30  # a cached kernel is a few MB; a larger file is not one graphmax wrote
 _LOCK = "graphmax-kernels.lock"  # in each cache folder: held while saving into it
+_LOCK_WAIT_S = 10.0  # a save holds the lock for milliseconds; one held longer is not a save's: save nothing there
 _unwritable: set[str] = set()  # cache folders a save failed in: this process saves nothing more there
 _uncached: str | None = None  # the fall-back folder ensure_cache_dir refused: graphmax's kernels are not cached
+_distrust_warned = False  # one warning per process for the cache folders that others could write
+_pycache_checked = False  # ensure_cache_dir looked at the sources' __pycache__ folders
 
 
 def _writable(folder: Path) -> bool:
@@ -89,6 +102,106 @@ def _writable(folder: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+@functools.cache
+def _private_group(gid: int) -> bool:
+    """Whether the group ``gid`` is this user's alone: a user private group (the user's primary group, named as the
+    user, with no other member), which a umask of 002 gives the folders a user creates."""
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return False
+    return gid == os.getgid() and group.gr_name == user and set(group.gr_mem) <= {user}
+
+
+def _others_may_write(st: os.stat_result, last: bool) -> str | None:
+    """Why a folder of status ``st`` lets someone but this user (or root) put entries in it, or None. The folder
+    holding the cache files (``last``) may not be writable by others even when sticky: a sticky folder stops
+    others from removing an entry, not from adding one (a hard link to a file root owns, say)."""
+    if st.st_uid not in (os.getuid(), 0):
+        return f"belongs to another user (uid {st.st_uid})"
+    sticky = bool(st.st_mode & stat.S_ISVTX) and not last
+    if st.st_mode & 0o002 and not sticky:
+        return f"every user may write it (mode {stat.S_IMODE(st.st_mode):04o})"
+    if st.st_mode & 0o020 and not sticky and not _private_group(st.st_gid):
+        return f"its group (gid {st.st_gid}) may write it (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _distrusted(folder: str, create: bool) -> tuple[str, str] | None:
+    """None when no one but this user (or root) can put a file into ``folder``: each folder from ``/`` down to it
+    is owned by this user or root and not writable by others unless sticky (``/tmp`` on the way is fine, the cache
+    folder itself must not be writable by others at all), and no symlink on the way could have been placed by
+    another user (one that this user or root owns, in a folder that only they can write, is followed). Else the
+    folder at fault and why, in a few words.
+
+    ``create``: folders missing below the last one checked are made (mode 0755, whatever the umask adds) and then
+    checked as any other; without it, a missing folder ends the walk (what is missing holds nothing). Raises
+    OSError where a folder cannot be made or read, or a file stands where a folder should (not writable: numba's
+    next locator is tried)."""
+    path = os.path.abspath(folder)
+    current, parts = "/", Path(path).parts[1:]
+    st = os.lstat(current)
+    why = _others_may_write(st, not parts)
+    if why:
+        return current, why
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        above, current = current, os.path.join(current, part)
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            if not create:
+                return None
+            with contextlib.suppress(FileExistsError):  # (made meanwhile: checked below as found)
+                os.mkdir(current, 0o755)
+            st = os.lstat(current)
+        if stat.S_ISLNK(st.st_mode):
+            parent = os.lstat(above)
+            if st.st_uid not in (os.getuid(), 0) or _others_may_write(parent, last=True):
+                return current, "it is a symlink that another user could have made, which graphmax does not follow"
+            target = os.path.realpath(current)
+            found = _distrusted(target, create=False)  # where it leads, from / down, symlinks resolved
+            if found:
+                return found
+            current = target
+            st = os.lstat(current)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(20, "a file stands where a cache folder would be", current)
+        why = _others_may_write(st, last)
+        if why:
+            return current, why
+    return None
+
+
+class _Distrusted(Exception):
+    """A cache folder that others could write (not an OSError: numba would take it for a folder not writable and
+    try the next place, where graphmax's kernels run uncached instead)."""
+
+    def __init__(self, cache: str, folder: str, why: str):
+        super().__init__(cache, folder, why)
+        self.cache, self.folder, self.why = cache, folder, why
+
+
+def _warn_distrusted(cache: str, folder: str, why: str) -> None:
+    """The one warning per process for graphmax's kernels left uncached in a folder others could write."""
+    global _distrust_warned
+    if _distrust_warned:
+        return
+    _distrust_warned = True
+    where = "" if folder == cache else f" ({folder} {why})"
+    pyc = " (Python runs the .pyc files there too: make it yours alone)" \
+        if os.path.basename(cache) == "__pycache__" else ""
+    warnings.warn(
+        f"graphmax does not cache its kernels in {cache}: "
+        + (f"it {why}" if folder == cache else f"another user could write it{where}")
+        + f", so another user could put code of theirs in it{pyc}; they compile anew in each process (seconds "
+        f"each); set NUMBA_CACHE_DIR to a folder only you can write, or remove the write permission of others "
+        f"(chmod go-w) on the way to it",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 @functools.cache
@@ -108,7 +221,18 @@ class _AllSourcesStamp:
     def from_function(cls, py_func: Callable, py_file: str) -> caching._CacheLocator | None:
         if Path(py_file).resolve().parent not in _PACKAGES:
             return None  # another library's kernel: numba's own locators take it
-        return super().from_function(py_func, py_file)
+        try:
+            return super().from_function(py_func, py_file)
+        except _Distrusted as distrusted:  # never read nor written: the kernel runs uncached
+            _warn_distrusted(distrusted.cache, distrusted.folder, distrusted.why)
+            return _uncached_locator(py_func, py_file, distrusted.cache)
+
+    def ensure_cache_path(self) -> None:
+        # before numba makes the folder (os.makedirs would follow another user's symlink) or writes a file into it
+        found = _distrusted(self.get_cache_path(), create=True)
+        if found:
+            raise _Distrusted(self.get_cache_path(), *found)
+        super().ensure_cache_path()
 
     def get_source_stamp(self) -> str:
         # every cache file of the kernel is sealed with it: a file sealed with another is never loaded
@@ -133,11 +257,14 @@ class _Uncached(_AllSourcesStamp):
     the fall-back folder, it takes graphmax's kernels (numba would refuse to decorate them otherwise), and
     :class:`_SealedCache` neither reads nor writes their cache."""
 
-    def __init__(self, py_func: Callable, py_file: str):
+    def __init__(self, py_func: Callable, py_file: str, folder: str | None = None):
         # numba's locator joins NUMBA_CACHE_DIR, unset here; the refused folder stands in, for what names the path
         self._py_file = py_file
         self._lineno = py_func.__code__.co_firstlineno
-        self._cache_path = _uncached
+        self._cache_path = folder or _uncached
+
+    def ensure_cache_path(self) -> None:
+        pass  # never written
 
     @classmethod
     def from_function(cls, py_func: Callable, py_file: str) -> caching._CacheLocator | None:
@@ -146,11 +273,34 @@ class _Uncached(_AllSourcesStamp):
         return cls(py_func, py_file)
 
 
+def _uncached_locator(py_func: Callable, py_file: str, folder: str) -> caching._CacheLocator:
+    """A locator that keeps a graphmax kernel uncached, naming ``folder`` (one graphmax refused)."""
+    cls = next(c for c in caching.CacheImpl._locator_classes if isinstance(c, type) and issubclass(c, _Uncached))
+    return cls(py_func, py_file, folder)
+
+
+class _LockHeld(OSError):
+    """The cache folder's lock stayed held past :data:`_LOCK_WAIT_S`."""
+
+
 @contextlib.contextmanager
 def _locked(folder: str) -> Iterator[None]:
-    fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    # this user's alone (0600): another user who could open it could hold it forever; one that an older graphmax
+    # made 0644, or that another process holds, is waited for a bounded time, then the save is given up
+    fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file is closed
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    held = f"another process has held {_LOCK} there for over {_LOCK_WAIT_S:g} s, where a save " \
+                        f"takes milliseconds (fuser -v {os.path.join(folder, _LOCK)} names it)"
+                    raise _LockHeld(held) from None
+                time.sleep(0.01)
         yield
     finally:
         os.close(fd)
@@ -247,19 +397,30 @@ class _SealedCache:
         try:
             self._save_overload(sig, data)
         except OSError as error:
-            if not _unwritable:
-                warnings.warn_explicit(  # shown at the kernel that was being saved
-                    f"graphmax cannot write its kernel cache in {self._cache_path} ({error.strerror or error}): "
-                    "the kernels compile anew in each process until it can; free space there or make it writable, "
-                    "or set NUMBA_CACHE_DIR to a writable folder",
-                    RuntimeWarning, self._code.co_filename, self._code.co_firstlineno,
-                )
-            _unwritable.add(self._cache_path)
+            self._give_up(error)
         return None
 
+    def _give_up(self, error: OSError) -> None:
+        """Save nothing more into this cache folder in this process, with one warning per process."""
+        if not _unwritable:
+            fix = "the kernels compile anew in each process until it can; free space there or make it writable, " \
+                "or set NUMBA_CACHE_DIR to a writable folder"
+            if isinstance(error, _LockHeld):
+                fix = ("this process saves no kernel there; if no graphmax is compiling there, another user may "
+                       "hold the lock: set NUMBA_CACHE_DIR to a folder only you can write")
+            warnings.warn_explicit(  # shown at the kernel that was being saved
+                f"graphmax cannot write its kernel cache in {self._cache_path} ({error.strerror or error}): {fix}",
+                RuntimeWarning, self._code.co_filename, self._code.co_firstlineno,
+            )
+        _unwritable.add(self._cache_path)
+
     def flush(self) -> None:
-        if not self._uncached:  # numba's recompile() empties the index: there is none to empty
+        if self._uncached or self._cache_path in _unwritable:  # numba's recompile() empties the index: none here
+            return
+        try:
             super().flush()
+        except OSError as error:
+            self._give_up(error)
 
 
 def _known_internals() -> bool:
@@ -308,8 +469,15 @@ def ensure_cache_dir() -> None:
 
         >>> ensure_cache_dir()   # a no-op here: the locators are in place, the sources' __pycache__ is writable
     """
-    global _uncached
+    global _uncached, _pycache_checked
     _stamp_with_all_sources()
+    if not _pycache_checked:  # Python reads the .pyc files there whatever numba does: said once, where they are
+        _pycache_checked = True
+        for folder in _PACKAGES:
+            with contextlib.suppress(OSError):
+                if found := _distrusted(str(folder / "__pycache__"), create=False):
+                    _warn_distrusted(str(folder / "__pycache__"), *found)
+                    break
     if numba.config.CACHE_DIR or _uncached is not None:  # NUMBA_CACHE_DIR, or an earlier call
         return
     if all(_writable(folder / "__pycache__") for folder in _PACKAGES):  # numba caches each kernel beside its module
