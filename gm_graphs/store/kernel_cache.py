@@ -133,8 +133,8 @@ def _distrusted(folder: str, create: bool) -> tuple[str, str] | None:
     """None when no one but this user (or root) can put a file into ``folder``: each folder from ``/`` down to it
     is owned by this user or root and not writable by others unless sticky (``/tmp`` on the way is fine, the cache
     folder itself must not be writable by others at all), and no symlink on the way could have been placed by
-    another user (one that this user or root owns, in a folder that only they can write, is followed). Else the
-    folder at fault and why, in a few words.
+    another user (one that this user or root owns, in a folder others may not write unless sticky, is followed).
+    Else the folder at fault and why, in a few words.
 
     ``create``: folders missing below the last one checked are made (mode 0755, whatever the umask adds) and then
     checked as any other; without it, a missing folder ends the walk (what is missing holds nothing). Raises
@@ -159,7 +159,8 @@ def _distrusted(folder: str, create: bool) -> tuple[str, str] | None:
             st = os.lstat(current)
         if stat.S_ISLNK(st.st_mode):
             parent = os.lstat(above)
-            if st.st_uid not in (os.getuid(), 0) or _others_may_write(parent, last=True):
+            # (in a sticky folder others may add entries, never replace this user's or root's)
+            if st.st_uid not in (os.getuid(), 0) or _others_may_write(parent, last=False):
                 return current, "it is a symlink that another user could have made, which graphmax does not follow"
             target = os.path.realpath(current)
             found = _distrusted(target, create=False)  # where it leads, from / down, symlinks resolved
