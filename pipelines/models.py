@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import warnings
 from pathlib import Path
@@ -12,7 +13,9 @@ from gm_graphs import GraphmaxError, bundled, load_tokenizer
 from gm_graphs.errors import TokenizerError
 
 from . import model_cache
+from .args import model_error
 from .devices import resolve_device, resolve_dtype
+from .model_check import check_model_folder
 
 DEFAULT_MODEL = "smollm2"
 
@@ -40,11 +43,19 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.d
         it has none).
 
     Raises:
-        GraphmaxError: a device this machine lacks, or a model that cannot be loaded (one line, with the fix).
+        GraphmaxError: a device this machine lacks, a model folder without a tokenizer or whose ``config.json`` its
+            weights do not fill (:func:`pipelines.model_check.check_model_folder`, before the model is built), or a
+            model that cannot be loaded (one line, with the fix).
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     path = _spec_path(spec)
+    if path.suffix != ".gguf":  # a folder: what the CLI refuses while parsing, then its config against its weights
+        problem = model_error(argparse.Namespace(model=os.fspath(path)))
+        if problem is not None:
+            raise GraphmaxError(problem.removeprefix("argument --model: "))
+        if path.is_dir():
+            check_model_folder(path)
     try:
         if path.suffix == ".gguf":
             model, tok = _load_gguf(path, dtype)
