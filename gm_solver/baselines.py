@@ -14,13 +14,15 @@ from transformers import LogitsProcessor
 
 from .context import ContextReference
 from .context_config import ContextConfig
+from .padding import LeftPadding
 
 # ContextConfig's fields that set graphmax's solve, not q: interpolation has no solve
 _SOLVE_FIELDS = ("divergence", "lam", "kl_share")
 
 
-class InterpolationLogitsProcessor(LogitsProcessor):
-    """log((1−w)·softmax(scores) + w·q(·|input_ids)); ``-inf`` scores stay ``-inf``.
+class InterpolationLogitsProcessor(LeftPadding, LogitsProcessor):
+    """log((1−w)·softmax(scores) + w·q(·|input_ids)); ``-inf`` scores stay ``-inf``. A left-padded batch decodes each
+    row as alone inside ``proc.padding(attention_mask)`` (``gm_solver.padding``).
 
     Args:
         graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph whose counts give q, as for
@@ -58,6 +60,7 @@ class InterpolationLogitsProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         z = scores.to(torch.float64)
-        q = self.reference.restricted(input_ids, z)
+        starts = self.row_starts(input_ids.shape[0]) if torch.is_tensor(input_ids) and input_ids.dim() == 2 else None
+        q = self.reference.restricted(input_ids if starts is None else self.reference.contexts(input_ids, starts), z)
         p = (1.0 - self.weight) * torch.softmax(z, -1) + self.weight * q
         return torch.where(p > 0, torch.log(p), torch.full_like(p, -torch.inf)).to(scores.dtype)

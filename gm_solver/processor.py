@@ -8,10 +8,8 @@ returns the decoder ``graphmax tune`` stored in a graph.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -28,10 +26,11 @@ from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
 from .divergences import DIVERGENCES
 from .graphmax import get_operator, log_graphmax
 from .operator import TransitionOperator
+from .padding import LeftPadding
 from .solve_info import SolveInfo
 
 
-class GraphmaxLogitsProcessor(LogitsProcessor):
+class GraphmaxLogitsProcessor(LeftPadding, LogitsProcessor):
     r"""The base of the two graphmax decoders; :meth:`from_graph` returns the one ``graphmax tune`` stored in a graph.
 
     - :class:`PaperGraphmaxLogitsProcessor`: the paper's context-free λ‖x − Ãx‖² (Liu & Yin, JAIR 2023).
@@ -61,7 +60,6 @@ class GraphmaxLogitsProcessor(LogitsProcessor):
     """
 
     last_info: SolveInfo | None = None
-    _starts: torch.Tensor | None = None  # each row's first column, inside padding()
     origin: str | None = None  # from_graph's: "stored" (the graph's stored choice) or "defaults"
     warmup_seconds: float | None = None  # what the last warmup() took
 
@@ -184,37 +182,6 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         proc._set_source(source)
         proc.origin = origin
         return proc
-
-    @contextlib.contextmanager
-    def padding(self, attention_mask: torch.Tensor) -> Iterator[GraphmaxLogitsProcessor]:
-        """Decode a left-padded batch: inside the block, each row's padding (the zeros before its first token in
-        ``attention_mask``) is never read as context, and λ_t counts the row's own tokens, so a row decodes as it
-        does alone (the context decoders; the paper's read no context, and are the same inside). ``generate()``
-        passes a processor ``input_ids`` only, hence this block around it.
-
-        Args:
-            attention_mask (``torch.Tensor`` (B, T)): the batch's mask, padded on the left (``tok.padding_side =
-                "left"``, as decoder-only generation needs); beams and ``num_return_sequences`` repeat its rows.
-
-        Returns:
-            A context manager yielding ``self``; one ``generate()`` at a time per processor.
-
-        Example::
-
-            >>> import scipy.sparse as sp, torch
-            >>> proc = ContextGraphmaxLogitsProcessor(sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]]), lam=2.0)
-            >>> alone = proc(torch.tensor([[0]]), torch.zeros(1, 3))
-            >>> with proc.padding(torch.tensor([[0, 0, 1], [1, 1, 1]])):   # row 0 is [pad, pad, 0]
-            ...     batch = proc(torch.tensor([[2, 2, 0], [1, 2, 0]]), torch.zeros(2, 3))
-            >>> torch.equal(batch[0], alone[0])
-            True
-        """
-        starts = _left_padding(attention_mask)
-        previous, self._starts = self._starts, starts
-        try:
-            yield self
-        finally:
-            self._starts = previous
 
     def warmup(self, device: str | torch.device | None = None,
                dtype: torch.dtype = torch.float32) -> GraphmaxLogitsProcessor:
@@ -637,13 +604,9 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
             return input_ids, None  # (malformed ids are the reference's to refuse)
         rows, width = input_ids.shape
-        starts = self._starts
+        starts = self.row_starts(rows)
         if starts is None:
             return input_ids, [width - self.prompt_length] * rows
-        if rows % starts.shape[0]:
-            raise ValueError(f"input_ids has {rows} rows but the attention mask given to padding() has "
-                             f"{starts.shape[0]}; pass the mask of the batch generate() decodes")
-        starts = starts.repeat_interleave(rows // starts.shape[0])  # beams and returned sequences: repeated rows
         return self.reference.contexts(input_ids, starts), (width - self.prompt_length - starts).tolist()
 
     @property
@@ -883,20 +846,3 @@ def _ngram_tables(graph: Any) -> list[int]:
                          f"Ãᵏ with `order_weights`")
     return sorted(n for n, table in (getattr(graph, "ngrams", None) or {}).items() if table.entries > 0)
 
-
-def _left_padding(attention_mask: Any) -> torch.Tensor:
-    """The column of each row's first token in a left-padded ``attention_mask`` (B, T), checked: 0s then 1s."""
-    mask = attention_mask
-    if not (torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[0] >= 1 and not mask.is_complex()):
-        raise ValueError(f"attention_mask must be a (B, T) tensor, got {type(mask).__name__} of shape "
-                         f"{tuple(getattr(mask, 'shape', ()))}")
-    mask = mask.detach().cpu()
-    ones = mask == 1
-    if not bool((ones | (mask == 0)).all()):
-        raise ValueError("attention_mask must hold 0s and 1s (the tokenizer's mask of the batch)")
-    starts = (~ones).long().cumprod(1).sum(1)  # the zeros before the first 1
-    tokens = ones.long().sum(1)
-    if not bool(((starts + tokens == mask.shape[1]) & (tokens > 0)).all()):
-        raise ValueError("attention_mask must be padded on the left (set tok.padding_side = 'left') with a token in "
-                         "every row; right padding would put pad ids into the context")
-    return starts

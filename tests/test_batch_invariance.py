@@ -1,6 +1,6 @@
 """A row decodes as it does alone, whatever else is in its batch: the engine-neutral step
 (``ContextReference.contexts`` and ``step(..., lengths=)``) and the transformers processors' ``padding(mask)``, for
-every decoder, with prompts of one token beside long ones, left padding, beams, examples before the prompts and λ_t
+every decoder (and the interpolation baseline), with prompts of one token beside long ones, left padding, beams, examples before the prompts and λ_t
 decaying with each row's own length."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from gm_solver import (
     ContextReference,
     Datastore,
     HiddenStateTap,
+    InterpolationLogitsProcessor,
     KnnContextGraphmaxLogitsProcessor,
     PaperAlgorithm1LogitsProcessor,
     PaperGraphmaxLogitsProcessor,
@@ -39,6 +40,7 @@ def _decoders() -> dict:
             GRAPH, lam=1.0, lam_decay=0.3, prompt_length=2),
         "knn": lambda: KnnContextGraphmaxLogitsProcessor(GRAPH, STORE, HiddenStateTap(), knn_k=4, lam=1.0,
                                                          lam_decay=0.2),
+        "interpolation": lambda: InterpolationLogitsProcessor(GRAPH, weight=0.4),
         "paper": lambda: PaperGraphmaxLogitsProcessor(GRAPH.counts, lam=1.0),
         "paper, algorithm 1": lambda: PaperAlgorithm1LogitsProcessor(GRAPH.counts, lam=1.0),
     }
