@@ -4,11 +4,15 @@ cannot see the checkout, gives a graphmax whose every module imports and whose c
 tiny ``build`` with a user's own model's tokenizer, then ``generate`` with that model). An indexed datastore where
 faiss is not installed fails in one line that names the fix.
 
-Both builds are made in a copy of the checkout (building in place would leave ``build/`` and ``*.egg-info`` in it).
-The environment is a venv that reuses this interpreter's packages (torch and the rest, which meet graphmax's ranges
-offline) and gets graphmax only from the install. This interpreter's editable install of the checkout is visible
-there too (its finder comes from a ``.pth`` file of the system site-packages), so the test checks where each module
-was loaded from.
+The wheel is built once, in a copy of the checkout (building in place would leave ``build/`` and ``*.egg-info`` in
+it), by this interpreter's pip: with the setuptools this interpreter imports where it meets pyproject.toml's
+``[build-system] requires``, else in pip's isolated build environment (setuptools from pip's cache or index), never
+with a base interpreter's setuptools seen from inside a venv. README.md's line is that build and then the install of
+its wheel; the test installs the wheel, with the line's extras, offline. The environment is a venv that sees exactly
+this interpreter's installed packages (torch and the rest, which meet graphmax's ranges offline), whether this
+interpreter is a venv's (with or without ``--system-site-packages``) or not, and gets graphmax only from the
+install. This interpreter's editable install of the checkout is visible there too (its finder comes from a ``.pth``
+file of those packages), so the test checks where each module was loaded from.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ import os
 import re
 import shlex
 import shutil
+import site
 import subprocess
 import sys
+import tomllib
 import venv
 import zipfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 import pytest
+from packaging.requirements import Requirement
 
 from gm_graphs import GraphmaxError
 from gm_solver.datastore import Datastore
@@ -36,6 +44,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gm_graphs", "gm_solver", "pipelines")
 TIMEOUT_S = 600
 INSTALL = "pip install '.[faiss]'"  # README.md's line for installing from a checkout
+# plug-ins that import the program hosting them, which graphmax does not depend on: imported where the host is
+# installed, else only found (their file, without running them)
+HOSTED = {"gm_solver.serving.vllm": "vllm"}
+REQUIRES = "import importlib.metadata as m, json; print(json.dumps(m.requires('graphmax')))"
+VERSIONS = """
+import importlib.metadata as m, json, sys
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return None
+print(json.dumps({name: version(name) for name in sys.argv[1:]}))
+"""
+IMPORT_OR_FIND = """
+import importlib, importlib.util, json, sys
+hosted = json.loads(sys.argv[1])
+def load(name):
+    host = hosted.get(name)
+    if host is None or importlib.util.find_spec(host) is not None:
+        return importlib.import_module(name).__file__
+    return importlib.util.find_spec(name).origin
+print(json.dumps({name: load(name) for name in sys.argv[2:]}))
+"""
 
 
 def not_copied(folder: str, names: list[str]) -> set[str]:
@@ -67,11 +98,52 @@ def checkout(tmp_path_factory) -> Path:
     return copy
 
 
+def unmet_build_requirements() -> list[str]:
+    """pyproject.toml's ``[build-system] requires`` that this interpreter's installed packages do not meet. A venv
+    made by ``python -m venv`` carries its own setuptools (65.5 with Python 3.11), which refuses pyproject's SPDX
+    ``project.license``; with ``--system-site-packages`` it shadows the base interpreter's newer one."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["build-system"]["requires"]
+    unmet = []
+    for requirement in map(Requirement, requires):
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        try:
+            found = version(requirement.name)  # the first on sys.path: the one a build would import
+        except PackageNotFoundError:
+            found = None
+        if found is None or not requirement.specifier.contains(found, prereleases=True):
+            unmet.append(f"{requirement} (found {found})")
+    return unmet
+
+
+def site_folders() -> list[str]:
+    """The folders this interpreter imports installed packages from, in its order: a venv's own, then (with
+    ``--system-site-packages``) the base interpreter's, and the user's."""
+    folders = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    return [f for f in dict.fromkeys(folders) if f in sys.path]
+
+
+def venv_seeing_these_packages(env_dir: Path) -> Path:
+    """A venv in ``env_dir`` whose interpreter sees this interpreter's installed packages after its own; returns
+    its python. ``--system-site-packages`` would not do: made from inside a venv, it sees the base interpreter's
+    packages, not the venv's. A ``.pth`` file in the new venv adds each of :func:`site_folders` with
+    ``site.addsitedir``, so their own ``.pth`` files (an editable install's finder among them) run too. Nothing is
+    built in it: pip's isolated build would not strip folders added this way."""
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    own = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
+    lines = [f"import site; site.addsitedir({folder!r})" for folder in site_folders()]
+    (Path(own) / "zz_graphmax_test_parent_packages.pth").write_text("\n".join(lines) + "\n")
+    return python
+
+
 @pytest.fixture(scope="module")
 def wheel(checkout, tmp_path_factory) -> Path:
+    """The wheel of the checkout's copy, built by this interpreter's pip: offline with the setuptools this
+    interpreter imports where it meets the build requirement, else with pip's build isolation."""
     dist = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-         str(checkout)])
+    offline = [] if unmet_build_requirements() else ["--no-build-isolation", "--no-index"]
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline, "-q", "-w", str(dist), str(checkout)])
     (built,) = dist.glob("graphmax-*.whl")
     return built
 
@@ -98,28 +170,38 @@ def test_the_wheel_holds_every_module_and_declares_ranges(wheel):
 
 
 @pytest.mark.slow  # about 35 s of CPU: every module imported, then four commands, each a fresh interpreter
-def test_the_readmes_install_runs_without_the_checkout(checkout, tmp_path):
+def test_the_readmes_install_runs_without_the_checkout(wheel, tmp_path):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert f"\n{INSTALL}  " in readme, f"README.md no longer shows `{INSTALL}`, the line this test runs"
+    command, target = shlex.split(INSTALL)[1:]
+    assert command == "install" and target.startswith(".["), f"`{INSTALL}` is no longer `pip install .[extras]`"
     env_dir, work = tmp_path / "venv", tmp_path / "work"
     work.mkdir()
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
-    python, graphmax = env_dir / "bin" / "python", env_dir / "bin" / "graphmax"
-    # the README's line, offline: this interpreter's pip, into the venv, built with the setuptools at hand, every
-    # requirement met by this interpreter's packages (a range they fall outside of fails here)
-    run([sys.executable, "-m", "pip", "--python", str(python), *shlex.split(INSTALL)[1:], "--no-build-isolation",
-         "--no-index", "-q"], cwd=checkout)
+    python, graphmax = venv_seeing_these_packages(env_dir), env_dir / "bin" / "graphmax"
+    # the README's line, offline: the checkout's wheel (pip install . builds it as the fixture did), by this
+    # interpreter's pip into the venv. Without pip's resolver, which would also ask this environment's other packages
+    # to agree among themselves (torch's setuptools>=77.0.3 is not met in a --system-site-packages venv, whose own
+    # setuptools shadows the base's); graphmax's requirements, with the line's extras, are checked below
+    run([sys.executable, "-m", "pip", "--python", str(python), command, str(wheel), "--no-deps", "--no-index", "-q"],
+        cwd=work)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NUMBA_CACHE_DIR")}
     env["GRAPHMAX_HOME"] = str(tmp_path / "home")
-    site = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=work,
-               env=env).stdout.strip()
+    extras = Requirement(f"graphmax{target[1:]}").extras
+    requires = [Requirement(r) for r in json.loads(run([str(python), "-c", REQUIRES], cwd=work, env=env).stdout)]
+    wanted = [r for r in requires if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras)]
+    found = json.loads(run([str(python), "-c", VERSIONS, *(r.name for r in wanted)], cwd=work, env=env).stdout)
+    assert len(wanted) > 10 and any(r.marker for r in wanted), f"{extras}'s requirements not read: {requires}"
+    unmet = {str(r): found[r.name] for r in wanted
+             if found[r.name] is None or not r.specifier.contains(found[r.name], prereleases=True)}
+    assert not unmet, f"graphmax's requirements that this interpreter's packages do not meet (found): {unmet}"
+    purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=work,
+                  env=env).stdout.strip()
 
     names = sorted(path[:-3].replace("/", ".").removesuffix(".__init__") for path in source_modules())
-    check = ("import importlib, json, sys; "
-             "print(json.dumps({n: importlib.import_module(n).__file__ for n in sys.argv[1:]}))")
-    files = json.loads(run([str(python), "-c", check, *names], cwd=work, env=env).stdout)
-    outside = {n: f for n, f in files.items() if not Path(f).resolve().is_relative_to(Path(site).resolve())}
-    assert not outside, f"modules not loaded from the install in {site}: {outside}"
+    assert set(HOSTED) <= set(names), f"hosted plug-ins not among the modules: {sorted(set(HOSTED) - set(names))}"
+    files = json.loads(run([str(python), "-c", IMPORT_OR_FIND, json.dumps(HOSTED), *names], cwd=work, env=env).stdout)
+    outside = {n: f for n, f in files.items() if not Path(f).resolve().is_relative_to(Path(purelib).resolve())}
+    assert not outside, f"modules not loaded from the install in {purelib}: {outside}"
 
     help_text = run([str(graphmax), "--help"], cwd=work, env=env).stdout
     assert all(command in help_text for command in ("build", "generate", "tune")), help_text
