@@ -538,7 +538,7 @@ def build(kill_at):
                     os.environ["GRAPHMAX_FAULT"] = name
                 real(name)
             for module in list(sys.modules.values()):
-                if getattr(module, "fault_point", None) is real:
+                if vars(module).get("fault_point") is real:  # (no lazy module asked: transformers 5.19 imports on it)
                     module.fault_point = counted
             import torch
             torch.set_num_threads(1)
