@@ -193,7 +193,8 @@ def test_the_readmes_install_runs_without_the_checkout(wheel, tmp_path):
     assert len(wanted) > 10 and any(r.marker for r in wanted), f"{extras}'s requirements not read: {requires}"
     unmet = {str(r): found[r.name] for r in wanted
              if found[r.name] is None or not r.specifier.contains(found[r.name], prereleases=True)}
-    assert not unmet, f"graphmax's requirements that this interpreter's packages do not meet (found): {unmet}"
+    assert not unmet, (f"graphmax's requirements that this interpreter's packages do not meet (found): {unmet}; "
+                       f"install them as setup.sh does (pip install -c constraints.txt -e '.[faiss,test]')")
     purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=work,
                   env=env).stdout.strip()
 

@@ -1,0 +1,157 @@
+"""A user's first minute after installing graphmax's wheel: the command line's refusal of a bad argument, the
+demo's graph built, the first decode and the later ones, the model's load cold and cached, then the demo's own
+table. Prints a table with the machine's load average; not a test.
+
+    python3 benchmarks/first_use.py [--warm 2] [--tokens 24]
+
+The wheel is built from this checkout by this interpreter's pip (offline with its own setuptools where that meets
+pyproject.toml's build requirement, else with pip's build isolation) and installed, without its dependencies, into a
+fresh venv that sees this interpreter's installed packages (torch and the rest: a ``.pth`` file adds their folders),
+so that graphmax itself, its kernel caches beside its sources and every cache it writes start empty. Every command
+is a fresh process run from an empty folder, with a fresh ``GRAPHMAX_HOME`` and ``NUMBA_CACHE_DIR``; the wall time
+is the user's, interpreter start-up and imports included:
+
+- "argument error": ``graphmax generate --device tpu``, refused before torch is imported;
+- "demo graph": the bundled movie reviews' graph (``pipelines.demo.ensure_imdb_graph``), built once;
+- "generate": ``graphmax generate --graph imdb --prompt P --max-new-tokens N --device cpu``, the default decoder;
+  the first run finds no kernel or model cache, the later ones what the earlier ones left (a background compile
+  that the first started may still be running);
+- "load_model": ``pipelines.models.load_model("smollm2")`` in a home of its own, converting the GGUF once, then
+  from the model cache (the seconds of the call alone, imports not counted; the wall time beside it);
+- "demo": ``graphmax demo``, whose rows are printed below the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import site
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import venv
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "This movie"
+LOAD = ("import time; from pipelines.models import load_model; t0 = time.perf_counter(); "
+        "load_model('smollm2', device='cpu', dtype='float32'); print(f'{time.perf_counter() - t0:.3f}')")
+
+
+def _setuptools_builds_it() -> bool:
+    """Whether this interpreter's packages meet pyproject.toml's ``[build-system] requires``."""
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["build-system"]["requires"]
+    for requirement in map(Requirement, requires):
+        try:
+            if not requirement.specifier.contains(version(requirement.name), prereleases=True):
+                return False
+        except PackageNotFoundError:
+            return False
+    return True
+
+
+def build_wheel(dist: Path) -> Path:
+    """The checkout's wheel in ``dist``, never built with a base interpreter's setuptools seen from a venv."""
+    offline = ["--no-build-isolation", "--no-index"] if _setuptools_builds_it() else []
+    with tempfile.TemporaryDirectory(prefix="graphmax-first-use-src-") as tmp:
+        src = Path(tmp) / "graphmax"  # a copy: building in place would leave build/ and *.egg-info in the checkout
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+        for name in filter(None, files.decode().split("\0")):
+            if (REPO / name).is_file():
+                (src / name).parent.mkdir(parents=True, exist_ok=True)
+                (src / name).write_bytes((REPO / name).read_bytes())
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline, "-q", "-w", str(dist), str(src)],
+                       check=True)
+    (wheel,) = dist.glob("graphmax-*.whl")
+    return wheel
+
+
+def make_venv(env_dir: Path, wheel: Path) -> Path:
+    """A venv seeing this interpreter's installed packages after its own, with the wheel installed; its bin/."""
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    folders = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    lines = [f"import site; site.addsitedir({f!r})" for f in dict.fromkeys(folders) if f in sys.path]
+    (Path(purelib) / "zz_graphmax_first_use_parent_packages.pth").write_text("\n".join(lines) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
+                    str(wheel)], check=True)
+    where = subprocess.run([str(python), "-c", "import gm_solver; print(gm_solver.__file__)"], cwd=env_dir,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(where).resolve().is_relative_to(Path(purelib).resolve()):
+        raise SystemExit(f"graphmax is imported from {where}, not from the wheel installed in {purelib}")
+    return env_dir / "bin"
+
+
+def timed(cmd: list[str], env: dict, cwd: Path, fails: bool = False) -> tuple[float, str, str]:
+    """Wall seconds of ``cmd`` and its stdout and stderr; it must succeed, or fail where ``fails``."""
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if (done.returncode != 0) != fails:
+        raise SystemExit(f"`{shlex.join(cmd)}` exited with {done.returncode}\n{done.stdout[-2000:]}"
+                         f"{done.stderr[-2000:]}")
+    return seconds, done.stdout, done.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warm", type=int, default=2, help="generate runs after the first (default 2)")
+    ap.add_argument("--tokens", type=int, default=24, help="new tokens per generate (default 24)")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    rows: list[tuple[str, float, str]] = []
+    with tempfile.TemporaryDirectory(prefix="graphmax-first-use-") as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        wheel = build_wheel(tmp / "dist")
+        rows.append(("wheel built (pip wheel)", time.perf_counter() - t0, wheel.name))
+        t0 = time.perf_counter()
+        bin_ = make_venv(tmp / "venv", wheel)
+        rows.append(("fresh venv, wheel installed", time.perf_counter() - t0, "--no-deps --no-index"))
+        work = tmp / "work"
+        work.mkdir()
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NUMBA_CACHE_DIR", "GRAPHMAX_HOME")}
+        env |= {"GRAPHMAX_HOME": str(tmp / "home"), "NUMBA_CACHE_DIR": str(tmp / "numba"), "TQDM_DISABLE": "1"}
+        graphmax, python = str(bin_ / "graphmax"), str(bin_ / "python")
+
+        for run in ("first", "second"):
+            s, _, err = timed([graphmax, "generate", "--graph", "imdb", "--prompt", PROMPT, "--device", "tpu"], env,
+                              work, fails=True)
+            rows.append((f"argument error (--device tpu), {run}", s, err.strip().splitlines()[-1][:70]))
+        s, _, _ = timed([python, "-c", "from pipelines.demo import ensure_imdb_graph; ensure_imdb_graph()"], env, work)
+        rows.append(("demo graph built (movie reviews)", s, "ensure_imdb_graph()"))
+        generate = [graphmax, "generate", "--graph", "imdb", "--prompt", PROMPT, "--max-new-tokens",
+                    str(args.tokens), "--device", "cpu"]
+        for i in range(1 + args.warm):
+            s, out, err = timed(generate, env, work)
+            said = next((line.strip() for line in (out + err).splitlines() if "warm-up" in line), "")
+            rows.append((f"generate {args.tokens} tokens, {'cold' if i == 0 else f'warm {i}'}", s, said[:70]))
+
+        model_env = env | {"GRAPHMAX_HOME": str(tmp / "home-model")}
+        for label in ("cold (converts the GGUF)", "cached"):
+            s, out, _ = timed([python, "-c", LOAD], model_env, work)
+            rows.append((f"load_model smollm2, {label}", s, f"the call alone: {out.strip().splitlines()[-1]} s"))
+
+        s, demo, _ = timed([graphmax, "demo"], env, work)
+        rows.append(("graphmax demo (graph built already)", s, ""))
+    load_after = os.getloadavg()
+
+    print(f"graphmax's first use from its wheel: {os.cpu_count()} CPUs, load average (1, 5, 15 min) "
+          f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in load_after)} after")
+    print(f"{'step (fresh process each)':<44} {'wall, s':>8}  note")
+    for label, seconds, note in rows:
+        print(f"{label:<44} {seconds:8.2f}  {note}")
+    print("\ngraphmax demo printed:")
+    print(demo.rstrip())
+
+
+if __name__ == "__main__":
+    main()
