@@ -71,9 +71,12 @@ print(json.dumps({name: load(name) for name in sys.argv[2:]}))
 
 def not_copied(folder: str, names: list[str]) -> set[str]:
     """What a copy of the checkout leaves out: history, caches, and at the top earlier builds and outputs (not
-    ``gm_graphs/build``)."""
+    ``gm_graphs/build``) and venvs (``.venv``, CI's ``.venv-vllm``: any folder holding a ``pyvenv.cfg``)."""
     skip = {n for n in names if n in (".git", "__pycache__", ".hypothesis", ".pytest_cache") or n.endswith(".egg-info")}
-    return skip | ({"build", "dist", ".venv", "out"} & set(names) if Path(folder) == ROOT else set())
+    if Path(folder) != ROOT:
+        return skip
+    venvs = {n for n in names if (ROOT / n / "pyvenv.cfg").is_file()}
+    return skip | venvs | ({"build", "dist", ".venv", "out"} & set(names))
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
