@@ -536,6 +536,11 @@ def test_a_model_that_cannot_load_is_one_error_naming_it_and_the_fix_once(tmp_pa
     with pytest.raises(GraphmaxError) as failed:
         load_model(str(tmp_path / name))
     message = str(failed.value)
-    assert message.startswith(f"cannot load the model '{tmp_path / name}' (") and "\n" not in message
+    assert "\n" not in message
+    if name == "empty-folder":  # told before transformers is asked: the folder has no tokenizer (pipelines.args)
+        assert message.startswith(f"the model folder {tmp_path / name} has no tokenizer") and \
+            message.endswith("save the model's tokenizer into it with tokenizer.save_pretrained(folder)"), message
+        return
+    assert message.startswith(f"cannot load the model '{tmp_path / name}' (")
     assert message.count("pass ") == 1 and message.endswith("pass 'smollm2', a .gguf file or a local model folder "
                                                             "(no network)"), message
