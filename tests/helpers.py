@@ -219,9 +219,9 @@ def finishes_within(seconds: float, run, fifos: list[Path] = ()):
     return result.get("value")
 
 
-def write_tiny_gguf(path: Path, extra: list[str] = ()) -> Path:
-    """A GGUF file holding a byte-level BPE tokenizer of the printable ASCII characters, ChatML's special tokens
-    and "the" (plus ``extra`` tokens), and a one-tensor model around it: what the GGUF tokenizer loader reads."""
+def tokenizer_gguf(path: Path, extra: list[str] = ()):
+    """A ``gguf.GGUFWriter`` for ``path`` holding a byte-level BPE tokenizer of the printable ASCII characters,
+    ChatML's special tokens and "the" (plus ``extra`` tokens); the model's keys and tensors are the caller's."""
     from gguf import GGUFWriter
 
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(chr(c) for c in range(33, 127)), "Ġ", "Ġt", "he",
@@ -235,6 +235,13 @@ def write_tiny_gguf(path: Path, extra: list[str] = ()) -> Path:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    return w, tokens
+
+
+def write_tiny_gguf(path: Path, extra: list[str] = ()) -> Path:
+    """A GGUF file holding :func:`tokenizer_gguf`'s tokenizer and a one-tensor model around it: what the GGUF
+    tokenizer loader reads."""
+    w, tokens = tokenizer_gguf(path, extra)
     for key, value in (("context_length", 64), ("embedding_length", 8), ("block_count", 1),
                        ("feed_forward_length", 16), ("head_count", 2)):
         getattr(w, f"add_{key}")(value)

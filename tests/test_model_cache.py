@@ -19,7 +19,7 @@ from gm_graphs.store.sealed import seal
 from pipelines import model_cache, models
 from pipelines.models import load_model, model_folder
 
-from .helpers import finishes_within, forked
+from .helpers import finishes_within, forked, tokenizer_gguf
 
 INPUT = torch.tensor([[5, 60, 7, 98, 99, 100, 3, 40]])
 
@@ -27,22 +27,12 @@ INPUT = torch.tensor([[5, 60, 7, 98, 99, 100, 3, 40]])
 def write_tiny_model_gguf(path: Path, seed: int = 0) -> Path:
     """A Llama GGUF file (hidden size 32, two layers, grouped-query attention, tied embeddings) around a byte-level
     BPE tokenizer of the printable ASCII characters, ChatML's special tokens and "the"; its matrices are Q8_0."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(chr(c) for c in range(33, 127)), "Ġ", "Ġt", "he",
-              "Ġthe"]
     hidden, ff, heads, kv = 32, 64, 4, 2
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    w, tokens = tokenizer_gguf(path)
     for key, value in (("context_length", 64), ("embedding_length", hidden), ("block_count", 2),
                        ("feed_forward_length", ff), ("head_count", heads), ("head_count_kv", kv),
                        ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 10000.0)):
