@@ -1,7 +1,7 @@
 """A row decodes as it does alone, whatever else is in its batch: the engine-neutral step
 (``ContextReference.contexts`` and ``step(..., lengths=)``) and the transformers processors' ``padding(mask)``, for
-every decoder (and the interpolation baseline), with prompts of one token beside long ones, left padding, beams, examples before the prompts and λ_t
-decaying with each row's own length."""
+every decoder (and the interpolation baseline), with prompts of one token beside long ones, left padding, beams,
+examples before the prompts and λ_t decaying with each row's own length."""
 
 from __future__ import annotations
 
