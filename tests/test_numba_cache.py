@@ -4,6 +4,7 @@ result or ends a run."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import multiprocessing
@@ -439,6 +440,12 @@ def _planted(path: Path, identity: tuple, marker: Path) -> None:
     path.chmod(0o644)
 
 
+def _kernel_cached_in(cache: Path):
+    """The probe kernel, cached in ``cache`` (what each victim's process compiles and calls)."""
+    numba.config.CACHE_DIR = str(cache)
+    return numba.njit(cache=True)(validate._first_below.py_func)
+
+
 def test_a_world_writable_numba_cache_dir_is_never_read_not_even_a_root_owned_index_hard_linked_into_it(
         shared, monkeypatch):
     # a file's own check passed (root's, not writable by others), so the planted index ran its pickle: another
@@ -455,9 +462,7 @@ def test_a_world_writable_numba_cache_dir_is_never_read_not_even_a_root_owned_in
     os.link(root_owned, index)
     report = shared / "reports" / "victim.json"
 
-    def kernel():
-        numba.config.CACHE_DIR = str(cache)
-        return numba.njit(cache=True)(validate._first_below.py_func)
+    kernel = functools.partial(_kernel_cached_in, cache)
 
     assert _as_user(VICTIM, _victim_runs(report, kernel, CALLS)) == 0
     answers, hits, messages = json.loads(report.read_text())
@@ -484,9 +489,7 @@ def test_a_kernel_subfolder_another_user_made_a_symlink_is_not_followed(shared, 
     os.lchown(index.parent, ATTACKER, ATTACKER)
     report = shared / "reports" / "victim.json"
 
-    def kernel():
-        numba.config.CACHE_DIR = str(cache)
-        return numba.njit(cache=True)(validate._first_below.py_func)
+    kernel = functools.partial(_kernel_cached_in, cache)
 
     assert _as_user(VICTIM, _victim_runs(report, kernel, CALLS)) == 0
     answers, hits, messages = json.loads(report.read_text())
@@ -533,9 +536,7 @@ def test_a_lock_another_user_holds_forever_is_waited_for_a_bounded_time_then_the
         assert held.exists()
         report = shared / "reports" / "victim.json"
 
-        def kernel():
-            numba.config.CACHE_DIR = str(cache)
-            return numba.njit(cache=True)(validate._first_below.py_func)
+        kernel = functools.partial(_kernel_cached_in, cache)
 
         assert _as_user(VICTIM, _victim_runs(report, kernel, CALLS), seconds=60) == 0, "blocked on the lock"
     finally:
