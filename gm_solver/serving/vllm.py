@@ -115,7 +115,8 @@ class GraphmaxLogitsProcessor(V1LogitsProcessor, V2LogitsProcessor):
         slots = [int(s) for s in ctx.idx_mapping_np]
         if len(slots) != logits.shape[0]:
             return logits
-        rows = Rows(self.rows.graphs)
+        rows = self.rows  # V2 keeps no batch between steps: this step's rows, in the one Rows (its warnings once)
+        rows.rows.clear()
         tokens = self.req_states.all_token_ids.gpu
         for row, slot in enumerate(slots):
             held = self._requests.get(slot)
