@@ -44,7 +44,7 @@ from gm_solver import (
     load_datastore,
 )
 from gm_solver.datastore import PRECISIONS
-from pipelines.generate import TimedLogitsProcessor, generate_texts, warm_up
+from pipelines.decoding import TimedLogitsProcessor, generate_texts, warm_up
 from pipelines.models import load_model
 
 PROMPTS = ["This medication", "I took this for", "The side effects were", "After two weeks I",

@@ -14,7 +14,7 @@ documents by ``build_datastore`` on the device; ``--knn-keys 0`` leaves it out) 
 bundled movie reviews). Every table starts with
 a line naming the device (the GPU's name), torch's version and the dtype.
 
-1. Decoding: ms per step of plain decoding and each decoder's ratio to it (``pipelines.generate.alternate``: the
+1. Decoding: ms per step of plain decoding and each decoder's ratio to it (``pipelines.decoding.alternate``: the
    mean of ``--rounds`` rounds that alternate which runs first; each decoder against its own plain runs), at each of
    ``--batches`` in each of ``--dtypes``, greedy (and sampled, top-k 50, with ``--sample``), ``--new-tokens`` new
    tokens. Each cell also gives the decoder's median ms per call inside ``generate()`` (timed without a device
@@ -62,8 +62,8 @@ from gm_solver import (
     load_datastore,
 )
 from gm_solver.operator import TransitionOperator
+from pipelines.decoding import TimedLogitsProcessor, alternate, generate_texts
 from pipelines.devices import DTYPES, resolve_device, resolve_dtype
-from pipelines.generate import TimedLogitsProcessor, alternate, generate_texts
 from pipelines.models import DEFAULT_MODEL, load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ from pathlib import Path
 import torch
 from gm_graphs import load_graph
 from gm_solver import GraphmaxLogitsProcessor
-from pipelines.generate import generate_texts
+from pipelines.decoding import generate_texts
 from pipelines.models import load_model
 t.append(time.perf_counter())
 model, tok = load_model(sys.argv[1], device=sys.argv[3])

@@ -57,8 +57,8 @@ from gm_solver import (
 )
 from gm_solver.divergences import DIVERGENCES
 from gm_solver.operator import TransitionOperator
+from pipelines.decoding import TimedLogitsProcessor, alternate, generate_texts
 from pipelines.demo import ensure_imdb_graph
-from pipelines.generate import TimedLogitsProcessor, alternate, generate_texts
 from pipelines.models import load_model
 
 

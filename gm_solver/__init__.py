@@ -15,7 +15,7 @@ What a user calls:
 - the distributions themselves: :func:`graphmax` / :func:`log_graphmax`, :func:`solve_toward`, with their
   certificates :func:`certificate` / :func:`certificate_toward`, and the reference :class:`ContextReference`.
 
-The processors import ``transformers``; they are loaded on first use (PEP 562), so ``import gm_solver`` does not.
+Every name is loaded on first use (PEP 562): ``import gm_solver`` imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -23,16 +23,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .backends.eager import certificate_toward
-from .choice import DecoderChoice
-from .context import ContextReference
-from .context_config import ContextConfig
-from .datastore import Datastore, HiddenStateTap, build_datastore, index_datastore, load_datastore
-from .divergences import solve_toward
-from .graphmax import graphmax, log_graphmax
-from .objective import certificate
-
-# name → the module that defines it, imported on first access (it imports transformers)
+# name → the module that defines it, imported on first access: ``import gm_solver`` loads neither torch nor
+# transformers, so that ``graphmax``'s parser reads the decoder kinds (gm_solver.decoders) before they load
 _LAZY = {
     "GraphmaxLogitsProcessor": "processor",
     "PaperGraphmaxLogitsProcessor": "processor",
@@ -41,6 +33,19 @@ _LAZY = {
     "KnnContextGraphmaxLogitsProcessor": "processor",
     "MarginalBiasLogitsProcessor": "processor",
     "InterpolationLogitsProcessor": "baselines",
+    "certificate_toward": "backends.eager",
+    "DecoderChoice": "decoders.choice",
+    "ContextReference": "context",
+    "ContextConfig": "decoders.context",
+    "Datastore": "datastore",
+    "HiddenStateTap": "datastore",
+    "build_datastore": "datastore",
+    "index_datastore": "datastore",
+    "load_datastore": "datastore",
+    "solve_toward": "divergences",
+    "graphmax": "graphmax",
+    "log_graphmax": "graphmax",
+    "certificate": "objective",
 }
 
 __all__ = [

@@ -13,7 +13,7 @@ import torch
 from transformers import LogitsProcessor
 
 from .context import ContextReference
-from .context_config import ContextConfig
+from .decoders.context import ContextConfig
 from .padding import LeftPadding
 
 # ContextConfig's fields that set graphmax's solve, not q: interpolation has no solve

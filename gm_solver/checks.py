@@ -1,50 +1,9 @@
-"""The argument checks every decoder and solve shares: each raises a one-line error that names the argument and its
-value, and the logits' value checks (NaN, ``+inf``, a row with no finite score) run with one host synchronisation."""
+"""The logits' value checks every decoder and solve shares (NaN, ``+inf``, a row with no finite score), run with one
+host synchronisation; the checks of a decoder's arguments are in ``gm_solver.arguments``."""
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Callable
-from typing import Any
-
 import torch
-
-
-def real(name: str, value: Any, requirement: str, ok: Callable[[float], bool]) -> float:
-    """``value`` as a float, or a ValueError that names the argument and its value.
-
-    Example::
-
-        >>> real("lam", 2, "a float >= 0", lambda v: v >= 0)
-        2.0
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
-        raise ValueError(f"`{name}` must be {requirement}, got {value!r}")
-    return float(value)
-
-
-def integer(name: str, value: Any, requirement: str, ok: Callable[[int], bool]) -> int:
-    """``value`` as an int (never a bool), or a ValueError that names the argument and its value."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(int(value)):
-        raise ValueError(f"`{name}` must be {requirement}, got {value!r}")
-    return int(value)
-
-
-def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    """``value`` if it is one of ``choices``, else a ValueError that names the argument and its value."""
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
-    return value
-
-
-def finite_nonnegative(v: float) -> bool:
-    return 0.0 <= v < math.inf
-
-
-def finite_positive(v: float) -> bool:
-    return 0.0 < v < math.inf
-
 
 # what is wrong with logits named {name}: NaN, +inf, a row with no finite score (the kernels report the same)
 NAN = "{name} contains NaN; check the model's output (fp16 overflow?) before graphmax"

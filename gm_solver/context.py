@@ -50,7 +50,7 @@ from . import backends
 from .backends import eager
 from .backends import numba as numba_backend
 from .checks import logit_value_checks, raise_unless
-from .context_config import ContextConfig
+from .decoders.context import ContextConfig
 from .divergences import check_inputs
 from .solve_info import SolveInfo, softmax_solution
 

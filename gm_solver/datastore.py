@@ -48,6 +48,7 @@ from gm_graphs.format.datastore_files import (
 from gm_graphs.tokenize.encoder import TokenizerIdentity
 
 from .checks import raise_unless
+from .decoders.context import MAX_MARGINAL_WEIGHT
 
 _BLOCK = 1 << 24  # query × key products per block of the search (64 MB of float32 distances)
 # the keys' type in memory and in the search's products: bfloat16 halves the memory and, on CPUs with bf16
@@ -58,9 +59,6 @@ POINTS_PER_LIST = 256  # the k-means sample's keys per list of an index
 # δ of the marginal bias log((c + δ)/(e + δ)): a token the corpus never shows at these positions is pushed down by
 # log(δ/(e + δ)), not to −inf (on drug-review validation text δ = 0.5 did best of 0.1, 0.5 and 2)
 MARGINAL_SMOOTHING = 0.5
-# the bias' weight at most: log ratios of counts are within ±30 here, so the bias stays far inside float16 (tuned
-# weights are 0.5–1.5; a weight of 10 already multiplies a token's probability by (c/e)^10)
-MAX_MARGINAL_WEIGHT = 10.0
 _NOT_FINITE = ("the model's hidden states are not finite (NaN or inf in float32); the datastore cannot be searched "
                "with them: check the model and its dtype")
 _OVERFLOW = ("distances to the datastore's keys overflow float32: the model's hidden states are far larger than the "

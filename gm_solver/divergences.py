@@ -30,9 +30,8 @@ import torch
 
 from . import backends
 from .checks import logit_value_checks, raise_unless
+from .decoders.context import DIVERGENCES  # the names the context settings accept; each is solved here
 from .solve_info import SolveInfo, softmax_solution
-
-DIVERGENCES = ("kl", "rkl", "l2")
 
 
 def solve_toward(z: torch.Tensor, q: torch.Tensor, lam: float | torch.Tensor, divergence: str = "rkl", *,

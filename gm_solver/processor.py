@@ -8,6 +8,7 @@ returns the decoder ``graphmax tune`` stored in a graph.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import asdict, fields
@@ -18,12 +19,13 @@ import torch
 from transformers import LogitsProcessor
 
 from . import backends
-from .checks import integer, real
-from .choice import MODES, PAPER_SOLVERS, DecoderChoice, KnnConfig, PaperConfig
+from .arguments import integer, real
 from .context import ContextReference
-from .context_config import SMOOTHINGS, ContextConfig
-from .datastore import MAX_MARGINAL_WEIGHT, Datastore, HiddenStateTap
-from .divergences import DIVERGENCES
+from .datastore import Datastore, HiddenStateTap
+from .decoders import DecoderKind, kind, kind_of, kinds
+from .decoders.choice import DecoderChoice
+from .decoders.context import DIVERGENCES, MAX_MARGINAL_WEIGHT, SMOOTHINGS, ContextConfig, KnnConfig
+from .decoders.paper import PaperConfig
 from .graphmax import get_operator, log_graphmax
 from .operator import TransitionOperator
 from .padding import LeftPadding
@@ -60,7 +62,8 @@ class GraphmaxLogitsProcessor(LeftPadding, LogitsProcessor):
     """
 
     last_info: SolveInfo | None = None
-    origin: str | None = None  # from_graph's: "stored" (the graph's stored choice) or "defaults"
+    origin: str | None = None  # from_graph's: "stored" (the graph's stored choice), "defaults" or "given"
+    kind: DecoderKind | None = None  # from_graph's: the kind of decoder it built (its name, its label)
     warmup_seconds: float | None = None  # what the last warmup() took
 
     def __new__(cls, *args: Any, **kwargs: Any):
@@ -72,40 +75,39 @@ class GraphmaxLogitsProcessor(LeftPadding, LogitsProcessor):
         return super().__new__(cls)
 
     @classmethod
-    def from_graph(cls, graph: Any, *, decoder: str | None = None, solver: str | None = None,
-                   datastore: Datastore | None = None, tap: HiddenStateTap | None = None,
+    def from_graph(cls, graph: Any, *, decoder: str | None = None, settings: Any = None,
                    **overrides: Any) -> GraphmaxLogitsProcessor:
-        """The decoder the graph's stored choice names (``graphmax tune``; ``gm_solver.DecoderChoice``), or the one
-        ``decoder`` and ``solver`` name: the one factory of the graphmax decoders (the CLI builds every decoder here).
+        """The one factory of graphmax's decoders: the decoder the graph's stored choice names (``graphmax tune``;
+        ``gm_solver.DecoderChoice``), or the kind ``decoder`` names, or the one ``settings`` are of. Every kind
+        registered in ``gm_solver.decoders`` is built here, the CLI's, the eval's and the serving plug-ins' alike.
 
         The stored choice is used when it is of the kind asked for (or none is asked for); another kind starts from
-        its class's defaults. ``proc.origin`` then says which: ``"stored"`` or ``"defaults"``.
+        its settings' defaults. ``proc.origin`` then says which: ``"stored"``, ``"defaults"`` or ``"given"``
+        (``settings``).
 
         Args:
             graph (``gm_graphs.Graph`` or scipy sparse matrix): the graph; a scipy matrix stores no choice.
-            decoder (``str`` or ``None``, defaults to ``None``): ``"context"`` or ``"paper"``; ``None``: the stored
-                kind, else ``"context"``.
-            solver (``str`` or ``None``, defaults to ``None``): the paper decoder's solver, ``"mirror"`` (certified
-                mirror descent, :class:`PaperGraphmaxLogitsProcessor`) or ``"paper"`` (the paper's Algorithm 1,
-                :class:`PaperAlgorithm1LogitsProcessor`); ``None``: the stored one, else ``"mirror"``.
-            datastore (``Datastore``, defaults to ``None``): a kNN datastore of the model that decodes: the context
-                choice becomes :class:`KnnContextGraphmaxLogitsProcessor`, with the kNN settings and λ stored with
-                this datastore (recognised by its keys' SHA-256) or else :class:`~gm_solver.choice.KnnConfig`'s
-                defaults. The paper decoder refuses it.
-            tap (``HiddenStateTap``, defaults to ``None``): with ``datastore``, the tap to read the model's hidden
-                states through; ``None``: a new one, to attach with ``proc.tap.attach(model)``.
-            **overrides: arguments of the decoder's class, replacing what is stored (e.g. ``lam=2.0``,
-                ``tokenizer=tok``, ``knn_weight=0.3``); one that class does not take raises a TypeError.
+            decoder (``str`` or ``None``, defaults to ``None``): a registered kind's name (``"context"``,
+                ``"paper"``, …); ``None``: the kind of ``settings``, else the stored kind, else ``"context"``.
+            settings (defaults to ``None``): the settings of a kind (``ContextConfig``, ``PaperConfig``, …) to build
+                with instead of the stored ones (what ``graphmax tune`` and ``graphmax eval`` try).
+            **overrides: the kind's settings (e.g. ``lam=2.0``, ``solver="paper"``), replacing the stored or given
+                ones, and what else its step takes (``tokenizer=tok``, ``prompt_length``, ``device``, and for the
+                context decoder ``datastore``, ``tap`` and the kNN settings of ``KnnConfig``: with a ``Datastore``
+                of the model that decodes, the context choice becomes :class:`KnnContextGraphmaxLogitsProcessor`,
+                with the kNN settings and λ stored with that datastore, recognised by its keys' SHA-256); one that
+                the kind does not take raises a TypeError.
 
         Returns:
-            ``PaperGraphmaxLogitsProcessor``, ``PaperAlgorithm1LogitsProcessor``, ``ContextGraphmaxLogitsProcessor``
-            or ``KnnContextGraphmaxLogitsProcessor``. A context decoder's ``config.source`` records where its
-            settings came from (``{"tuned": True, ...}`` after ``tune``; ``"overridden"``: the settings replaced;
-            ``"knn"``: ``"stored"`` or ``"stored for another datastore"`` when the graph stores kNN settings).
+            The kind's logits processor (``ContextGraphmaxLogitsProcessor``, ``KnnContextGraphmaxLogitsProcessor``,
+            ``PaperGraphmaxLogitsProcessor``, ``PaperAlgorithm1LogitsProcessor``, …). A context decoder's
+            ``config.source`` records where its settings came from (``{"tuned": True, ...}`` after ``tune``;
+            ``"overridden"``: the settings replaced; ``"knn"``: ``"stored"`` or ``"stored for another datastore"``
+            when the graph stores kNN settings).
 
         Raises:
             GraphFormatError: the stored choice is malformed (one line naming the key).
-            TypeError, ValueError: an override the decoder does not take, or out of its range.
+            TypeError, ValueError: an unknown kind, or an override the decoder does not take or out of its range.
 
         Example::
 
@@ -118,70 +120,51 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
             >>> proc, proc.origin
             (PaperAlgorithm1LogitsProcessor(lam=0.5), 'defaults')
         """
-        if decoder not in (None, *MODES):
-            raise ValueError(f"`decoder` must be one of {', '.join(map(repr, MODES))} or None, got {decoder!r}")
-        if solver not in (None, *PAPER_SOLVERS):
-            raise ValueError(f"`solver` must be one of {', '.join(map(repr, PAPER_SOLVERS))} or None, got "
-                             f"{solver!r}")
-        stored = dict(getattr(graph, "decoder", None) or {})
-        stored_kind = DecoderChoice.stored_mode(graph)
-        stored_solver = "paper" if stored.get("solver") == "paper" else "mirror"
-        kind = decoder or stored_kind or "context"
-        if solver is not None and kind != "paper":
-            raise ValueError("`solver` applies to the paper decoder; pass decoder='paper' or leave `solver` out")
-        use_stored = stored_kind == kind and solver in (None, stored_solver)
-        origin = "stored" if use_stored else "defaults"
-        stored = stored if use_stored else {}
-        paper = kind == "paper"
-        if paper:
-            chosen = solver or (stored_solver if use_stored else "mirror")
-            target = PaperAlgorithm1LogitsProcessor if chosen == "paper" else PaperGraphmaxLogitsProcessor
-            if datastore is not None or tap is not None:
-                raise ValueError("`datastore` and `tap` apply to the context decoder, not the paper's")
+        stored_kind = DecoderChoice.stored_kind(graph)
+        if settings is not None:
+            chosen = kind_of(settings)
+            if decoder not in (None, chosen.name):
+                raise ValueError(f"`decoder`={decoder!r} but `settings` are those of the {chosen.name!r} decoder; "
+                                 f"leave one out")
+        elif decoder is not None and decoder not in kinds():
+            raise ValueError(f"`decoder` must be one of {', '.join(map(repr, kinds()))} or None, got {decoder!r}")
         else:
-            target = ContextGraphmaxLogitsProcessor if datastore is None else KnnContextGraphmaxLogitsProcessor
-            if datastore is None and tap is not None:
-                raise ValueError("`tap` applies with a `datastore` only")
-        takes = _arguments(target) - {"graph", "datastore", "tap"}
-        for name in overrides:
-            if name not in takes:
-                whose = ", the decoder this graph stores" if use_stored else ""
-                raise TypeError(f"`{name}` is not an argument of {target.__name__}{whose}; construct the other "
-                                f"decoder directly to use it")
-        # the overrides replace the stored values before the record is checked, so that one mends a bad stored value
-        own = {f.name for f in fields(PaperConfig if paper else ContextConfig)}
+            chosen = kind(decoder or stored_kind or "context")
+        own = {f.name for f in fields(chosen.settings)}
         replaced = {k: v for k, v in overrides.items() if k in own}
-        unstored = (PaperConfig if paper else ContextConfig)(**replaced)  # a bad override is named as an override
-        choice = DecoderChoice.from_json({**stored, **replaced}) if stored else DecoderChoice(kind, unstored)
         rest = {k: v for k, v in overrides.items() if k not in own}
-        if paper:
-            config = choice.config
-            settings = {"lam": config.lam} if target is PaperAlgorithm1LogitsProcessor else \
-                {"lam": config.lam, "tol": config.tol, "max_iter": config.max_iter}
-            proc = target(graph, **settings, **rest)
-            proc.origin = origin
-            return proc
-        settings = choice.config.to_dict()
-        source = settings.pop("source")
-        if replaced:
-            source = {**source, "overridden": sorted(replaced)}
-        if datastore is None:
-            proc = target(graph, **settings, **rest)
+        step = chosen.step_class()
+        if chosen.datastore_settings is None and ("datastore" in rest or "tap" in rest):
+            takes = [k.name for k in kinds().values() if k.datastore_settings is not None]
+            raise ValueError(f"`datastore` and `tap` apply to the {' or '.join(takes)} decoder, not the "
+                             f"{chosen.name} one")
+        takes = _keywords(step.from_choice) | ({f.name for f in fields(chosen.datastore_settings)}
+                                                if chosen.datastore_settings is not None else set())
+        for name in rest:
+            if name not in takes:
+                whose = ", the decoder this graph stores" if stored_kind == chosen.name and settings is None else ""
+                raise TypeError(f"`{name}` is not an argument of {step.__name__}{whose}; construct the other "
+                                f"decoder directly to use it")
+        stored = dict(getattr(graph, "decoder", None) or {})
+        if settings is not None:
+            origin, choice = "given", DecoderChoice(dataclasses.replace(settings, **replaced))
+        elif stored and stored_kind == chosen.name:
+            chosen.settings(**replaced)  # a bad override is named as an override, before the stored record
+            # the overrides replace the stored values before the record is checked, so that one mends a bad one
+            origin, choice = "stored", DecoderChoice.from_json({**stored, **replaced})
         else:
-            knn = {k: rest.pop(k) for k in list(rest) if k in {f.name for f in fields(KnnConfig)}}
-            tuned = choice.knn
-            if tuned is not None and isinstance(datastore, Datastore) and tuned.datastore_sha256 == \
-                    datastore.keys_sha256:
-                knn = {**asdict(tuned.config), **knn}
-                if "lam" not in replaced:  # λ was tuned again with the datastore
-                    settings["lam"] = tuned.lam
-                source = {**source, "knn": "stored"}
-            elif tuned is not None:
-                source = {**source, "knn": "stored for another datastore"}
-            proc = target(graph, datastore, HiddenStateTap() if tap is None else tap, **knn, **settings, **rest)
-        proc._set_source(source)
-        proc.origin = origin
+            origin, choice = "defaults", DecoderChoice(chosen.settings(**replaced))
+        proc = step.from_choice(graph, choice, overridden=tuple(sorted(replaced)), **rest)
+        proc.origin, proc.kind = origin, chosen
         return proc
+
+    @classmethod
+    def from_choice(cls, graph: Any, choice: DecoderChoice, *, overridden: tuple[str, ...] = (),
+                    **resources: Any) -> GraphmaxLogitsProcessor:
+        """The decoder of ``choice`` (a :class:`DecoderChoice` of this class's kind) over ``graph``: what
+        :meth:`from_graph` calls once it has the settings. ``overridden``: the settings the caller replaced;
+        ``resources``: the step's other arguments (tokenizer, device, …). Each kind's step defines it."""
+        raise NotImplementedError
 
     def warmup(self, device: str | torch.device | None = None,
                dtype: torch.dtype = torch.float32) -> GraphmaxLogitsProcessor:
@@ -281,7 +264,7 @@ class _OperatorDecoder(GraphmaxLogitsProcessor):
         scores = _without_padding(scores, self.operator.n)
         c = self.config
         logp, self.last_info = log_graphmax(scores, self.operator, c.lam, tol=c.tol, max_iter=c.max_iter,
-                                            solver="paper" if c.algorithm1 else "mirror",
+                                            solver=c.solver,
                                             check_every=self.check_every, return_info=True)
         if check is not None:
             check()
@@ -354,6 +337,22 @@ class PaperGraphmaxLogitsProcessor(_OperatorDecoder):
             lambda v: v >= 0)
         super().__init__(graph, config, device, tokenizer)
 
+    @classmethod
+    def from_choice(cls, graph: Any, choice: DecoderChoice, *, overridden: tuple[str, ...] = (),
+                    device: str | torch.device | None = None, tokenizer: Any = None,
+                    check_every: int | None = None) -> _OperatorDecoder:
+        """The paper's decoder of ``choice`` (``PaperConfig``): this class, or with ``solver="paper"``
+        :class:`PaperAlgorithm1LogitsProcessor`; ``device``, ``tokenizer`` and ``check_every`` as for the
+        constructors (``check_every`` is the certified solver's only)."""
+        c = choice.settings
+        if not c.algorithm1:
+            return cls(graph, c.lam, tol=c.tol, max_iter=c.max_iter, check_every=check_every, device=device,
+                       tokenizer=tokenizer)
+        if check_every is not None:
+            raise TypeError("`check_every` is not an argument of PaperAlgorithm1LogitsProcessor (it reads no gaps "
+                            "back); leave it out")
+        return PaperAlgorithm1LogitsProcessor(graph, c.lam, device=device, tokenizer=tokenizer)
+
     @property
     def tol(self) -> float:
         return self.config.tol
@@ -403,7 +402,7 @@ class PaperAlgorithm1LogitsProcessor(_OperatorDecoder):
 
     def __init__(self, graph: Any, lam: float = 1.0, *, device: str | torch.device | None = None,
                  tokenizer: Any = None):
-        super().__init__(graph, PaperConfig(lam=lam, algorithm1=True), device, tokenizer)
+        super().__init__(graph, PaperConfig(lam=lam, solver="paper"), device, tokenizer)
 
     def _settings(self) -> dict[str, Any]:
         return {"lam": self.lam, **self._device_setting()}
@@ -532,31 +531,47 @@ class ContextGraphmaxLogitsProcessor(GraphmaxLogitsProcessor):
         self.last_info = None
 
     @classmethod
-    def from_config(cls, graph: Any, config: ContextConfig, *, tokenizer: Any = None,
-                    prompt_length: int = 0) -> ContextGraphmaxLogitsProcessor:
-        """The decoder with the settings of ``config`` (what ``graphmax tune`` chooses and stores).
-
-        Args:
-            graph (``gm_graphs.Graph`` or scipy sparse matrix): as for the constructor.
-            config (``ContextConfig``): the settings; its ``source`` is kept as ``self.config.source``.
-            tokenizer, prompt_length: as for the constructor.
-
-        Returns:
-            ``ContextGraphmaxLogitsProcessor`` whose ``config`` equals ``config``.
+    def from_choice(cls, graph: Any, choice: DecoderChoice, *, overridden: tuple[str, ...] = (),
+                    tokenizer: Any = None, prompt_length: int = 0, datastore: Datastore | None = None,
+                    tap: HiddenStateTap | None = None, **knn: Any) -> ContextGraphmaxLogitsProcessor:
+        """The context decoder of ``choice`` (``ContextConfig``, and the kNN settings stored with a datastore):
+        this class, or with ``datastore`` :class:`KnnContextGraphmaxLogitsProcessor`, whose kNN settings are ``knn``
+        over those ``choice`` stored for that datastore (recognised by its keys' SHA-256; λ too, tuned again with
+        them), else over ``KnnConfig``'s defaults. ``config.source`` records where the settings came from.
 
         Example::
 
             >>> import scipy.sparse as sp
             >>> counts = sp.csr_matrix([[0, 3, 1], [2, 0, 0], [0, 1, 0]], dtype=float)
-            >>> proc = ContextGraphmaxLogitsProcessor.from_config(counts, ContextConfig(divergence="l2", lam=0.5))
+            >>> proc = ContextGraphmaxLogitsProcessor.from_choice(counts, DecoderChoice(ContextConfig(lam=0.5)))
             >>> proc.config.divergence, proc.config.lam
-            ('l2', 0.5)
+            ('rkl', 0.5)
         """
-        if not isinstance(config, ContextConfig):
-            raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
-        settings = config.to_dict()
+        settings = choice.settings.to_dict()
         source = settings.pop("source")
-        proc = cls(graph, **settings, tokenizer=tokenizer, prompt_length=prompt_length)
+        if overridden:
+            source = {**source, "overridden": list(overridden)}
+        if datastore is None:
+            if tap is not None:
+                raise ValueError("`tap` applies with a `datastore` only")
+            if knn:
+                raise TypeError(f"`{next(iter(knn))}` is not an argument of {cls.__name__}; pass a `datastore` to "
+                                f"use it")
+            proc = cls(graph, **settings, tokenizer=tokenizer, prompt_length=prompt_length)
+        else:
+            tuned = choice.knn
+            if tuned is not None and isinstance(datastore, Datastore) and tuned.datastore_sha256 == \
+                    datastore.keys_sha256:
+                knn = {**asdict(tuned.config), **knn}
+                if "lam" not in overridden:  # λ was tuned again with the datastore
+                    settings["lam"] = tuned.lam
+                source = {**source, "knn": "stored"}
+            elif tuned is not None:
+                source = {**source, "knn": "stored for another datastore"}
+            if tap is None and knn.get("knn_weight", KnnConfig.knn_weight) > 0:
+                tap = HiddenStateTap()
+            proc = KnnContextGraphmaxLogitsProcessor(graph, datastore, tap, **knn, **settings, tokenizer=tokenizer,
+                                                     prompt_length=prompt_length)
         proc._set_source(source)
         return proc
 
@@ -649,8 +664,8 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         tap (``gm_solver.datastore.HiddenStateTap``): attached to the model that decodes
             (``HiddenStateTap(model)``), so that each step's hidden states are those of the scores' rows; one
             ``generate()`` at a time per tap. ``datastore.check_model(model)`` checks the model is the datastore's.
-        knn_weight (``float``, defaults to 0.5): β in (0, 1], the share of p_knn in the reference (the marginal
-            bias alone, with no search, is :class:`MarginalBiasLogitsProcessor` before the base class).
+        knn_weight (``float``, defaults to 0.5): β in [0, 1], the share of p_knn in the reference; 0: no search,
+            the datastore's marginal bias alone (``marginal_weight``), and ``tap`` may be ``None``.
         knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1 (at most the datastore's size).
         knn_temperature (``float``, defaults to 50.0): T > 0, finite, in the squared distances' units
             (``graphmax tune --datastore`` chooses it on held-out text).
@@ -684,7 +699,7 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         if not isinstance(datastore, Datastore):
             raise TypeError(f"`datastore` must be a gm_solver.datastore.Datastore (load_datastore or "
                             f"build_datastore), got {type(datastore).__name__}")
-        if not isinstance(tap, HiddenStateTap):
+        if not isinstance(tap, HiddenStateTap) and not (tap is None and knn_weight == 0):
             raise TypeError(f"`tap` must be a gm_solver.datastore.HiddenStateTap attached to the model, got "
                             f"{type(tap).__name__}")
         manifest = getattr(graph, "manifest", None)
@@ -700,38 +715,10 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
         self.marginal_bias = MarginalBiasLogitsProcessor(datastore, self.knn.marginal_weight) \
             if self.knn.marginal_weight > 0 else None
 
-    @classmethod
-    def from_config(cls, graph: Any, config: ContextConfig, *, datastore: Datastore, tap: HiddenStateTap,
-                    tokenizer: Any = None, prompt_length: int = 0, **knn: Any) -> KnnContextGraphmaxLogitsProcessor:
-        """The decoder with the settings of ``config`` (``graphmax tune``'s choice) and a datastore.
-
-        Args:
-            graph, datastore, tap, tokenizer, prompt_length: as for the constructor.
-            config (``ContextConfig``): the base class's settings; its ``source`` is kept as ``self.config.source``.
-            **knn: ``knn_weight``, ``knn_k``, ``knn_temperature``, ``marginal_weight``.
-
-        Example::
-
-            >>> import numpy as np, scipy.sparse as sp
-            >>> store = Datastore(np.eye(3, 4), np.array([2, 2, 1]), vocab_size=3)
-            >>> counts = sp.csr_matrix([[0, 5, 1], [2, 0, 3], [4, 0, 0]], dtype=float)
-            >>> proc = KnnContextGraphmaxLogitsProcessor.from_config(counts, ContextConfig(lam=0.5), datastore=store,
-            ...                                                      tap=HiddenStateTap(), knn_weight=0.3)
-            >>> proc.config.lam, proc.knn.knn_weight
-            (0.5, 0.3)
-        """
-        if not isinstance(config, ContextConfig):
-            raise TypeError(f"`config` must be a ContextConfig, got {type(config).__name__}")
-        settings = config.to_dict()
-        source = settings.pop("source")
-        proc = cls(graph, datastore, tap, **knn, **settings, tokenizer=tokenizer, prompt_length=prompt_length)
-        proc._set_source(source)
-        return proc
-
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.marginal_bias is not None:
             scores = self.marginal_bias(input_ids, scores)
-        if self.config.lam == 0:  # (no search: the tap is not read)
+        if self.config.lam == 0 or self.knn.knn_weight == 0:  # (no search: the tap is not read)
             return super().__call__(input_ids, scores)
         hidden = self.tap.last
         if hidden.shape[0] != scores.shape[0]:
@@ -747,6 +734,9 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
 
     def _warm_step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """A step with a neighbour in each row's reference (the tap is left as it was), and one search."""
+        if self.knn.knn_weight == 0:  # the marginal bias alone: no search
+            super()._warm_step(input_ids, scores)
+            return
         rows, device = scores.shape[0], scores.device
         one = (torch.zeros(rows, 1, dtype=torch.long, device=device),
                torch.ones(rows, 1, dtype=torch.float64, device=device), self.knn.knn_weight)
@@ -823,14 +813,10 @@ def _without_padding(scores: Any, n: int) -> Any:
     return scores
 
 
-def _arguments(cls: type) -> set[str]:
-    """The named arguments ``cls`` takes, its bases' included where it passes them on as ``**settings``."""
-    names: set[str] = set()
-    for c in cls.__mro__:
-        if c is GraphmaxLogitsProcessor:
-            break
-        names |= {p.name for p in inspect.signature(c).parameters.values() if p.kind != p.VAR_KEYWORD}
-    return names
+def _keywords(function: Any) -> set[str]:
+    """The keyword arguments ``function`` (a ``from_choice``) names, past the graph, the choice and ``overridden``."""
+    return {p.name for p in inspect.signature(function).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.name != "overridden"}
 
 
 def _ngram_tables(graph: Any) -> list[int]:

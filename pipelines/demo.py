@@ -62,16 +62,16 @@ def register(sub) -> None:
 
 def run(args) -> int:
     # torch, transformers and the decoders only now: a bad argument is refused before they load (a second or more)
-    from gm_solver import GraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor
+    from gm_solver import GraphmaxLogitsProcessor
 
-    from .generate import warm_up
+    from .decoding import warm_up
 
     device = resolve_device(args.device)
     model, tok = load_model(device=device, dtype=resolve_dtype(args.dtype, device))
     graph = ensure_imdb_graph(tokenizer=tok)
     stored = GraphmaxLogitsProcessor.from_graph(graph)
-    decoders = {"softmax": None, f"graphmax λ={args.lam:g}": PaperGraphmaxLogitsProcessor(graph, lam=args.lam),
-                stored_label(stored): stored}
+    paper = GraphmaxLogitsProcessor.from_graph(graph, decoder="paper", lam=args.lam)
+    decoders = {"softmax": None, f"graphmax λ={args.lam:g}": paper, stored_label(stored): stored}
     warm_up(model, tok, [proc for proc in decoders.values() if proc is not None])
     modes = {"greedy": False, f"sampled (seed {args.seed})": True}
     rows = decode_rows(model, tok, [(mode, label) for mode in modes for label in decoders],
@@ -108,17 +108,16 @@ def decode_rows(model, tok, rows: list[tuple], settings, max_new_tokens: int,
         ``dict``: row → (texts, ms per token) of its timed call, in the order of ``rows``.
     """
     if run is None:
-        from .generate import generate_texts as run
+        from .decoding import generate_texts as run
     for row in reversed(rows):
         run(model, tok, PROMPTS, max_new_tokens=min(2, max_new_tokens), **settings(*row))
     return {row: run(model, tok, PROMPTS, max_new_tokens=max_new_tokens, **settings(*row)) for row in rows}
 
 
 def stored_label(proc) -> str:
-    """e.g. "context graphmax (tuned)": the decoder ``from_graph`` returned (a ``GraphmaxLogitsProcessor``), and
-    whether ``graphmax tune`` chose it."""
-    from gm_solver import ContextGraphmaxLogitsProcessor
-
-    if isinstance(proc, ContextGraphmaxLogitsProcessor):
-        return "context graphmax" + (" (tuned)" if proc.config.source.get("tuned") else "")
-    return f"stored: graphmax λ={proc.lam:g}"
+    """e.g. "context graphmax (tuned)": the label of the decoder ``from_graph`` returned (its kind's), and whether
+    ``graphmax tune`` chose it, or the graph stores it otherwise."""
+    config = getattr(proc, "config", None)
+    if isinstance(getattr(config, "source", None), dict) and config.source.get("tuned"):
+        return f"{proc.kind.label} (tuned)"
+    return proc.kind.label + (" (stored)" if proc.origin == "stored" else "")

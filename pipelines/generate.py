@@ -1,138 +1,136 @@
 """``graphmax generate``: continue prompts with a causal LM, decoding with a graph's graphmax decoder.
 
 By default the decoder is the one ``graphmax tune`` stored in the graph (else context-aware graphmax with its
-defaults); ``--decoder paper|context`` picks one, and each takes only its own options. ``--examples FILE`` puts
-text from the domain (a few documents) before every prompt: the LM reads it, the context decoder's λ_t does not
-count it.
+defaults); ``--decoder KIND`` picks a kind from the table of decoder kinds (``gm_solver.decoders``), and each kind
+takes only its own options, made from its settings' fields. ``--examples FILE`` puts text from the domain (a few
+documents) before every prompt: the LM reads it, the context decoder's λ_t does not count it.
+
+The options are read and checked before torch, transformers or the graph load (``pipelines.decoding`` decodes).
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import dataclasses
+import inspect
+import math
 import os
 import stat
-import statistics
-import time
 from pathlib import Path
 
-import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from gm_graphs.errors import GraphmaxError
+from gm_solver.arguments import options
+from gm_solver.decoders import DecoderKind, kind, kinds
 
-from gm_graphs import Graph, GraphmaxError, load_graph, load_tokenizer
-from gm_graphs.build.options import MAX_ORDER
-from gm_solver import (
-    ContextGraphmaxLogitsProcessor,
-    DecoderChoice,
-    GraphmaxLogitsProcessor,
-    HiddenStateTap,
-    KnnContextGraphmaxLogitsProcessor,
-    load_datastore,
-)
-
-from .args import MAX_SEED, integer, nonblank, number, numbers
+from .args import MAX_SEED, integer, nonblank
 from .build import add_graph_arguments, graph_arg
 from .devices import add_device_arguments, resolve_device, resolve_dtype
-from .models import DEFAULT_MODEL, check_fits, load_model
+from .models import DEFAULT_MODEL
 from .prompt import SEPARATOR
 
-# each decoder's options (argparse dest); --order/--mixture choose which operator of the graph the paper one uses
-OPTIONS = {
-    "paper": ("lam", "tol", "solver", "max_iter", "order", "mixture"),
-    "context": ("lam", "divergence", "kl_share", "ngram_order", "order_weights", "smoothing", "discount",
-                "kappa", "alpha", "lam_decay"),
-}
 MAX_EXAMPLES_BYTES = 2**20  # --examples: the LM reads a few thousand tokens at most
-KNN_OPTIONS = ("knn_weight", "knn_k", "knn_temperature", "marginal_weight")  # with --datastore (context only)
-SOLVERS = ("mirror", "paper")  # --solver: PaperGraphmaxLogitsProcessor or PaperAlgorithm1LogitsProcessor
 
 
-def generate_texts(model, tok, prompts: list[str], processor=None, *, max_new_tokens: int = 32,
-                   do_sample: bool = False, seed: int = 0, top_k: int = 50,
-                   prefix: list[int] | None = None) -> tuple[list[str], float]:
-    """Continuations of ``prompts`` (one left-padded batch) and the wall time per generated token in ms;
-    ``prefix``: token ids before each prompt (after the padding), e.g. few-shot examples."""
-    tok.padding_side = "left"
-    if prefix:
-        rows = [list(prefix) + tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        batch = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt")
-    else:
-        batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    batch = batch.to(model.device)
-    torch.manual_seed(seed)
-    extra = {"do_sample": True, "top_k": top_k, "temperature": 1.0} if do_sample else {"do_sample": False}
-    t0 = time.perf_counter()
-    with torch.no_grad(), padded(processor, batch["attention_mask"]):
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             logits_processor=LogitsProcessorList([processor] if processor else []),
-                             pad_token_id=tok.pad_token_id, top_p=None, **extra)
-    seconds = time.perf_counter() - t0
-    new = out[:, batch["input_ids"].shape[1]:]
-    return tok.batch_decode(new, skip_special_tokens=True), 1e3 * seconds / max_new_tokens
+def _finite(text: str) -> float:
+    value = float(text) if _is_float(text) else math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
-def padded(processor, attention_mask: torch.Tensor) -> contextlib.ExitStack:
-    """A block in which every graphmax processor inside ``processor`` (itself, a list's members, a wrapper's
-    ``inner``) reads the batch's left padding from ``attention_mask`` (``GraphmaxLogitsProcessor.padding``), so that
-    a row decodes as it does alone; other processors are left as they are."""
-    stack = contextlib.ExitStack()
-    todo = [processor]
-    while todo:
-        p = todo.pop()
-        if isinstance(p, (list, tuple)):
-            todo.extend(p)
-        elif hasattr(p, "inner"):
-            todo.append(p.inner)
-        elif hasattr(p, "padding"):
-            stack.enter_context(p.padding(attention_mask))
-    return stack
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
-def warm_up(model, tok, processors: list[GraphmaxLogitsProcessor]) -> None:
-    """Pay every first-call cost before anything is timed: numba compiling (or loading from its disk cache) each
-    decoder's kernels, or its first steps on the model's device, and the model's first ``generate()`` (a two-token
-    one)."""
-    for proc in processors:
-        proc.warmup(model.device, model.dtype)
-    generate_texts(model, tok, ["Hello"], None, max_new_tokens=2)
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
-class TimedLogitsProcessor(LogitsProcessor):
-    """Wraps a logits processor and records how long each of its calls takes (``calls``, seconds)."""
-
-    def __init__(self, inner: LogitsProcessor):
-        self.inner, self.calls = inner, []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        t0 = time.perf_counter()
-        out = self.inner(input_ids, scores)
-        self.calls.append(time.perf_counter() - t0)
-        return out
+def _floats(text: str) -> tuple[float, ...]:
+    values = [t for t in text.split(",") if t.strip()]
+    if not values or not all(_is_float(t) and math.isfinite(float(t)) for t in values):
+        raise argparse.ArgumentTypeError(f"must be finite numbers separated by commas, like 0.8,0.2, got {text!r}")
+    return tuple(float(t) for t in values)
 
 
-def alternate(model, tok, prompts: list[str], size: int, rounds: int, timed: TimedLogitsProcessor,
-              **generate) -> tuple[float, float, float]:
-    """``rounds`` batches of ``size`` prompts, each decoded plain and with ``timed``, alternating which runs first
-    (round r samples with seed r), so a shared machine's drift hits both alike: (plain ms per step, with the
-    processor, the processor's median ms per call inside ``generate()``)."""
-    plain, ours = [], []
-    for r in range(rounds):
-        batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
-        for proc in ([None, timed] if r % 2 == 0 else [timed, None]):
-            (plain if proc is None else ours).append(generate_texts(model, tok, batch, proc, seed=r, **generate)[1])
-    return statistics.mean(plain), statistics.mean(ours), 1e3 * statistics.median(timed.calls)
+READ = {"float": _finite, "int": _int, "floats": _floats, "str": str}  # gm_solver.arguments.option's `reads`
 
 
-def decode_cost(model, tok, prompts: list[str], processor, *, max_new_tokens: int = 32) -> dict[str, float]:
-    """Greedy decoding one prompt at a time (batch 1), plain and with ``processor`` (:func:`alternate`).
+def _groups(k: DecoderKind) -> list[type]:
+    """The settings classes whose options ``k`` takes: its settings, the operator of the graph it reads, and its
+    kNN settings with a datastore."""
+    return [c for c in (k.settings, k.graph_settings, k.datastore_settings) if c is not None]
 
-    Returns the mean ms/token of each, their ratio, and the processor's median ms
-    per call inside ``generate()`` with the ratio that alone implies (which the
-    drift of a shared machine between runs does not blur).
-    """
-    base, with_proc, own = alternate(model, tok, prompts, 1, len(prompts), TimedLogitsProcessor(processor),
-                                     max_new_tokens=max_new_tokens)
-    return {"plain_ms": base, "processor_run_ms": with_proc, "ratio": with_proc / base, "processor_ms": own,
-            "implied_ratio": (base + own) / base}
+
+def decoder_options() -> dict[str, list[tuple[DecoderKind, dataclasses.Field, bool]]]:
+    """Each decoder option's name → the kinds that take it: (kind, field, whether it is a kNN setting)."""
+    table: dict[str, list] = {}
+    for k in kinds().values():
+        for group in _groups(k):
+            for f in options(group):
+                table.setdefault(f.name, []).append((k, f, group is k.datastore_settings))
+    return table
+
+
+def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
+    """``--decoder`` and every registered kind's options (each kind's settings fields declared with ``option``), a
+    kind's kNN settings after ``--datastore``; none has a default here: a value not given is the stored choice's."""
+    p.add_argument("--decoder", choices=tuple(kinds()),
+                   help="default: the decoder `graphmax tune` stored in the graph, else context")
+    later = []
+    for name, takers in decoder_options().items():
+        k, f, knn = takers[0]
+        whose = "with --datastore" if knn else ", ".join(t.name for t, _, _ in takers)
+        defaults = "; ".join(f"{t.name}: {_show(g.default)}" for t, g, _ in takers) if len(takers) > 1 else \
+            _show(f.default)
+        text = f"{whose}: {f.metadata['help']} (default: the stored choice, else {defaults})"
+        args = (f"--{name.replace('_', '-')}",)
+        kw = dict(type=READ[f.metadata["reads"]], choices=f.metadata["choices"], help=text, dest=name)
+        if knn:
+            later.append((args, kw))
+        else:
+            p.add_argument(*args, **kw)
+    p.add_argument("--datastore", type=Path, metavar="DIR",
+                   help="also lean toward a kNN datastore of this model's hidden states (graphmax datastore), for a "
+                        "decoder that takes one (context)")
+    p.add_argument("--knn-nprobe", type=integer(1),
+                   help="with --datastore that has an index (--ivf-lists): lists read per search (default 32)")
+    for args, kw in later:
+        p.add_argument(*args, **kw)
+
+
+def given_options(args: argparse.Namespace) -> dict:
+    """The decoder options given on the command line (name → value)."""
+    return {name: getattr(args, name) for name in decoder_options() if getattr(args, name, None) is not None}
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Each given option's value checked by the settings of every kind that takes it (``--decoder``'s only, when
+    given), before anything loads: one line naming the option. Whether the options fit together is checked once the
+    graph's stored choice is known (:func:`build_decoder`)."""
+    given = given_options(args)
+    for name, value in given.items():
+        for k, f, _ in decoder_options()[name]:
+            if args.decoder in (None, k.name):
+                group = next(g for g in _groups(k) if f in dataclasses.fields(g))
+                try:
+                    group(**{name: value})
+                except (TypeError, ValueError) as e:
+                    raise GraphmaxError(_flags(str(e))) from None
+
+
+def _flags(message: str) -> str:
+    """A settings class' message with its fields named as the options they are (`kl_share` → --kl-share)."""
+    for name in decoder_options():
+        message = message.replace(f"`{name}`", f"--{name.replace('_', '-')}")
+    return message
 
 
 def register(sub) -> None:
@@ -147,100 +145,78 @@ def register(sub) -> None:
     p.add_argument("--examples", type=Path, metavar="FILE",
                    help="UTF-8 text the LM reads before every prompt, e.g. a few documents of your corpus separated "
                         "by blank lines (few-shot); the context decoder's λ_t counts the prompt's tokens only")
-    # the graph, and its decoder: each decoder's options are refused with the other (defaults: the stored choice)
+    # the graph, and its decoder: each kind's options are refused with another (defaults: the stored choice)
     add_graph_arguments(p, "--graph")
-    p.add_argument("--decoder", choices=tuple(OPTIONS),
-                   help="default: the decoder `graphmax tune` stored in the graph, else context")
-    p.add_argument("--lam", type=number(at_least=0),
-                   help="λ (0 = softmax); default: the stored choice, else 1.0 (paper) or 1.2")
-    p.add_argument("--tol", type=number(above=0), help="paper: duality gap per step (default 1e-6)")
-    p.add_argument("--solver", choices=SOLVERS,
-                   help="paper: certified mirror descent (mirror, the default) or the paper's Algorithm 1 (paper)")
-    p.add_argument("--max-iter", type=integer(1), help="paper: iterations per step (default 200)")
-    p.add_argument("--order", type=integer(1, MAX_ORDER), help="paper: use Ãᵏ (default 1)")
-    p.add_argument("--mixture", type=integer(2, MAX_ORDER), help="paper: use Ã+…+Ãⁿ (n ≥ 2)")
-    p.add_argument("--divergence", choices=ContextGraphmaxLogitsProcessor.DIVERGENCES,
-                   help="context: D(x, q) (default rkl)")
-    p.add_argument("--kl-share", type=number(at_least=0), help="context: the share of λ on KL(x‖q) (default 0.15)")
-    p.add_argument("--ngram-order", type=integer(2), help="context: longest n-gram conditioning q (default 4)")
-    p.add_argument("--order-weights", type=numbers(at_least=0, example="0.8,0.2"),
-                   help="context: β_k for the token k back, e.g. 0.8,0.2")
-    p.add_argument("--smoothing", choices=ContextGraphmaxLogitsProcessor.SMOOTHINGS,
-                   help="context: the bigram row's smoothing (default kneser-ney)")
-    p.add_argument("--discount", type=number(above=0, below=1), help="context: Kneser–Ney's D (default 0.75)")
-    p.add_argument("--kappa", type=number(above=0), help="context: the Dirichlet prior κ (default 3)")
-    p.add_argument("--alpha", type=number(above=0), help="context: add-α of the unigram (default 0.5)")
-    p.add_argument("--datastore", type=Path, metavar="DIR",
-                   help="context: also lean toward a kNN datastore of this model's hidden states (graphmax datastore)")
-    p.add_argument("--knn-weight", type=number(above=0),
-                   help="with --datastore: its share β in the reference (default: what `graphmax tune --datastore` "
-                        "stored for this datastore, else 0.5)")
-    p.add_argument("--knn-k", type=integer(1), help="with --datastore: neighbours read (default 1024)")
-    p.add_argument("--knn-nprobe", type=integer(1),
-                   help="with --datastore that has an index (--ivf-lists): lists read per search (default 32)")
-    p.add_argument("--knn-temperature", type=number(above=0),
-                   help="with --datastore: T of softmax(−d/T) over squared distances (default: as --knn-weight, "
-                        "else 50)")
-    p.add_argument("--marginal-weight", type=number(at_least=0),
-                   help="with --datastore: the weight of its marginal bias on the LM's scores (default: as "
-                        "--knn-weight, else 0: none)")
-    p.add_argument("--lam-decay", type=number(at_least=0),
-                   help="context: γ in λ_t = λ·t^(−γ) after t tokens of context (default 0: λ constant)")
+    add_decoder_arguments(p)
     p.set_defaults(run=run, quick_start=True)  # numba compiles in the background where it has not (pipelines.cli)
 
 
-def build_decoder(args, prompt_length: int = 0,
-                  device: torch.device | None = None) -> tuple[Graph, GraphmaxLogitsProcessor, str]:
+def build_decoder(args, prompt_length: int = 0, device=None):
     """The graph, the decoder ``args`` ask for and where its settings come from; all checked before any model loads.
 
     ``GraphmaxLogitsProcessor.from_graph`` makes the decoder: the graph's stored choice (``graphmax tune``) when it
     is of the kind asked for (or no kind is asked for), overridden by the options given. Here only the command
-    line's own rules are checked: an option of the other decoder, or one that has no effect, is an error.
+    line's own rules are checked: an option of another kind is an error.
     ``prompt_length``: the tokens of ``--examples`` before each prompt (the context decoder's λ_t skips them);
     ``device``: where a datastore's keys are loaded (the model's device: its search then needs no copy per step).
+
+    Returns:
+        ``(graph, decoder, origin)``: the graph (loaded at the operator the kind reads), the logits processor, and a
+        line saying where its settings came from.
     """
+    from gm_graphs import load_graph
+    from gm_solver import DecoderChoice, GraphmaxLogitsProcessor, load_datastore
+
+    check_options(args)
     source = graph_arg(args)
     graph = load_graph(source)
-    given = {name: getattr(args, name) for options in OPTIONS.values() for name in options
-             if getattr(args, name) is not None}
-    kind = args.decoder or DecoderChoice.stored_mode(graph) or "context"  # the kind from_graph will make
+    stored = DecoderChoice.stored_kind(graph)
+    try:
+        chosen = kind(args.decoder or stored or "context")  # the kind from_graph will make
+    except ValueError as e:
+        raise GraphmaxError(f"graph {source} stores a decoder of a kind not registered here: {e}") from None
+    given = given_options(args)
+    own = {g: {f.name for f in options(g)} for g in _groups(chosen)}
     for name in given:
-        if name not in OPTIONS[kind]:
-            other = " or ".join(k for k, options in OPTIONS.items() if name in options)
-            hint = "" if args.decoder else f" (this graph's {'stored' if graph.decoder else 'default'} decoder is " \
-                                           f"{kind})"
+        if not any(name in names for names in own.values()):
+            other = " or ".join(t.name for t, _, _ in decoder_options()[name])
+            hint = "" if args.decoder else f" (this graph's {'stored' if stored else 'default'} decoder is " \
+                                           f"{chosen.name})"
             raise GraphmaxError(f"--{name.replace('_', '-')} applies to --decoder {other}{hint}")
-    if kind == "paper" and (args.order is not None or args.mixture is not None):
-        graph = load_graph(source, order=args.order or 1, mixture=args.mixture)
-    settings = {k: v for k, v in given.items() if k not in ("order", "mixture", "solver")}
-    if args.solver == "paper":
-        for name in ("tol", "max_iter"):
-            if name in settings:
-                raise GraphmaxError(f"--{name.replace('_', '-')} has no effect with --solver paper: the paper's "
-                                    f"Algorithm 1 runs its own T = 20 steps and stopping rule")
-    extra = {"prompt_length": prompt_length} if kind == "context" and prompt_length else {}
-    knn = {k: getattr(args, k) for k in KNN_OPTIONS if getattr(args, k) is not None}
+    pick = {g: {k: v for k, v in given.items() if k in names} for g, names in own.items()}
+    knn = pick.get(chosen.datastore_settings, {}) if chosen.datastore_settings is not None else {}
     if args.datastore is None and (knn or args.knn_nprobe is not None):
         name = next(iter(knn), "knn_nprobe")
         raise GraphmaxError(f"--{name.replace('_', '-')} applies with --datastore DIR only")
-    if args.datastore is not None and kind != "context":
-        raise GraphmaxError("--datastore applies to the context decoder; leave out --decoder paper")
+    if args.datastore is not None and chosen.datastore_settings is None:
+        takes = [k.name for k in kinds().values() if k.datastore_settings is not None]
+        raise GraphmaxError(f"--datastore applies to the {' or '.join(takes)} decoder; leave out --decoder "
+                            f"{chosen.name}")
+    if chosen.graph_settings is not None and pick[chosen.graph_settings]:
+        try:
+            at = chosen.graph_settings(**pick[chosen.graph_settings])
+        except (TypeError, ValueError) as e:
+            raise GraphmaxError(_flags(str(e))) from None
+        graph = load_graph(source, **dataclasses.asdict(at))
+    settings = pick[chosen.settings]
+    step = chosen.step_class()
+    extra = {"prompt_length": prompt_length} if prompt_length and \
+        "prompt_length" in inspect.signature(step.from_choice).parameters else {}
     datastore = None if args.datastore is None else load_datastore(
         args.datastore, **({} if device is None else {"device": device}),
         **({} if args.knn_nprobe is None else {"nprobe": args.knn_nprobe}))
-    with_store = {} if datastore is None else {"datastore": datastore, "tap": HiddenStateTap()}
+    with_store = {} if datastore is None else {"datastore": datastore}
     try:
-        proc = GraphmaxLogitsProcessor.from_graph(graph, decoder=args.decoder, solver=args.solver, **with_store,
-                                                  **settings, **extra, **knn)
+        proc = GraphmaxLogitsProcessor.from_graph(graph, decoder=args.decoder, **with_store, **settings, **extra,
+                                                  **knn)
     except (TypeError, ValueError) as e:
-        raise GraphmaxError(str(e)) from e
-    stored = DecoderChoice.stored_mode(graph)
+        raise GraphmaxError(_flags(str(e))) from e
     origin = "stored by graphmax tune" if proc.origin == "stored" else \
         "defaults" + (f" (the graph stores a {stored} decoder)" if stored else "")
-    if args.solver is not None:
-        settings["solver"] = args.solver
-    if settings:
-        origin += ", with " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in settings.items())
+    shown = {k: v for group in (chosen.graph_settings, chosen.settings) if group is not None
+             for k, v in pick[group].items()}
+    if shown:
+        origin += ", with " + " ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in shown.items())
     if datastore is None:
         return graph, proc, origin
     where = {"stored": "stored by graphmax tune --datastore",
@@ -286,6 +262,12 @@ def read_examples(path: Path) -> str:
 
 
 def run(args) -> int:
+    from gm_graphs import load_tokenizer
+
+    from .decoding import generate_texts, warm_up
+    from .models import check_fits, load_model
+
+    check_options(args)  # a value out of its range is named before anything loads
     device = resolve_device(args.device)  # a GPU asked for and absent is named before anything loads
     dtype = resolve_dtype(args.dtype, device)
     prefix = None
@@ -308,11 +290,12 @@ def run(args) -> int:
                             f"make {total:,} tokens, more than the model reads ({limit:,}); lower --max-new-tokens")
     if prefix:
         origin += f"; after {len(prefix):,} tokens of --examples"
-    if isinstance(proc, KnnContextGraphmaxLogitsProcessor):
+    if getattr(proc, "datastore", None) is not None:
         proc.datastore.check_model(model)
-        proc.tap.attach(model)  # each step's hidden states, for the datastore's search
+        if proc.tap is not None:
+            proc.tap.attach(model)  # each step's hidden states, for the datastore's search
     warm_up(model, tok, [proc])
-    label = "context graphmax" if isinstance(proc, ContextGraphmaxLogitsProcessor) else "paper graphmax"
+    label = proc.kind.label
     path = f", its step {proc.backend}" if getattr(proc, "backend", None) else ""  # the context decoders'
     print(f"model: {args.model} on {device} in {str(dtype).removeprefix('torch.')}\ngraph: {graph!r}\n"
           f"decoder: {proc!r}\n  settings: {origin}\n  warm-up: {proc.warmup_seconds:.1f} s{path}")

@@ -21,19 +21,16 @@ import statistics
 from pathlib import Path
 
 from tqdm.auto import tqdm
-from transformers import LogitsProcessorList
 
 from gm_graphs import expand_corpus, iter_documents, load_graph
 from gm_graphs.corpus.read import fingerprint
 from gm_graphs.errors import OptionError
 from gm_solver import (
     ContextConfig,
-    ContextGraphmaxLogitsProcessor,
     Datastore,
     DecoderChoice,
+    GraphmaxLogitsProcessor,
     HiddenStateTap,
-    KnnContextGraphmaxLogitsProcessor,
-    MarginalBiasLogitsProcessor,
     load_datastore,
 )
 
@@ -72,7 +69,7 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
 
     def ppl(cfg: ContextConfig) -> float:
         if cfg not in tried:
-            tried[cfg] = perplexity(heldout, ContextGraphmaxLogitsProcessor.from_config(graph, cfg))
+            tried[cfg] = perplexity(heldout, GraphmaxLogitsProcessor.from_graph(graph, settings=cfg))
             bar.update(1)
             bar.set_postfix(best=f"{min(tried.values()):.2f}", refresh=False)
         return tried[cfg]
@@ -120,12 +117,10 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
         if key not in tried:
             weight, temperature, factor, marginal = key
             scaled = dataclasses.replace(config, lam=config.lam * factor)
-            if weight > 0:
-                proc = KnnContextGraphmaxLogitsProcessor.from_config(
-                    graph, scaled, datastore=datastore, tap=tap, knn_weight=weight, knn_k=k,
-                    knn_temperature=temperature, marginal_weight=marginal)
-            else:  # no search: the marginal bias alone (none at weight 0 too)
-                proc = marginal_bias_decoder(graph, scaled, datastore, marginal)
+            # (weight 0: no search, the marginal bias alone, none at marginal weight 0 too)
+            proc = GraphmaxLogitsProcessor.from_graph(
+                graph, settings=scaled, datastore=datastore, tap=tap if weight > 0 else None, knn_weight=weight,
+                knn_k=k, knn_temperature=temperature, marginal_weight=marginal)
             tried[key] = perplexity(heldout, proc)
             bar.update(1)
         return tried[key]
@@ -151,13 +146,6 @@ def _near(grid, value) -> tuple:
     one (a grid of one value: that value)."""
     i = min(range(len(grid)), key=lambda j: abs(grid[j] - value))
     return tuple(grid[max(0, i - 1):i + 2])
-
-
-def marginal_bias_decoder(graph, config: ContextConfig, datastore: Datastore, weight: float) -> LogitsProcessorList:
-    """The context decoder of ``config`` (last) on scores moved by the datastore's marginal bias of ``weight`` (none
-    at 0): the datastore without its search."""
-    bias = [MarginalBiasLogitsProcessor(datastore, weight)] if weight > 0 else []
-    return LogitsProcessorList([*bias, ContextGraphmaxLogitsProcessor.from_config(graph, config)])
 
 
 def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
@@ -231,7 +219,7 @@ def run(args) -> int:
                                         knn_table[0]["perplexity"])
         knn_choice = choice.knn
     else:
-        choice = DecoderChoice(config=dataclasses.replace(best, source=source))
+        choice = DecoderChoice(dataclasses.replace(best, source=source))
     graph.set_decoder(choice.to_json(), expected=tuned_on)
     print(f"{'divergence':<20} {'λ':>6} {'smoothing':<20} {'order weights':<14} {'perplexity':>10}")
     for row in table[:10]:

@@ -22,7 +22,7 @@ from gm_solver import (
     PaperAlgorithm1LogitsProcessor,
     PaperGraphmaxLogitsProcessor,
 )
-from pipelines.generate import TimedLogitsProcessor, padded
+from pipelines.decoding import TimedLogitsProcessor, padded
 
 from .helpers import random_ngram_graph
 

@@ -26,7 +26,9 @@ from gm_solver import (
     load_datastore,
     log_graphmax,
 )
-from gm_solver.choice import KnnChoice, KnnConfig, PaperConfig
+from gm_solver.decoders.choice import KnnChoice
+from gm_solver.decoders.context import KnnConfig
+from gm_solver.decoders.paper import PaperConfig
 from gm_solver.datastore import Datastore
 
 from .helpers import make_docs
@@ -71,13 +73,13 @@ def test_each_decoder_equals_the_solve_it_is_built_on_to_1e12():
 def test_the_record_round_trips_and_keeps_the_keys_tune_wrote():
     knn = KnnChoice(KnnConfig(knn_weight=0.35, knn_k=2, knn_temperature=100.0, marginal_weight=0.75), 0.9,
                     "ab" * 32, 3, 40.5)
-    choice = DecoderChoice(config=ContextConfig(divergence="l2", lam=0.7, source={"tuned": True}), knn=knn)
+    choice = DecoderChoice(ContextConfig(divergence="l2", lam=0.7, source={"tuned": True}), knn=knn)
     stored = choice.to_json()
     assert set(stored) == {"mode", *ContextConfig().to_dict(), "knn"}
     assert set(stored["knn"]) == {"knn_weight", "knn_k", "knn_temperature", "marginal_weight", "lam",
                                   "datastore_sha256", "datastore_keys", "perplexity"}
     assert DecoderChoice.from_json(stored) == choice
-    paper = DecoderChoice("paper", PaperConfig(lam=0.3, algorithm1=True))
+    paper = DecoderChoice(PaperConfig(lam=0.3, solver="paper"))
     assert paper.to_json() == {"mode": "paper", "lam": 0.3, "tol": 1e-6, "max_iter": 200, "solver": "paper"}
     assert DecoderChoice.from_json(paper.to_json()) == paper
     # a record missing a field (an older graphmax's) is refused, never read with today's defaults
@@ -104,7 +106,7 @@ KNN = {"knn_weight": 0.5, "knn_k": 1, "knn_temperature": 1.0, "marginal_weight":
     ({"mode": "paper", "solver": "auto"}, "`solver` must be one of \\('mirror', 'paper'\\)"),
     ({"mode": "paper", "solver": "paper", "max_iter": 5}, "`max_iter`=5 has no effect with the paper's Algorithm 1"),
     ({"mode": "paper", "knn": {}}, "keys no decoder reads"),
-    ({**CONTEXT, "knn": {**KNN, "knn_weight": 0.0}}, "`knn_weight` must be a float in \\(0, 1\\]"),
+    ({**CONTEXT, "knn": {**KNN, "knn_weight": -0.1}}, "`knn_weight` must be a float in \\[0, 1\\]"),
     ({**CONTEXT, "knn": {k: v for k, v in KNN.items() if k != "datastore_sha256"}},
      "`knn` has no \\['datastore_sha256'\\]"),
     ({**CONTEXT, "knn": {**KNN, "datastore_sha256": "zz" * 32}}, "`datastore_sha256` must be 64 lowercase hex digits"),
@@ -122,11 +124,13 @@ def test_the_factory_returns_the_decoder_the_choice_names(bpe_tokenizer_file, tm
     path = tmp_path / "g"
     write_graph(count_corpus(corpus, bpe_tokenizer_file, progress=False), path, progress=False)
     graph = load_graph(path)
-    graph.set_decoder(DecoderChoice("paper", PaperConfig(lam=0.4, algorithm1=True)).to_json())
+    graph.set_decoder(DecoderChoice(PaperConfig(lam=0.4, solver="paper")).to_json())
     proc = GraphmaxLogitsProcessor.from_graph(load_graph(path))
     assert type(proc) is PaperAlgorithm1LogitsProcessor and proc.lam == 0.4
-    with pytest.raises(TypeError, match="`tol` is not an argument of PaperAlgorithm1LogitsProcessor"):
+    with pytest.raises(GraphFormatError, match="`tol`=0.001 has no effect with the paper's Algorithm 1"):
         GraphmaxLogitsProcessor.from_graph(load_graph(path), tol=1e-3)
+    with pytest.raises(TypeError, match="`check_every` is not an argument of PaperAlgorithm1LogitsProcessor"):
+        GraphmaxLogitsProcessor.from_graph(load_graph(path), check_every=2)
     with pytest.raises(ValueError, match="`datastore` and `tap` apply to the context decoder"):
         GraphmaxLogitsProcessor.from_graph(load_graph(path), tap=HiddenStateTap())
     # the kNN settings stored with one datastore, for that datastore only

@@ -12,8 +12,8 @@ from gm_graphs import GraphmaxError, add_ngrams, count_corpus, write_graph
 from gm_solver import ContextGraphmaxLogitsProcessor, PaperGraphmaxLogitsProcessor, build_datastore
 from pipelines import devices
 from pipelines.cli import main
+from pipelines.decoding import generate_texts
 from pipelines.devices import resolve_device, resolve_dtype
-from pipelines.generate import generate_texts
 from pipelines.heldout import perplexity, score_documents
 from pipelines.models import load_model
 

@@ -18,7 +18,7 @@ from gm_solver import (
     PaperGraphmaxLogitsProcessor,
     load_datastore,
 )
-from pipelines import generate
+from pipelines import decoding, generate
 from pipelines.cli import main
 
 from .helpers import make_docs
@@ -175,7 +175,7 @@ def test_generate_with_examples_reads_them_first_and_counts_lambda_after_them(gr
     # the continuation is the model's after the examples' tokens and then the prompt's
     model, tok = generate.load_model(str(tiny_model))  # as the command loads it
     ids = tok(examples.read_text().strip() + "\n\n", add_special_tokens=False)["input_ids"]
-    texts, _ = generate.generate_texts(model, tok, ["the movie was", "I loved"], None, max_new_tokens=3, prefix=ids)
+    texts, _ = decoding.generate_texts(model, tok, ["the movie was", "I loved"], None, max_new_tokens=3, prefix=ids)
     for prompt, text in zip(["the movie was", "I loved"], texts):  # each as if alone, unpadded
         joint = torch.tensor([ids + tok(prompt, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
@@ -291,7 +291,7 @@ def test_demo_builds_the_imdb_graph_then_reuses_it(home, capsys, tmp_path, monke
 
 
 def test_timed_processor_passes_scores_through_and_times_every_call():
-    from pipelines.generate import TimedLogitsProcessor
+    from pipelines.decoding import TimedLogitsProcessor
 
     timed = TimedLogitsProcessor(lambda ids, scores: scores * 2)
     scores = torch.randn(2, 5)
@@ -308,11 +308,11 @@ def test_alternate_swaps_which_decoder_runs_first_and_cycles_the_prompts(monkeyp
         runs.append((tuple(batch), proc is None, seed))
         return [], (10.0 if proc is None else 20.0) + len(runs)
 
-    monkeypatch.setattr(generate, "generate_texts", fake_generate)
-    timed = generate.TimedLogitsProcessor(lambda ids, scores: scores)
+    monkeypatch.setattr(decoding, "generate_texts", fake_generate)
+    timed = decoding.TimedLogitsProcessor(lambda ids, scores: scores)
     timed.calls = [0.003, 0.001, 0.002]
     prompts = ["a", "b", "c", "d", "e"]
-    plain, ours, own = generate.alternate(None, None, prompts, size, rounds, timed, max_new_tokens=4)
+    plain, ours, own = decoding.alternate(None, None, prompts, size, rounds, timed, max_new_tokens=4)
     assert [r[2] for r in runs] == [r for r in range(rounds) for _ in range(2)]
     assert [r[1] for r in runs] == [first for r in range(rounds) for first in ((True, False) if r % 2 == 0
                                                                                 else (False, True))]

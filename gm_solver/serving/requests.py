@@ -19,7 +19,7 @@ import logging
 import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,9 @@ import torch
 from gm_graphs import GraphmaxError, list_graphs, load_graph
 from gm_graphs.store.folders import check_name
 
-from ..context_config import ContextConfig
+from ..arguments import options
+from ..decoders import kinds
+from ..decoders.choice import DecoderChoice
 from ..processor import ContextGraphmaxLogitsProcessor, GraphmaxLogitsProcessor
 
 __all__ = ["ARGUMENT", "GRAPHS_VARIABLE", "Graphs", "Request", "Rows", "parse"]
@@ -35,9 +37,6 @@ __all__ = ["ARGUMENT", "GRAPHS_VARIABLE", "Graphs", "Request", "Rows", "parse"]
 ARGUMENT = "graphmax"  # the key of a request's extra arguments
 FLAT = "graphmax_"  # the flat form's settings: graphmax_lam, graphmax_decoder, …
 GRAPHS_VARIABLE = "GRAPHMAX_SERVE_GRAPHS"  # the graphs a server serves: names, comma-separated
-DECODERS = ("context", "paper")
-SETTINGS = {"context": tuple(f.name for f in fields(ContextConfig) if f.name != "source"),
-            "paper": ("lam", "tol", "max_iter", "solver")}
 log = logging.getLogger("graphmax.serving")
 
 
@@ -59,7 +58,7 @@ class Request:
 
     def key(self, kind: str) -> tuple:
         """What decoders are shared by: the context decoder's rows each carry their λ, the paper decoder's do not."""
-        return (self.graph, kind, self.settings, self.lam if kind == "paper" else None)
+        return (self.graph, kind, self.settings, None if kind == "context" else self.lam)
 
 
 def parse(extra_args: Any) -> Request | None:
@@ -104,23 +103,30 @@ def parse(extra_args: Any) -> Request | None:
         raise ValueError(f'graphmax: "graph" must be the name of a graph the server serves, got {_show(graph)}') \
             from None
     decoder = args.get("decoder")
-    if decoder is not None and decoder not in DECODERS:
+    served = kinds()
+    if decoder is not None and decoder not in served:
         if decoder == "knn":
             raise ValueError("graphmax: the kNN decoder reads the model's hidden states, which a serving engine's "
                              "logits processors do not see; use decoder \"context\" or \"paper\"")
-        raise ValueError(f'graphmax: "decoder" must be one of {", ".join(DECODERS)}, got {_show(decoder)}')
-    known = {"graph", "decoder", *(SETTINGS[decoder] if decoder else {*SETTINGS["context"], *SETTINGS["paper"]})}
+        raise ValueError(f'graphmax: "decoder" must be one of {", ".join(served)}, got {_show(decoder)}')
+    known = {"graph", "decoder", *(_settings(decoder) if decoder else
+                                   {name for k in served for name in _settings(k)})}
     unknown = sorted(str(k) for k in args if k not in known)
     if unknown:
         whose = f"the {decoder} decoder" if decoder else "graphmax"
         raise ValueError(f"graphmax: {_show(unknown[0])} is not an argument of {whose}; it takes graph, decoder and "
-                         f"{', '.join(SETTINGS[decoder or 'context'])}")
+                         f"{', '.join(_settings(decoder or 'context'))}")
     lam = args.get("lam")
     if lam is not None and (isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam < float("inf")):
         raise ValueError(f'graphmax: "lam" must be a finite number >= 0, got {_show(lam)}')
     settings = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in args.items()
                             if k not in ("graph", "decoder", "lam")))
     return Request(graph, decoder, settings, None if lam is None else float(lam))
+
+
+def _settings(kind: str) -> tuple[str, ...]:
+    """The settings a request may give the decoder kind ``kind``: its settings' options."""
+    return tuple(f.name for f in options(kinds()[kind].settings))
 
 
 def _show(value: Any) -> str:
@@ -188,12 +194,11 @@ class Graphs:
             ValueError: a graph not served, or settings the decoder refuses (one line).
         """
         graph = self.graph(request.graph)
-        kind = request.decoder or ("paper" if (getattr(graph, "decoder", None) or {}).get("mode") == "paper"
-                                   else "context")
+        kind = request.decoder or DecoderChoice.stored_kind(graph) or "context"
         key = request.key(kind)
         if key not in self._decoders:
             settings = dict(request.settings)
-            if kind == "paper" and request.lam is not None:
+            if kind != "context" and request.lam is not None:  # (the context decoder takes λ per row)
                 settings["lam"] = request.lam
             try:
                 self._decoders[key] = GraphmaxLogitsProcessor.from_graph(graph, decoder=kind, **settings)

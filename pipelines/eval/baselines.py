@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gm_solver import ContextConfig, ContextGraphmaxLogitsProcessor, Datastore, build_datastore
+from gm_solver import ContextConfig, Datastore, GraphmaxLogitsProcessor, build_datastore
 
 from ..finetune import FinetuneResult, finetune_lora
 from ..heldout import HeldOut, perplexity, score_documents
@@ -40,7 +40,7 @@ def retune_lambda(graph, heldout: HeldOut, config: ContextConfig,
     tried = []
     for f in factors:
         cfg = dataclasses.replace(config, lam=config.lam * f)
-        tried.append((perplexity(heldout, ContextGraphmaxLogitsProcessor.from_config(graph, cfg)), f, cfg))
+        tried.append((perplexity(heldout, GraphmaxLogitsProcessor.from_graph(graph, settings=cfg)), f, cfg))
     best = min(tried, key=lambda t: t[0])[2]
     return best, [{"lam": c.lam, "factor": f, "perplexity": p} for p, f, c in tried]
 
@@ -56,7 +56,7 @@ class Knn:
         table: the tuning's rows, for tuning.csv.
         documents: the training documents the datastore holds.
         seconds: building the datastore (the LM over its documents) and tuning β, T, λ and the marginal weight.
-        bias_only: the datastore's marginal bias alone (β = 0: no search, ``tune.marginal_bias_decoder``), its
+        bias_only: the datastore's marginal bias alone (β = 0: no search, ``knn_weight=0``), its
             config and settings tuned the same way; None without marginals.
     """
 

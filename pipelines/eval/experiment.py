@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gm_solver import ContextConfig, KnnContextGraphmaxLogitsProcessor
 
-from ..generate import decode_cost
+from ..decoding import decode_cost
 from ..heldout import HeldOut, score_documents
 from ..metrics import References
 from ..models import check_fits
@@ -126,7 +126,7 @@ def continuations(setup: Setup, fitted: Fitted, decoders: list[Decoder], weights
         lms[LM.PROMPTED] = (model, fitted.prompted.prompt.ids)
     openings = [" ".join(t.split()[:OPENING_WORDS]) for t in setup.test[-sizes["prompts"]:]]
     references = setup.test[:sizes["references"]]
-    knn = [d for d in gen if isinstance(d.processor, KnnContextGraphmaxLogitsProcessor)]
+    knn = [d for d in gen if isinstance(d.processor, KnnContextGraphmaxLogitsProcessor) and d.processor.tap is not None]
     for dec in knn:  # inside generate() a kNN decoder's tap reads its own LM's head
         dec.processor.tap.attach(lms[dec.lm][0])
     generation, samples = generation_rows(gen, lms, model, tok, openings, references, sizes["new_tokens"], seed)

@@ -56,7 +56,7 @@ class Results:
         bleu4: (a, b) → a's BLEU-4 minus b's over the openings, paired (mean, SE).
         traces: per solver ("paper", "mirror"), its trace on the paper's context.
         openings: the test documents' openings that were continued.
-        cost: ``generate.decode_cost`` of ours, greedy at batch 1.
+        cost: ``decoding.decode_cost`` of ours, greedy at batch 1.
         knn: the base LM's datastore (``baselines.Knn.summary``), None when not run.
         finetune: the fine-tuned baseline (``baselines.FineTuned.summary``), None when not run.
         prompted: the few-shot baseline (``baselines.Prompted.summary``), None when not run.

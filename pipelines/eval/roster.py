@@ -10,17 +10,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from gm_solver import (
-    ContextConfig,
-    ContextGraphmaxLogitsProcessor,
-    HiddenStateTap,
-    InterpolationLogitsProcessor,
-    KnnContextGraphmaxLogitsProcessor,
-    PaperAlgorithm1LogitsProcessor,
-    PaperGraphmaxLogitsProcessor,
-)
+from gm_solver import ContextConfig, GraphmaxLogitsProcessor, HiddenStateTap, InterpolationLogitsProcessor
+from gm_solver.decoders import kinds
+from gm_solver.decoders.registry import BUILT_IN
 
-from ..tune import marginal_bias_decoder
 from .baselines import FineTuned, Knn, Prompted
 from .data import Setup
 
@@ -46,6 +39,7 @@ class Family(enum.StrEnum):
     OURS = "ours"
     FINE_TUNED = "fine-tuned"
     PROMPTED = "prompted"
+    REGISTERED = "registered"  # a decoder kind a package registered (gm_solver.decoders), beside graphmax's own
 
 
 class Method(enum.StrEnum):
@@ -61,6 +55,7 @@ class Method(enum.StrEnum):
     OURS = "ours"  # context graphmax, tuned on the validation half
     OURS_MARGINALS = "ours marginals"  # ours + the datastore's marginal bias alone (no search)
     OURS_KNN = "ours knn"  # ours + the kNN datastore and its marginal bias
+    REGISTERED = "kind"  # a registered decoder kind's, with the graph's stored choice of it or its defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +66,7 @@ class Variant:
         method: the ``Method``.
         lam: the λ of ``Method.PAPER`` and ``Method.PAPER_MIXTURE``.
         weight: the w of ``Method.INTERPOLATION``.
+        kind: the decoder kind of ``Method.REGISTERED``.
 
     Example:
         >>> Variant(Method.PAPER, lam=1) == Variant(Method.PAPER, lam=1.0) != Variant(Method.PAPER, lam=0.1)
@@ -80,6 +76,7 @@ class Variant:
     method: Method
     lam: float | None = None
     weight: float | None = None
+    kind: str | None = None
 
 
 SOFTMAX = Variant(Method.SOFTMAX)
@@ -129,9 +126,11 @@ class Decoder:
     @property
     def key(self) -> str:
         """The CSVs' ``key`` column, made from the fields: the LM unless the base one, the method unless softmax
-        on another LM, then the λ or the weight."""
+        on another LM, then the λ or the weight, or a registered decoder's kind."""
         parts = [] if self.lm is LM.BASE else [str(self.lm)]
-        if self.variant.method is not Method.SOFTMAX or not parts:
+        if self.variant.kind is not None:
+            parts.append(self.variant.kind)
+        elif self.variant.method is not Method.SOFTMAX or not parts:
             parts.append(str(self.variant.method))
         parts += [f"{v:g}" for v in (self.variant.lam, self.variant.weight) if v is not None]
         return " ".join(parts)
@@ -160,43 +159,48 @@ def roster(setup: Setup, tuned: ContextConfig, paper_lams: list[float], mixture_
         The decoders.
     """
     paper_positions = min(PAPER_POSITIONS, positions)
+    build = GraphmaxLogitsProcessor.from_graph
     decoders = [Decoder(Family.BASELINE, LM.BASE, SOFTMAX, None, "softmax")]
     for lam in paper_lams:
         decoders.append(Decoder(Family.PAPER, LM.BASE, paper(lam),
-                                PaperGraphmaxLogitsProcessor(setup.graph, lam=lam).warmup(),
+                                build(setup.graph, decoder="paper", lam=lam).warmup(),
                                 f"paper graphmax Ã λ={lam:g}", paper_positions))
     for lam in paper_lams:
         if lam in mixture_lams:
             decoders.append(Decoder(Family.PAPER, LM.BASE, Variant(Method.PAPER_MIXTURE, lam=lam),
-                                    PaperGraphmaxLogitsProcessor(setup.mixture, lam=lam).warmup(),
+                                    build(setup.mixture, decoder="paper", lam=lam).warmup(),
                                     f"paper graphmax Ã+Ã² λ={lam:g}", paper_positions))
     decoders.append(Decoder(Family.PAPER, LM.BASE, ALGORITHM_1,
-                            PaperAlgorithm1LogitsProcessor(setup.graph, lam=ALGORITHM_1_LAM).warmup(),
+                            build(setup.graph, decoder="paper", solver="paper", lam=ALGORITHM_1_LAM).warmup(),
                             f"paper Algorithm 1 Ã λ={ALGORITHM_1_LAM:g}", paper_positions))
-    decoders.append(Decoder(Family.OURS, LM.BASE, OURS_DEFAULT, ContextGraphmaxLogitsProcessor(setup.graph).warmup(),
+    decoders.append(Decoder(Family.OURS, LM.BASE, OURS_DEFAULT, build(setup.graph, settings=ContextConfig()).warmup(),
                             "context graphmax, untuned defaults (ours)"))
-    decoders.append(Decoder(Family.OURS, LM.BASE, OURS,
-                            ContextGraphmaxLogitsProcessor.from_config(setup.graph, tuned).warmup(),
+    decoders.append(Decoder(Family.OURS, LM.BASE, OURS, build(setup.graph, settings=tuned).warmup(),
                             "context graphmax, tuned (ours)"))
     if knn is not None and knn.bias_only is not None:
         bias_config, bias = knn.bias_only
-        bias_only = marginal_bias_decoder(setup.graph, bias_config, knn.datastore, bias["marginal_weight"])
-        bias_only[-1].warmup()
+        bias_only = build(setup.graph, settings=bias_config, datastore=knn.datastore, knn_weight=0.0,
+                          marginal_weight=bias["marginal_weight"]).warmup()
         decoders.append(Decoder(Family.OURS, LM.BASE, OURS_MARGINALS, bias_only, "context graphmax + the datastore's "
                                 "marginal bias alone (no search), tuned (ours)"))
     if knn is not None:
-        decoders.append(Decoder(Family.OURS, LM.BASE, OURS_KNN, KnnContextGraphmaxLogitsProcessor.from_config(
-            setup.graph, knn.tuned, datastore=knn.datastore, tap=HiddenStateTap(), **knn.settings).warmup(),
+        decoders.append(Decoder(Family.OURS, LM.BASE, OURS_KNN, build(
+            setup.graph, settings=knn.tuned, datastore=knn.datastore, tap=HiddenStateTap(), **knn.settings).warmup(),
             f"context graphmax + kNN datastore ({len(knn.datastore):,} keys) and its marginal bias, tuned (ours)"))
+    for name, kind in kinds().items():  # a kind a package registered: the graph's stored choice of it, or its defaults
+        if name not in BUILT_IN:
+            decoders.append(Decoder(Family.REGISTERED, LM.BASE, Variant(Method.REGISTERED, kind=name),
+                                    build(setup.graph, decoder=name).warmup(), f"{kind.label} ({name})"))
     if finetuned is not None:
         decoders.append(Decoder(Family.FINE_TUNED, LM.FINE_TUNED, SOFTMAX, None, "fine-tuned LM (LoRA), softmax"))
         decoders.append(Decoder(Family.OURS, LM.FINE_TUNED, OURS,
-                                ContextGraphmaxLogitsProcessor.from_config(setup.graph, finetuned.tuned).warmup(),
+                                GraphmaxLogitsProcessor.from_graph(setup.graph, settings=finetuned.tuned).warmup(),
                                 "context graphmax on the fine-tuned LM (ours)"))
     if finetuned is not None and finetuned.knn is not None:
         ft_knn = finetuned.knn
-        decoders.append(Decoder(Family.OURS, LM.FINE_TUNED, OURS_KNN, KnnContextGraphmaxLogitsProcessor.from_config(
-            setup.graph, ft_knn.tuned, datastore=ft_knn.datastore, tap=HiddenStateTap(), **ft_knn.settings).warmup(),
+        decoders.append(Decoder(Family.OURS, LM.FINE_TUNED, OURS_KNN, GraphmaxLogitsProcessor.from_graph(
+            setup.graph, settings=ft_knn.tuned, datastore=ft_knn.datastore, tap=HiddenStateTap(),
+            **ft_knn.settings).warmup(),
             f"context graphmax + kNN datastore ({len(ft_knn.datastore):,} keys of its own) on the fine-tuned LM "
             "(ours)"))
     if prompted is not None:
@@ -224,12 +228,15 @@ def prompted_decoders(setup: Setup, prompted: Prompted, prompt_length: int) -> l
         The decoders, unwarmed.
     """
     shots = _shots(prompted)
-    decoders = [Decoder(Family.OURS, LM.PROMPTED, OURS, ContextGraphmaxLogitsProcessor.from_config(
-        setup.graph, prompted.tuned, prompt_length=prompt_length), f"context graphmax on the LM with a {shots} (ours)")]
+    build = GraphmaxLogitsProcessor.from_graph
+    decoders = [Decoder(Family.OURS, LM.PROMPTED, OURS, build(setup.graph, settings=prompted.tuned,
+                                                              prompt_length=prompt_length),
+                        f"context graphmax on the LM with a {shots} (ours)")]
     if prompted.knn is not None:
         p_knn = prompted.knn
-        decoders.append(Decoder(Family.OURS, LM.PROMPTED, OURS_KNN, KnnContextGraphmaxLogitsProcessor.from_config(
-            setup.graph, p_knn.tuned, datastore=p_knn.datastore, tap=HiddenStateTap(), prompt_length=prompt_length,
+        decoders.append(Decoder(Family.OURS, LM.PROMPTED, OURS_KNN, build(
+            setup.graph, settings=p_knn.tuned, datastore=p_knn.datastore, tap=HiddenStateTap(),
+            prompt_length=prompt_length,
             **p_knn.settings), f"context graphmax + kNN datastore ({len(p_knn.datastore):,} keys) and its marginal "
             f"bias on the LM with a {shots} (ours)"))
     return decoders

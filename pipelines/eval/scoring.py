@@ -11,7 +11,7 @@ import torch
 
 from gm_solver import InterpolationLogitsProcessor
 
-from ..generate import generate_texts
+from ..decoding import generate_texts
 from ..heldout import (
     HeldOut,
     decoded_positions,
@@ -27,7 +27,8 @@ from .roster import LM, OURS, SOFTMAX, Decoder, DecoderId, Method, interpolation
 INTERP_WEIGHTS = (0.1, 0.2, 0.3, 0.5)
 # what generates continuations, in this order on each LM: softmax, the paper's decoder on Ã at each λ, the
 # interpolation at its optimum (on the base LM), ours without and with the datastore
-GENERATED = (Method.SOFTMAX, Method.PAPER, Method.INTERPOLATION_OPTIMUM, Method.OURS, Method.OURS_KNN)
+GENERATED = (Method.SOFTMAX, Method.PAPER, Method.INTERPOLATION_OPTIMUM, Method.OURS, Method.OURS_KNN,
+             Method.REGISTERED)
 
 NLL = dict[DecoderId, dict[int, torch.Tensor]]  # decoder → window → per-token NLL on the test tokens
 

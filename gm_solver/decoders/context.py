@@ -1,16 +1,22 @@
-"""The settings of context-aware graphmax (:class:`ContextConfig`), each checked once: what a processor is built
-from and what ``graphmax tune`` stores in a graph's decoder choice."""
+"""The context-aware decoder kind: its settings (:class:`ContextConfig`), its kNN settings with a datastore
+(:class:`KnnConfig`) and its record in the table of kinds (:data:`KIND`). Its step is
+``gm_solver.processor.ContextGraphmaxLogitsProcessor`` (and ``KnnContextGraphmaxLogitsProcessor`` with a datastore),
+imported when first built; the reference q it leans toward is ``gm_solver.context.ContextReference``."""
 
 from __future__ import annotations
 
 import numbers
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
-from .checks import choice, finite_nonnegative, finite_positive, integer, real
-from .divergences import DIVERGENCES
+from ..arguments import choice, finite_nonnegative, finite_positive, integer, option, real
+from .registry import DecoderKind
 
+DIVERGENCES = ("kl", "rkl", "l2")  # D's names; gm_solver.divergences solves toward each
 SMOOTHINGS = ("kneser-ney", "dirichlet")
+# the marginal bias' weight at most: log ratios of counts are within ±30, so the bias stays far inside float16 (tuned
+# weights are 0.5–1.5; a weight of 10 already multiplies a token's probability by (c/e)^10)
+MAX_MARGINAL_WEIGHT = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,16 +59,18 @@ class ContextConfig:
         0.5
     """
 
-    divergence: str = "rkl"
-    lam: float = 1.2
-    kl_share: float = 0.15
-    order_weights: tuple[float, ...] = (1.0,)
-    smoothing: str = "kneser-ney"
-    discount: float = 0.75
-    ngram_order: int = 4
-    kappa: float = 3.0
-    alpha: float = 0.5
-    lam_decay: float = 0.0
+    REQUIRED: ClassVar[tuple[str, ...]]  # every field: a stored choice holds them all (set below)
+
+    divergence: str = option("rkl", "D(x, q): rkl KL(q‖x), kl KL(x‖q) or l2 ‖x − q‖²", choices=DIVERGENCES)
+    lam: float = option(1.2, "λ ≥ 0, the weight of the regulariser (0 gives softmax)")
+    kl_share: float = option(0.15, "the share of λ on KL(x‖q), in [0, 1]")
+    order_weights: tuple[float, ...] = option((1.0,), "β_k ≥ 0 for the token k back, e.g. 0.8,0.2")
+    smoothing: str = option("kneser-ney", "the bigram row's smoothing", choices=SMOOTHINGS)
+    discount: float = option(0.75, "Kneser–Ney's D in (0, 1), also the n-gram tables'")
+    ngram_order: int = option(4, "the longest n-gram conditioning q, ≥ 2")
+    kappa: float = option(3.0, "the Dirichlet prior κ > 0")
+    alpha: float = option(0.5, "add-α > 0 of the unigram")
+    lam_decay: float = option(0.0, "γ ≥ 0 in λ_t = λ·t^(−γ) after t tokens of context (0: λ constant)")
     source: dict = field(default_factory=lambda: {"tuned": False}, compare=False)
 
     def __post_init__(self):
@@ -114,6 +122,54 @@ class ContextConfig:
     def from_dict(cls, d: dict) -> ContextConfig:
         """The config of ``to_dict``'s fields in ``d`` (other keys, e.g. a perplexity beside them, are left out)."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+ContextConfig.REQUIRED = tuple(f.name for f in fields(ContextConfig))
+
+
+@dataclass(frozen=True)
+class KnnConfig:
+    """The context decoder's settings with a kNN datastore (``KnnContextGraphmaxLogitsProcessor``), each checked here.
+
+    Args:
+        knn_weight (``float``, defaults to 0.5): β in [0, 1], the share of p_knn in the reference; 0: no search,
+            the datastore's marginal bias alone (with ``marginal_weight``).
+        knn_k (``int``, defaults to 1024): the neighbours read, ≥ 1.
+        knn_temperature (``float``, defaults to 50.0): T > 0, finite, of softmax(−d/T) over squared distances.
+        marginal_weight (``float``, defaults to 0.0): w in [0, 10], the weight of the datastore's marginal bias
+            (``MarginalBiasLogitsProcessor``) on the scores; 0: none.
+
+    Raises:
+        ValueError: a setting out of its range, naming it and its value.
+
+    Example::
+
+        >>> KnnConfig(knn_weight=0.35, knn_temperature=100)
+        KnnConfig(knn_weight=0.35, knn_k=1024, knn_temperature=100.0, marginal_weight=0.0)
+    """
+
+    REQUIRED: ClassVar[tuple[str, ...]] = ("knn_weight", "knn_k", "knn_temperature", "marginal_weight")
+
+    knn_weight: float = option(0.5, "the datastore's share β in [0, 1] of the reference (0: no search)")
+    knn_k: int = option(1024, "neighbours read, ≥ 1")
+    knn_temperature: float = option(50.0, "T of softmax(−d/T) over squared distances")
+    marginal_weight: float = option(0.0, "the weight w in [0, 10] of its marginal bias on the LM's scores "
+                                         "(0: none)")
+
+    def __post_init__(self):
+        object.__setattr__(self, "knn_weight", real(
+            "knn_weight", self.knn_weight, "a float in [0, 1] (the share of p_knn in q; 0: no search, the "
+            "marginal bias alone)", lambda v: 0 <= v <= 1))
+        object.__setattr__(self, "knn_k", integer("knn_k", self.knn_k, "an int >= 1", lambda v: v >= 1))
+        object.__setattr__(self, "knn_temperature", real("knn_temperature", self.knn_temperature,
+                                                         "a finite float > 0", finite_positive))
+        object.__setattr__(self, "marginal_weight", real(
+            "marginal_weight", self.marginal_weight, f"a float in [0, {MAX_MARGINAL_WEIGHT:g}] (0: no marginal bias)",
+            lambda v: 0 <= v <= MAX_MARGINAL_WEIGHT))
+
+
+KIND = DecoderKind("context", ContextConfig, "gm_solver.processor:ContextGraphmaxLogitsProcessor", "context graphmax",
+                   datastore_settings=KnnConfig, kernels=("context.decode_step",))
 
 
 def _order_weights(value: Any) -> tuple[float, ...]:
