@@ -37,14 +37,17 @@ _LAZY = {
     "DecoderChoice": "decoders.choice",
     "ContextReference": "context",
     "ContextConfig": "decoders.context",
+    "PaperConfig": "decoders.paper",
+    "DecoderKind": "decoders.registry",
+    "register_decoder": "decoders.registry",
     "Datastore": "datastore",
     "HiddenStateTap": "datastore",
     "build_datastore": "datastore",
     "index_datastore": "datastore",
     "load_datastore": "datastore",
     "solve_toward": "divergences",
-    "graphmax": "graphmax",
-    "log_graphmax": "graphmax",
+    "graphmax": "distribution",
+    "log_graphmax": "distribution",
     "certificate": "objective",
 }
 
@@ -53,8 +56,8 @@ __all__ = [
     "ContextGraphmaxLogitsProcessor", "GraphmaxLogitsProcessor", "InterpolationLogitsProcessor",
     "KnnContextGraphmaxLogitsProcessor", "MarginalBiasLogitsProcessor", "PaperAlgorithm1LogitsProcessor",
     "PaperGraphmaxLogitsProcessor",
-    # the choice a graph stores, and the context decoder's settings inside it
-    "ContextConfig", "DecoderChoice",
+    # the choice a graph stores, the decoders' settings inside it, and the table of decoder kinds
+    "ContextConfig", "DecoderChoice", "DecoderKind", "PaperConfig", "register_decoder",
     # the context decoder's reference q(· | context) (what interpolation mixes in, too)
     "ContextReference",
     # the kNN datastore: build, index, load, and the tap on the model's head

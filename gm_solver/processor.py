@@ -26,7 +26,7 @@ from .decoders import DecoderKind, kind, kind_of, kinds
 from .decoders.choice import DecoderChoice
 from .decoders.context import DIVERGENCES, MAX_MARGINAL_WEIGHT, SMOOTHINGS, ContextConfig, KnnConfig
 from .decoders.paper import PaperConfig
-from .graphmax import get_operator, log_graphmax
+from .distribution import get_operator, log_graphmax
 from .operator import TransitionOperator
 from .padding import LeftPadding
 from .solve_info import SolveInfo
@@ -141,6 +141,10 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         takes = _keywords(step.from_choice) | ({f.name for f in fields(chosen.datastore_settings)}
                                                 if chosen.datastore_settings is not None else set())
         for name in rest:
+            others = [k.name for k in kinds().values() if name in {f.name for f in fields(k.settings)}]
+            if name not in takes and others:
+                raise ValueError(f"`{name}` applies to the {' or '.join(others)} decoder; pass decoder="
+                                 f"{others[0]!r} or leave `{name}` out")
             if name not in takes:
                 whose = ", the decoder this graph stores" if stored_kind == chosen.name and settings is None else ""
                 raise TypeError(f"`{name}` is not an argument of {step.__name__}{whose}; construct the other "
@@ -294,7 +298,7 @@ class PaperGraphmaxLogitsProcessor(_OperatorDecoder):
         x* = argmin over the simplex of −⟨x, z⟩ + ⟨x, log x⟩ + λ‖x − Mx‖²,
 
     z the step's scores and M the graph operator (Ã, Ãᵏ or a mixture Ã+…+Ãⁿ); it does not read ``input_ids``.
-    Solved by certified mirror descent to a duality gap ≤ ``tol`` (``gm_solver.graphmax``); the paper's own
+    Solved by certified mirror descent to a duality gap ≤ ``tol`` (``gm_solver.distribution``); the paper's own
     solver, which does not converge, is :class:`PaperAlgorithm1LogitsProcessor`. Scores wider than
     the graph (padded vocabularies) treat the extra ids as isolated nodes.
 

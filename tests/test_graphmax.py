@@ -1,4 +1,4 @@
-"""graphmax and log_graphmax (gm_solver.graphmax): the certificate, the KKT fixed point, an independent dual solve,
+"""graphmax and log_graphmax (gm_solver.distribution): the certificate, the KKT fixed point, an independent dual solve,
 edge cases, the real graph, and every dtype and device."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gm_solver import certificate, graphmax, log_graphmax
-from gm_solver.graphmax import Graphmax
+from gm_solver.distribution import Graphmax
 from gm_solver.objective import dual, primal
 from gm_solver.operator import TransitionOperator
 

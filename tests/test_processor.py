@@ -114,8 +114,10 @@ def test_from_graph_round_trips_the_stored_choice(small_graph, tmp_path):
     louder = GraphmaxLogitsProcessor.from_graph(load_graph(path), lam=2.0)
     assert louder.config == ContextConfig(**{**chosen.to_dict(), "lam": 2.0})
     assert louder.config.source == {"tuned": True, "overridden": ["lam"]}
-    with pytest.raises(TypeError, match="`tol` is not an argument of ContextGraphmaxLogitsProcessor"):
+    with pytest.raises(ValueError, match="`tol` applies to the paper decoder; pass decoder='paper'"):
         GraphmaxLogitsProcessor.from_graph(load_graph(path), tol=1e-4)
+    with pytest.raises(TypeError, match="`beam` is not an argument of ContextGraphmaxLogitsProcessor"):
+        GraphmaxLogitsProcessor.from_graph(load_graph(path), beam=4)
     with pytest.raises(ValueError, match="`solver` applies to the paper decoder"):
         GraphmaxLogitsProcessor.from_graph(load_graph(path), solver="paper")
     other = GraphmaxLogitsProcessor.from_graph(load_graph(path), decoder="paper", solver="paper", lam=0.5)
@@ -130,12 +132,15 @@ def test_from_graph_round_trips_the_stored_choice(small_graph, tmp_path):
         GraphmaxLogitsProcessor.from_graph(load_graph(path))
 
 
-def test_from_config_keeps_the_config_and_checks_its_type():
+def test_settings_given_to_the_factory_are_kept_and_checked_for_their_type():
     cfg = ContextConfig(divergence="kl", lam=0.5, kl_share=0.0, source={"tuned": True, "perplexity": 3.0})
-    proc = ContextGraphmaxLogitsProcessor.from_config(COUNTS, cfg)
+    proc = GraphmaxLogitsProcessor.from_graph(COUNTS, settings=cfg)
     assert proc.config == cfg and proc.config.source == cfg.source and proc.reference.config == cfg
-    with pytest.raises(TypeError, match="`config` must be a ContextConfig"):
-        ContextGraphmaxLogitsProcessor.from_config(COUNTS, {"lam": 1.0})
+    assert proc.origin == "given" and proc.kind.name == "context"
+    with pytest.raises(TypeError, match="`settings` must be the settings of a registered decoder kind"):
+        GraphmaxLogitsProcessor.from_graph(COUNTS, settings={"lam": 1.0})
+    with pytest.raises(ValueError, match="`decoder`='paper' but `settings` are those of the 'context' decoder"):
+        GraphmaxLogitsProcessor.from_graph(COUNTS, decoder="paper", settings=cfg)
 
 
 def test_repr_names_the_decoder_and_every_setting(graph):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -124,29 +123,53 @@ def choose(device: torch.device, request: str = "auto", *, float64_only: bool = 
     return "fused" if fused and fused_available(device) else "torch"
 
 
-#: the numba kernels a decoding step calls first (``gm_solver.backends.numba``'s modules), which ``pipelines.warm``
-#: compiles: all in numba's cache means a step loads them in about a second instead of compiling them for minutes
+#: the numba kernels the decoders' steps call first (``gm_solver.backends.numba``'s ``module.kernel``), which
+#: ``pipelines.warm`` compiles: the context decoders' step, and the paper decoder's CSR product and mirror start.
+#: Cached, a step loads them in about a second instead of compiling them for minutes.
 ENTRY_KERNELS = ("context.decode_step", "csr.product", "mirror.start_rows")
-_quick = {"command": None, "ready": None}
+_quick = {"command": None, "kernels": ENTRY_KERNELS, "ready": None}
 
 
 @contextlib.contextmanager
-def compile_in_background(command: list[str]) -> Iterator[None]:
-    """Inside this block, :func:`choose`'s ``"auto"`` takes numba on the CPU only where its kernels are in numba's
-    cache already (:data:`ENTRY_KERNELS`); where they are not (a first run after installing), it takes torch, which
-    needs no compiling, prints one line saying so, and starts ``command`` detached (a process that compiles them into
-    the cache, e.g. ``python -m pipelines.warm --background``) for the next run. Outside it, numba compiles where
-    it is first called, as a library's caller expects. Decided once per block, so that a run does not switch
-    backends between steps.
+def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_KERNELS) -> Iterator[None]:
+    """Inside this block, :func:`choose`'s ``"auto"`` takes numba on the CPU only where the kernels the run's
+    decoders call first (``kernels``) are in the kernel cache already; where they are not (a first run after
+    installing), it takes torch, which needs no compiling, prints one line saying so, and starts ``command``
+    detached (a process that compiles them into the cache, e.g. ``python -m pipelines.warm --background``) for the
+    next run. Outside it, numba compiles where it is first called, as a library's caller expects. Decided once per
+    block, so that a run does not switch backends between steps.
+
+    Only the run's own kernels count: a run of the context decoder takes numba once its step is cached, whether or
+    not the paper decoder's kernels are. The cache is read through graphmax's own sealed files
+    (``gm_graphs.store.kernel_cache.kernel_cached``); one that is damaged or another user's is a miss.
 
     Measured on 2 busy cores (``benchmarks/first_use.py``): compiling the context decoder's step took 116 s; the
     torch step on the CPU costs about 0.2 s a token more than numba's, so a short first run is over long before.
 
     Args:
         command (``list[str]``): the compiling process' command line.
+        kernels (``tuple[str, ...]``, defaults to :data:`ENTRY_KERNELS`): the kernels the run's decoders call first,
+            as ``"module.kernel"`` of ``gm_solver.backends.numba`` (a decoder's ``kernels``), e.g.
+            ``("context.decode_step",)`` for the context decoder, ``("csr.product", "mirror.start_rows")`` for the
+            paper one; ``()``: none, numba as outside the block.
+
+    Raises:
+        ValueError: a name in ``kernels`` that is not ``"module.kernel"`` (at the block's start), or not a kernel of
+            the numba backend (where it is first checked).
+
+    Example::
+
+        >>> with compile_in_background(["true"], kernels=()):  # no numba kernel to wait for
+        ...     choose(torch.device("cpu"))
+        'numba'
     """
+    kernels = tuple(kernels)
+    malformed = [name for name in kernels if not isinstance(name, str) or name.count(".") != 1]
+    if malformed:
+        raise ValueError(f"kernels are named 'module.kernel' of gm_solver.backends.numba, like "
+                         f"'context.decode_step'; got {', '.join(map(repr, malformed))}")
     before = dict(_quick)
-    _quick.update(command=list(command), ready=None)
+    _quick.update(command=list(command), kernels=kernels, ready=None)
     try:
         yield
     finally:
@@ -157,7 +180,7 @@ def _numba_ready() -> bool:
     if _quick["command"] is None:
         return True
     if _quick["ready"] is None:
-        _quick["ready"] = ready = _kernels_cached()
+        _quick["ready"] = ready = _kernels_cached(_quick["kernels"])
         if not ready:
             print("graphmax: numba's kernels are not compiled yet on this machine; this run decodes with torch on the "
                   "CPU (slower a token), while they compile in the background (a few minutes) for the next run",
@@ -168,19 +191,22 @@ def _numba_ready() -> bool:
     return _quick["ready"]
 
 
-def _kernels_cached() -> bool:
-    """Whether every kernel of :data:`ENTRY_KERNELS` has a compiled signature in numba's cache (graphmax's sealed
-    index, ``gm_graphs.store.kernel_cache``); True where that cannot be told (numba then loads or compiles them as
-    before)."""
-    try:
-        room_ = importlib.import_module(".numba", __name__)
-        for name in ENTRY_KERNELS:
-            module, kernel = name.split(".")
-            if not getattr(getattr(room_, module), kernel)._cache._cache_file._index():
-                return False
-    except (AttributeError, ImportError, OSError, TypeError, ValueError):
-        return True
-    return not os.environ.get("NUMBA_DISABLE_JIT")
+def _kernels_cached(kernels: tuple[str, ...]) -> bool:
+    """Whether every kernel named in ``kernels`` would be loaded from the kernel cache rather than compiled; True
+    where that cannot be told (numba's caching not graphmax's, ``NUMBA_DISABLE_JIT``): numba then loads or compiles
+    them as before."""
+    from gm_graphs.store.kernel_cache import kernel_cached
+
+    room_ = importlib.import_module(".numba", __name__) if kernels else None
+    found = []
+    for name in kernels:
+        module, kernel = name.split(".")
+        try:
+            found.append(getattr(getattr(room_, module), kernel))
+        except AttributeError:
+            raise ValueError(f"{name!r} is not a kernel of gm_solver.backends.numba; name one of its modules' "
+                             f"kernels, like {ENTRY_KERNELS[0]!r}") from None
+    return all(kernel_cached(kernel) is not False for kernel in found)
 
 
 def canonical(device: str | torch.device) -> torch.device:

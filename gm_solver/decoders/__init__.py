@@ -12,9 +12,9 @@ Example::
 """
 
 from . import context, paper
-from .registry import DecoderKind, kind, kind_of, kinds, register, unregister
+from .registry import DecoderKind, kind, kind_of, kinds, register_decoder, unregister_decoder
 
 for _kind in (context.KIND, paper.KIND):
-    register(_kind)
+    register_decoder(_kind)
 
-__all__ = ["DecoderKind", "kind", "kind_of", "kinds", "register", "unregister"]
+__all__ = ["DecoderKind", "kind", "kind_of", "kinds", "register_decoder", "unregister_decoder"]

@@ -5,7 +5,7 @@ names a decoder (``GraphmaxLogitsProcessor.from_graph``, the choice a graph stor
 A kind's record names its settings (a frozen dataclass whose fields are at once the stored keys, the command-line
 options and the ``repr``), its step (the logits processor, imported when first built, since it imports torch),
 its label and what else it reads. graphmax's own kinds are in this package (``context``, ``paper``); a package of
-yours adds one with :func:`register`, or by an entry point in the group ``graphmax.decoders`` naming its record.
+yours adds one with :func:`register_decoder`, or by an entry point in the group ``graphmax.decoders`` naming its record.
 """
 
 from __future__ import annotations
@@ -88,11 +88,27 @@ class DecoderKind:
         return getattr(importlib.import_module(module), name)
 
 
-def register(kind: DecoderKind, *, replace: bool = False) -> DecoderKind:
-    """Add ``kind`` to the table; a second kind of the same name is refused unless ``replace``.
+def register_decoder(kind: DecoderKind, *, replace: bool = False) -> DecoderKind:
+    """Add ``kind`` to the table of decoder kinds, where ``from_graph``, ``graphmax generate --decoder``, the stored
+    choice, the eval and the serving plug-ins find it by its name.
+
+    Args:
+        kind (``DecoderKind``): the record.
+        replace (``bool``, defaults to ``False``): replace a kind of the same name (else refused).
 
     Returns:
-        ``kind``, so that a module may write ``KIND = register(DecoderKind(...))``.
+        ``kind``, so that a module may write ``KIND = register_decoder(DecoderKind(...))``.
+
+    Example::
+
+        >>> import dataclasses
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Shift:
+        ...     by: float = 1.0
+        >>> register_decoder(DecoderKind("shift", Shift, "mypackage.shift:ShiftLogitsProcessor", "shifted")).name
+        'shift'
+        >>> "shift" in kinds(); unregister_decoder("shift")
+        True
     """
     if not isinstance(kind, DecoderKind):
         raise TypeError(f"`kind` must be a DecoderKind, got {type(kind).__name__}")
@@ -102,7 +118,7 @@ def register(kind: DecoderKind, *, replace: bool = False) -> DecoderKind:
     return kind
 
 
-def unregister(name: str) -> None:
+def unregister_decoder(name: str) -> None:
     """Remove the kind ``name`` (one a test or a package added); graphmax's own stay."""
     if name in BUILT_IN:
         raise ValueError(f"{name!r} is one of graphmax's own decoder kinds and stays registered")
@@ -110,7 +126,7 @@ def unregister(name: str) -> None:
 
 
 def kinds() -> dict[str, DecoderKind]:
-    """Every registered kind by name, graphmax's first, then those of entry points and :func:`register`."""
+    """Every registered kind by name, graphmax's first, then those of entry points and :func:`register_decoder`."""
     _load_entry_points()
     return dict(_KINDS)
 
@@ -150,7 +166,7 @@ def _load_entry_points() -> None:
         return
     for point in points:
         try:
-            register(point.load())
+            register_decoder(point.load())
         except Exception as e:  # noqa: BLE001 - another package's error, reported and skipped
             print(f"graphmax: skipped the decoder kind of entry point {point.name!r} ({point.value}): "
                   f"{type(e).__name__}: {e}", file=sys.stderr)

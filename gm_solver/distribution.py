@@ -1,4 +1,5 @@
-"""``graphmax`` and ``log_graphmax``: the graph-regularised softmax, a function and an nn.Module."""
+"""The paper's graph-regularised softmax, ``graphmax`` and ``log_graphmax``: a function and an nn.Module (this
+module is not named for them, since ``gm_solver.graphmax`` is the function)."""
 
 from __future__ import annotations
 
