@@ -16,9 +16,10 @@ import inspect
 import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
-from gm_graphs.errors import GraphmaxError
+from gm_graphs.errors import GraphFormatError, GraphmaxError
 from gm_solver.arguments import options
 from gm_solver.decoders import DecoderKind, kind, kinds
 
@@ -92,7 +93,7 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
             _show(f.default)
         text = f"{whose}: {f.metadata['help']} (default: the stored choice, else {defaults})"
         args = (f"--{name.replace('_', '-')}",)
-        kw = dict(type=READ[f.metadata["reads"]], choices=f.metadata["choices"], help=text, dest=name)
+        kw = dict(type=_checked(name, takers), choices=f.metadata["choices"], help=text, dest=name)
         if knn:
             later.append((args, kw))
         else:
@@ -106,24 +107,31 @@ def add_decoder_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(*args, **kw)
 
 
+def _checked(name: str, takers: list) -> Callable[[str], object]:
+    """The option's reader: the text read as its type, then checked by the settings of the kinds that take it (one
+    accepting it is enough here; the kind's own, with the other options, is checked when the decoder is built), so
+    that a value out of range is refused while parsing, in the settings' own words."""
+    read = READ[takers[0][1].metadata["reads"]]
+
+    def parse(text: str):
+        value = read(text)
+        errors = []
+        for k, f, _ in takers:
+            group = next(g for g in _groups(k) if f in dataclasses.fields(g))
+            try:
+                group(**{name: value})
+                return value
+            except (TypeError, ValueError) as e:
+                errors.append(str(e).replace(f"`{name}` ", "", 1))
+        raise argparse.ArgumentTypeError(errors[0])
+
+    parse.__name__ = name  # argparse names the type in "invalid <name> value"
+    return parse
+
+
 def given_options(args: argparse.Namespace) -> dict:
     """The decoder options given on the command line (name → value)."""
     return {name: getattr(args, name) for name in decoder_options() if getattr(args, name, None) is not None}
-
-
-def check_options(args: argparse.Namespace) -> None:
-    """Each given option's value checked by the settings of every kind that takes it (``--decoder``'s only, when
-    given), before anything loads: one line naming the option. Whether the options fit together is checked once the
-    graph's stored choice is known (:func:`build_decoder`)."""
-    given = given_options(args)
-    for name, value in given.items():
-        for k, f, _ in decoder_options()[name]:
-            if args.decoder in (None, k.name):
-                group = next(g for g in _groups(k) if f in dataclasses.fields(g))
-                try:
-                    group(**{name: value})
-                except (TypeError, ValueError) as e:
-                    raise GraphmaxError(_flags(str(e))) from None
 
 
 def _flags(message: str) -> str:
@@ -167,7 +175,6 @@ def build_decoder(args, prompt_length: int = 0, device=None):
     from gm_graphs import load_graph
     from gm_solver import DecoderChoice, GraphmaxLogitsProcessor, load_datastore
 
-    check_options(args)
     source = graph_arg(args)
     graph = load_graph(source)
     stored = DecoderChoice.stored_kind(graph)
@@ -209,6 +216,8 @@ def build_decoder(args, prompt_length: int = 0, device=None):
     try:
         proc = GraphmaxLogitsProcessor.from_graph(graph, decoder=args.decoder, **with_store, **settings, **extra,
                                                   **knn)
+    except GraphFormatError:
+        raise  # (the stored record's keys are named as stored)
     except (TypeError, ValueError) as e:
         raise GraphmaxError(_flags(str(e))) from e
     origin = "stored by graphmax tune" if proc.origin == "stored" else \
@@ -267,7 +276,6 @@ def run(args) -> int:
     from .decoding import generate_texts, warm_up
     from .models import check_fits, load_model
 
-    check_options(args)  # a value out of its range is named before anything loads
     device = resolve_device(args.device)  # a GPU asked for and absent is named before anything loads
     dtype = resolve_dtype(args.dtype, device)
     prefix = None

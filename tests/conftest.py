@@ -63,6 +63,7 @@ def smollm2_tokenizer():
 
 
 _BUNDLED: dict = {}  # the bundled SmolLM2 and its tokenizer, loaded once per test session (per xdist worker)
+_REAL_LOAD: dict = {}  # pipelines.models.load_model before the fixture below patches it
 _HOME = os.environ.get("GRAPHMAX_HOME")  # the session's, before any test points it at a temporary folder
 
 
@@ -70,15 +71,16 @@ def _bundled_model():
     """The bundled SmolLM2 and its tokenizer as ``load_model`` returns them, loaded through the model cache of the
     session's ``$GRAPHMAX_HOME`` whichever test asks first: the first load on a machine converts the GGUF file
     once, the others (every later session, every other xdist worker) read the cached folder in about a second."""
-    from pipelines.models import DEFAULT_MODEL, load_model
+    from pipelines import models
 
+    load_model = _REAL_LOAD.setdefault("load_model", models.load_model)  # the real one, never the patched
     if not _BUNDLED:
         with pytest.MonkeyPatch.context() as mp:
             if _HOME is None:
                 mp.delenv("GRAPHMAX_HOME", raising=False)
             else:
                 mp.setenv("GRAPHMAX_HOME", _HOME)
-            _BUNDLED["model"] = load_model(DEFAULT_MODEL)
+            _BUNDLED["model"] = load_model(models.DEFAULT_MODEL)
     return _BUNDLED["model"]
 
 
@@ -107,7 +109,7 @@ def _bundled_model_loaded_once(request, monkeypatch):
     from pipelines import models
     from pipelines.devices import resolve_device, resolve_dtype
 
-    real = models.load_model
+    real = _REAL_LOAD.setdefault("load_model", models.load_model)
 
     def load_model(spec: str = models.DEFAULT_MODEL, *, device=None, dtype=None):
         device = resolve_device(device)
@@ -115,8 +117,11 @@ def _bundled_model_loaded_once(request, monkeypatch):
             return real(spec, device=device, dtype=dtype)
         return copy.deepcopy(_bundled_model())
 
+    monkeypatch.setattr(models, "load_model", load_model)  # for the commands that import it when they run
     for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
-        monkeypatch.setattr(importlib.import_module(f"pipelines.{module}"), "load_model", load_model)
+        command = importlib.import_module(f"pipelines.{module}")
+        if hasattr(command, "load_model"):
+            monkeypatch.setattr(command, "load_model", load_model)
 
 
 @pytest.fixture(scope="session")

@@ -197,9 +197,9 @@ def settings_from_json(cls: type, d: dict, where: str) -> Any:
     if missing:
         again = "graphmax tune --datastore" if where == "knn" else "graphmax tune"
         raise ValueError(f"`{where}` has no {missing}; store it again with `{again}`")
-    for name in names:  # a list stored for a tuple field (JSON has no tuples)
-        if isinstance(d.get(name), list):
-            d = {**d, name: tuple(d[name])}
-        elif name in d and isinstance(next(f for f in dataclasses.fields(cls) if f.name == name).default, tuple):
-            raise ValueError(f"`{name}` must be a list of numbers, got {d[name]!r}")
+    for f in dataclasses.fields(cls):  # a list stored for a tuple field (JSON has no tuples; an override may be one)
+        if f.name in d and isinstance(f.default, tuple):
+            if not isinstance(d[f.name], (list, tuple)):
+                raise ValueError(f"`{f.name}` must be a list of numbers, got {d[f.name]!r}")
+            d = {**d, f.name: tuple(d[f.name])}
     return cls(**d)

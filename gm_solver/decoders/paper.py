@@ -12,6 +12,9 @@ from ..arguments import choice, finite_nonnegative, finite_positive, integer, op
 from .registry import DecoderKind
 
 SOLVERS = ("mirror", "paper")  # certified mirror descent, or the paper's Algorithm 1 as printed
+# k of Ãᵏ at most: gm_graphs.build.options.MAX_ORDER (operator names have three digits), which imports numpy and
+# numba; held equal by tests/test_decoder_kinds.py
+MAX_ORDER = 999
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class PaperGraph:
     """Which operator M of the graph the paper's decoder reads: Ã, Ãᵏ or Ã+…+Ãⁿ (``load_graph``'s arguments).
 
     Args:
-        order (``int``, defaults to 1): k ≥ 1 of Ãᵏ.
+        order (``int``, defaults to 1): k of Ãᵏ, from 1 to ``MAX_ORDER``.
         mixture (``int`` or ``None``, defaults to ``None``): n ≥ 2 of the mixture Ã+…+Ãⁿ; ``None``: none.
     """
 
@@ -76,10 +79,9 @@ class PaperGraph:
     mixture: int | None = option(None, "use Ã+…+Ãⁿ (n ≥ 2)", reads="int")
 
     def __post_init__(self):
-        # (the graph's own limit on k is load_graph's to check)
-        integer("order", self.order, "an int >= 1", lambda v: v >= 1)
+        integer("order", self.order, f"an int from 1 to {MAX_ORDER}", lambda v: 1 <= v <= MAX_ORDER)
         if self.mixture is not None:
-            integer("mixture", self.mixture, "an int >= 2 or None", lambda v: v >= 2)
+            integer("mixture", self.mixture, f"an int from 2 to {MAX_ORDER} or None", lambda v: 2 <= v <= MAX_ORDER)
 
 
 KIND = DecoderKind("paper", PaperConfig, "gm_solver.processor:PaperGraphmaxLogitsProcessor", "paper graphmax",
