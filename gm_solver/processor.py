@@ -129,6 +129,8 @@ order_weights=(1.0,), smoothing='kneser-ney', discount=0.75, kappa=3.0, alpha=0.
         elif decoder is not None and decoder not in kinds():
             raise ValueError(f"`decoder` must be one of {', '.join(map(repr, kinds()))} or None, got {decoder!r}")
         else:
+            if decoder is None and stored_kind is not None and stored_kind not in kinds():
+                DecoderChoice.from_json(graph.decoder)  # the stored record's one line: a kind not registered here
             chosen = kind(decoder or stored_kind or "context")
         own = {f.name for f in fields(chosen.settings)}
         replaced = {k: v for k, v in overrides.items() if k in own}

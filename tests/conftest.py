@@ -132,3 +132,41 @@ def drug_graph(tmp_path_factory, smollm2_tokenizer):
     return build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, path=out, text_column="review",
                        clean=True, orders=(1, 2), progress=False)
 
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, bpe_tokenizer):
+    """A 2-layer Llama over the 300-token test tokenizer, saved as a local model folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=bpe_tokenizer.bos_token_id, eos_token_id=bpe_tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, bpe_tokenizer_file):
+    """A graph folder (Ã, Ã², n-gram tables 3 and 4) built with the test tokenizer, never tuned."""
+    from gm_graphs import add_ngrams, count_corpus, write_graph
+
+    root = tmp_path_factory.mktemp("generate")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(make_docs(300, seed=4)) + "\n")
+    graph = write_graph(count_corpus(corpus, bpe_tokenizer_file, progress=False), root / "g", orders=(1, 2),
+                        progress=False)
+    add_ngrams(graph, corpus, bpe_tokenizer_file, (3, 4), progress=False)
+    return root / "g"
+
+
+@pytest.fixture()
+def graph_path(built, tmp_path):
+    """A fresh copy of the graph, so that a test may store a decoder choice in it."""
+    import shutil
+
+    shutil.copytree(built, tmp_path / "g")
+    return tmp_path / "g"
