@@ -6,8 +6,9 @@
     python3 benchmarks/decoder_bits.py --compare old.pt new.pt
 
 The batch: the context decoder in three configurations (its default, L2 with a KL share and a second order, KL),
-each by the numba kernel and by the torch backend, and its reference rows; the paper decoder; graphmax by the torch
-backend; ``solve_toward`` for each divergence in float64 and float32, on seeded random graphs.
+each by the numba kernel and by the torch backend, and its reference rows; the paper decoder; the context, paper and
+Algorithm 1 decoders as ``from_graph`` builds them; graphmax by the torch backend; ``solve_toward`` for each
+divergence in float64 and float32, on seeded random graphs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ def outputs(root: Path) -> dict:
     import torch
 
     from gm_graphs.count.ngram_counts import NgramCounts
-    from gm_solver import ContextConfig, ContextReference, PaperGraphmaxLogitsProcessor, graphmax, solve_toward
+    from gm_solver import (
+        ContextConfig,
+        ContextReference,
+        GraphmaxLogitsProcessor,
+        PaperGraphmaxLogitsProcessor,
+        graphmax,
+        solve_toward,
+    )
 
     rng = np.random.default_rng(3)
     n = 60
@@ -46,6 +54,11 @@ def outputs(root: Path) -> dict:
     m = sp.random(n, n, density=0.1, random_state=np.random.default_rng(2), format="csr")
     m = sp.csr_matrix(m.multiply(1.0 / np.maximum(m.sum(1), 1e-12)))
     out["paper"] = PaperGraphmaxLogitsProcessor(m, lam=1.0)(ids, scores.clone())
+    # through the factory (gm_solver.decoders' table since 2026-11-29; the same calls before it)
+    out["from_graph context"] = GraphmaxLogitsProcessor.from_graph(graph.counts, lam=2.0, kl_share=0.3)(ids, scores)
+    out["from_graph paper"] = GraphmaxLogitsProcessor.from_graph(m, decoder="paper", lam=1.5)(ids, scores.clone())
+    out["from_graph algorithm 1"] = GraphmaxLogitsProcessor.from_graph(m, decoder="paper", solver="paper",
+                                                                       lam=1.5)(ids, scores.clone())
     out["graphmax, torch"] = graphmax(scores[:, :60].double(), m, 2.0, backend="torch")
     z = scores.double()
     q = torch.rand(4, 63, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

@@ -26,10 +26,10 @@ from gm_solver import (
     load_datastore,
     log_graphmax,
 )
+from gm_solver.datastore import Datastore
 from gm_solver.decoders.choice import KnnChoice
 from gm_solver.decoders.context import KnnConfig
 from gm_solver.decoders.paper import PaperConfig
-from gm_solver.datastore import Datastore
 
 from .helpers import make_docs
 
@@ -156,3 +156,40 @@ def test_the_factory_returns_the_decoder_the_choice_names(bpe_tokenizer_file, tm
         GraphmaxLogitsProcessor.from_graph(load_graph(path), knn_k=3)
     with pytest.raises(ValueError, match="`tap` applies with a `datastore` only"):
         GraphmaxLogitsProcessor.from_graph(load_graph(path), tap=HiddenStateTap())
+
+
+# records as main 22feb71 wrote them (its DecoderChoice.to_json), before the table of decoder kinds
+WRITTEN_BEFORE = [
+    {"mode": "context", "divergence": "l2", "lam": 0.7, "kl_share": 0.2, "order_weights": [0.8, 0.2],
+     "smoothing": "kneser-ney", "discount": 0.75, "ngram_order": 4, "kappa": 3.0, "alpha": 0.5, "lam_decay": 0.3,
+     "source": {"tuned": True, "perplexity": 31.5},
+     "knn": {"knn_weight": 0.35, "knn_k": 64, "knn_temperature": 100.0, "marginal_weight": 0.75, "lam": 0.9,
+             "datastore_sha256": "ab" * 32, "datastore_keys": 1200, "perplexity": 30.1}},
+    {"mode": "paper", "lam": 2.0, "tol": 1e-05, "max_iter": 50, "solver": "mirror"},
+    {"mode": "paper", "lam": 0.5, "tol": 1e-06, "max_iter": 200, "solver": "paper"},
+]
+
+
+@pytest.mark.parametrize("stored", WRITTEN_BEFORE, ids=["context with knn", "paper", "algorithm 1"])
+def test_choices_stored_before_the_table_of_kinds_load_and_are_written_back_the_same(stored):
+    choice = DecoderChoice.from_json(stored)
+    assert choice.to_json() == stored
+    assert choice.kind.name == stored["mode"]
+    if stored["mode"] == "paper":
+        assert choice.settings == PaperConfig(lam=stored["lam"], tol=stored["tol"], max_iter=stored["max_iter"],
+                                              solver=stored["solver"])
+    else:
+        assert choice.settings.order_weights == (0.8, 0.2) and choice.knn.config.knn_k == 64
+
+
+def test_the_marginal_bias_alone_is_the_knn_decoder_at_weight_zero_bit_for_bit():
+    rng, counts, ids, z = _batch(seed=11)
+    marginals = rng.uniform(0.5, 3, 30)
+    store = Datastore(rng.normal(size=(40, 4)), rng.integers(0, 30, 40), vocab_size=30,
+                      marginals=40 * marginals / marginals.sum(), precision="float32")
+    alone = GraphmaxLogitsProcessor.from_graph(counts, settings=ContextConfig(lam=1.5), datastore=store,
+                                               knn_weight=0.0, marginal_weight=0.7)
+    assert alone.tap is None  # no search: no hidden states are read
+    listed = LogitsProcessorList([MarginalBiasLogitsProcessor(store, 0.7),
+                                  ContextGraphmaxLogitsProcessor(counts, lam=1.5)])
+    assert torch.equal(alone(ids, z), listed(ids, z))
