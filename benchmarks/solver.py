@@ -50,7 +50,6 @@ from gm_graphs import Graph, bundled
 from gm_graphs.corpus.read import expand_corpus, iter_documents
 from gm_solver import (
     ContextConfig,
-    ContextGraphmaxLogitsProcessor,
     GraphmaxLogitsProcessor,
     PaperGraphmaxLogitsProcessor,
     graphmax,
@@ -314,7 +313,7 @@ def step_tables(sections: set[int], model, tok, graph, prompts: list[str]) -> No
     contexts = [torch.tensor([tok(p, add_special_tokens=False)["input_ids"]]) for p in prompts]
     configs = [ContextConfig(divergence=d, lam=1.0, kl_share=0.0) for d in DIVERGENCES] + [ContextConfig()]
     for cfg in configs:
-        proc = ContextGraphmaxLogitsProcessor.from_config(graph, cfg).warmup()
+        proc = GraphmaxLogitsProcessor.from_graph(graph, settings=cfg).warmup()
         times, iters, gaps = [], [], []
         for ids, row in zip(contexts, z):
             t0 = time.perf_counter()
