@@ -1,15 +1,25 @@
 """A user's first minute (issue 56): argument errors before torch loads, the demo's rows timed after each has run
-once, and a first decode that does not wait for numba's compiling."""
+once, and a first decode that does not wait for numba's compiling, where the kernels of its own decoder are not
+in the kernel cache (read from graphmax's sealed files, a damaged one a miss)."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
+import numba
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from gm_graphs.format import validate
+from gm_graphs.store import kernel_cache
+from gm_graphs.store.sealed import seal
 from gm_solver import backends
 from pipelines import demo
 
@@ -61,7 +71,7 @@ def test_choose_decodes_with_torch_and_compiles_in_the_background_where_numba_ha
     cpu = torch.device("cpu")
     started = tmp_path / "started"
     command = [sys.executable, "-c", f"open({str(started)!r}, 'w').close()"]
-    monkeypatch.setattr(backends, "_kernels_cached", lambda: False)
+    monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: False)
     assert backends.choose(cpu) == "numba"  # outside the block: numba, compiled where it is first called
     with backends.compile_in_background(command):
         assert [backends.choose(cpu) for _ in range(3)] == ["torch"] * 3
@@ -74,7 +84,111 @@ def test_choose_decodes_with_torch_and_compiles_in_the_background_where_numba_ha
             break
         subprocess.run(["sleep", "0.1"])
     assert started.exists()
-    monkeypatch.setattr(backends, "_kernels_cached", lambda: True)
+    monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: True)
     with backends.compile_in_background([sys.executable, "-c", "raise SystemExit(1)"]):
         assert backends.choose(cpu) == "numba"
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_takes_numba_where_its_own_decoders_kernels_are_cached_whatever_another_decoders_are(
+        monkeypatch, capsys):
+    from gm_solver.backends import numba as room
+
+    cpu = torch.device("cpu")
+    cached = {id(room.context.decode_step)}  # the context decoder's step compiled; the paper decoder's kernels not
+    monkeypatch.setattr(kernel_cache, "kernel_cached", lambda kernel: id(kernel) in cached)
+    command = [sys.executable, "-c", "pass"]
+    with backends.compile_in_background(command, kernels=("context.decode_step",)):
+        assert backends.choose(cpu) == "numba"
+    assert capsys.readouterr().err == ""
+    with backends.compile_in_background(command, kernels=("csr.product", "mirror.start_rows")):
+        assert backends.choose(cpu) == "torch"
+    assert "decodes with torch on the CPU" in capsys.readouterr().err
+    with backends.compile_in_background(command):  # every decoder's kernels, as before
+        assert backends.choose(cpu) == "torch"
+    cached |= {id(room.csr.product), id(room.mirror.start_rows)}
+    with backends.compile_in_background(command):
+        assert backends.choose(cpu) == "numba"
+
+
+@pytest.mark.parametrize(("kernels", "says"), [
+    (("context",), "kernels are named 'module.kernel'"),
+    (("context.decode_stp",), "'context.decode_stp' is not a kernel of gm_solver.backends.numba"),
+    (("lambert.nope",), "'lambert.nope' is not a kernel")])
+def test_a_kernel_name_that_is_not_one_is_refused(kernels, says):
+    with pytest.raises(ValueError, match=says):
+        with backends.compile_in_background([sys.executable, "-c", "pass"], kernels=kernels):
+            backends.choose(torch.device("cpu"))
+
+
+def _kernel_cached_in(cache: Path):
+    """A graphmax kernel (validate._first_below) as a new process has it, its cache in ``cache``."""
+    numba.config.CACHE_DIR = str(cache)
+    return numba.njit(cache=True)(validate._first_below.py_func)
+
+
+# what a cache file may become: bytes of any kind, a sealed file holding anything, another's permissions, no file
+SCALARS = st.none() | st.integers() | st.text(max_size=8) | st.binary(max_size=8)
+KEYS = st.integers() | st.text(max_size=4) | st.tuples(SCALARS, SCALARS)  # hashable: what a dict may be keyed by
+PAYLOADS = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+                        max_leaves=8)
+DAMAGE = st.one_of(
+    st.tuples(st.just("bytes"), st.binary(max_size=256)),
+    st.tuples(st.just("truncated"), st.integers(0, 200)),
+    st.tuples(st.just("sealed"), PAYLOADS),
+    st.tuples(st.just("mode"), st.sampled_from([0o666, 0o646, 0o000])),
+    st.tuples(st.just("gone"), st.none()),
+    st.tuples(st.just("folder"), st.none()))
+
+
+def _restore(good: dict[Path, bytes]) -> None:
+    for f, blob in good.items():
+        if f.is_dir():
+            f.rmdir()
+        f.unlink(missing_ok=True)
+        f.write_bytes(blob)
+
+
+def test_a_damaged_or_foreign_cache_is_a_miss_never_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(numba.config, "CACHE_DIR", None)
+    assert kernel_cached(_kernel_cached_in(tmp_path / "numba")) is False  # nothing compiled yet
+    _kernel_cached_in(tmp_path / "numba")(np.array([3.0, 2.2, 1.0]), 2)  # compiled and saved
+    kernel = _kernel_cached_in(tmp_path / "numba")
+    assert kernel_cached(kernel) is True
+    sealed = kernel_cache._caches[kernel.py_func]._cache_file  # the probe's sealed files
+    (key,) = sealed._index()
+    index, data = (Path(sealed._path(name)) for name in (f"{sealed._base}.gmi", sealed._index()[key]))
+    identities = {index: sealed._identity, data: (*sealed._identity, repr(key))}
+    good = {f: f.read_bytes() for f in (index, data)}
+
+    @given(which=st.sampled_from([index, data]), damage=DAMAGE)
+    def check(which, damage):
+        _restore(good)  # the whole cache, then one of its files damaged
+        how, value = damage
+        if how == "bytes":
+            which.write_bytes(value)
+        elif how == "truncated":
+            which.write_bytes(good[which][:value])
+        elif how == "sealed":  # sealed as graphmax seals (anyone can compute one), holding anything
+            which.write_bytes(seal(identities[which], pickle.dumps(value)))
+        elif how == "mode":
+            which.chmod(value)
+        elif how == "gone":
+            which.unlink()
+        else:
+            which.unlink()
+            which.mkdir()
+        found = kernel_cached(kernel)
+        if how == "sealed" and which == data:  # the data file is checked by its seal, not unpickled: a kernel
+            assert found in (True, False)       # that fails to load from it compiles when called, as numba does
+        else:
+            assert found is (how == "mode" and value == 0o000 and os.geteuid() == 0), (how, value, which.name)
+
+    check()
+    _restore(good)
+    assert kernel_cached(kernel) is True  # each miss above was the damage's, not the check's
+
+
+def kernel_cached(kernel) -> bool | None:
+    """``kernel_cache.kernel_cached``, looked up when called (a test may replace it)."""
+    return kernel_cache.kernel_cached(kernel)

@@ -47,6 +47,10 @@ files, ``<kernel>.gmi`` (the index) and ``<kernel>.<n>.gmc`` (one compiled signa
 - any failure to read the cache is a miss (the kernel compiles), and a failure to write it (disk full,
   read-only, even every folder a kernel could be cached in) is one warning per process, after which the kernels
   run uncached.
+
+:func:`kernel_cached` tells, before a kernel is first called, whether this process would load it from the cache
+rather than compile it (minutes for a decoder's step): ``gm_solver.backends.compile_in_background`` decodes with
+torch meanwhile where it would not.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ import stat
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -74,9 +79,10 @@ from gm_graphs.store.sealed import read_sealed, write_sealed
 
 try:
     from numba.core import caching, dispatcher
+    from numba.core.registry import cpu_target
     from numba.core.serialize import dumps
 except ImportError:  # checked in _stamp_with_all_sources
-    caching = dispatcher = dumps = None
+    caching = dispatcher = cpu_target = dumps = None
 
 # the folders of graphmax's kernel modules, and of the modules whose constants and functions they compile in
 _ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +98,9 @@ _unwritable: set[str] = set()  # cache folders a save failed in: this process sa
 _uncached: str | None = None  # the fall-back folder ensure_cache_dir refused: graphmax's kernels are not cached
 _distrust_warned = False  # one warning per process for the cache folders that others could write
 _pycache_checked = False  # ensure_cache_dir looked at the sources' __pycache__ folders
+# each graphmax kernel's Python function → its sealed cache (for kernel_cached); weak: a kernel made again (tests do)
+# replaces its entry, and one dropped leaves none
+_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _writable(folder: Path) -> bool:
@@ -333,6 +342,12 @@ class _SealedCacheFile:
         overloads = self._read(f"{self._base}.gmi", self._identity)
         return overloads if isinstance(overloads, dict) else {}
 
+    def loadable(self, wanted: Callable[[tuple], bool]) -> list[tuple]:
+        """The keys of the index that ``wanted`` accepts whose data file passes its seal (read, never unpickled)."""
+        return [key for key, name in self._index().items()
+                if isinstance(key, tuple) and isinstance(name, str) and wanted(key)
+                and read_sealed(self._path(name), (*self._identity, repr(key)), _MAX_BYTES) is not None]
+
     def load(self, key: tuple) -> object | None:
         name = self._index().get(key)
         return None if name is None else self._read(name, (*self._identity, repr(key)))
@@ -376,6 +391,21 @@ class _SealedCache:
         self._uncached = isinstance(locator, _Uncached)
         if self._sealed:
             self._cache_file = _SealedCacheFile(self._cache_path, self._impl.filename_base, locator.get_source_stamp())
+            _caches[py_func] = self
+
+    def cached_signatures(self) -> int:
+        """How many signatures of this kernel a new process would load from the cache rather than compile: those
+        its index holds for this machine's CPU and this kernel's code whose data file passes its seal. 0 for a
+        kernel that is not cached, and for an index or data file that is missing, damaged, sealed for other
+        sources, another user's or unreadable: a miss, never an error, as when the kernel is called."""
+        if not self._sealed or self._uncached:
+            return 0
+        try:
+            # numba's key: (signature, the CPU's target triple and features, the hashes of the kernel's code)
+            here = self._index_key(None, cpu_target.target_context.codegen())[1:]
+            return len(self._cache_file.loadable(lambda key: key[1:] == here))
+        except Exception:  # whatever a damaged index holds: a miss
+            return 0
 
     def load_overload(self, sig, target_context):
         if not self._sealed:
@@ -431,7 +461,9 @@ def _known_internals() -> bool:
     function_cache = getattr(caching, "FunctionCache", None)
     return (isinstance(locators, list) and all(hasattr(base, "get_source_stamp") for base in bases)
             and isinstance(function_cache, type) and getattr(dispatcher, "FunctionCache", None) is not None
-            and all(hasattr(function_cache, name) for name in ("_load_overload", "_save_overload", "_impl_class")))
+            and all(hasattr(function_cache, name) for name in ("_load_overload", "_save_overload", "_impl_class",
+                                                                "_index_key"))
+            and cpu_target is not None)
 
 
 def _stamp_with_all_sources() -> None:
@@ -459,6 +491,31 @@ def _stamp_with_all_sources() -> None:
     # every dispatcher made from now on (numba.njit(cache=True) calls Dispatcher.enable_caching) takes this class
     dispatcher.FunctionCache = type("GraphmaxFunctionCache", (_SealedCache, caching.FunctionCache),
                                     {"__module__": __name__})
+
+
+def kernel_cached(kernel: Callable) -> bool | None:
+    """Whether this process would load the graphmax kernel ``kernel`` from the cache at its first call rather than
+    compile it: its cache holds a compiled signature for this machine (:meth:`_SealedCache.cached_signatures`).
+
+    Read from graphmax's sealed files alone, without loading or compiling anything, and never raising: a damaged,
+    foreign or unreadable cache is a miss. One signature is enough: the arrays of a stored graph have one type.
+
+    Args:
+        kernel (``Callable``): a kernel of ``gm_graphs`` or ``gm_solver`` (``numba.njit(cache=True)``).
+
+    Returns:
+        ``bool`` or ``None``: None where graphmax's cache does not keep ``kernel`` (not a graphmax kernel, numba's
+        own caching where its internals are not the ones graphmax knows, ``NUMBA_DISABLE_JIT``), so that it cannot
+        be told.
+
+    Example::
+
+        >>> kernel_cached(len) is None  # not a numba kernel of graphmax's
+        True
+    """
+    py_func = getattr(kernel, "py_func", None)
+    cache = _caches.get(py_func) if callable(py_func) else None
+    return None if cache is None else cache.cached_signatures() > 0
 
 
 def ensure_cache_dir() -> None:
