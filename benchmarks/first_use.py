@@ -2,7 +2,7 @@
 demo's graph built, the first decode and the later ones, the model's load cold and cached, then the demo's own
 table. Prints a table with the machine's load average; not a test.
 
-    python3 benchmarks/first_use.py [--warm 2] [--tokens 24]
+    python3 benchmarks/first_use.py [--warm 2] [--tokens 24] [--repeat 5] [--errors-only]
 
 The wheel is built from this checkout by this interpreter's pip (offline with its own setuptools where that meets
 pyproject.toml's build requirement, else with pip's build isolation) and installed, without its dependencies, into a
@@ -11,7 +11,8 @@ so that graphmax itself, its kernel caches beside its sources and every cache it
 is a fresh process run from an empty folder, with a fresh ``GRAPHMAX_HOME`` and ``NUMBA_CACHE_DIR``; the wall time
 is the user's, interpreter start-up and imports included:
 
-- "argument error": ``graphmax generate --device tpu``, refused before torch is imported;
+- "argument error": each command refusing a bad argument (:data:`ARGUMENT_ERRORS`), before torch is imported: the
+  median of ``--repeat`` runs (``--errors-only`` stops after these rows);
 - "demo graph": the bundled movie reviews' graph (``pipelines.demo.ensure_imdb_graph``), built once;
 - "generate": ``graphmax generate --graph imdb --prompt P --max-new-tokens N --device cpu``, the default decoder;
   the first run finds no kernel or model cache, the later ones what the earlier ones left (a background compile
@@ -27,6 +28,7 @@ import argparse
 import os
 import shlex
 import site
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,21 @@ from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "This movie"
+# a refusal of each command, by its arguments alone (the corpus named need not exist: another argument is refused
+# first, or the missing file is the refusal)
+ARGUMENT_ERRORS = [
+    ("graphmax (no command)", []),
+    ("build --orders 0", ["build", "reviews.csv", "--tokenizer", "smollm2", "--name", "g", "--orders", "0"]),
+    ("build, missing corpus", ["build", "missing.csv", "--tokenizer", "smollm2", "--name", "g"]),
+    ("merge --mixture 1", ["merge", "a", "b", "--name", "m", "--mixture", "1"]),
+    ("graphs info (no graph named)", ["graphs", "info"]),
+    ("datastore --device tpu", ["datastore", "--corpus", "reviews.csv", "--out", "ds", "--device", "tpu"]),
+    ("datastore, missing corpus", ["datastore", "--corpus", "missing.csv", "--out", "ds"]),
+    ("eval --device mps", ["eval", "--device", "mps"]),
+    ("generate --device tpu", ["generate", "--graph", "imdb", "--prompt", PROMPT, "--device", "tpu"]),
+    ("tune --docs 0", ["tune", "imdb", "--corpus", "reviews.csv", "--docs", "0"]),
+    ("demo --device mps", ["demo", "--device", "mps"]),
+]
 LOAD = ("import time; from pipelines.models import load_model; t0 = time.perf_counter(); "
         "load_model('smollm2', device='cpu', dtype='float32'); print(f'{time.perf_counter() - t0:.3f}')")
 
@@ -105,6 +122,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warm", type=int, default=2, help="generate runs after the first (default 2)")
     ap.add_argument("--tokens", type=int, default=24, help="new tokens per generate (default 24)")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of each argument error, the median shown (default 5)")
+    ap.add_argument("--errors-only", action="store_true", help="stop after the argument errors")
     args = ap.parse_args()
     load_before = os.getloadavg()
     rows: list[tuple[str, float, str]] = []
@@ -122,10 +141,16 @@ def main() -> None:
         env |= {"GRAPHMAX_HOME": str(tmp / "home"), "NUMBA_CACHE_DIR": str(tmp / "numba"), "TQDM_DISABLE": "1"}
         graphmax, python = str(bin_ / "graphmax"), str(bin_ / "python")
 
-        for run in ("first", "second"):
-            s, _, err = timed([graphmax, "generate", "--graph", "imdb", "--prompt", PROMPT, "--device", "tpu"], env,
-                              work, fails=True)
-            rows.append((f"argument error (--device tpu), {run}", s, err.strip().splitlines()[-1][:70]))
+        for label, argv in ARGUMENT_ERRORS:
+            runs = [timed([graphmax, *argv], env, work, fails=True) for _ in range(args.repeat)]
+            line = runs[-1][2].strip().splitlines()[-1] if runs[-1][2].strip() else ""
+            if not (line.startswith(f"graphmax {argv[0]}" if argv else "graphmax") and ": error: " in line):
+                raise SystemExit(f"`graphmax {shlex.join(argv)}` did not refuse its arguments in one line:\n"
+                                 f"{runs[-1][2][-2000:]}")
+            rows.append((f"argument error: {label}", statistics.median(s for s, _, _ in runs), line[:70]))
+        if args.errors_only:
+            _print(rows, load_before, os.getloadavg(), args.repeat)
+            return
         s, _, _ = timed([python, "-c", "from pipelines.demo import ensure_imdb_graph; ensure_imdb_graph()"], env, work)
         rows.append(("demo graph built (movie reviews)", s, "ensure_imdb_graph()"))
         generate = [graphmax, "generate", "--graph", "imdb", "--prompt", PROMPT, "--max-new-tokens",
@@ -142,15 +167,18 @@ def main() -> None:
 
         s, demo, _ = timed([graphmax, "demo"], env, work)
         rows.append(("graphmax demo (graph built already)", s, ""))
-    load_after = os.getloadavg()
+    _print(rows, load_before, os.getloadavg(), args.repeat)
+    print("\ngraphmax demo printed:")
+    print(demo.rstrip())
 
+
+def _print(rows: list[tuple[str, float, str]], load_before: tuple, load_after: tuple, repeat: int) -> None:
     print(f"graphmax's first use from its wheel: {os.cpu_count()} CPUs, load average (1, 5, 15 min) "
-          f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in load_after)} after")
+          f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in load_after)} after; "
+          f"argument errors: the median of {repeat} runs")
     print(f"{'step (fresh process each)':<44} {'wall, s':>8}  note")
     for label, seconds, note in rows:
         print(f"{label:<44} {seconds:8.2f}  {note}")
-    print("\ngraphmax demo printed:")
-    print(demo.rstrip())
 
 
 if __name__ == "__main__":

@@ -6,19 +6,30 @@ A graph is named by a ``str`` (``$GRAPHMAX_HOME/graphs/<name>``) or given as a f
 is in layers, each importing only those below it: ``build`` (the engines) → ``graph`` → ``format`` (the graph and
 datastore folders) → ``powers`` (Ã, its powers and mixtures) → ``count`` → ``tokenize`` → ``corpus`` → ``store``
 (safe files and folders) → ``errors`` (every error a :class:`GraphmaxError`).
+
+Every name is loaded from its module on first use (PEP 562): ``import gm_graphs`` imports none of numpy, numba, scipy
+or pyarrow, so that a command line that refuses its arguments does so before they load.
 """
 
-from gm_graphs.build.counts import count_corpus, merge_graphs, write_graph
-from gm_graphs.build.graphs import build_graph
-from gm_graphs.build.ngram_tables import add_ngrams, upgrade_graph
-from gm_graphs.corpus import bundled
-from gm_graphs.corpus.read import expand_corpus, iter_documents
-from gm_graphs.corpus.split import split_corpus
-from gm_graphs.errors import GraphmaxError
-from gm_graphs.graph import Graph, list_graphs, load_graph
-from gm_graphs.powers import PruneRule
-from gm_graphs.store.folders import graph_path, graphmax_home
-from gm_graphs.tokenize.encoder import load_tokenizer, word_tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name → the module that defines it (``bundled`` is that module itself), imported on first access
+_LAZY = {
+    "count_corpus": "build.counts", "merge_graphs": "build.counts", "write_graph": "build.counts",
+    "build_graph": "build.graphs",
+    "add_ngrams": "build.ngram_tables", "upgrade_graph": "build.ngram_tables",
+    "bundled": "corpus.bundled",
+    "expand_corpus": "corpus.read", "iter_documents": "corpus.read",
+    "split_corpus": "corpus.split",
+    "GraphmaxError": "errors",
+    "Graph": "graph", "list_graphs": "graph", "load_graph": "graph",
+    "PruneRule": "powers",
+    "graph_path": "store.folders", "graphmax_home": "store.folders",
+    "load_tokenizer": "tokenize.encoder", "word_tokenizer": "tokenize.encoder",
+}
 
 __all__ = [
     # graphs: build, open, list, merge, and where they live
@@ -32,3 +43,16 @@ __all__ = [
     # errors: every one a GraphmaxError (the kinds are in gm_graphs.errors)
     "GraphmaxError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        value = module if module.__name__.endswith(f".{name}") else getattr(module, name)
+        globals()[name] = value  # later accesses skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,7 +1,8 @@
 """Argument types that refuse a bad value while the command line is parsed, before any corpus or model is loaded.
 
-Each is a ``type=`` or ``action=`` for ``add_argument``; argparse reports what it raises as
-``graphmax <command>: error: argument --x: <message>`` (see ``pipelines.cli``).
+Each is a ``type=`` or ``action=`` for ``add_argument``; the :class:`ArgumentParser` here reports what it raises in
+one line, ``graphmax <command>: error: argument --x: <message>`` (see ``pipelines.cli``). This module imports
+nothing heavy: a refusal comes before numpy, pyarrow or torch are imported.
 """
 
 from __future__ import annotations
@@ -9,13 +10,33 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable
+from typing import NoReturn
 
-from gm_graphs import expand_corpus
 from gm_graphs.errors import CorpusError
 
-__all__ = ["MAX_SEED", "CLEAN_HELP", "integer", "number", "integers", "numbers", "nonblank", "CorpusFiles",
-           "corpus_error", "model_error"]
+__all__ = ["ArgumentParser", "one_line", "MAX_SEED", "CLEAN_HELP", "integer", "number", "integers", "numbers",
+           "nonblank", "CorpusFiles", "corpus_error", "model_error", "help_when_shown"]
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are graphmax's: one line on stderr and exit status 2, without the usage block.
+
+    ``add_subparsers`` makes every sub-parser of this class too.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        hint = "" if "; " in message else f"; see `{self.prog} --help`"  # a message with its fix needs none
+        self.exit(2, f"{self.prog}: error: {one_line(message)}{hint}\n")
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: line breaks become spaces, other control characters are escaped."""
+    message = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", message)
 
 
 # the largest seed: numpy's legacy seeds, torch's and the split's hash key all take it
@@ -114,6 +135,8 @@ def corpus_error(args: argparse.Namespace) -> str | None:
     """What is wrong with the corpus files a ``CorpusFiles`` argument named (as argparse words it), or None."""
     if not hasattr(args, "corpus_files"):
         return None
+    from gm_graphs import expand_corpus  # the readers import pyarrow: only once a corpus is named
+
     action, values = vars(args).pop("corpus_files")
     try:
         expand_corpus(values)
@@ -131,10 +154,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentenc
 def model_error(args: argparse.Namespace) -> str | None:
     """What is wrong with a ``--model`` folder that can be told before it loads (as argparse words it), or None:
     a folder with no tokenizer in it, which transformers reports only as a failed load."""
-    from gm_graphs.tokenize.encoder import BUNDLED_ALIASES
-
     spec = getattr(args, "model", None)
-    if not isinstance(spec, (str, os.PathLike)) or spec in BUNDLED_ALIASES or not os.path.isdir(spec):
+    if not isinstance(spec, (str, os.PathLike)) or not os.path.isdir(spec):
+        return None
+    from gm_graphs.tokenize.encoder import BUNDLED_ALIASES  # numba comes with it: only for a folder of that name
+
+    if spec in BUNDLED_ALIASES:
         return None
     names = set(os.listdir(spec))
     if names.intersection(TOKENIZER_FILES) or any(name.endswith(".tiktoken") for name in names):
@@ -142,6 +167,43 @@ def model_error(args: argparse.Namespace) -> str | None:
     return (f"argument --model: the model folder {os.fsdecode(spec)} has no tokenizer (no tokenizer.json, nor the "
             f"vocabulary of one: {', '.join(TOKENIZER_FILES[1:])}); save the model's tokenizer into it with "
             f"tokenizer.save_pretrained(folder)")
+
+
+def help_when_shown(action: argparse.Action, text: Callable[[], str]) -> argparse.Action:
+    """Give ``action`` the help ``text()``, computed only when a help page shows it.
+
+    For a help that quotes what a module heavy to import defines (the corpus readers' suffixes: pyarrow, a third of
+    a second), so that a command line parsed or refused without ``--help`` does not import it. Call it after
+    ``add_argument``: Python 3.14's ``add_argument`` formats the help it is given at once.
+
+    Args:
+        action (``argparse.Action``): what ``add_argument`` returned.
+        text (``Callable[[], str]``): makes the help, ``%(default)s`` and the like included.
+
+    Returns:
+        ``argparse.Action``: ``action``, its help set.
+
+    Example::
+
+        >>> parser = argparse.ArgumentParser(prog="p")
+        >>> _ = help_when_shown(parser.add_argument("--x", default=3), lambda: "made when shown (default %(default)s)")
+        >>> "made when shown (default 3)" in parser.format_help()
+        True
+    """
+    action.help = _HelpWhenShown(text)
+    return action
+
+
+class _HelpWhenShown(str):
+    """A help text argparse formats (``help % params``) by calling its maker then."""
+
+    def __new__(cls, text: Callable[[], str]) -> _HelpWhenShown:
+        self = super().__new__(cls, "(help)")  # what a formatter that does not format it would show
+        self.text = text
+        return self
+
+    def __mod__(self, params) -> str:
+        return self.text() % params
 
 
 def _within(value: float, at_least: float | None, above: float | None, below: float | None) -> bool:

@@ -7,27 +7,24 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gm_graphs import (
-    PruneRule,
-    build_graph,
-    graph_path,
-    list_graphs,
-    load_graph,
-    merge_graphs,
-    upgrade_graph,
-)
-from gm_graphs.build.graphs import ENGINES
-from gm_graphs.build.options import MAX_ORDER
-from gm_graphs.build.ray_engine import RayOptions
-from gm_graphs.corpus.readers import READERS
-from gm_graphs.count.ngram_counts import MAX_ORDER as MAX_NGRAM_ORDER
-from gm_graphs.count.runs import RUN_ENTRIES as NGRAM_RUN_ENTRIES
 from gm_graphs.errors import GraphFormatError, OptionError
-from gm_graphs.format.graph_files import read_manifest
 
-from .args import CLEAN_HELP, CorpusFiles, integer, integers, number
+from .args import CLEAN_HELP, CorpusFiles, help_when_shown, integer, integers, number
 
+if TYPE_CHECKING:
+    from gm_graphs import PruneRule
+
+# The library's limits and names that the parser checks, as gm_graphs defines them: MAX_ORDER
+# (gm_graphs.build.options), MAX_NGRAM_ORDER (gm_graphs.count.ngram_counts' MAX_ORDER), NGRAM_RUN_ENTRIES
+# (gm_graphs.count.runs' RUN_ENTRIES) and ENGINES (gm_graphs.build.graphs' keys). Copied, because those modules
+# import numba, scipy and pyarrow (a second), and an argument error comes before them; tests/test_startup.py pins
+# each copy to its source.
+MAX_ORDER = 999
+MAX_NGRAM_ORDER = 63
+NGRAM_RUN_ENTRIES = 1 << 24
+ENGINES = ("local", "ray")
 MAX_TOP_K = 2**31 - 1  # more than any row holds (indices are int32 or int64 over a vocabulary)
 # a run's buffer of 8-byte entries is allocated whole: it must fit in this machine's memory
 MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -70,13 +67,14 @@ def graph_arg(args) -> str | Path:
 
 
 def _prune(args) -> PruneRule:
+    from gm_graphs import PruneRule
+
     return PruneRule(top_k=args.prune_top_k or None, min_value=args.prune_min)
 
 
 def register(sub) -> None:
     p = sub.add_parser("build", help="build a graph from a corpus")
-    p.add_argument("corpus", nargs="+", action=CorpusFiles,
-                   help=f"files or globs: {READERS.described()}")
+    help_when_shown(p.add_argument("corpus", nargs="+", action=CorpusFiles), _corpus_help)
     p.add_argument("--tokenizer", required=True,
                    help="a local tokenizer folder, tokenizer.json, .gguf file, or 'smollm2' (bundled)")
     _add_target_options(p)
@@ -124,7 +122,16 @@ def register(sub) -> None:
     upgrade.set_defaults(run=run_upgrade)
 
 
+def _corpus_help() -> str:
+    from gm_graphs.corpus.readers import READERS
+
+    return f"files or globs: {READERS.described()}"
+
+
 def run_build(args) -> int:
+    from gm_graphs import build_graph
+    from gm_graphs.build.ray_engine import RayOptions
+
     if args.ray_address is not None and args.engine != "ray":
         raise OptionError("--ray-address names the Ray cluster of --engine ray; add --engine ray, or drop it")
     t0 = time.perf_counter()
@@ -139,6 +146,8 @@ def run_build(args) -> int:
 
 
 def run_merge(args) -> int:
+    from gm_graphs import merge_graphs
+
     t0 = time.perf_counter()
     g = merge_graphs([*args.graphs, *args.part_path], name=args.name, path=args.path, orders=args.orders,
                      mixture=args.mixture, eps=args.eps, prune=_prune(args), overwrite=args.overwrite)
@@ -178,6 +187,8 @@ def _summary(g, seconds: float | None = None) -> None:
 
 
 def run_list(args) -> int:
+    from gm_graphs import list_graphs, load_graph
+
     names = list_graphs()
     if not names:
         print("no graphs yet; build one with `graphmax build CORPUS --tokenizer T --name NAME`")
@@ -193,6 +204,9 @@ def run_list(args) -> int:
 
 
 def run_upgrade(args) -> int:
+    from gm_graphs import graph_path, upgrade_graph
+    from gm_graphs.format.graph_files import read_manifest
+
     target = graph_arg(args)
     read_manifest(graph_path(target), v1_ngrams=True)  # a folder that is not a graph is refused before it is walked
     before = _folder_bytes(graph_path(target))
@@ -211,6 +225,8 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def run_info(args) -> int:
+    from gm_graphs import load_graph
+
     g = load_graph(graph_arg(args), verify=False)
     if args.json:
         print(json.dumps(g.manifest, indent=2, sort_keys=True))

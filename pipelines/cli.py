@@ -25,7 +25,6 @@ import errno
 import importlib
 import io
 import os
-import re
 import signal
 import stat
 import sys
@@ -36,7 +35,7 @@ from typing import NoReturn
 
 from gm_graphs import GraphmaxError
 
-from .args import corpus_error, model_error
+from .args import ArgumentParser, corpus_error, model_error, one_line
 from .devices import device_error
 
 DESCRIPTION = """Make a pretrained language model write like your corpus, without fine-tuning: build a
@@ -69,7 +68,6 @@ OS_ERRORS = {
     errno.EMFILE: ("too many open files", "raise the limit (ulimit -n) and run again"),
     errno.ENFILE: ("too many open files in the system", "close other programs and run again"),
 }
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 class Terminated(BaseException):
@@ -82,32 +80,24 @@ def _terminate(signum, frame) -> NoReturn:
     raise Terminated
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are graphmax's: one line on stderr and exit status 2, without the usage block.
-
-    ``add_subparsers`` makes every sub-parser of this class too.
-    """
-
-    def error(self, message: str) -> NoReturn:
-        hint = "" if "; " in message else f"; see `{self.prog} --help`"  # a message with its fix needs none
-        self.exit(2, f"{self.prog}: error: {one_line(message)}{hint}\n")
-
-
-def one_line(message: str) -> str:
-    """``message`` on one line: line breaks become spaces, other control characters are escaped."""
-    message = " ".join(part.strip() for part in message.splitlines() if part.strip())
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", message)
-
-
 def make_parser(argv: list[str]) -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
     """The parser and its command parsers, with only the command's module imported when ``argv`` starts
-    with a command (``graphmax build`` needs no torch); every module for help and mistyped commands."""
+    with a command (``graphmax build`` needs no torch); every module otherwise, for help and for the docs' checks."""
+    return _parser([JOBS[argv[0]]] if argv and argv[0] in JOBS else list(dict.fromkeys(JOBS.values())))
+
+
+def _parser(modules: list[str]) -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
+    """The parser with the commands of ``modules`` (their module names in ``JOBS``) and, under every other command's
+    name, a bare parser: enough for argparse to refuse a mistyped or missing command, naming every command."""
     parser = ArgumentParser(prog="graphmax", description=DESCRIPTION, epilog=EXAMPLES,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = [JOBS[argv[0]]] if argv and argv[0] in JOBS else list(dict.fromkeys(JOBS.values()))
-    for module in modules:
-        importlib.import_module(f".{module}", __package__).register(sub)
+    for command, module in JOBS.items():  # in JOBS' order, as the error's list of commands shows them
+        if module in modules:
+            modules.remove(module)
+            importlib.import_module(f".{module}", __package__).register(sub)
+        elif command not in sub.choices:
+            sub.add_parser(command)
     _check_path_arguments(parser)
     return parser, sub.choices
 
@@ -166,12 +156,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str], state: _Run) -> int:
     """Parse ``argv`` and run its command; graphmax's and the file system's errors become one line and status 2."""
-    parser, commands = make_parser(argv)
+    # a command's module, or for a help page every module; a line that names no command fails on bare parsers
+    helps = any(arg in ("-h", "--help") for arg in argv)
+    parser, commands = make_parser(argv) if helps or (argv and argv[0] in JOBS) else _parser([])
     args, extra = parser.parse_known_args(argv)
+    if not hasattr(args, "run"):  # a bare parser took the command (options before it: `graphmax -x build`)
+        parser, commands = _parser([JOBS[args.command]])
+        args, extra = parser.parse_known_args(argv)
     if extra:  # argparse leaves these to the top parser: name the command they were given to
         commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    # after every other argument, so that a mistyped option is named first; before torch is imported
-    bad = corpus_error(args) or model_error(args) or device_error(args)
+    # after every other argument, so that a mistyped option is named first; before torch is imported; the cheapest
+    # first (the corpus' check imports its readers, and pyarrow with them)
+    bad = device_error(args) or model_error(args) or corpus_error(args)
     if bad:
         commands[args.command].error(bad)
     prog = state.prog = f"graphmax {args.command}"

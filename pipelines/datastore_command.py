@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gm_graphs.format.datastore_files import check_datastore_target
-from gm_solver import build_datastore
-
 from .args import CLEAN_HELP, CorpusFiles, integer
 from .devices import add_device_arguments, resolve_device, resolve_dtype
 from .models import DEFAULT_MODEL, load_model
-from .tune import read_texts
 
 
 def register(sub) -> None:
@@ -41,6 +37,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # torch and transformers come with these: imported once the arguments have passed their checks
+    from gm_graphs.format.datastore_files import check_datastore_target
+    from gm_solver import build_datastore
+
+    from .tune import read_texts
+
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     check_datastore_target(args.out, args.overwrite)  # before the model loads and the corpus is read

@@ -52,7 +52,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from gm_graphs import graphmax_home, load_tokenizer
+from gm_graphs import graphmax_home
 from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import fsync_dir, sync_tree
 from gm_graphs.store.sealed import read_sealed, trusted, write_sealed
@@ -336,6 +336,8 @@ def _convert(path: Path, key: str, ignored: str | None):
     """Convert the GGUF file ``path`` into the entry ``key``; returns the converted float32 model. Raises
     :class:`CacheUnwritable`."""
     import torch
+
+    from gm_graphs import load_tokenizer
 
     root = models_root()
     target = root / key

@@ -6,16 +6,18 @@ import argparse
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from gm_graphs import GraphmaxError, bundled, load_tokenizer
+from gm_graphs import GraphmaxError, bundled
 from gm_graphs.errors import TokenizerError
 
 from . import model_cache
 from .args import model_error
 from .devices import resolve_device, resolve_dtype
 from .model_check import check_model_folder
+
+if TYPE_CHECKING:  # torch and transformers are imported by what loads a model, not by the parsers that import this
+    import torch
 
 DEFAULT_MODEL = "smollm2"
 
@@ -47,6 +49,8 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.d
             weights do not fill (:func:`pipelines.model_check.check_model_folder`, before the model is built), or a
             model that cannot be loaded (one line, with the fix).
     """
+    from gm_graphs import load_tokenizer
+
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     path = _spec_path(spec)
@@ -87,7 +91,10 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     model cache cannot be written, the model is read from the GGUF file with one warning per process, which also
     stands for the tokenizer cache's (both live in ``$GRAPHMAX_HOME``)."""
     global _warned
+    import torch
     from transformers import AutoModelForCausalLM
+
+    from gm_graphs import load_tokenizer
 
     with warnings.catch_warnings(record=True) as tokenizer_warnings:
         warnings.simplefilter("always")

@@ -111,8 +111,26 @@ def warm_in_background() -> None:
 #: the command ``compile_in_background`` starts: this module, by the interpreter running graphmax
 BACKGROUND = [sys.executable, "-m", "pipelines.warm", "--background"]
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--background"]:
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipelines.warm [--tokenizer T] [--workers N] [--background]``: its arguments are checked before
+    anything compiles, so that a mistyped one is refused at once rather than after minutes of compiling."""
+    from .args import ArgumentParser, integer
+
+    parser = ArgumentParser(prog="python -m pipelines.warm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", default="smollm2", help="anything --tokenizer accepts (default smollm2)")
+    parser.add_argument("--workers", type=integer(1), default=None,
+                        help="processes at most (default: one a core, up to a task each)")
+    parser.add_argument("--background", action="store_true",
+                        help="at the lowest priority, in this one process; leave at once if one runs already")
+    args = parser.parse_args(argv)
+    if args.background:
         warm_in_background()
     else:
-        print(f"graphmax: numba kernels compiled into numba's cache in {warm_kernels():.1f} s")
+        print(f"graphmax: numba kernels compiled into numba's cache in "
+              f"{warm_kernels(args.tokenizer, args.workers):.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,9 +19,11 @@ from gm_graphs.store.folders import REPORT_MARKER, claim_folder
 from ..args import CLEAN_HELP, MAX_SEED, integer, number, numbers
 from ..devices import add_device_arguments, resolve_device, resolve_dtype
 from ..models import DEFAULT_MODEL, load_model
+
+# the parser's sizes and grids; these modules import torch and transformers (gm_solver, the decoders), so that until
+# the sizes live apart from the run, eval's argument errors come after them (tests/test_startup.py marks it)
 from .baselines import PROMPT_DOC_TOKENS
-from .data import check_corpus
-from .experiment import PAPER_GRIDS, SIZES, evaluate, run_sizes
+from .experiment import PAPER_GRIDS, SIZES
 
 
 def register(sub) -> None:
@@ -99,6 +101,9 @@ def run(args) -> int:
 def run_eval(args) -> Path:
     """Check what can be checked before the report's folder is made (the device, the corpus, the model), then
     measure into that folder; returns it."""
+    from .data import check_corpus
+    from .experiment import evaluate, run_sizes
+
     check_out(Path(args.out))
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -1,0 +1,141 @@
+"""Argument errors at once (issue 56): every refusal of the command line that depends on its arguments alone (a
+device, a dtype, a range, a missing file or folder) is one line, made before torch or transformers is imported.
+
+Each case runs the command line in a fresh interpreter that reports, as it exits, which heavy modules it had
+imported by then. The seconds it takes are ``benchmarks/first_use.py``'s, not a test's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "polars", "pyarrow", "ray")
+NEVER = {"torch", "transformers"}  # what no argument error may wait for
+# runs MODULE's main() on the arguments after it, then says on stderr's last line which of HEAVY it had imported
+PROBE = ("import atexit, importlib, sys\n"
+         f"atexit.register(lambda: print('imported:', ','.join(m for m in {HEAVY!r} if m in sys.modules), "
+         "file=sys.stderr))\n"
+         "main = importlib.import_module(sys.argv[1]).main\n"
+         "sys.exit(main(sys.argv[2:]))\n")
+CORPUS = "{corpus}"  # a corpus file that exists: the error is another argument's
+FOLDER = "{folder}"  # a folder that exists and holds no model
+READS = {"pyarrow"}  # the corpus' check opens the file with its reader: pyarrow comes with the readers
+CLI = "pipelines.cli"
+
+
+def case(argv: list[str], says: str, may_import: set[str] = frozenset(), *, module: str = CLI, prog: str = "",
+         marks=()):
+    """One refusal: ``argv`` given to ``module``'s main, the fragment its one line ``says``, the heavy modules it
+    ``may_import`` (none beyond the corpus' readers), and the program its line names (``graphmax <command>``)."""
+    prog = prog or ("graphmax " + " ".join(argv[:2] if argv[0] == "graphs" else argv[:1]) if argv else "graphmax")
+    return pytest.param(module, argv, says, set(may_import), prog, marks=marks, id=f"{module} {' '.join(argv)}")
+
+
+BUILD = ["build", CORPUS, "--tokenizer", "smollm2", "--name", "g"]
+DATASTORE = ["datastore", "--corpus", CORPUS, "--out", "{tmp}/ds"]
+# eval's options are made from experiment.SIZES and PAPER_GRIDS, whose module imports gm_solver's decoders (torch,
+# transformers): until those sizes live in a module of their own, eval's refusals wait for them
+EVAL_WAITS = pytest.mark.xfail(strict=True, reason="pipelines/eval/cli.py's parser imports experiment (torch)")
+
+CASES = [
+    # no command, or a mistyped one: no command's module is imported
+    case([], "the following arguments are required: command"),
+    case(["bild"], "argument command: invalid choice: 'bild'", prog="graphmax"),
+    # build, merge, graphs (pipelines/build.py)
+    case(["build", "{tmp}/missing.csv", "--tokenizer", "smollm2", "--name", "g"],
+         "argument corpus: corpus file '{tmp}/missing.csv' does not exist", READS),
+    case(["build", CORPUS, "--name", "g"], "the following arguments are required: --tokenizer"),
+    case(BUILD + ["--orders", "0"], "argument --orders: must be integers >= 1 separated by commas"),
+    case(BUILD + ["--orders", "1,1000"], "argument --orders: must be integers from 1 to 999"),
+    case(BUILD + ["--mixture", "1000"], "argument --mixture: must be an integer from 2 to 999"),
+    case(BUILD + ["--ngrams", "3,64"], "argument --ngrams: must be integers from 3 to 63"),
+    case(BUILD + ["--ngram-run-entries", "0"], "argument --ngram-run-entries: must be an integer >= 1"),
+    case(BUILD + ["--eps", "nan"], "argument --eps: must be a finite number >= 0"),
+    case(BUILD + ["--engine", "spark"], "argument --engine: invalid choice: 'spark'"),
+    case(BUILD + ["--path", "g"], "argument --path: not allowed with argument --name"),
+    case(["merge", "a", "b", "--name", "m", "--prune-top-k", "-1"], "argument --prune-top-k: must be an integer >= 0"),
+    case(["merge", "a", "b"], "one of the arguments --name --path is required"),
+    case(["graphs"], "the following arguments are required: {list,info,upgrade}"),
+    case(["graphs", "info"], "one of the arguments NAME --path is required"),
+    case(["graphs", "upgrade", "--path", ""], "argument --path: must not be empty"),
+    # datastore (pipelines/datastore_command.py)
+    case(["datastore", "--corpus", "{tmp}/missing.csv", "--out", "{tmp}/ds"],
+         "argument --corpus: corpus file '{tmp}/missing.csv' does not exist", READS),
+    case(["datastore", "--corpus", CORPUS], "the following arguments are required: --out"),
+    case(DATASTORE + ["--device", "tpu"], "--device 'tpu' is not a device torch knows"),
+    case(DATASTORE + ["--device", "cpu:1"], "--device 'cpu:1': the CPU is one device"),
+    case(DATASTORE + ["--device", "cpu", "--dtype", "float16"], "--dtype float16 on the CPU is slow"),
+    case(DATASTORE + ["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    case(DATASTORE + ["--docs", "0"], "argument --docs: must be an integer >= 1"),
+    case(DATASTORE + ["--model", FOLDER], "argument --model: the model folder {folder} has no tokenizer"),
+    # eval (pipelines/eval/cli.py)
+    case(["eval", "--device", "mps"], "--device 'mps': graphmax runs on 'cpu' or 'cuda' devices", marks=EVAL_WAITS),
+    case(["eval", "--heldout-fraction", "1"], "argument --heldout-fraction: must be a number strictly between 0 and 1",
+         marks=EVAL_WAITS),
+    # generate, tune and demo (pipelines/generate.py, tune.py, demo.py): their cases go here
+    # python -m pipelines.warm (pipelines/warm.py)
+    case(["--workers", "0"], "argument --workers: must be an integer >= 1", module="pipelines.warm",
+         prog="python -m pipelines.warm"),
+    case(["--tokenizr", "smollm2"], "unrecognized arguments: --tokenizr", module="pipelines.warm",
+         prog="python -m pipelines.warm"),
+]
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("startup")
+    (tmp / "corpus.txt").write_text("the cat sat\nthe dog ran\n")
+    (tmp / "no-model").mkdir()
+    return {"tmp": str(tmp), "corpus": str(tmp / "corpus.txt"), "folder": str(tmp / "no-model")}
+
+
+def fill(text: str, places: dict[str, str]) -> str:
+    for name, value in places.items():
+        text = text.replace(f"{{{name}}}", value)
+    return text
+
+
+def run_probe(module: str, argv: list[str], home: str) -> tuple[int, list[str], set[str]]:
+    """``module``'s main run on ``argv`` in a fresh interpreter: its status, its stderr lines before the probe's,
+    and the heavy modules imported by the time it exited."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"GRAPHMAX_HOME": home}
+    done = subprocess.run([sys.executable, "-c", PROBE, module, *argv], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=120)
+    *lines, probe = done.stderr.splitlines() or [""]
+    assert probe.startswith("imported:"), done.stderr
+    return done.returncode, lines, set(filter(None, probe.removeprefix("imported:").strip().split(",")))
+
+
+@pytest.mark.parametrize(("module", "argv", "says", "may_import", "prog"), CASES)
+def test_an_argument_error_is_one_line_before_torch_and_transformers(places, module, argv, says, may_import, prog):
+    argv, says = [fill(arg, places) for arg in argv], fill(says, places)
+    code, lines, imported = run_probe(module, argv, f"{places['tmp']}/home")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{prog}: error: ") and says in lines[0], lines[0]
+    assert not imported & NEVER, f"{imported & NEVER} imported before: {lines[0]}"
+    assert imported <= may_import, f"{imported - may_import} imported before: {lines[0]}"
+
+
+def test_the_probe_sees_what_a_command_imports(places):
+    # the check above can fail: a module that imports torch is seen to (it has no main(): a traceback)
+    code, _, imported = run_probe("gm_solver.backends", [], f"{places['tmp']}/home")
+    assert code == 1 and "torch" in imported
+
+
+def test_the_limits_the_build_parser_copies_are_the_librarys():
+    # copied so that parsing imports none of numba, scipy and pyarrow; a change to the library's changes the copy
+    from gm_graphs.build.graphs import ENGINES
+    from gm_graphs.build.options import MAX_ORDER
+    from gm_graphs.count.ngram_counts import MAX_ORDER as MAX_NGRAM_ORDER
+    from gm_graphs.count.runs import RUN_ENTRIES
+    from pipelines import build
+
+    assert (build.MAX_ORDER, build.MAX_NGRAM_ORDER, build.NGRAM_RUN_ENTRIES) == (MAX_ORDER, MAX_NGRAM_ORDER,
+                                                                                 RUN_ENTRIES)
+    assert build.ENGINES == tuple(ENGINES)
