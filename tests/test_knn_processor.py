@@ -232,14 +232,17 @@ def test_the_marginal_bias_alone_searches_nothing_and_moves_the_base_decoder(mon
                       marginals=random_marginals(12, 40))
     counts, tap = random_counts(12, 3), HiddenStateTap()  # the tap holds nothing: reading it would raise
     monkeypatch.setattr(Datastore, "neighbours", lambda *a, **k: pytest.fail("searched at knn_weight=0"))
-    with pytest.raises(ValueError, match="`knn_weight` must be a float in \\(0, 1\\]"):
-        KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=0.0, marginal_weight=0.8, lam=1.5)
+    with pytest.raises(ValueError, match="`knn_weight` must be a float in \\[0, 1\\]"):
+        KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=-0.1, marginal_weight=0.8, lam=1.5)
     bias = MarginalBiasLogitsProcessor(store, 0.8)
+    # at knn_weight=0 the kNN decoder is the bias alone: no search, the tap never read (it holds nothing)
+    alone = KnnContextGraphmaxLogitsProcessor(counts, store, tap, knn_weight=0.0, marginal_weight=0.8, lam=1.5)
     proc = LogitsProcessorList([bias, ContextGraphmaxLogitsProcessor(counts, lam=1.5).warmup()])
     ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.randn(2, 12, dtype=torch.float64)
     before = z.clone()
     want = ContextGraphmaxLogitsProcessor(counts, lam=1.5)(ids, z + store.marginal_bias(0.8).double())
     assert torch.equal(proc(ids, z), want) and torch.equal(z, before)
+    assert torch.equal(alone.warmup()(ids, z), want) and torch.equal(z, before)
     assert torch.equal(bias(ids, z[:, :5]), z[:, :5] + store.marginal_bias(0.8)[:5].double())  # narrower scores
 
 
