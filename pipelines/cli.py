@@ -173,8 +173,7 @@ def _run(argv: list[str], state: _Run) -> int:
     prog = state.prog = f"graphmax {args.command}"
     state.watch(args)
     try:
-        with _kernels_for(args):
-            return int(args.run(args) or 0)
+        return int(args.run(args) or 0)
     except GraphmaxError as e:
         cause = e.__cause__
         if isinstance(cause, OSError) and cause.errno == errno.ENAMETOOLONG:  # the wrapper's fix would be another's
@@ -187,19 +186,6 @@ def _run(argv: list[str], state: _Run) -> int:
         if e.errno not in OS_ERRORS:
             raise
         return fail(prog, os_error_message(e, args))
-
-
-def _kernels_for(args: argparse.Namespace) -> contextlib.AbstractContextManager:
-    """A command whose parser sets ``quick_start`` (a short decode: generate, demo) decodes with torch on the CPU
-    where numba's kernels are not compiled yet, while they compile in the background for the next run
-    (``gm_solver.backends.compile_in_background``); other commands compile them where they are first called."""
-    if not getattr(args, "quick_start", False):
-        return contextlib.nullcontext()
-    from gm_solver.backends import compile_in_background
-
-    from .warm import BACKGROUND
-
-    return compile_in_background(BACKGROUND)
 
 
 class _Run:

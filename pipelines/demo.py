@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import textwrap
 
-from gm_graphs import add_ngrams, build_graph, bundled, graph_path, load_graph
-from gm_graphs.count.ngram_counts import ORDERS as NGRAM_ORDERS
 from gm_graphs.errors import GraphFormatError
 
 from .args import MAX_SEED, integer, number
@@ -28,6 +26,9 @@ PROMPTS = [
 
 def ensure_imdb_graph(name: str = "imdb", tokenizer="smollm2"):
     """The movie-reviews graph with its n-gram tables, built on first use and reused afterwards."""
+    from gm_graphs import add_ngrams, build_graph, bundled, graph_path, load_graph
+    from gm_graphs.count.ngram_counts import ORDERS as NGRAM_ORDERS
+
     graph = None
     if (graph_path(name) / "manifest.json").is_file():  # always $GRAPHMAX_HOME/graphs/<name>, never ./<name>
         try:
@@ -57,21 +58,33 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
     p.add_argument("--seed", type=integer(0, MAX_SEED), default=0)
     add_device_arguments(p)
-    p.set_defaults(run=run, quick_start=True)  # numba compiles in the background where it has not yet (pipelines.cli)
+    p.set_defaults(run=run)
 
 
 def run(args) -> int:
     # torch, transformers and the decoders only now: a bad argument is refused before they load (a second or more)
-    from gm_solver import GraphmaxLogitsProcessor
+    from gm_solver import DecoderChoice, GraphmaxLogitsProcessor
+    from gm_solver.backends import compile_in_background
+    from gm_solver.decoders import kind
 
-    from .decoding import warm_up
+    from .warm import BACKGROUND
 
     device = resolve_device(args.device)
     model, tok = load_model(device=device, dtype=resolve_dtype(args.dtype, device))
     graph = ensure_imdb_graph(tokenizer=tok)
-    stored = GraphmaxLogitsProcessor.from_graph(graph)
-    paper = GraphmaxLogitsProcessor.from_graph(graph, decoder="paper", lam=args.lam)
-    decoders = {"softmax": None, f"graphmax λ={args.lam:g}": paper, stored_label(stored): stored}
+    # where numba has not compiled the kernels of these two decoders yet (a first run after installing), they decode
+    # with torch while the kernels compile in the background for the next run
+    kernels = {*kind("paper").kernels, *kind(DecoderChoice.stored_kind(graph) or "context").kernels}
+    with compile_in_background(BACKGROUND, kernels=tuple(sorted(kernels))):
+        stored = GraphmaxLogitsProcessor.from_graph(graph)
+        paper = GraphmaxLogitsProcessor.from_graph(graph, decoder="paper", lam=args.lam)
+        decoders = {"softmax": None, f"graphmax λ={args.lam:g}": paper, stored_label(stored): stored}
+        return _show_rows(args, model, tok, decoders)
+
+
+def _show_rows(args, model, tok, decoders: dict) -> int:
+    from .decoding import warm_up
+
     warm_up(model, tok, [proc for proc in decoders.values() if proc is not None])
     modes = {"greedy": False, f"sampled (seed {args.seed})": True}
     rows = decode_rows(model, tok, [(mode, label) for mode in modes for label in decoders],

@@ -156,17 +156,32 @@ def register(sub) -> None:
     # the graph, and its decoder: each kind's options are refused with another (defaults: the stored choice)
     add_graph_arguments(p, "--graph")
     add_decoder_arguments(p)
-    p.set_defaults(run=run, quick_start=True)  # numba compiles in the background where it has not (pipelines.cli)
+    p.set_defaults(run=run)
 
 
-def build_decoder(args, prompt_length: int = 0, device=None):
+def decoder_kind(args, graph) -> DecoderKind:
+    """The kind of decoder ``args`` ask for from ``graph``: ``--decoder``, else the graph's stored one, else context.
+
+    Raises:
+        GraphmaxError: the graph stores a decoder of a kind not registered here.
+    """
+    from gm_solver import DecoderChoice
+
+    try:
+        return kind(args.decoder or DecoderChoice.stored_kind(graph) or "context")
+    except ValueError as e:
+        raise GraphmaxError(f"graph {graph_arg(args)} stores a decoder of a kind not registered here: {e}") from None
+
+
+def build_decoder(args, prompt_length: int = 0, device=None, graph=None):
     """The graph, the decoder ``args`` ask for and where its settings come from; all checked before any model loads.
 
     ``GraphmaxLogitsProcessor.from_graph`` makes the decoder: the graph's stored choice (``graphmax tune``) when it
     is of the kind asked for (or no kind is asked for), overridden by the options given. Here only the command
     line's own rules are checked: an option of another kind is an error.
     ``prompt_length``: the tokens of ``--examples`` before each prompt (the context decoder's λ_t skips them);
-    ``device``: where a datastore's keys are loaded (the model's device: its search then needs no copy per step).
+    ``device``: where a datastore's keys are loaded (the model's device: its search then needs no copy per step);
+    ``graph``: the graph ``args`` name, loaded already.
 
     Returns:
         ``(graph, decoder, origin)``: the graph (loaded at the operator the kind reads), the logits processor, and a
@@ -176,12 +191,9 @@ def build_decoder(args, prompt_length: int = 0, device=None):
     from gm_solver import DecoderChoice, GraphmaxLogitsProcessor, load_datastore
 
     source = graph_arg(args)
-    graph = load_graph(source)
+    graph = load_graph(source) if graph is None else graph
     stored = DecoderChoice.stored_kind(graph)
-    try:
-        chosen = kind(args.decoder or stored or "context")  # the kind from_graph will make
-    except ValueError as e:
-        raise GraphmaxError(f"graph {source} stores a decoder of a kind not registered here: {e}") from None
+    chosen = decoder_kind(args, graph)
     given = given_options(args)
     own = {g: {f.name for f in options(g)} for g in _groups(chosen)}
     for name in given:
@@ -271,10 +283,10 @@ def read_examples(path: Path) -> str:
 
 
 def run(args) -> int:
-    from gm_graphs import load_tokenizer
+    from gm_graphs import load_graph, load_tokenizer
+    from gm_solver.backends import compile_in_background
 
-    from .decoding import generate_texts, warm_up
-    from .models import check_fits, load_model
+    from .warm import BACKGROUND
 
     device = resolve_device(args.device)  # a GPU asked for and absent is named before anything loads
     dtype = resolve_dtype(args.dtype, device)
@@ -282,8 +294,18 @@ def run(args) -> int:
     if args.examples is not None:  # its tokens, for the decoder's λ_t, from the model's tokenizer alone
         examples = read_examples(args.examples)  # a bad file is refused before the tokenizer's seconds of loading
         prefix = load_tokenizer(args.model)(examples, add_special_tokens=False)["input_ids"]
-    # the graph and every option are checked before the model loads
-    graph, proc, origin = build_decoder(args, len(prefix or ()), device)
+    # the graph and every option are checked before the model loads; where numba has not compiled the kernels this
+    # kind of decoder calls (a first run after installing), it decodes with torch while they compile for the next run
+    graph = load_graph(graph_arg(args))
+    with compile_in_background(BACKGROUND, kernels=decoder_kind(args, graph).kernels):
+        return _decode(args, graph, prefix, device, dtype)
+
+
+def _decode(args, graph, prefix, device, dtype) -> int:
+    from .decoding import generate_texts, warm_up
+    from .models import check_fits, load_model
+
+    graph, proc, origin = build_decoder(args, len(prefix or ()), device, graph)
     model, tok = load_model(args.model, device=device, dtype=dtype)
     check_fits(graph, model, tok)
     longest = len(prefix or ()) + max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in args.prompt)

@@ -19,26 +19,20 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tqdm.auto import tqdm
-
-from gm_graphs import expand_corpus, iter_documents, load_graph
-from gm_graphs.corpus.read import fingerprint
 from gm_graphs.errors import OptionError
-from gm_solver import (
-    ContextConfig,
-    Datastore,
-    DecoderChoice,
-    GraphmaxLogitsProcessor,
-    HiddenStateTap,
-    load_datastore,
-)
+from gm_solver import ContextConfig, DecoderChoice
 
 from .args import CLEAN_HELP, CorpusFiles, integer
 from .build import add_graph_arguments, graph_arg
 from .devices import add_device_arguments, resolve_device, resolve_dtype
-from .heldout import HeldOut, perplexity, score_documents
-from .models import DEFAULT_MODEL, check_fits, load_model
+from .models import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from gm_solver import Datastore
+
+    from .heldout import HeldOut
 
 LAMBDAS = (0.3, 1.0, 3.0)
 SMOOTHINGS = (*({"smoothing": "kneser-ney", "discount": d} for d in (0.6, 0.75, 0.9)),
@@ -64,6 +58,12 @@ def tune_config(graph, heldout: HeldOut, *, divergences=("rkl", "kl", "l2"), lam
                 kl_shares=KL_SHARES, smoothings=SMOOTHINGS, order_weights=ORDER_WEIGHTS, lam_decays=LAM_DECAYS,
                 progress: bool = True) -> tuple[ContextConfig, list[dict]]:
     """The ContextConfig with the lowest perplexity on ``heldout``, and every candidate tried."""
+    from tqdm.auto import tqdm
+
+    from gm_solver import GraphmaxLogitsProcessor
+
+    from .heldout import perplexity
+
     tried: dict[ContextConfig, float] = {}
     bar = tqdm(desc="tune", unit="candidate", disable=not progress)
 
@@ -109,6 +109,12 @@ def tune_knn(graph, heldout: HeldOut, config: ContextConfig, datastore: Datastor
     if around is not None:
         weights, temperatures = _near(weights, around["knn_weight"]), _near(temperatures, around["knn_temperature"])
         marginal_weights = _near(marginal_weights, around["marginal_weight"])
+    from tqdm.auto import tqdm
+
+    from gm_solver import GraphmaxLogitsProcessor, HiddenStateTap
+
+    from .heldout import perplexity
+
     tap = HiddenStateTap()
     tried: dict[tuple, float] = {}
     bar = tqdm(desc="tune kNN", unit="candidate", disable=not progress)
@@ -149,6 +155,8 @@ def _near(grid, value) -> tuple:
 
 
 def read_texts(corpus, text_column: str, clean: bool, limit: int) -> list[str]:
+    from gm_graphs import expand_corpus, iter_documents
+
     texts: list[str] = []
     for docs in iter_documents(expand_corpus(corpus), text_column, clean=clean):
         texts.extend(docs)
@@ -177,6 +185,8 @@ def register(sub) -> None:
 def check_not_training_text(graph, files: list[Path]) -> None:
     """Refuse validation files whose bytes are a file the graph was built from (by SHA-256, whatever the name):
     λ chosen on text the graph's counts memorised would favour the graph beyond what it knows of new text."""
+    from gm_graphs.corpus.read import fingerprint
+
     trained = {f["sha256"]: f["path"] for f in graph.manifest["corpus"]["files"]}
     sizes = {f["bytes"] for f in graph.manifest["corpus"]["files"]}
     for f in files:
@@ -191,6 +201,13 @@ def check_not_training_text(graph, files: list[Path]) -> None:
 
 
 def run(args) -> int:
+    # torch, transformers and the LM only now: a bad argument is refused before they load
+    from gm_graphs import expand_corpus, load_graph
+    from gm_solver import load_datastore
+
+    from .heldout import perplexity, score_documents
+    from .models import check_fits, load_model
+
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     graph = load_graph(graph_arg(args))  # a missing or broken graph (or datastore) is refused before the model loads

@@ -292,7 +292,8 @@ def test_eval_corpus_names_a_bundled_corpus_unless_a_file_has_that_name(tmp_path
 
 def test_the_paper_grids_are_the_options_given_else_the_default_or_full_ones():
     from pipelines.cli import make_parser
-    from pipelines.eval.experiment import PAPER_GRIDS, paper_grids
+    from pipelines.eval.experiment import paper_grids
+    from pipelines.eval.sizes import PAPER_GRIDS
 
     def parse(argv):
         return make_parser(argv)[0].parse_args(argv)

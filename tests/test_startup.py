@@ -23,6 +23,7 @@ PROBE = ("import atexit, importlib, sys\n"
          "file=sys.stderr))\n"
          "main = importlib.import_module(sys.argv[1]).main\n"
          "sys.exit(main(sys.argv[2:]))\n")
+GENERATE = ["generate", "--graph", "g", "--prompt", "x"]
 CORPUS = "{corpus}"  # a corpus file that exists: the error is another argument's
 FOLDER = "{folder}"  # a folder that exists and holds no model
 READS = {"pyarrow"}  # the corpus' check opens the file with its reader: pyarrow comes with the readers
@@ -39,9 +40,6 @@ def case(argv: list[str], says: str, may_import: set[str] = frozenset(), *, modu
 
 BUILD = ["build", CORPUS, "--tokenizer", "smollm2", "--name", "g"]
 DATASTORE = ["datastore", "--corpus", CORPUS, "--out", "{tmp}/ds"]
-# eval's options are made from experiment.SIZES and PAPER_GRIDS, whose module imports gm_solver's decoders (torch,
-# transformers): until those sizes live in a module of their own, eval's refusals wait for them
-EVAL_WAITS = pytest.mark.xfail(strict=True, reason="pipelines/eval/cli.py's parser imports experiment (torch)")
 
 CASES = [
     # no command, or a mistyped one: no command's module is imported
@@ -75,10 +73,21 @@ CASES = [
     case(DATASTORE + ["--docs", "0"], "argument --docs: must be an integer >= 1"),
     case(DATASTORE + ["--model", FOLDER], "argument --model: the model folder {folder} has no tokenizer"),
     # eval (pipelines/eval/cli.py)
-    case(["eval", "--device", "mps"], "--device 'mps': graphmax runs on 'cpu' or 'cuda' devices", marks=EVAL_WAITS),
+    case(["eval", "--device", "mps"], "--device 'mps': graphmax runs on 'cpu' or 'cuda' devices"),
     case(["eval", "--heldout-fraction", "1"], "argument --heldout-fraction: must be a number strictly between 0 and 1",
-         marks=EVAL_WAITS),
-    # generate, tune and demo (pipelines/generate.py, tune.py, demo.py): their cases go here
+         ),
+    # generate (pipelines/generate.py): every decoder option is checked by its kind's settings while parsing
+    case(GENERATE + ["--device", "tpu"], "--device 'tpu' is not a device torch knows"),
+    case(GENERATE + ["--lam", "-1"], "argument --lam: must be a finite float >= 0 (0 gives softmax), got -1.0"),
+    case(GENERATE + ["--kl-share", "2"], "argument --kl-share: must be a float in [0, 1]"),
+    case(GENERATE + ["--decoder", "beam"], "argument --decoder: invalid choice: 'beam'"),
+    # tune (pipelines/tune.py)
+    case(["tune", "g", "--corpus", CORPUS, "--docs", "0"], "argument --docs: must be an integer >= 1"),
+    case(["tune", "g", "--corpus", CORPUS, "--device", "mps"],
+         "--device 'mps': graphmax runs on 'cpu' or 'cuda' devices"),
+    # demo (pipelines/demo.py)
+    case(["demo", "--device", "mps"], "--device 'mps': graphmax runs on 'cpu' or 'cuda' devices"),
+    case(["demo", "--lam", "-1"], "argument --lam: must be a finite number >= 0"),
     # python -m pipelines.warm (pipelines/warm.py)
     case(["--workers", "0"], "argument --workers: must be an integer >= 1", module="pipelines.warm",
          prog="python -m pipelines.warm"),

@@ -17,11 +17,11 @@ from ..heldout import HeldOut, perplexity, score_documents
 from ..prompt import FewShotPrompt, few_shot_prompt
 from ..tune import KNN_TEMPERATURES, tune_knn
 from .data import Setup, train_texts
+from .sizes import PROMPT_DOC_TOKENS
 
 RETUNE_FACTORS = (0.5, 0.7, 0.85, 1.0)  # λ scales tried for the fine-tuned LM, which needs less of the corpus
 # and for the prompted LM, which has read the domain's documents (on drug reviews 0.5 did best of these: the edge)
 PROMPT_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0)
-PROMPT_DOC_TOKENS = (8, 160)  # the training documents a few-shot prompt takes, in tokens: 4 shots stay under 650
 
 
 def retune_lambda(graph, heldout: HeldOut, config: ContextConfig,

@@ -19,11 +19,7 @@ from gm_graphs.store.folders import REPORT_MARKER, claim_folder
 from ..args import CLEAN_HELP, MAX_SEED, integer, number, numbers
 from ..devices import add_device_arguments, resolve_device, resolve_dtype
 from ..models import DEFAULT_MODEL, load_model
-
-# the parser's sizes and grids; these modules import torch and transformers (gm_solver, the decoders), so that until
-# the sizes live apart from the run, eval's argument errors come after them (tests/test_startup.py marks it)
-from .baselines import PROMPT_DOC_TOKENS
-from .experiment import PAPER_GRIDS, SIZES
+from .sizes import PAPER_GRIDS, PROMPT_DOC_TOKENS, SIZES
 
 
 def register(sub) -> None:
@@ -102,7 +98,8 @@ def run_eval(args) -> Path:
     """Check what can be checked before the report's folder is made (the device, the corpus, the model), then
     measure into that folder; returns it."""
     from .data import check_corpus
-    from .experiment import evaluate, run_sizes
+    from .experiment import evaluate
+    from .sizes import run_sizes
 
     check_out(Path(args.out))
     device = resolve_device(args.device)

@@ -20,27 +20,11 @@ from .probes import draw, solver_traces, top_token_panels, top_tokens
 from .report import Results, write_ab_sheet, write_report, write_tables
 from .roster import LM, OURS, SOFTMAX, Decoder, Method, interpolation_at, prompted_decoders, roster
 from .scoring import bleu_comparisons, generated, generation_rows, interpolations, perplexity_rows, score_decoders
+from .sizes import PAPER_GRIDS
 
-SIZES = {  # documents and tokens per step; --full uses the second set
-    "default": dict(ppl_docs=48, positions=64, tune_docs=24, prompts=8, new_tokens=24, references=2000),
-    "full": dict(ppl_docs=200, positions=64, tune_docs=100, prompts=48, new_tokens=48, references=20000),
-}
-# the paper's decoders' λ grids (--lams, --mixture-lams): each λ costs 45–125 s of scoring in the default run on
-# movie reviews, so the default keeps a decade apart and one mixture, within 15 minutes
-PAPER_GRIDS = {"default": dict(lams=[0.0, 0.1, 1.0, 10.0], mixture_lams=[0.1]),
-               "full": dict(lams=[0.0, 0.1, 0.3, 1.0, 3.0, 10.0], mixture_lams=[0.1, 1.0])}
 SHORT_WINDOW = 32  # reported beside --positions: the window of earlier rounds
 OPENING_WORDS = 8  # a test document's first words are the opening continued
 COST_OPENINGS = 4  # the greedy batch-1 cost is measured on this many openings
-
-
-def run_sizes(args) -> dict[str, int]:
-    """``SIZES``' default (or ``--full``'s) set, with each size the command line gives instead."""
-    sizes = dict(SIZES["full" if args.full else "default"])
-    for key in sizes:
-        if getattr(args, key, None):
-            sizes[key] = getattr(args, key)
-    return sizes
 
 
 def paper_grids(args) -> tuple[list[float], list[float]]:

@@ -44,7 +44,7 @@ class Results:
 
     Args:
         corpus, clean, model, seed: the run's corpus files, their cleaning, the model and the seed.
-        sizes: the sizes run (``experiment.SIZES``' keys).
+        sizes: the sizes run (``sizes.SIZES``' keys).
         documents: the split's "train" and "heldout" document counts, and its "validation" and "test" halves'.
         tuned: context graphmax's choice, tuned on the validation half.
         windows: the first this many tokens perplexity is reported over, shortest first.
