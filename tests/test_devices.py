@@ -72,13 +72,24 @@ def _argv(command: str, corpus, graph, out) -> list[str]:
             "demo": ["demo"]}[command]
 
 
+def _patch_loader(monkeypatch, load_model) -> None:
+    """``load_model`` wherever a command finds the model loader: pipelines.models, and the command modules that
+    import it at their top."""
+    import importlib
+
+    monkeypatch.setattr("pipelines.models.load_model", load_model)
+    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
+        command = importlib.import_module(f"pipelines.{module}")
+        if "load_model" in vars(command):
+            monkeypatch.setattr(command, "load_model", load_model)
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_each_command_says_in_one_line_that_cuda_is_absent_before_loading_anything(
         command, corpus_graph, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     loaded = []
-    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
-        monkeypatch.setattr(f"pipelines.{module}.load_model", lambda *a, **k: loaded.append(a))
+    _patch_loader(monkeypatch, lambda *a, **k: loaded.append(a))
     out = tmp_path / "out"
     assert main([*_argv(command, *corpus_graph, out), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
@@ -90,8 +101,7 @@ def test_each_command_says_in_one_line_that_cuda_is_absent_before_loading_anythi
 def test_each_command_refuses_a_cpu_index_in_one_line_before_loading_anything(
         command, corpus_graph, tmp_path, monkeypatch, capsys):
     loaded = []
-    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
-        monkeypatch.setattr(f"pipelines.{module}.load_model", lambda *a, **k: loaded.append(a))
+    _patch_loader(monkeypatch, lambda *a, **k: loaded.append(a))
     out = tmp_path / "out"
     assert main([*_argv(command, *corpus_graph, out), "--device", "cpu:1"]) == 2
     assert capsys.readouterr().err == (f"graphmax {command}: error: --device 'cpu:1': the CPU is one device, with no "
@@ -108,8 +118,7 @@ def test_each_command_loads_the_model_on_the_device_and_in_the_dtype_asked(
         asked.append((device, dtype))
         raise GraphmaxError("stopped where the model would load")
 
-    for module in ("datastore_command", "demo", "eval.cli", "generate", "tune"):
-        monkeypatch.setattr(f"pipelines.{module}.load_model", load_model)
+    _patch_loader(monkeypatch, load_model)
     assert main([*_argv(command, *corpus_graph, tmp_path / "out"), "--device", "cpu", "--dtype", "bfloat16"]) == 2
     assert "stopped where the model would load" in capsys.readouterr().err
     assert asked == [(torch.device("cpu"), torch.bfloat16)]

@@ -370,11 +370,10 @@ def test_generate_takes_the_knn_settings_tune_stored_for_that_datastore_only(gra
 
 def test_tune_refuses_a_datastore_in_one_line_before_loading_the_model(graph_path, tmp_path, monkeypatch, capsys):
     from gm_graphs.format.datastore_files import write_datastore
-    from pipelines import tune
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before the datastore was checked")
-    monkeypatch.setattr(tune, "load_model", fail)
+    monkeypatch.setattr(models, "load_model", fail)
     tokenizer = load_graph(graph_path).manifest["tokenizer"]
     write_datastore(tmp_path / "foreign", [(np.zeros((3, 4)), np.array([1, 2, 3]))], dim=4,
                     tokenizer={**tokenizer, "vocab_sha256": "ab" * 32}, model="m", model_sha256="cd" * 32,
@@ -391,11 +390,10 @@ def test_tune_refuses_a_datastore_in_one_line_before_loading_the_model(graph_pat
 
 def test_tune_refuses_the_graphs_training_text_in_one_line_before_loading_the_model(graph_path, tmp_path,
                                                                                       monkeypatch, capsys):
-    from pipelines import tune
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(tune, "load_model", fail)
+    monkeypatch.setattr(models, "load_model", fail)
     trained = load_graph(graph_path).manifest["corpus"]["files"][0]["path"]
     renamed = tmp_path / "validation.txt"
     shutil.copyfile(trained, renamed)  # the same bytes under another name
