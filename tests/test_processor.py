@@ -21,7 +21,7 @@ from transformers import (
     TopKLogitsWarper,
 )
 
-from gm_graphs import add_ngrams, count_corpus, load_graph, write_graph
+from gm_graphs import load_graph
 from gm_graphs.errors import GraphFormatError
 from gm_solver import (
     ContextConfig,
@@ -36,7 +36,7 @@ from gm_solver import (
     log_graphmax,
 )
 
-from .helpers import COUNTS, make_docs
+from .helpers import COUNTS
 
 VOCAB = 64
 
@@ -58,15 +58,9 @@ def graph():
 
 
 @pytest.fixture(scope="module")
-def small_graph(tmp_path_factory, bpe_tokenizer_file):
+def small_graph(built):
     """A real graph folder (Ã and Ã², n-gram tables of orders 3 and 4) over the 300-token test tokenizer."""
-    root = tmp_path_factory.mktemp("small")
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n".join(make_docs(300, seed=3)) + "\n")
-    g = write_graph(count_corpus(corpus, bpe_tokenizer_file, progress=False), root / "g", orders=(1, 2),
-                    progress=False)
-    add_ngrams(g, corpus, bpe_tokenizer_file, (3, 4), progress=False)
-    return load_graph(root / "g")
+    return load_graph(built)
 
 
 def _ids(*rows: list[int]) -> torch.Tensor:
