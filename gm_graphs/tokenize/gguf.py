@@ -1,7 +1,7 @@
 """The tokenizer inside a GGUF file, converted once and kept in a sealed cache file.
 
 transformers rebuilds a GGUF file's tokenizer on every load by reading all of the file's metadata: 5.7 s for the
-bundled SmolLM2 in a fresh process, against 1.3 s from the files it converts to (``benchmarks/startup.py``). Every
+bundled SmolLM2 in a fresh process, against 1.3 s from the files it converts to (``benchmarks/model_load.py``). Every
 command that loads the model or its tokenizer paid it, and so did every Ray worker of a build. The converted files
 are kept in ``$GRAPHMAX_HOME/tokenizers/<key>.gmt``, one sealed file (:mod:`gm_graphs.store.sealed`) per GGUF
 file, its key and seal naming the GGUF file's identity (real path, device, inode, size, mtime and ctime in ns)
