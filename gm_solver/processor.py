@@ -722,19 +722,33 @@ class KnnContextGraphmaxLogitsProcessor(ContextGraphmaxLogitsProcessor):
             if self.knn.marginal_weight > 0 else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        searches = self.config.lam != 0 and self.knn.knn_weight != 0  # (else the tap is not read)
+        return self.step_rows(*self._rows(input_ids), scores, hidden=self.tap.last if searches else None)
+
+    def step_rows(self, contexts: torch.Tensor, lengths: Any, scores: torch.Tensor, lams: Any = None, *,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The base class' engine-neutral step with the datastore: the marginal bias on the scores, then the step
+        toward the n-gram reference mixed with the neighbours of ``hidden`` (B, d), the LM head's inputs for these
+        rows, an explicit input (``__call__`` takes them from the tap). ``hidden`` is not read at λ = 0 or
+        ``knn_weight`` = 0.
+
+        Raises:
+            ValueError: ``hidden`` missing where it is read, or not one row per row of scores.
+        """
         if self.marginal_bias is not None:
-            scores = self.marginal_bias(input_ids, scores)
-        if self.config.lam == 0 or self.knn.knn_weight == 0:  # (no search: the tap is not read)
-            return super().__call__(input_ids, scores)
-        hidden = self.tap.last
-        if hidden.shape[0] != scores.shape[0]:
-            raise ValueError(f"the tap holds {hidden.shape[0]} hidden states for {scores.shape[0]} rows of scores; "
-                             f"attach the tap to the model that produces these scores")
+            scores = self.marginal_bias(None, scores)
+        if self.config.lam == 0 or self.knn.knn_weight == 0:
+            return super().step_rows(contexts, lengths, scores, lams)
+        if hidden is None or hidden.shape[0] != scores.shape[0]:
+            got = "none" if hidden is None else f"{hidden.shape[0]}"
+            raise ValueError(f"the kNN decoder searches its datastore with the LM's hidden states: got {got} for "
+                             f"{scores.shape[0]} rows of scores; attach the tap to the model that produces these "
+                             f"scores")
         knn = self.knn
         scores = _without_padding(scores, self.reference.n)
         tokens, weights = self.datastore.distribution(hidden, knn.knn_k, knn.knn_temperature)
-        contexts, lengths = self._rows(input_ids)
-        logp, self.last_info = self.reference.step(contexts, scores, lengths=lengths,
+        lam = None if lams is None else self.reference.lam_rows(lengths, scores.shape[0], scores.device, lams)
+        logp, self.last_info = self.reference.step(contexts, scores, lengths=lengths, lam=lam,
                                                    knn=(tokens, weights, knn.knn_weight))
         return logp
 

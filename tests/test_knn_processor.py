@@ -183,6 +183,18 @@ def test_the_knn_processor_refuses_a_wrong_datastore_tap_or_row_count():
                                                                            torch.zeros(1, 12))
 
 
+def test_the_engine_neutral_step_takes_the_hidden_states_as_an_input():
+    counts, store, tap, proc = _processor(knn_weight=0.4, knn_k=5, knn_temperature=3.0, lam=2.0)
+    ids, z = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.randn(2, 12)
+    contexts = proc.reference.contexts(ids, torch.zeros(2, dtype=torch.long))
+    # each row its own λ and length: the step an engine calls, with the states it holds, equals the tap's
+    assert torch.equal(proc.step_rows(contexts, [3, 3], z, hidden=tap.last), proc(ids, z))
+    other = proc.step_rows(contexts, [3, 3], z, [2.0, 0.5], hidden=tap.last)
+    assert torch.equal(other[0], proc(ids, z)[0]) and not torch.equal(other[1], proc(ids, z)[1])
+    with pytest.raises(ValueError, match="got none for 2 rows of scores"):
+        proc.step_rows(contexts, [3, 3], z)
+
+
 def test_a_datastore_without_marginals_refuses_a_marginal_bias_in_one_line():
     store = Datastore(np.eye(3, 2), np.array([0, 1, 1]), vocab_size=2)
     with pytest.raises(DatastoreError, match="no marginals") as err:
