@@ -1,9 +1,10 @@
-"""The graphmax decoders as ``transformers`` logits processors: the paper's, and the context-aware one.
+"""The steps of graphmax's decoder kinds as ``transformers`` logits processors: the paper's, and the context-aware
+one (with a kNN datastore too). Each kind's settings and record are in ``gm_solver.decoders``.
 
 One class per decoder, as in ``transformers.generation.logits_process``: each validates exactly its own
 arguments in ``__init__`` (the message names the argument and its value) and refuses an argument that would
-have no effect. :class:`GraphmaxLogitsProcessor` is their base; its :meth:`~GraphmaxLogitsProcessor.from_graph`
-returns the decoder ``graphmax tune`` stored in a graph.
+have no effect. :class:`GraphmaxLogitsProcessor` is their base; its :meth:`~GraphmaxLogitsProcessor.from_graph`,
+the one factory, builds any registered kind, by default the decoder ``graphmax tune`` stored in a graph.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from .solve_info import SolveInfo
 
 
 class GraphmaxLogitsProcessor(LeftPadding, LogitsProcessor):
-    r"""The base of the two graphmax decoders; :meth:`from_graph` returns the one ``graphmax tune`` stored in a graph.
+    r"""The base of graphmax's decoders (every registered kind's step); :meth:`from_graph` returns the one
+    ``graphmax tune`` stored in a graph. graphmax's own:
 
     - :class:`PaperGraphmaxLogitsProcessor`: the paper's context-free λ‖x − Ãx‖² (Liu & Yin, JAIR 2023).
     - :class:`ContextGraphmaxLogitsProcessor`: context-aware graphmax, which leans toward the corpus'
