@@ -223,7 +223,7 @@ def test_tune_with_a_datastore_stores_its_knn_settings_for_generate(smollm2, dru
     valid.write_text("\n".join(TEXTS) + "\n")
     model, tok = smollm2
     store = build_datastore(model, tok, TEXTS * 3, tmp_path / "ds", positions=8, progress=False)
-    monkeypatch.setattr(tune_mod, "load_model", lambda name, **where: (model, tok))
+    monkeypatch.setattr("pipelines.models.load_model", lambda name, **where: (model, tok))
     assert main(["tune", "--path", str(path), "--corpus", str(valid), "--docs", "2", "--positions", "6",
                  "--datastore", str(tmp_path / "ds")]) == 0
     assert "with the datastore (" in capsys.readouterr().out
