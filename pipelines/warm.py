@@ -96,11 +96,21 @@ def warm_kernels(tokenizer: str = "smollm2", workers: int | None = None) -> floa
 def warm_in_background() -> None:
     """What ``python -m pipelines.warm --background`` runs, started by a command that decodes with torch meanwhile
     (``gm_solver.backends.compile_in_background``): :func:`warm_kernels` in this one process at the lowest priority,
-    so that the command beside it keeps both cores; a second one started meanwhile leaves at once."""
+    holding ``compile_lock()`` (the commands beside it then leave it a core); a second one started meanwhile leaves
+    at once, and so does one that finds the lock's path taken by anything but a regular file."""
     import fcntl
+    import stat
+
+    from gm_solver.backends import compile_lock
 
     os.nice(19)
-    with open(Path(tempfile.gettempdir()) / f"graphmax-warm-{os.getuid()}.lock", "a") as lock:
+    try:
+        fd = os.open(compile_lock(), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError:
+        return
+    with os.fdopen(fd, "a") as lock:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

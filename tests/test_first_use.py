@@ -111,6 +111,96 @@ def test_a_run_takes_numba_where_its_own_decoders_kernels_are_cached_whatever_an
         assert backends.choose(cpu) == "numba"
 
 
+@pytest.fixture
+def threads():
+    """torch's threads set to 2 for the test, and put back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
+
+
+def _held(lock: Path) -> subprocess.Popen:
+    """Another process holding ``lock`` as a background compile does (flock, exclusive), until killed."""
+    child = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                              f"f = open({str(lock)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+                              "print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "held\n"
+    return child
+
+
+def test_torch_leaves_a_core_to_a_compile_running_beside_and_takes_it_back_after(monkeypatch, tmp_path, threads):
+    lock = tmp_path / "warm.lock"
+    monkeypatch.setattr(backends, "compile_lock", lambda: lock)
+    monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: True)
+    fewer = max(1, min(threads, os.cpu_count()) - 1)
+    command = [sys.executable, "-c", "pass"]
+    with backends.compile_in_background(command):  # no compile beside: every thread
+        assert torch.get_num_threads() == threads
+    lock.touch()
+    with backends.compile_in_background(command):  # the lock's file left by a compile that has ended
+        assert torch.get_num_threads() == threads
+    child = _held(lock)
+    try:
+        with backends.compile_in_background(command):  # an earlier run's compile still running
+            assert torch.get_num_threads() == fewer
+            assert backends.choose(torch.device("cpu")) == "numba"
+    finally:
+        child.kill()
+        child.wait()
+    assert torch.get_num_threads() == threads
+    # this run starts the compile: a core fewer from then on, every thread again after the block
+    monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: False)
+    with backends.compile_in_background(command):
+        assert torch.get_num_threads() == threads
+        assert backends.choose(torch.device("cpu")) == "torch"
+        assert torch.get_num_threads() == fewer
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("taken_by", ["fifo", "link", "folder"])
+def test_a_lock_path_taken_by_something_else_is_no_compile_and_never_waited_on(monkeypatch, tmp_path, threads,
+                                                                                taken_by):
+    from pipelines import warm
+
+    lock = tmp_path / "warm.lock"
+    if taken_by == "fifo":
+        os.mkfifo(lock)  # opened without O_NONBLOCK, a FIFO with no writer would hang the command
+    elif taken_by == "link":
+        (tmp_path / "elsewhere").touch()
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        lock.mkdir()
+    monkeypatch.setattr(backends, "compile_lock", lambda: lock)
+    monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: True)
+    with backends.compile_in_background([sys.executable, "-c", "pass"]):
+        assert torch.get_num_threads() == threads
+    compiled = []
+    monkeypatch.setattr(os, "nice", lambda n: 0)
+    monkeypatch.setattr(warm, "warm_kernels", lambda workers: compiled.append(workers))
+    warm.warm_in_background()  # the background compile leaves without compiling, and without waiting
+    assert compiled == []
+
+
+def test_one_background_compile_at_a_time(monkeypatch, tmp_path):
+    from pipelines import warm
+
+    lock = tmp_path / "warm.lock"
+    monkeypatch.setattr(backends, "compile_lock", lambda: lock)
+    compiled = []
+    monkeypatch.setattr(os, "nice", lambda n: 0)
+    monkeypatch.setattr(warm, "warm_kernels", lambda workers: compiled.append(backends._compiling()))
+    warm.warm_in_background()  # no compile running: this one compiles, holding the lock meanwhile
+    assert compiled == [True] and lock.is_file() and not backends._compiling()
+    child = _held(lock)
+    try:
+        warm.warm_in_background()  # another is running: this one leaves
+    finally:
+        child.kill()
+        child.wait()
+    assert compiled == [True]
+
+
 @pytest.mark.parametrize(("kernels", "says"), [
     (("context",), "kernels are named 'module.kernel'"),
     (("context.decode_stp",), "'context.decode_stp' is not a kernel of gm_solver.backends.numba"),

@@ -27,11 +27,16 @@ operation              what it computes
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
+import os
+import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -143,8 +148,10 @@ def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_K
     not the paper decoder's kernels are. The cache is read through graphmax's own sealed files
     (``gm_graphs.store.kernel_cache.kernel_cached``); one that is damaged or another user's is a miss.
 
-    Measured on 2 busy cores (``benchmarks/first_use.py``): compiling the context decoder's step took 116 s; the
-    torch step on the CPU costs about 0.2 s a token more than numba's, so a short first run is over long before.
+    While such a compile runs (started here, or by an earlier run and still holding :func:`compile_lock`), torch's
+    threads inside the block are one fewer than the cores, and are restored after it: a team of threads one of
+    which waits for the core the compile holds stalls at every operation. Measured on 2 cores
+    (``benchmarks/first_use.py``): the torch step 1.5 s a token on 2 threads beside the compile, 75 ms on 1.
 
     Args:
         command (``list[str]``): the compiling process' command line.
@@ -168,12 +175,45 @@ def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_K
     if malformed:
         raise ValueError(f"kernels are named 'module.kernel' of gm_solver.backends.numba, like "
                          f"'context.decode_step'; got {', '.join(map(repr, malformed))}")
-    before = dict(_quick)
+    before, threads = dict(_quick), torch.get_num_threads()
     _quick.update(command=list(command), kernels=kernels, ready=None)
+    if _compiling():
+        _leave_a_core()
     try:
         yield
     finally:
         _quick.update(before)
+        torch.set_num_threads(threads)
+
+
+def compile_lock() -> Path:
+    """The file a background compile (``python -m pipelines.warm --background``) holds locked while it runs: one
+    compile at a time per user, and a sign to the commands beside it that a core is taken."""
+    return Path(tempfile.gettempdir()) / f"graphmax-warm-{os.getuid()}.lock"
+
+
+def _compiling() -> bool:
+    """Whether a background compile holds :func:`compile_lock` now; False wherever that cannot be told (no such
+    file, or one that is not a regular file: it is opened without following a link, and never waited on)."""
+    try:
+        fd = os.open(compile_lock(), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free unless the compile's exclusive lock is held
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # and with it the shared lock
+
+
+def _leave_a_core() -> None:
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1) - 1))
 
 
 def _numba_ready() -> bool:
@@ -188,6 +228,7 @@ def _numba_ready() -> bool:
             with contextlib.suppress(OSError):
                 subprocess.Popen(_quick["command"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+                _leave_a_core()
     return _quick["ready"]
 
 
