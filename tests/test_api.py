@@ -176,7 +176,8 @@ CLI_PLUMBING = {
     "gm_graphs.store.sealed": {"read_sealed", "trusted", "write_sealed"},
     "gm_graphs.store.verified": {"FileIdentity", "is_verified", "remember"},
     "gm_graphs.tokenize.encoder": {"BUNDLED_ALIASES"},  # --model's check while parsing: 'smollm2' is no folder
-    "gm_solver.backends": {"compile_in_background"},  # generate and demo: torch on the CPU while numba compiles
+    # generate and demo: torch on the CPU while numba compiles; warm's background compile holds the lock they read
+    "gm_solver.backends": {"compile_in_background", "compile_lock"},
     # generate's options made from the table of decoder kinds; eval's rows for the kinds a package registered
     "gm_solver.decoders": {"DecoderKind", "kind", "kinds"},
     "gm_solver.decoders.registry": {"BUILT_IN"},
