@@ -420,8 +420,8 @@ class ContextReference:
                 ``check_every`` default to ``backends.DEFAULTS``: on the CPU 60 ν steps at most, each checked;
                 elsewhere 8 ν steps with nothing read back, rows frozen once converged).
             backend (``str``, defaults to ``"auto"``): ``gm_solver.backends``: "numba" (CPU only, one kernel call
-                for everything), "torch" (eager, on the scores' device), "fused" (the same compiled; CUDA, once
-                ``use_fused`` is on), "auto" (numba on the CPU, fused where it is on, torch elsewhere).
+                for everything), "torch" (on the scores' device: eager, or compiled once ``use_fused`` is on), "fused"
+                (the same compiled; CUDA), "auto" (numba on the CPU, else as "torch"); ``backends.choose``.
             knn (``tuple`` or ``None``): (tokens (B, k), weights (B, k), β): the reference is (1 − β)·q + β·p_knn,
                 p_knn the sparse rows given (``gm_solver.datastore``).
 
@@ -455,10 +455,8 @@ class ContextReference:
         budget = backends.defaults(scores.device)
         check_every = budget.check_every if check_every is None else check_every
         max_iter = budget.nu_steps if max_iter is None else max_iter
-        # the compiled step reads nothing back (every context is ``tail`` wide: one traced shape); a step that reads
-        # back is the eager one
-        name = backends.choose(scores.device, backend, fused=bool(self.use_fused) and check_every == 0)
-        name = "torch" if name == "fused" and check_every != 0 else name
+        # the compiled step reads nothing back (every context is ``tail`` wide: one traced shape)
+        name = backends.choose(scores.device, backend, fused=bool(self.use_fused), reads_back=check_every != 0)
         kernel = name == "numba"
         knn = self._check_knn(knn, scores.shape[0], scores.shape[-1], sync=kernel or check_every != 0)
         share = 1.0 if self.config.divergence == "kl" else self.config.kl_share

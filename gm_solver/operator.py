@@ -74,13 +74,13 @@ class TransitionOperator:
         self.n = matrix.shape[0]
         self.device = backends.canonical(device)
         # the fused backend compiles the mirror steps around these products, which run eager on its device
-        fused = backends.choose(self.device, backend) == "fused"
-        self.backend = "torch" if fused else backends.choose(self.device, backend)
+        chosen = backends.choose(self.device, backend)
+        self.backend = "torch" if chosen == "fused" else chosen
         self._room = backends.room(self.backend)
-        # the paper decoder's compiled mirror steps: True uses them wherever they are available, False never (a
-        # "torch" asked for by name stays eager, as the context decoder's does); None, until a decoder's warmup on a
-        # GPU turns them on (compiling is paid there)
-        self.use_fused: bool | None = True if fused else False if backend == "torch" else None
+        # the switch of the paper decoder's compiled mirror steps, which backends.choose reads: True on wherever
+        # they compile, False never (a "torch" asked for by name stays eager until turned on by hand); None, until a
+        # decoder's warmup on a GPU turns them on (compiling is paid there)
+        self.use_fused: bool | None = True if chosen == "fused" else False if backend == "torch" else None
         self.nnz = int(matrix.nnz)
         transposed = matrix.T.tocsr()
         transposed.sort_indices()

@@ -46,7 +46,7 @@ def mirror_descent(z: torch.Tensor, op: TransitionOperator, lam: float, *, tol: 
     diag = op.gram_diagonal(z.shape[-1], z.dtype)
     start = op.applications
     # the numba kernels, the torch backend's steps, or those steps compiled (once a warmup on a GPU turned them on)
-    name = "fused" if op.backend == "torch" and op.use_fused and backends.fused_available(z.device) else op.backend
+    name = backends.choose(z.device, op.backend, fused=bool(op.use_fused))
     room = backends.room(name)
     s, x = room.mirror_start(z, valid, diag, lam)
     lx, gram = op.residual_and_gram(x)

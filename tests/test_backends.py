@@ -43,6 +43,14 @@ def test_choose_takes_fused_where_it_compiles_and_the_caller_has_it_on(monkeypat
     cuda = torch.device("cuda")
     assert backends.choose(cuda, fused=True) == "fused" and backends.choose(cuda, fused=False) == "torch"
     assert backends.choose(cuda, "fused") == "fused"
+    # a torch operator's steps (the paper decoder's): compiled once its switch is on, eager before
+    assert backends.choose(cuda, "torch", fused=True) == "fused" and backends.choose(cuda, "torch") == "torch"
+    # a step that reads values back is never the compiled one, even asked for by name
+    for request in ("auto", "torch", "fused"):
+        assert backends.choose(cuda, request, fused=True, reads_back=True) == "torch"
+    # where nothing compiles, the switch changes nothing
+    meta = torch.device("meta")
+    assert backends.choose(meta, "torch", fused=True) == backends.choose(meta, fused=True) == "torch"
 
 
 @pytest.mark.parametrize(("device", "request_", "float64_only", "message"), [

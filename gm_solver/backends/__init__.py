@@ -87,19 +87,23 @@ def check_request(request: str) -> None:
         raise ValueError(f"backend must be one of {', '.join(map(repr, REQUESTS))}, got {request!r}")
 
 
-def choose(device: torch.device, request: str = "auto", *, float64_only: bool = False,
-           fused: bool = False) -> str:
-    """The backend that runs an operation on ``device``.
+def choose(device: torch.device, request: str = "auto", *, float64_only: bool = False, fused: bool = False,
+           reads_back: bool = False) -> str:
+    """The backend that runs an operation on ``device``: the one place a backend is picked.
 
     ``"auto"`` takes numba on the CPU (where ``float64_only`` says the operation's numba half takes float64 alone
-    and the input is another dtype, torch instead), fused on a CUDA device where the caller has it on (``fused``:
-    warmed up) and it can compile, and torch elsewhere. A named backend is refused in one line where it cannot run.
+    and the input is another dtype, torch instead). Elsewhere, and for ``"torch"`` asked for by name or resolved so
+    by an operator, it takes torch's steps compiled (fused) where the caller has them on (``fused``: a warmed-up
+    decoder, or by hand) and they compile, eager torch otherwise. A step that reads values back to the host within
+    itself (``reads_back``) is never the compiled one. A named backend is refused in one line where it cannot run.
 
     Args:
         device (``torch.device``): where the operation's tensors are.
         request (``str``, defaults to ``"auto"``): ``"auto"`` or one of :data:`BACKENDS`.
         float64_only (``bool``, defaults to ``False``): the input is not float64 and the numba half would need it.
-        fused (``bool``, defaults to ``False``): the caller has compiled steps on (a warmed-up decoder).
+        fused (``bool``, defaults to ``False``): the caller has its compiled steps on (a decoder's ``use_fused``).
+        reads_back (``bool``, defaults to ``False``): the step reads values back within itself (the compiled one
+            traces a single shape and reads nothing back).
 
     Returns:
         ``str``: one of :data:`BACKENDS`.
@@ -121,11 +125,12 @@ def choose(device: torch.device, request: str = "auto", *, float64_only: bool = 
     if request == "fused" and not fused_available(device):
         raise ValueError(f"the fused backend compiles for a CUDA device with Triton, not {device}; "
                          f"use backend='torch' or 'auto'")
-    if request != "auto":
-        return request
-    if cpu and not float64_only:
+    if request == "numba":
+        return "numba"
+    if request == "auto" and cpu and not float64_only:
         return "numba" if _numba_ready() else "torch"
-    return "fused" if fused and fused_available(device) else "torch"
+    compiled = request == "fused" or (fused and fused_available(device))
+    return "fused" if compiled and not reads_back else "torch"
 
 
 #: the numba kernels the decoders' steps call first (``gm_solver.backends.numba``'s ``module.kernel``), which
