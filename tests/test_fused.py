@@ -153,8 +153,8 @@ def test_the_paper_decoder_takes_the_fused_mirror_steps_once_on(monkeypatch):
     op, z = _paper_state(7)
     proc = PaperGraphmaxLogitsProcessor(op.__dict__["_matrix"], device="cpu")
     proc.operator = TransitionOperator(op.__dict__["_matrix"], backend="torch")
-    # "auto" waits for a warm-up on a GPU to turn the compiled steps on; "torch" by name stays eager, as the context
-    # decoder's does, until they are turned on by hand
+    # "auto" waits for a warm-up on a GPU to turn the compiled steps on; an operator asked for "torch" by name starts
+    # with them off, until they are turned on by hand (the switch backends.choose reads, as the context decoder's)
     assert TransitionOperator(op.__dict__["_matrix"]).use_fused is None and proc.operator.use_fused is False
     plain = proc(None, z)
     assert proc.backend == "torch"
