@@ -98,24 +98,12 @@ def warm_in_background() -> None:
     (``gm_solver.backends.compile_in_background``): :func:`warm_kernels` in this one process at the lowest priority,
     holding ``compile_lock()`` (the commands beside it then leave it a core); a second one started meanwhile leaves
     at once, and so does one that finds the lock's path taken by anything but a regular file."""
-    import fcntl
-    import stat
-
-    from gm_solver.backends import compile_lock
+    from gm_solver.backends import holding_compile_lock
 
     os.nice(19)
-    try:
-        fd = os.open(compile_lock(), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    except OSError:
-        return
-    with os.fdopen(fd, "a") as lock:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        warm_kernels(workers=1)
+    with holding_compile_lock() as held:
+        if held:
+            warm_kernels(workers=1)
 
 
 #: the command ``compile_in_background`` starts: this module, by the interpreter running graphmax

@@ -177,7 +177,7 @@ CLI_PLUMBING = {
     "gm_graphs.store.verified": {"FileIdentity", "is_verified", "remember"},
     "gm_graphs.tokenize.encoder": {"BUNDLED_ALIASES"},  # --model's check while parsing: 'smollm2' is no folder
     # generate and demo: torch on the CPU while numba compiles; warm's background compile holds the lock they read
-    "gm_solver.backends": {"compile_in_background", "compile_lock"},
+    "gm_solver.backends": {"compile_in_background", "holding_compile_lock"},
     # generate's options made from the table of decoder kinds; eval's rows for the kinds a package registered
     "gm_solver.decoders": {"DecoderKind", "kind", "kinds"},
     "gm_solver.decoders.registry": {"BUILT_IN"},

@@ -158,6 +158,26 @@ def test_torch_leaves_a_core_to_a_compile_running_beside_and_takes_it_back_after
     assert torch.get_num_threads() == threads
 
 
+def test_a_core_is_left_once_when_a_compile_runs_and_this_run_starts_another(monkeypatch, tmp_path):
+    lock = tmp_path / "warm.lock"
+    monkeypatch.setattr(backends, "compile_lock", lambda: lock)
+    monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    child = _held(lock)
+    try:
+        with backends.compile_in_background([sys.executable, "-c", "pass"]):
+            assert torch.get_num_threads() == 7  # an earlier run's compile holds the lock
+            assert backends.choose(torch.device("cpu")) == "torch"  # and this run starts one (which leaves at once)
+            assert torch.get_num_threads() == 7  # one core for the compiles, not two
+        assert torch.get_num_threads() == 8
+    finally:
+        child.kill()
+        child.wait()
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("taken_by", ["fifo", "link", "folder"])
 def test_a_lock_path_taken_by_something_else_is_no_compile_and_never_waited_on(monkeypatch, tmp_path, threads,
                                                                                 taken_by):

@@ -137,7 +137,7 @@ def choose(device: torch.device, request: str = "auto", *, float64_only: bool = 
 #: ``pipelines.warm`` compiles: the context decoders' step, and the paper decoder's CSR product and mirror start.
 #: Cached, a step loads them in about a second instead of compiling them for minutes.
 ENTRY_KERNELS = ("context.decode_step", "csr.product", "mirror.start_rows")
-_quick = {"command": None, "kernels": ENTRY_KERNELS, "ready": None}
+_quick = {"command": None, "kernels": ENTRY_KERNELS, "ready": None, "threads": None}
 
 
 @contextlib.contextmanager
@@ -180,15 +180,15 @@ def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_K
     if malformed:
         raise ValueError(f"kernels are named 'module.kernel' of gm_solver.backends.numba, like "
                          f"'context.decode_step'; got {', '.join(map(repr, malformed))}")
-    before, threads = dict(_quick), torch.get_num_threads()
-    _quick.update(command=list(command), kernels=kernels, ready=None)
+    before = dict(_quick)
+    _quick.update(command=list(command), kernels=kernels, ready=None, threads=torch.get_num_threads())
     if _compiling():
         _leave_a_core()
     try:
         yield
     finally:
+        torch.set_num_threads(_quick["threads"])
         _quick.update(before)
-        torch.set_num_threads(threads)
 
 
 def compile_lock() -> Path:
@@ -197,16 +197,45 @@ def compile_lock() -> Path:
     return Path(tempfile.gettempdir()) / f"graphmax-warm-{os.getuid()}.lock"
 
 
-def _compiling() -> bool:
-    """Whether a background compile holds :func:`compile_lock` now; False wherever that cannot be told (no such
-    file, or one that is not a regular file: it is opened without following a link, and never waited on)."""
+def _open_lock(flags: int) -> int | None:
+    """:func:`compile_lock` opened with ``flags``, never following a link nor waiting on a FIFO; None where it is
+    missing (and not created) or is anything but a regular file."""
     try:
-        fd = os.open(compile_lock(), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        fd = os.open(compile_lock(), flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextlib.contextmanager
+def holding_compile_lock() -> Iterator[bool]:
+    """For a background compile: :func:`compile_lock` held for the block, which is told whether this process holds
+    it (True) or must leave the compiling to another (False: one holds it already, or its path is taken by anything
+    but a regular file)."""
+    fd = _open_lock(os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    if fd is None:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _compiling() -> bool:
+    """Whether a background compile holds :func:`compile_lock` now; False wherever that cannot be told."""
+    fd = _open_lock(os.O_RDONLY)
+    if fd is None:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free unless the compile's exclusive lock is held
         return False
     except BlockingIOError:
@@ -218,7 +247,8 @@ def _compiling() -> bool:
 
 
 def _leave_a_core() -> None:
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1) - 1))
+    """torch's threads one fewer than the block started with (at most the cores), however often it is called."""
+    torch.set_num_threads(max(1, min(_quick["threads"], os.cpu_count() or 1) - 1))
 
 
 def _numba_ready() -> bool:
