@@ -159,14 +159,16 @@ def main() -> None:
         rows.append(("demo graph built (movie reviews)", s, "ensure_imdb_graph()"))
         generate = [graphmax, "generate", "--graph", "imdb", "--prompt", PROMPT, "--max-new-tokens",
                     str(args.tokens), "--device", "cpu"]
-        for i in range(1 + args.warm):
+
+        def decode(label: str) -> None:
             s, out, err = timed(generate, env, work)
             said = next((line.strip() for line in (out + err).splitlines() if "warm-up" in line), "")
-            rows.append((f"generate {args.tokens} tokens, {'cold' if i == 0 else f'warm {i}'}", s, said[:70]))
+            rows.append((f"generate {args.tokens} tokens, {label}", s, said[:70]))
+
+        for i in range(1 + args.warm):
+            decode("cold" if i == 0 else f"warm {i}")
         rows.append(("background compile: waited for its end", wait_for_compile(tmp / "tmp"), "after the runs above"))
-        s, out, err = timed(generate, env, work)
-        said = next((line.strip() for line in (out + err).splitlines() if "warm-up" in line), "")
-        rows.append((f"generate {args.tokens} tokens, compiled", s, said[:70]))
+        decode("compiled")
 
         model_env = env | {"GRAPHMAX_HOME": str(tmp / "home-model")}
         for label in ("cold (converts the GGUF)", "cached"):
