@@ -25,7 +25,7 @@ _LAZY = {
     "expand_corpus": "corpus.read", "iter_documents": "corpus.read",
     "split_corpus": "corpus.split",
     "GraphmaxError": "errors",
-    "Graph": "graph", "list_graphs": "graph", "load_graph": "graph",
+    "Graph": "graph", "list_graphs": "store.folders", "load_graph": "graph",
     "PruneRule": "powers",
     "graph_path": "store.folders", "graphmax_home": "store.folders",
     "load_tokenizer": "tokenize.encoder", "word_tokenizer": "tokenize.encoder",

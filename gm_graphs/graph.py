@@ -22,32 +22,15 @@ from gm_graphs.format.graph_files import (
 )
 from gm_graphs.format.validate import check_decoder
 from gm_graphs.powers import OperatorSpec
-from gm_graphs.store.folders import NAME, disk_errors, graph_path, graphmax_home, graphs_root, locked
+from gm_graphs.store.folders import (
+    disk_errors,
+    graph_path,
+    graphmax_home,
+    locked,
+    missing_graph,
+)
 
-__all__ = ["Graph", "graphmax_home", "list_graphs", "load_graph"]
-
-
-def list_graphs() -> list[str]:
-    """The names of the folders under ``$GRAPHMAX_HOME/graphs`` that hold a manifest (whole or not).
-
-    Returns:
-        ``list[str]``: the graph names, sorted; empty when there is no such folder.
-
-    Example::
-
-        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
-        >>> from gm_graphs import build_graph
-        >>> import os
-        >>> from unittest import mock
-        >>> with mock.patch.dict(os.environ, {"GRAPHMAX_HOME": str(folder / "home")}):   # graphs live here
-        ...     _ = build_graph(folder / "reviews.txt", tok, name="reviews", progress=False)
-        ...     list_graphs()
-        ['reviews']
-    """
-    root = graphs_root()
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if NAME.fullmatch(p.name) and (p / "manifest.json").is_file())
+__all__ = ["Graph", "graphmax_home", "load_graph"]
 
 
 class Graph:
@@ -318,15 +301,9 @@ def load_graph(graph: str | os.PathLike, order: int = 1, mixture: int | None = N
         >>> g.counts[1].toarray().tolist()       # "the" is followed by "cat" twice and "dog" once
         [[0, 0, 2, 1, 0, 0]]
     """
-    path = graph_path(graph)
-    if not os.path.lexists(path):
-        if isinstance(graph, str):
-            known = ", ".join(list_graphs()) or "none"
-            raise GraphFormatError(f"no graph {graph!r} in {graphs_root()} (graphs there: {known}); build it with "
-                                   f"`graphmax build CORPUS --tokenizer T --name {graph}`")
-        raise GraphFormatError(f"no graph folder {path}; build one with `graphmax build CORPUS --tokenizer T "
-                               f"--path {path}`")
-    opened = Graph(path, order, mixture, verify=verify)
+    if (missing := missing_graph(graph)) is not None:
+        raise missing
+    opened = Graph(graph_path(graph), order, mixture, verify=verify)
     if tokenizer is not None:
         opened.check_tokenizer(tokenizer)
     return opened

@@ -14,10 +14,10 @@ import re
 from collections.abc import Callable
 from typing import NoReturn
 
-from gm_graphs.errors import CorpusError
+from gm_graphs.errors import CorpusError, GraphmaxError
 
 __all__ = ["ArgumentParser", "one_line", "MAX_SEED", "CLEAN_HELP", "integer", "number", "integers", "numbers",
-           "nonblank", "CorpusFiles", "corpus_error", "model_error", "help_when_shown"]
+           "nonblank", "CorpusFiles", "corpus_error", "graph_error", "model_error", "help_when_shown"]
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -143,6 +143,20 @@ def corpus_error(args: argparse.Namespace) -> str | None:
     except CorpusError as e:
         return str(argparse.ArgumentError(action, str(e)))
     return None
+
+
+def graph_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the graph ``add_graph_arguments`` (``pipelines.build``) parsed, told without reading it
+    (a name that is no graph name, or nothing there), or None."""
+    if not hasattr(args, "graph_path"):
+        return None
+    from gm_graphs.store.folders import missing_graph  # the standard library's modules only
+
+    try:
+        missing = missing_graph(args.graph_path if args.graph_path is not None else args.graph)
+    except GraphmaxError as e:  # a name that is no graph name
+        return str(e)
+    return None if missing is None else str(missing)
 
 
 # what transformers reads a tokenizer from in a model folder: the fast tokenizer's file, or a slow tokenizer's

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import gc
 import importlib
 import io
 import os
@@ -35,7 +36,7 @@ from typing import NoReturn
 
 from gm_graphs import GraphmaxError
 
-from .args import ArgumentParser, corpus_error, model_error, one_line
+from .args import ArgumentParser, corpus_error, graph_error, model_error, one_line
 from .devices import device_error
 
 DESCRIPTION = """Make a pretrained language model write like your corpus, without fine-tuning: build a
@@ -138,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     code = None
     try:
         try:
-            code = _run(argv, state)
+            code = _run(argv, state, entry and on_main)
             if entry and on_main:  # a signal before this line is an interrupt of the command, said below
+                gc.freeze()  # the exit would scan every object still alive, a second for a model's libraries
                 _exit_on_signal({how: state.ended_line(code, how) for how in _LATE})
         except KeyboardInterrupt:
             code = state.stopped("interrupted", 130, entry and on_main)
@@ -154,8 +156,14 @@ def main(argv: list[str] | None = None) -> int:
                 restore_streams()
 
 
-def _run(argv: list[str], state: _Run) -> int:
-    """Parse ``argv`` and run its command; graphmax's and the file system's errors become one line and status 2."""
+def _run(argv: list[str], state: _Run, owns_process: bool) -> int:
+    """Parse ``argv`` and run its command; graphmax's and the file system's errors become one line and status 2.
+
+    A command's ``check`` (set by its parser) refuses what reading a file tells, before torch is imported; a
+    command whose parser sets ``loads_model`` then has torch and transformers imported for it, frozen out of the
+    collector's passes where the process is the command's own (``owns_process``,
+    :func:`pipelines.models.import_model_libraries`).
+    """
     # a command's module, or for a help page every module; a line that names no command fails on bare parsers
     helps = any(arg in ("-h", "--help") for arg in argv)
     parser, commands = make_parser(argv) if helps or (argv and argv[0] in JOBS) else _parser([])
@@ -167,12 +175,18 @@ def _run(argv: list[str], state: _Run) -> int:
         commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # after every other argument, so that a mistyped option is named first; before torch is imported; the cheapest
     # first (the corpus' check imports its readers, and pyarrow with them)
-    bad = device_error(args) or model_error(args) or corpus_error(args)
+    bad = device_error(args) or model_error(args) or corpus_error(args) or graph_error(args)
     if bad:
         commands[args.command].error(bad)
     prog = state.prog = f"graphmax {args.command}"
     state.watch(args)
     try:
+        if hasattr(args, "check"):
+            args.check(args)
+        if getattr(args, "loads_model", False):
+            from .models import import_model_libraries
+
+            import_model_libraries(keep=owns_process)
         return int(args.run(args) or 0)
     except GraphmaxError as e:
         cause = e.__cause__

@@ -33,7 +33,7 @@ def register(sub) -> None:
                         "every key; worth it beyond ~100k keys, ~4·√keys lists; its k-means grows as lists × "
                         "keys, so fewer on a small machine (benchmarks/RESULTS.md) (default 0: none)")
     p.add_argument("--overwrite", action="store_true", help="replace a datastore graphmax wrote at --out")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, loads_model=True)
 
 
 def run(args) -> int:

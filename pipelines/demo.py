@@ -58,7 +58,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=integer(1), default=24)
     p.add_argument("--seed", type=integer(0, MAX_SEED), default=0)
     add_device_arguments(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, loads_model=True)
 
 
 def run(args) -> int:

@@ -156,7 +156,7 @@ def register(sub) -> None:
     # the graph, and its decoder: each kind's options are refused with another (defaults: the stored choice)
     add_graph_arguments(p, "--graph")
     add_decoder_arguments(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, loads_model=True)
 
 
 def decoder_kind(args, graph) -> DecoderKind:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +23,39 @@ if TYPE_CHECKING:  # torch and transformers are imported by what loads a model, 
     import torch
 
 DEFAULT_MODEL = "smollm2"
+# what loading any model imports: torch, and transformers' model code (which brings its generation, its
+# integrations, torch._dynamo and scipy.optimize with it)
+MODEL_LIBRARIES = ("torch", "transformers.modeling_utils")
+
+
+def import_model_libraries(*, keep: bool = False) -> None:
+    """Import torch and transformers' model code (:data:`MODEL_LIBRARIES`) with Python's cyclic collector paused.
+
+    These imports make some 370,000 objects that live as long as the process, and none of them is garbage. The
+    collector makes a full pass each time the long-lived objects have grown by a quarter, so it would scan them
+    about five times while they are made, and three times more once it runs again (each young generation, then
+    the oldest): over a second of the 2.6 s these imports take on two cores (``benchmarks/first_use.py``). Once
+    imported, they are moved to the oldest generation, which only the full passes scan; imported already, nothing
+    is done.
+
+    Args:
+        keep (``bool``, defaults to ``False``): the process keeps these libraries to its end and owns its
+            collector (the command line, :mod:`pipelines.cli`): every object alive is frozen (``gc.freeze``),
+            never scanned again, not even at exit.
+    """
+    if all(name in sys.modules for name in MODEL_LIBRARIES):
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for name in MODEL_LIBRARIES:
+            importlib.import_module(name)
+    finally:
+        gc.freeze()
+        if not keep:
+            gc.unfreeze()  # into the oldest generation: collected as before, by the full passes
+        if enabled:
+            gc.enable()
 
 
 def _spec_path(spec: str | os.PathLike) -> Path:
@@ -51,15 +87,16 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.d
     """
     from gm_graphs import load_tokenizer
 
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
     path = _spec_path(spec)
-    if path.suffix != ".gguf":  # a folder: what the CLI refuses while parsing, then its config against its weights
+    if path.suffix != ".gguf":  # a folder: what the CLI refuses while parsing
         problem = model_error(argparse.Namespace(model=os.fspath(path)))
         if problem is not None:
             raise GraphmaxError(problem.removeprefix("argument --model: "))
-        if path.is_dir():
-            check_model_folder(path)
+    import_model_libraries()
+    if path.suffix != ".gguf" and path.is_dir():  # its config against its weights, before the model is built
+        check_model_folder(path)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     try:
         if path.suffix == ".gguf":
             model, tok = _load_gguf(path, dtype)

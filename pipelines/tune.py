@@ -179,7 +179,7 @@ def register(sub) -> None:
     p.add_argument("--positions", type=integer(1), default=64, help="scored tokens per document (default 64)")
     p.add_argument("--datastore", type=Path, metavar="DIR",
                    help="also tune a kNN datastore's β and T (graphmax datastore; of --model over training text)")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, loads_model=True)
 
 
 def check_not_training_text(graph, files: list[Path]) -> None:

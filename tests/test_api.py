@@ -170,6 +170,7 @@ CLI_PLUMBING = {
     "gm_graphs.format.datastore_files": {"check_datastore_target"},
     "gm_graphs.store.folders": {"claim_folder", "REPORT_MARKER",
                                 "target_folder",  # an interrupt's line names the folder the command writes
+                                "missing_graph",  # a graph that is not there, refused while parsing
                                 "fsync_dir", "sync_tree"},  # the model cache's atomic entry (pipelines/model_cache.py)
     # the model cache is a cache as the tokenizer's is: sealed, remembered per file identity, fault points for tests
     "gm_graphs.store.faults": {"fault_point"},

@@ -67,8 +67,11 @@ def test_an_os_error_naming_a_descriptor_or_bytes_is_one_line(error, given, mess
 def test_generate_with_a_folder_as_examples_is_one_line_naming_it(home, tmp_path, capsys):
     folder = tmp_path / "examples"
     folder.mkdir()
-    # read before the graph and the model: a graph that does not exist is never reached
-    assert main(["generate", "--graph", "absent", "--prompt", "It was", "--examples", str(folder)]) == 2
+    # read before the graph and the model: a folder that is no graph is never opened (a missing one is refused
+    # while parsing)
+    (tmp_path / "not-a-graph").mkdir()
+    assert main(["generate", "--path", str(tmp_path / "not-a-graph"), "--prompt", "It was", "--examples",
+                 str(folder)]) == 2
     assert _error_line(capsys.readouterr().err, "graphmax generate") == \
         f"--examples {folder} is a folder; write the examples to a file and pass that"
 

@@ -71,7 +71,9 @@ def test_generate_refuses_a_stored_decoder_that_would_fail_in_one_line(graph_pat
 
 
 def test_generate_refuses_a_missing_graph_and_takes_a_name_or_a_folder(home, no_model, graph_path, capsys):
-    assert main(["generate", "--graph", "nowhere", "--prompt", "x"]) == 2
+    with pytest.raises(SystemExit) as refused:  # while parsing, as any argument's refusal
+        main(["generate", "--graph", "nowhere", "--prompt", "x"])
+    assert refused.value.code == 2
     assert "graphmax generate: error: no graph 'nowhere'" in capsys.readouterr().err
     for both_or_none in (["--graph", "a", "--path", str(graph_path)], []):
         with pytest.raises(SystemExit):

@@ -76,6 +76,14 @@ CASES = [
     case(["eval", "--device", "mps"], "--device 'mps': graphmax runs on 'cpu' or 'cuda' devices"),
     case(["eval", "--heldout-fraction", "1"], "argument --heldout-fraction: must be a number strictly between 0 and 1",
          ),
+    case(["eval", "--corpus", "{tmp}/missing.csv"], "corpus file '{tmp}/missing.csv' does not exist", READS),
+    case(["eval", "--out", "{tmp}/link"], "--out {tmp}/link is a symlink"),
+    # a graph that is not there, by name or by folder (generate, tune, graphs)
+    case(["generate", "--graph", "nowhere", "--prompt", "x"], "no graph 'nowhere' in {tmp}/home/graphs"),
+    case(["generate", "--path", "{tmp}/nowhere", "--prompt", "x"], "no graph folder {tmp}/nowhere"),
+    case(["generate", "--graph", "../g", "--prompt", "x"], "'../g' is not a graph name"),
+    case(["tune", "nowhere", "--corpus", CORPUS], "no graph 'nowhere' in {tmp}/home/graphs", READS),
+    case(["graphs", "info", "nowhere"], "no graph 'nowhere' in {tmp}/home/graphs", prog="graphmax graphs"),
     # generate (pipelines/generate.py): every decoder option is checked by its kind's settings while parsing
     case(GENERATE + ["--device", "tpu"], "--device 'tpu' is not a device torch knows"),
     case(GENERATE + ["--lam", "-1"], "argument --lam: must be a finite float >= 0 (0 gives softmax), got -1.0"),
@@ -101,6 +109,7 @@ def places(tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("startup")
     (tmp / "corpus.txt").write_text("the cat sat\nthe dog ran\n")
     (tmp / "no-model").mkdir()
+    (tmp / "link").symlink_to(tmp / "no-model")
     return {"tmp": str(tmp), "corpus": str(tmp / "corpus.txt"), "folder": str(tmp / "no-model")}
 
 
@@ -148,3 +157,44 @@ def test_the_limits_the_build_parser_copies_are_the_librarys():
     assert (build.MAX_ORDER, build.MAX_NGRAM_ORDER, build.NGRAM_RUN_ENTRIES) == (MAX_ORDER, MAX_NGRAM_ORDER,
                                                                                  RUN_ENTRIES)
     assert build.ENGINES == tuple(ENGINES)
+
+
+# ---- the model's libraries: imported once the arguments have passed, with the collector paused --------------------
+
+def _in_a_fresh_interpreter(code: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize("keep, enabled", [(False, True), (True, True), (False, False)])
+def test_the_model_libraries_are_imported_without_a_collection_and_the_collector_is_set_back(keep, enabled):
+    passes, now_enabled, frozen, imported = _in_a_fresh_interpreter(
+        "import gc, sys\n"
+        f"{'' if enabled else 'gc.disable()'}\n"
+        "from pipelines.models import MODEL_LIBRARIES, import_model_libraries\n"
+        "before = sum(s['collections'] for s in gc.get_stats())\n"
+        f"import_model_libraries(keep={keep})\n"
+        "print(sum(s['collections'] for s in gc.get_stats()) - before, gc.isenabled(), gc.get_freeze_count(),\n"
+        "      all(m in sys.modules for m in MODEL_LIBRARIES))\n")
+    assert passes == "0" and imported == "True"
+    assert now_enabled == str(enabled)
+    # kept: every object alive is frozen (torch and transformers make some 370,000); else none stays frozen
+    assert int(frozen) > 100_000 if keep else frozen == "0"
+
+
+PATCHED_DEMO = ("import gc, sys\n"
+                "from pipelines import demo\n"
+                "def run(args):\n"
+                "    print(gc.get_freeze_count() > 100_000, 'transformers.modeling_utils' in sys.modules)\n"
+                "    return 0\n"
+                "demo.run = run\n"
+                "from pipelines.cli import main\n")
+
+
+def test_the_command_line_imports_a_model_commands_libraries_and_freezes_them_in_its_own_process_only():
+    # the process' entry point (argv=None) owns its collector; a caller of main(argv) keeps its own as it was
+    assert _in_a_fresh_interpreter(PATCHED_DEMO + "sys.argv = ['graphmax', 'demo']\nmain()\n") == ["True", "True"]
+    assert _in_a_fresh_interpreter(PATCHED_DEMO + "main(['demo'])\n") == ["False", "True"]

@@ -34,7 +34,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from gm_graphs.errors import GraphBusyError, GraphExistsError, GraphNameError, NotOwnedError, StorageError
+from gm_graphs.errors import (
+    GraphBusyError,
+    GraphExistsError,
+    GraphFormatError,
+    GraphNameError,
+    NotOwnedError,
+    StorageError,
+)
 from gm_graphs.store.faults import fault_point
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")  # ≤ 200 characters: room for ".<name>.tmp-<hex>"
@@ -62,6 +69,44 @@ def graphmax_home() -> Path:
 
 def graphs_root() -> Path:
     return graphmax_home() / "graphs"
+
+
+def list_graphs() -> list[str]:
+    """The names of the folders under ``$GRAPHMAX_HOME/graphs`` that hold a manifest (whole or not).
+
+    Returns:
+        ``list[str]``: the graph names, sorted; empty when there is no such folder.
+
+    Example::
+
+        >>> # tok = word_tokenizer("the cat dog sat ran".split()); folder holds reviews.txt (conftest.py)
+        >>> from gm_graphs import build_graph
+        >>> import os
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"GRAPHMAX_HOME": str(folder / "home")}):   # graphs live here
+        ...     _ = build_graph(folder / "reviews.txt", tok, name="reviews", progress=False)
+        ...     list_graphs()
+        ['reviews']
+    """
+    root = graphs_root()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if NAME.fullmatch(p.name) and (p / MANIFEST).is_file())
+
+
+def missing_graph(graph: str | os.PathLike) -> GraphFormatError | None:
+    """The error that says a graph given by name (``str``) or folder is not there, with the command that builds it;
+    None where something is at its path (what it is, :class:`gm_graphs.Graph` checks). Reads no graph."""
+    path = graph_path(graph)
+    if os.path.lexists(path):
+        return None
+    if isinstance(graph, str):
+        known = ", ".join(list_graphs()) or "none"
+        return GraphFormatError(f"no graph {graph!r} in {graphs_root()} (graphs there: {known}); build it with "
+                                f"`graphmax build CORPUS --tokenizer T --name {graph}`")
+    return GraphFormatError(f"no graph folder {path}; build one with `graphmax build CORPUS --tokenizer T "
+                            f"--path {path}`")
+
 
 
 def check_name(name: object) -> str:

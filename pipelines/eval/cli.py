@@ -61,7 +61,7 @@ def register(sub) -> None:
     p.add_argument("--finetune-budget-s", type=number(at_least=0), default=None,
                    help="seconds of LoRA fine-tuning for the fine-tuned baseline (default: as long as the graph's "
                         "build and tuning took in the same run; 0: no fine-tuned rows)")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, check=check, loads_model=True)
 
 
 def resolve_corpus(args) -> None:
@@ -79,8 +79,26 @@ def resolve_corpus(args) -> None:
     args.clean = bool(args.clean)
 
 
+def check(args) -> None:
+    """What ``graphmax eval`` refuses before torch is imported: a bundled corpus' name becomes its file
+    (:func:`resolve_corpus`), then an ``--out`` that is a symlink, and a corpus whose files, text column or split
+    will not do (``data.check_corpus``).
+
+    Args:
+        args: the parsed command line; corpus, text_column and clean are set in place.
+    """
+    resolve_corpus(args)
+    check_out(Path(args.out))
+    from gm_graphs import expand_corpus  # the readers import pyarrow; eval's data module numba and more
+
+    expand_corpus(args.corpus)  # files that are missing, empty or of no format graphmax reads
+    from .data import check_corpus
+
+    check_corpus(args)
+
+
 def run(args) -> int:
-    """``graphmax eval``: the report written into ``--out``.
+    """``graphmax eval``, once :func:`check` has passed: the report written into ``--out``.
 
     Args:
         args: the parsed command line.
@@ -88,27 +106,15 @@ def run(args) -> int:
     Returns:
         The exit status, 0.
     """
-    resolve_corpus(args)
-    out = run_eval(args)
-    print(f"report: {out / 'report.md'}")
-    return 0
-
-
-def run_eval(args) -> Path:
-    """Check what can be checked before the report's folder is made (the device, the corpus, the model), then
-    measure into that folder; returns it."""
-    from .data import check_corpus
     from .experiment import evaluate
     from .sizes import run_sizes
 
-    check_out(Path(args.out))
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    check_corpus(args)
-    model, tok = load_model(args.model, device=device, dtype=dtype)
+    model, tok = load_model(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
     with report_folder(Path(args.out)) as out:
         evaluate(args, run_sizes(args), model, tok, out)
-    return out
+    print(f"report: {out / 'report.md'}")
+    return 0
 
 
 def _absent_folders(path: Path) -> list[Path]:
