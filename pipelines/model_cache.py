@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -57,6 +56,7 @@ from gm_graphs.store.faults import fault_point
 from gm_graphs.store.folders import fsync_dir, sync_tree
 from gm_graphs.store.sealed import read_sealed, trusted, write_sealed
 from gm_graphs.store.verified import FileIdentity, is_verified, remember
+from gm_graphs.tokenize.gguf import read_once
 
 FORMAT_VERSION = 1  # bump when the entry's layout or the conversion changes: older entries are then not read
 MANIFEST = "graphmax-model.json"
@@ -213,46 +213,11 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-@functools.cache
-def _plain_reader():
-    """gguf's reader over a plain ndarray view of its memory map: the same bytes, but each of the ~250,000 slices
-    its parser takes (two per token of a 49,152-token vocabulary) skips numpy.memmap's Python-level hooks."""
-    import gguf
-    import numpy as np
-
-    class PlainReader(gguf.GGUFReader):
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, value):
-            self._plain = value.view(np.ndarray)
-
-    return PlainReader
-
-
-@contextlib.contextmanager
-def _gguf_read_once():
-    """transformers' GGUF loader, with gguf's reader made once per file instead of twice, over a plain view of its
-    memory map, and its tensor-name map once instead of 397 times (the same values, only not rebuilt). SmolLM2 in a
-    warm process, two cores: ~25 s → ~5 s (``benchmarks/model_load.py``)."""
-    import gguf
-
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.cache(_plain_reader())
-    gguf.get_tensor_name_map = functools.cache(real_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
-
-
 def load_gguf(path: Path, dtype):
     """The model in the GGUF file ``path``, read by transformers (no cache), in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    with _gguf_read_once():
+    with read_once():
         return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
 
 

@@ -176,6 +176,7 @@ CLI_PLUMBING = {
     "gm_graphs.store.faults": {"fault_point"},
     "gm_graphs.store.sealed": {"read_sealed", "trusted", "write_sealed"},
     "gm_graphs.store.verified": {"FileIdentity", "is_verified", "remember"},
+    "gm_graphs.tokenize.gguf": {"read_once"},  # the model cache reads a GGUF file as the tokenizer's cache does
     "gm_graphs.tokenize.encoder": {"BUNDLED_ALIASES"},  # --model's check while parsing: 'smollm2' is no folder
     # generate and demo: torch on the CPU while numba compiles; warm's background compile holds the lock they read
     "gm_solver.backends": {"compile_in_background", "holding_compile_lock"},

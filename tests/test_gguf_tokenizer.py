@@ -125,3 +125,22 @@ def test_a_load_killed_while_caching_leaves_no_entry_and_the_next_load_caches(ac
     conversions = _conversions(monkeypatch)
     _assert_same(load_tokenizer(tiny), _converted(tiny))
     assert _entry(tiny).is_file() and conversions == ["tiny.gguf", "tiny.gguf"]
+
+
+def test_in_a_read_once_block_a_gguf_file_is_parsed_once_into_the_same_fields(tiny):
+    import gguf as gguf_package
+
+    real = gguf_package.GGUFReader
+    reference = real(tiny)
+    with gguf.read_once():
+        first = gguf_package.GGUFReader(tiny)
+        assert gguf_package.GGUFReader(tiny) is first  # the config's, the tokenizer's and the weights' reads
+        with gguf.read_once():  # nested (the model's load around the tokenizer's): the same reader
+            assert gguf_package.GGUFReader(tiny) is first
+        assert gguf_package.GGUFReader(tiny) is first
+    assert gguf_package.GGUFReader is real  # set back after the block
+    assert list(first.fields) == list(reference.fields)
+    for name, field in reference.fields.items():
+        assert first.fields[name].contents() == field.contents(), name
+    assert [t.name for t in first.tensors] == [t.name for t in reference.tensors]
+    assert all((a.data == b.data).all() for a, b in zip(first.tensors, reference.tensors))

@@ -14,6 +14,8 @@ the cache folder after the check is read.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +29,47 @@ from gm_graphs.store.sealed import read_sealed, write_sealed
 SUFFIX = ".gmt"
 _MAX_BYTES = 256 << 20  # a tokenizer's files: a few MB for a 50k vocabulary, tens for the largest
 _MAX_FILES = 16
+
+
+@functools.cache
+def _plain_reader():
+    """gguf's reader over a plain ndarray view of its memory map: the same bytes, but each of the ~250,000 slices
+    its parser takes (two per token of a 49,152-token vocabulary) skips numpy.memmap's Python-level hooks."""
+    import gguf
+    import numpy as np
+
+    class PlainReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)
+
+    return PlainReader
+
+
+@contextlib.contextmanager
+def read_once():
+    """A block in which transformers reads GGUF files with gguf's reader made once per file (it makes one for the
+    config, one for the tokenizer and one for the weights), over a plain view of its memory map, and gguf's
+    tensor-name map made once instead of once per submodule (397 times for SmolLM2): the same values, only not
+    rebuilt. In a block already, nothing more is done. SmolLM2's model and tokenizer, two cores:
+    ``benchmarks/model_load.py``."""
+    import gguf
+
+    if getattr(gguf.GGUFReader, "graphmax_read_once", False):
+        yield
+        return
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(_plain_reader())
+    gguf.GGUFReader.graphmax_read_once = True
+    gguf.get_tensor_name_map = functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def _identity(path: Path) -> tuple:
@@ -124,7 +167,8 @@ def load_gguf_tokenizer(path: Path):
     if tok is None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with read_once():
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         try:
             _save(tok, identity)
         except _SaveFailed as failed:  # the tokenizer is loaded all the same: only the cache is missing
