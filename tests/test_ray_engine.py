@@ -1,7 +1,9 @@
 """The Ray engine: the same graph as the local engine byte for byte, retried faults, clear failures.
 
-Ray runs locally (``ray.init(num_cpus=2)``), started once for the test session. Tests that need Ray are skipped
-where the ``ray`` extra is not installed (``pip install 'graphmax[ray]'``, which setup.sh does).
+Ray runs locally (``ray.init(num_cpus=2)``), started once for the test session. Tests that start Ray are marked
+``ray``: they run as their own step (``python3 -m pytest -q -m ray``; Ray's processes take both cores of the machine
+the main suite shares between its two workers). They are skipped where the ``ray`` extra is not installed
+(``pip install 'graphmax[ray]'``, which setup.sh does).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.ray
 def test_drug_reviews_build_the_same_graph_on_ray(ray_local, smollm2_tokenizer, tmp_path):
     kw = dict(text_column="review", clean=True, orders=(1, 2), ngrams=(3, 4), progress=False)
     local = build_graph(bundled.drug_reviews_zip(), smollm2_tokenizer, path=tmp_path / "local", **kw)
@@ -66,6 +69,7 @@ def generated(tmp_path_factory) -> list[Path]:
 
 
 @pytest.mark.parametrize("bos_eos", [False, True])
+@pytest.mark.ray
 def test_generated_corpora_build_the_same_graph_on_ray(ray_local, generated, bpe_tokenizer, tmp_path, bos_eos):
     # tiny buffers: every unit sends many pieces to every range, and the local build merges many runs
     kw = dict(orders=(1, 2), ngrams=(3, 4), bos_eos=bos_eos, ngram_run_entries=97, batch_docs=13, progress=False)
@@ -80,6 +84,7 @@ def test_generated_corpora_build_the_same_graph_on_ray(ray_local, generated, bpe
     assert not (tmp_path / "ray" / ".ranges").exists()
 
 
+@pytest.mark.ray
 def test_corpus_paths_are_recorded_as_given_like_the_local_engine(ray_local, generated, bpe_tokenizer, tmp_path,
                                                                  monkeypatch):
     """Relative paths stay relative in the manifest (the files' entries and the per-file counts), as the local
@@ -95,6 +100,7 @@ def test_corpus_paths_are_recorded_as_given_like_the_local_engine(ray_local, gen
     assert_same_graph(local, distributed)
 
 
+@pytest.mark.ray
 def test_parquet_uris_are_read_by_ray_data(ray_local, generated, bpe_tokenizer, tmp_path):
     parquet = generated[3]
     kw = dict(orders=(1,), ngrams=(3,), progress=False)
@@ -105,6 +111,7 @@ def test_parquet_uris_are_read_by_ray_data(ray_local, generated, bpe_tokenizer, 
     assert distributed.manifest["corpus"]["files"][0]["sha256"] == local.manifest["corpus"]["files"][0]["sha256"]
 
 
+@pytest.mark.ray
 def test_a_task_that_fails_once_is_retried_and_the_graph_is_exact(ray_local, generated, bpe_tokenizer, tmp_path,
                                                                    monkeypatch):
     kw = dict(orders=(1,), ngrams=(3,), progress=False)
@@ -116,6 +123,7 @@ def test_a_task_that_fails_once_is_retried_and_the_graph_is_exact(ray_local, gen
     assert_same_graph(local, distributed)
 
 
+@pytest.mark.ray
 def test_a_task_that_keeps_failing_names_its_block_and_writes_nothing(ray_local, generated, bpe_tokenizer, tmp_path,
                                                                       monkeypatch):
     monkeypatch.setenv("GRAPHMAX_FAULT", "count.batch:raise")
@@ -127,6 +135,7 @@ def test_a_task_that_keeps_failing_names_its_block_and_writes_nothing(ray_local,
     assert sorted(os.listdir(tmp_path)) == []  # no graph, no staging folder, no lock
 
 
+@pytest.mark.ray
 def test_a_corpus_error_in_a_worker_stays_a_corpus_error(ray_local, generated, bpe_tokenizer, tmp_path):
     with pytest.raises(CorpusError, match="no column 'body'"):
         build_graph(generated[3:], bpe_tokenizer, path=tmp_path / "g", engine="ray", text_column="body",
@@ -149,6 +158,7 @@ def test_without_ray_the_error_names_the_extra(monkeypatch, csv_corpus, bpe_toke
     assert "\n" not in err and "graphmax[ray]" in err
 
 
+@pytest.mark.ray
 def test_an_unreachable_address_fails_in_one_line_within_30_s(csv_corpus, bpe_tokenizer_file, tmp_path):
     pytest.importorskip("ray")
     with socket.socket() as s:  # a port nothing listens on
@@ -181,6 +191,7 @@ def _cli(args: list[str], home: Path, mark: str, *, code: str | None = None, tim
     return subprocess.run([sys.executable, *head, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.ray
 def test_the_cli_starts_a_local_ray_for_the_whole_build_and_stops_all_of_it(csv_corpus, bpe_tokenizer_file,
                                                                               tmp_path):
     """Without --ray-address the build starts Ray on this machine, in a fresh process: Ray's head processes must
@@ -202,6 +213,7 @@ def test_the_cli_starts_a_local_ray_for_the_whole_build_and_stops_all_of_it(csv_
     assert_same_graph(local, load_graph(tmp_path / "home" / "graphs" / "g"))
 
 
+@pytest.mark.ray
 def test_a_local_ray_that_does_not_answer_fails_in_one_line_naming_the_timeout_and_leaves_no_process(
         csv_corpus, bpe_tokenizer_file, tmp_path):
     """The start's GCS server is stopped (SIGSTOP) as soon as it appears, so the start never answers."""
