@@ -35,8 +35,8 @@ def import_model_libraries(*, keep: bool = False) -> None:
     collector makes a full pass each time the long-lived objects have grown by a quarter, so it would scan them
     about five times while they are made, and three times more once it runs again (each young generation, then
     the oldest): over a second of the 2.6 s these imports take on two cores (``benchmarks/first_use.py``). Once
-    imported, they are moved to the oldest generation, which only the full passes scan; imported already, nothing
-    is done.
+    imported, they are moved to the oldest generation, which only the full passes scan (unless the process has
+    frozen objects of its own, which that move would thaw); imported already, nothing is done.
 
     Args:
         keep (``bool``, defaults to ``False``): the process keeps these libraries to its end and owns its
@@ -51,8 +51,10 @@ def import_model_libraries(*, keep: bool = False) -> None:
         for name in MODEL_LIBRARIES:
             importlib.import_module(name)
     finally:
-        gc.freeze()
-        if not keep:
+        if keep:
+            gc.freeze()
+        elif gc.get_freeze_count() == 0:  # (a caller's own frozen objects would be thawed with them)
+            gc.freeze()
             gc.unfreeze()  # into the oldest generation: collected as before, by the full passes
         if enabled:
             gc.enable()

@@ -129,26 +129,29 @@ def _held(lock: Path) -> subprocess.Popen:
     return child
 
 
-def test_torch_leaves_a_core_to_a_compile_running_beside_and_takes_it_back_after(monkeypatch, tmp_path, threads):
+def test_torch_and_numba_leave_a_core_to_a_compile_running_beside_and_take_it_back_after(monkeypatch, tmp_path,
+                                                                                        threads):
     lock = tmp_path / "warm.lock"
     monkeypatch.setattr(backends, "compile_lock", lambda: lock)
     monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: True)
     fewer = max(1, min(threads, os.cpu_count()) - 1)
+    numba_threads = numba.get_num_threads()
+    numba_fewer = max(1, min(numba_threads, os.cpu_count()) - 1)
     command = [sys.executable, "-c", "pass"]
     with backends.compile_in_background(command):  # no compile beside: every thread
-        assert torch.get_num_threads() == threads
+        assert (torch.get_num_threads(), numba.get_num_threads()) == (threads, numba_threads)
     lock.touch()
     with backends.compile_in_background(command):  # the lock's file left by a compile that has ended
-        assert torch.get_num_threads() == threads
+        assert (torch.get_num_threads(), numba.get_num_threads()) == (threads, numba_threads)
     child = _held(lock)
     try:
         with backends.compile_in_background(command):  # an earlier run's compile still running
-            assert torch.get_num_threads() == fewer
-            assert backends.choose(torch.device("cpu")) == "numba"
+            assert (torch.get_num_threads(), numba.get_num_threads()) == (fewer, numba_fewer)
+            assert backends.choose(torch.device("cpu")) == "numba"  # its kernels cached: decoding beside it
     finally:
         child.kill()
         child.wait()
-    assert torch.get_num_threads() == threads
+    assert (torch.get_num_threads(), numba.get_num_threads()) == (threads, numba_threads)
     # this run starts the compile: a core fewer from then on, every thread again after the block
     monkeypatch.setattr(backends, "_kernels_cached", lambda kernels: False)
     with backends.compile_in_background(command):

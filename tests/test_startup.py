@@ -185,6 +185,26 @@ def test_the_model_libraries_are_imported_without_a_collection_and_the_collector
     assert int(frozen) > 100_000 if keep else frozen == "0"
 
 
+def test_a_callers_frozen_objects_stay_frozen(monkeypatch, tmp_path):
+    import gc
+
+    from pipelines import models
+
+    (tmp_path / "graphmax_probe_library.py").write_text("made = [[] for _ in range(1000)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(models, "MODEL_LIBRARIES", ("graphmax_probe_library",))
+    monkeypatch.delitem(sys.modules, "graphmax_probe_library", raising=False)
+    gc.freeze()  # as a server does before it forks
+    frozen = gc.get_freeze_count()
+    try:
+        models.import_model_libraries()
+        assert "graphmax_probe_library" in sys.modules and gc.isenabled()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+        sys.modules.pop("graphmax_probe_library", None)
+
+
 def test_the_command_line_imports_a_model_commands_libraries_and_freezes_them_in_its_own_process_only(monkeypatch):
     import gc
 

@@ -137,7 +137,7 @@ def choose(device: torch.device, request: str = "auto", *, float64_only: bool = 
 #: ``pipelines.warm`` compiles: the context decoders' step, and the paper decoder's CSR product and mirror start.
 #: Cached, a step loads them in about a second instead of compiling them for minutes.
 ENTRY_KERNELS = ("context.decode_step", "csr.product", "mirror.start_rows")
-_quick = {"command": None, "kernels": ENTRY_KERNELS, "ready": None, "threads": None}
+_quick = {"command": None, "kernels": ENTRY_KERNELS, "ready": None, "threads": None, "numba_threads": None}
 
 
 @contextlib.contextmanager
@@ -154,9 +154,10 @@ def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_K
     (``gm_graphs.store.kernel_cache.kernel_cached``); one that is damaged or another user's is a miss.
 
     While such a compile runs (started here, or by an earlier run and still holding :func:`compile_lock`), torch's
-    threads inside the block are one fewer than the cores, and are restored after it: a team of threads one of
-    which waits for the core the compile holds stalls at every operation. Measured on 2 cores
-    (``benchmarks/first_use.py``): the torch step 1.5 s a token on 2 threads beside the compile, 75 ms on 1.
+    threads and numba's inside the block are one fewer than the cores, and are restored after it: a team of
+    threads one of which waits for the core the compile holds stalls at every operation. Measured on 2 cores
+    (``benchmarks/first_use.py``): the torch step 1.5 s a token on 2 threads beside the compile, 75 ms on 1; the
+    numba step (its kernels compiled, others still compiling) 358 ms a token on 2 threads, 63 ms on 1.
 
     Args:
         command (``list[str]``): the compiling process' command line.
@@ -180,14 +181,18 @@ def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_K
     if malformed:
         raise ValueError(f"kernels are named 'module.kernel' of gm_solver.backends.numba, like "
                          f"'context.decode_step'; got {', '.join(map(repr, malformed))}")
+    import numba  # its threads too; a decoding command has it imported already (graphs count with it)
+
     before = dict(_quick)
-    _quick.update(command=list(command), kernels=kernels, ready=None, threads=torch.get_num_threads())
+    _quick.update(command=list(command), kernels=kernels, ready=None, threads=torch.get_num_threads(),
+                  numba_threads=numba.get_num_threads())
     if _compiling():
         _leave_a_core()
     try:
         yield
     finally:
         torch.set_num_threads(_quick["threads"])
+        numba.set_num_threads(_quick["numba_threads"])
         _quick.update(before)
 
 
@@ -247,8 +252,13 @@ def _compiling() -> bool:
 
 
 def _leave_a_core() -> None:
-    """torch's threads one fewer than the block started with (at most the cores), however often it is called."""
-    torch.set_num_threads(max(1, min(_quick["threads"], os.cpu_count() or 1) - 1))
+    """torch's and numba's threads one fewer than the block started with (at most the cores), however often it is
+    called."""
+    import numba
+
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, min(_quick["threads"], cores) - 1))
+    numba.set_num_threads(max(1, min(_quick["numba_threads"], cores) - 1))
 
 
 def _numba_ready() -> bool:
