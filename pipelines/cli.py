@@ -30,6 +30,7 @@ import signal
 import stat
 import sys
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -141,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             code = _run(argv, state, entry and on_main)
             if entry and on_main:  # a signal before this line is an interrupt of the command, said below
-                gc.freeze()  # the exit would scan every object still alive, a second for a model's libraries
                 _exit_on_signal({how: state.ended_line(code, how) for how in _LATE})
         except KeyboardInterrupt:
             code = state.stopped("interrupted", 130, entry and on_main)
@@ -149,11 +149,36 @@ def main(argv: list[str] | None = None) -> int:
             code = state.stopped("terminated", 143, entry and on_main)
         return code
     finally:
+        if entry and on_main:
+            _settle_for_exit()
         if code is None or not (entry and on_main):  # an entry point's handlers stay: the process is ending
             if catch_term:  # None: a handler set outside Python, which cannot be put back; the default instead
                 signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
             if not entry:
                 restore_streams()
+
+
+def _settle_for_exit() -> None:
+    """The process' objects frozen (``gc.freeze``), so that the interpreter's exit does not scan them all (a second,
+    once a model's libraries are in), unless an extension built with nanobind is loaded (triton, which transformers
+    imports beside a torch built for CUDA): nanobind reports its objects still alive at exit as leaks, a hundred
+    lines on stderr, so there they are thawed and collected as usual."""
+    if _nanobind_loaded():
+        gc.unfreeze()
+    else:
+        gc.freeze()
+
+
+def _nanobind_loaded() -> bool:
+    """Whether an extension module (or a submodule it made) holds a class of nanobind's (metaclass ``nb_meta``)."""
+    for module in list(sys.modules.values()):
+        if not str(getattr(module, "__file__", None) or "").endswith((".so", ".pyd")):
+            continue
+        for space in [module, *(v for v in vars(module).values() if isinstance(v, types.ModuleType)
+                                and getattr(v, "__file__", None) is None)]:
+            if any(isinstance(v, type) and type(v).__module__ == "nanobind" for v in list(vars(space).values())):
+                return True
+    return False
 
 
 def _run(argv: list[str], state: _Run, owns_process: bool) -> int:

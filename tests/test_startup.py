@@ -226,3 +226,23 @@ def test_the_command_line_imports_a_model_commands_libraries_and_freezes_them_in
     frozen = gc.get_freeze_count()
     monkeypatch.setattr(demo, "run", lambda args: 0)
     assert main(["demo"]) == 0 and gc.get_freeze_count() == frozen
+
+
+def test_an_extension_of_nanobinds_is_seen_so_that_the_exit_thaws_what_it_would_report_as_leaked(monkeypatch):
+    import types
+
+    from pipelines import cli
+
+    seen = cli._nanobind_loaded()  # True where triton is loaded (torch built for CUDA, vLLM's venv)
+    plain = types.ModuleType("graphmax_plain_extension")
+    plain.__file__ = "/nowhere/graphmax_plain_extension.so"
+    plain.Thing = type("Thing", (), {})
+    monkeypatch.setitem(sys.modules, plain.__name__, plain)
+    assert cli._nanobind_loaded() == seen
+    nb_meta = type("nb_meta", (type,), {"__module__": "nanobind"})
+    made = types.ModuleType("graphmax_nanobind_extension")
+    made.__file__ = "/nowhere/graphmax_nanobind_extension.cpython-311-x86_64-linux-gnu.so"
+    made.ir = types.ModuleType("graphmax_nanobind_extension.ir")  # a submodule nanobind made: no file of its own
+    made.ir.builder = nb_meta("builder", (), {})
+    monkeypatch.setitem(sys.modules, made.__name__, made)
+    assert cli._nanobind_loaded()
