@@ -156,6 +156,8 @@ def graph_error(args: argparse.Namespace) -> str | None:
         missing = missing_graph(args.graph_path if args.graph_path is not None else args.graph)
     except GraphmaxError as e:  # a name that is no graph name
         return str(e)
+    except OSError:  # (graphs' folder unreadable, a name too long): the command's opening reports it in one line
+        return None
     return None if missing is None else str(missing)
 
 

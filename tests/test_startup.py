@@ -252,3 +252,14 @@ def test_an_extension_of_nanobinds_is_seen_so_that_the_exit_thaws_what_it_would_
     made.ir.builder = nb_meta("builder", (), {})
     monkeypatch.setitem(sys.modules, made.__name__, made)
     assert cli._nanobind_loaded()
+
+
+def test_a_graphs_folder_that_cannot_be_read_is_left_to_the_commands_one_line(tmp_path, monkeypatch, capsys):
+    # a name too long for the file system in $GRAPHMAX_HOME: the check while parsing cannot list the graphs, and the
+    # command's opening of the graph reports it as any file-system error, in one line with the fix
+    from pipelines.cli import main
+
+    monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / ("x" * 300)))
+    assert main(["graphs", "info", "nowhere"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("graphmax graphs: error: file name too long"), lines

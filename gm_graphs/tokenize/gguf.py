@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -50,26 +51,30 @@ def _plain_reader():
     return PlainReader
 
 
+_read_once = threading.RLock()  # the patch is the gguf module's, seen by every thread: one block at a time
+
+
 @contextlib.contextmanager
 def read_once():
     """A block in which transformers reads GGUF files with gguf's reader made once per file (it makes one for the
     config, one for the tokenizer and one for the weights), over a plain view of its memory map, and gguf's
     tensor-name map made once instead of once per submodule (397 times for SmolLM2): the same values, only not
-    rebuilt. In a block already, nothing more is done. SmolLM2's model and tokenizer, two cores:
-    ``benchmarks/model_load.py``."""
+    rebuilt. In a block already (this thread's), nothing more is done; another thread's block waits for this one
+    to end. SmolLM2's model and tokenizer, two cores: ``benchmarks/model_load.py``."""
     import gguf
 
-    if getattr(gguf.GGUFReader, "graphmax_read_once", False):
-        yield
-        return
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.cache(_plain_reader())
-    gguf.GGUFReader.graphmax_read_once = True
-    gguf.get_tensor_name_map = functools.cache(real_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+    with _read_once:
+        if getattr(gguf.GGUFReader, "graphmax_read_once", False):
+            yield
+            return
+        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader = functools.cache(_plain_reader())
+        gguf.GGUFReader.graphmax_read_once = True
+        gguf.get_tensor_name_map = functools.cache(real_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def _identity(path: Path) -> tuple:

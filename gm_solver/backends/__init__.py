@@ -154,8 +154,9 @@ def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_K
     (``gm_graphs.store.kernel_cache.kernel_cached``); one that is damaged or another user's is a miss.
 
     While such a compile runs (started here, or by an earlier run and still holding :func:`compile_lock`), torch's
-    threads and numba's inside the block are one fewer than the cores, and are restored after it: a team of
-    threads one of which waits for the core the compile holds stalls at every operation. Measured on 2 cores
+    threads and numba's (those of the thread that entered the block, where the command line decodes) are one fewer
+    than the cores inside the block, and are restored after it: a team of threads one of which waits for the core
+    the compile holds stalls at every operation. Measured on 2 cores
     (``benchmarks/first_use.py``): the torch step 1.5 s a token on 2 threads beside the compile, 75 ms on 1; the
     numba step (its kernels compiled, others still compiling) 358 ms a token on 2 threads, 63 ms on 1.
 
@@ -183,16 +184,21 @@ def compile_in_background(command: list[str], kernels: tuple[str, ...] = ENTRY_K
                          f"'context.decode_step'; got {', '.join(map(repr, malformed))}")
     import numba  # its threads too; a decoding command has it imported already (graphs count with it)
 
+    try:  # (numba's count is the calling thread's: the one that decodes, in the command line)
+        numba_threads = numba.get_num_threads()
+    except Exception:  # a threading layer that cannot start: its own error comes at a parallel kernel, as before
+        numba_threads = None
     before = dict(_quick)
     _quick.update(command=list(command), kernels=kernels, ready=None, threads=torch.get_num_threads(),
-                  numba_threads=numba.get_num_threads())
+                  numba_threads=numba_threads)
     if _compiling():
         _leave_a_core()
     try:
         yield
     finally:
         torch.set_num_threads(_quick["threads"])
-        numba.set_num_threads(_quick["numba_threads"])
+        if numba_threads is not None:
+            numba.set_num_threads(numba_threads)
         _quick.update(before)
 
 
@@ -258,7 +264,8 @@ def _leave_a_core() -> None:
 
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, min(_quick["threads"], cores) - 1))
-    numba.set_num_threads(max(1, min(_quick["numba_threads"], cores) - 1))
+    if _quick["numba_threads"] is not None:
+        numba.set_num_threads(max(1, min(_quick["numba_threads"], cores) - 1))
 
 
 def _numba_ready() -> bool:
