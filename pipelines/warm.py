@@ -44,11 +44,16 @@ def _graph(folder: Path, tokenizer: str, orders: tuple[int, ...], ngrams: bool):
 
 
 def warm_context(tokenizer: str) -> None:
-    """The counting and n-gram kernels, then one step of the context decoder (its types do not depend on Ã²)."""
+    """The counting and n-gram kernels, then one step of the context decoder (its types do not depend on Ã²), and
+    its reference rows alone (what eval's interpolation rows read)."""
+    import torch
+
     from gm_solver import ContextGraphmaxLogitsProcessor
 
     with tempfile.TemporaryDirectory(prefix="graphmax-warm-") as tmp:
-        ContextGraphmaxLogitsProcessor(_graph(Path(tmp), tokenizer, (1,), ngrams=True)).warmup()
+        decoder = ContextGraphmaxLogitsProcessor(_graph(Path(tmp), tokenizer, (1,), ngrams=True))
+        decoder.warmup()
+        decoder.reference(torch.zeros((1, 2), dtype=torch.long))
 
 
 def warm_operators_and_paper(tokenizer: str) -> None:
