@@ -101,7 +101,10 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, *, device: str | torch.d
     dtype = resolve_dtype(dtype, device)
     try:
         if path.suffix == ".gguf":
-            model, tok = _load_gguf(path, dtype)
+            from gm_graphs.tokenize.gguf import read_once
+
+            with read_once():  # one reader of the file for its tokenizer, config and weights, where any is converted
+                model, tok = _load_gguf(path, dtype)
         else:
             from transformers import AutoModelForCausalLM
 
@@ -126,15 +129,6 @@ _warned = False  # a cache that cannot be written once cannot be written again: 
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
-    """The GGUF file's model, through the model cache, and its tokenizer (from the tokenizer cache), reading the
-    file with one reader for the tokenizer, the config and the weights where any of them is converted."""
-    from gm_graphs.tokenize.gguf import read_once
-
-    with read_once():
-        return _load_gguf_caches(path, dtype)
-
-
-def _load_gguf_caches(path: Path, dtype: torch.dtype):
     """The GGUF file's model, through the model cache, and its tokenizer (from the tokenizer cache). Where the
     model cache cannot be written, the model is read from the GGUF file with one warning per process, which also
     stands for the tokenizer cache's (both live in ``$GRAPHMAX_HOME``)."""
@@ -161,7 +155,7 @@ def _load_gguf_caches(path: Path, dtype: torch.dtype):
             warnings.warn(f"graphmax cannot cache the model {path}: writing in {failed.where} failed "
                           f"({failed.why}){ignored}; it is read from the GGUF file at each load (several seconds) "
                           f"until it can be; free space there or make it writable, or set GRAPHMAX_HOME to a writable "
-                          f"folder", RuntimeWarning, stacklevel=4)
+                          f"folder", RuntimeWarning, stacklevel=3)
         if failed.model is not None and dtype == torch.float32:
             model = failed.model  # converted in float32 already
         else:

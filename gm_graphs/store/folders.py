@@ -108,7 +108,6 @@ def missing_graph(graph: str | os.PathLike) -> GraphFormatError | None:
                             f"--path {path}`")
 
 
-
 def check_name(name: object) -> str:
     """``name`` if it is a valid graph name, else a :class:`GraphNameError` that says how to give a folder."""
     if not isinstance(name, str) or not NAME.fullmatch(name):

@@ -91,10 +91,10 @@ def check(args) -> None:
     check_out(Path(args.out))
     from gm_graphs import expand_corpus  # the readers import pyarrow; eval's data module numba and more
 
-    expand_corpus(args.corpus)  # files that are missing, empty or of no format graphmax reads
+    files = expand_corpus(args.corpus)  # files that are missing, empty or of no format graphmax reads
     from .data import check_corpus
 
-    check_corpus(args)
+    check_corpus(args, files)
 
 
 def run(args) -> int:

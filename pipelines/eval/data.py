@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from gm_graphs import Graph, add_ngrams, count_corpus, expand_corpus, iter_documents, split_corpus, write_graph
+from gm_graphs import Graph, add_ngrams, count_corpus, iter_documents, split_corpus, write_graph
 from gm_graphs.corpus.split import heldout_side
 from gm_graphs.errors import CorpusError
 
@@ -78,10 +78,10 @@ def check_sides(train: int, heldout: int, fraction: float) -> None:
                           f"training and {heldout:,} held-out documents; add documents or change --heldout-fraction")
 
 
-def check_corpus(args) -> None:
-    """What can be known of the corpus before anything is written: its files, its text column, that it holds
-    documents, and, for one of at most ``PRECHECK_DOCS`` documents (read whole here), its split's sides."""
-    files = expand_corpus(args.corpus)
+def check_corpus(args, files: list[Path]) -> None:
+    """What can be known of the corpus before anything is written, past its ``files`` (``expand_corpus`` of
+    ``args.corpus``): its text column, that it holds documents, and, for one of at most ``PRECHECK_DOCS``
+    documents (read whole here), its split's sides."""
     sides = {False: 0, True: 0}  # held out?
     for docs in iter_documents(files, args.text_column, clean=args.clean):
         for doc in docs:
