@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         if entry and on_main:
+            if state.leaves_resident and code not in (None, 130, 143):  # (not after a Ctrl-C or a kill)
+                from . import resident
+
+                resident.start()
             _settle_for_exit()
         if code is None or not (entry and on_main):  # an entry point's handlers stay: the process is ending
             if catch_term:  # None: a handler set outside Python, which cannot be put back; the default instead
@@ -185,9 +189,9 @@ def _run(argv: list[str], state: _Run, owns_process: bool) -> int:
     """Parse ``argv`` and run its command; graphmax's and the file system's errors become one line and status 2.
 
     A command's ``check`` (set by its parser) refuses what reading a file tells, before torch is imported; a
-    command whose parser sets ``loads_model`` then has torch and transformers imported for it, frozen out of the
-    collector's passes where the process is the command's own (``owns_process``,
-    :func:`pipelines.models.import_model_libraries`).
+    command whose parser sets ``loads_model`` then runs in this environment's resident process where the process is
+    the command's own (``owns_process``, :mod:`pipelines.resident`), or has torch and transformers imported for it,
+    frozen out of the collector's passes where it owns the process (:func:`pipelines.models.import_model_libraries`).
     """
     # a command's module, or for a help page every module; a line that names no command fails on bare parsers
     helps = any(arg in ("-h", "--help") for arg in argv)
@@ -209,6 +213,13 @@ def _run(argv: list[str], state: _Run, owns_process: bool) -> int:
         if hasattr(args, "check"):
             args.check(args)
         if getattr(args, "loads_model", False):
+            if owns_process:  # a resident with the libraries imported runs it, or this process leaves one behind
+                from . import resident
+
+                code = resident.forward(argv)
+                if code is not None:
+                    return code
+                state.leaves_resident = True
             from .models import import_model_libraries
 
             import_model_libraries(keep=owns_process)
@@ -241,6 +252,7 @@ class _Run:
         self.target: Path | None = None
         self.before: object = None
         self.started = False
+        self.leaves_resident = False  # a model command that ran in this process: a resident is started at its end
 
     def watch(self, args: argparse.Namespace) -> None:
         self.started = True

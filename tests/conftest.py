@@ -13,6 +13,8 @@ from hypothesis import settings
 
 from .helpers import make_docs
 
+# no resident process (pipelines/resident.py) outlives a test's command: tests/test_resident.py sets it on for its own
+os.environ["GRAPHMAX_RESIDENT"] = "0"
 settings.register_profile("ci", deadline=None, max_examples=30, derandomize=True)
 settings.load_profile("ci")
 

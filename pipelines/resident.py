@@ -1,0 +1,628 @@
+"""The resident process: torch and transformers imported once, and every later model command forked from it, so that
+a command starts with its libraries loaded instead of importing them for three seconds on two cores.
+
+The first model command of an environment runs in its own process, as always, and then leaves a resident behind
+(:func:`start`): a detached process that imports the model libraries and graphmax's commands, then waits on a Unix
+socket. A later command (:func:`forward`) sends it its arguments, folder, environment and umask, with its stdin,
+stdout and stderr themselves (``SCM_RIGHTS``); the resident forks, and the child runs the command on those streams,
+as the command's own process would, and reports its exit status. The command line waits, passes on its Ctrl-C,
+SIGTERM, SIGHUP and SIGQUIT to the child, and exits with the child's status. A resident serves the environment it
+was started from alone (:func:`environment_key`: the interpreter, its flags and path, the installed packages'
+folders, graphmax's source files, the environment variables), and leaves after ``GRAPHMAX_RESIDENT`` idle minutes
+(default 10; ``0``: no resident at all).
+
+Trust: the socket and its lock live in ``$GRAPHMAX_HOME/run``, a folder of the user's alone (mode 0700); a folder,
+socket or lock that is not the user's, or not what its name says, means no resident, and the command runs in its own
+process. The resident answers only its own user (``SO_PEERCRED``), checks every request before it forks, and a
+request it cannot read is closed without an answer. A resident that stops before the child has started leaves the
+command to run in its own process; once it has started, a lost connection ends the child (SIGTERM). Linux only
+(fork, ``SCM_RIGHTS``, ``SO_PEERCRED``); elsewhere every command runs in its own process.
+
+Files (per environment key ``K``, in ``$GRAPHMAX_HOME/run``): ``K.lock`` held by the resident for its life, ``K.sock``
+its socket (created under another name and renamed into place), ``K.log`` what it served (its last 256 KiB).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gm_graphs import GraphmaxError
+
+VARIABLE = "GRAPHMAX_RESIDENT"
+IDLE_MINUTES = 10.0
+# what a shell changes from one command line to the next; no library reads them while it is imported
+VOLATILE = frozenset({"_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES", "PS1", "PS2", "PS4", "PROMPT_COMMAND",
+                      "HISTFILE", "HISTSIZE", "HISTFILESIZE", "PYTEST_CURRENT_TEST"})
+PACKAGES = ("gm_graphs", "gm_solver", "pipelines")  # graphmax's source: an edit is another environment
+MAX_REQUEST = 1 << 20  # bytes; an environment and a command line are far smaller
+LOG_LIMIT = 256 << 10
+STARTING_WAIT = 20.0  # seconds a command waits for a resident that is still importing (~3 s on two cores)
+SOCKET_PATH_MAX = 100
+ROOT = Path(__file__).resolve().parent.parent  # sockaddr_un holds 108 bytes
+_in_child = False  # set in a command the resident forked: it runs here, and leaves no resident of its own
+_asked: tuple[str, dict] | None = None  # the key and environment :func:`forward` saw, for :func:`start`
+
+
+def idle_minutes(environ=None) -> float:
+    """``GRAPHMAX_RESIDENT`` read: the minutes a resident waits for a command before it leaves; 0 for none.
+
+    Raises:
+        GraphmaxError: the variable is set to something other than a number of minutes ≥ 0.
+    """
+    text = (os.environ if environ is None else environ).get(VARIABLE, "").strip()
+    if not text:
+        return IDLE_MINUTES
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes >= 0 or minutes == float("inf"):
+        raise GraphmaxError(f"{VARIABLE}={text!r} is not a number of minutes; give the minutes a resident process "
+                            f"waits for the next command (default {IDLE_MINUTES:g}), or 0 for none")
+    return minutes
+
+
+def supported() -> bool:
+    """Whether this platform has what the resident uses (fork, descriptors over a Unix socket, the peer's uid)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED")
+
+
+def environment_key(environ=None) -> str:
+    """What a resident must share with a command to run it: the interpreter, its flags and ``sys.path``, the
+    installed packages' folders (a ``pip install`` changes them), graphmax's source files, the user and every
+    environment variable but a shell's own (:data:`VOLATILE`) and graphmax's (which it reads as a command runs,
+    never while it is imported; the child runs with the command's own); hex, 20 characters."""
+    environ = os.environ if environ is None else environ
+    code = []
+    for package in PACKAGES:  # (installed side by side; whether each is imported yet does not matter)
+        for path in sorted((ROOT / package).rglob("*.py")):
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                code.append((str(path), st.st_mtime_ns, st.st_size))
+    installed = []
+    for entry in sys.path:
+        if Path(entry).name in ("site-packages", "dist-packages"):
+            with contextlib.suppress(OSError):
+                installed.append((entry, os.stat(entry).st_mtime_ns))
+    what = {"executable": sys.executable, "version": sys.version, "flags": subprocess._args_from_interpreter_flags(),
+            "path": sys.path, "uid": os.getuid(), "installed": installed, "code": code,
+            "environ": sorted((k, v) for k, v in environ.items()
+                              if k not in VOLATILE and not k.startswith("GRAPHMAX_"))}
+    text = json.dumps(what, sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()[:20]
+
+
+def run_folder() -> Path | None:
+    """``$GRAPHMAX_HOME/run``, made if missing; None where it is not a folder of this user's alone (mode 0700)."""
+    from gm_graphs import graphmax_home
+
+    folder = graphmax_home() / "run"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        st = os.lstat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return folder
+
+
+def _paths(folder: Path, key: str) -> tuple[Path, Path, Path] | None:
+    sock, lock, log = (folder / f"{key}.{ext}" for ext in ("sock", "lock", "log"))
+    return None if len(os.fsencode(sock)) > SOCKET_PATH_MAX else (sock, lock, log)
+
+
+def _open_lock(path: Path, create: bool) -> int | None:
+    """The lock file's descriptor, or None where it is missing or not a regular file of this user's (a FIFO is
+    opened without blocking, then refused)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _held(lock: Path) -> bool:
+    """Whether a resident holds ``lock`` (alive: importing or serving)."""
+    fd = _open_lock(lock, create=False)
+    if fd is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _ours(path: Path, kind: int) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid()
+
+
+# --- the command's side ---------------------------------------------------------------------------------------------
+
+def forward(argv: list[str]) -> int | None:
+    """Run the command ``argv`` in this environment's resident, and return its exit status; None where no resident
+    serves it (none, another's, still importing after :data:`STARTING_WAIT` s, or gone before the command started):
+    the caller runs the command itself."""
+    if _in_child or not supported() or idle_minutes() == 0:
+        return None
+    global _asked
+    folder = run_folder()
+    key = environment_key()
+    _asked = key, dict(os.environ)  # what a resident started at the command's end serves (the command may set some)
+    paths = _paths(folder, key) if folder is not None else None
+    if paths is None:
+        return None
+    sock_path, lock, _ = paths
+    deadline = time.monotonic() + STARTING_WAIT
+    while not _ours(sock_path, stat.S_IFSOCK):
+        if not _held(lock) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(5.0)
+        conn.connect(os.fspath(sock_path))
+        conn.settimeout(None)
+        return _converse(conn, argv, key)
+    except OSError:  # refused (a resident that was killed), reset: the command has not started
+        return None
+    finally:
+        conn.close()
+
+
+def _request(argv: list[str], key: str) -> bytes:
+    body = json.dumps({"argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "environ": dict(os.environ),
+                       "umask": _umask(), "key": key}, ensure_ascii=True).encode("ascii")
+    return struct.pack(">I", len(body)) + body
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _converse(conn: socket.socket, argv: list[str], key: str) -> int | None:
+    data = _request(argv, key)
+    sent = socket.send_fds(conn, [data[:4096]], [0, 1, 2])  # the streams ride with the first bytes
+    conn.sendall(data[sent:])
+    started = _receive(conn, b"P", 8)
+    if started is None:
+        return None  # the resident left before it forked: nothing ran
+    (pid,) = struct.unpack(">q", started)
+    passed = {}
+
+    def pass_on(signum, frame):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        passed[signum] = signal.signal(signum, pass_on)
+    try:
+        status = _receive(conn, b"S", 4)
+    finally:
+        for signum, handler in passed.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    if status is None:
+        print(f"graphmax: error: the command (pid {pid}) ended without a status: its resident process was stopped; "
+              f"run it again", file=sys.stderr)
+        return 1
+    (code,) = struct.unpack(">i", status)
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+
+
+def _receive(conn: socket.socket, tag: bytes, size: int) -> bytes | None:
+    """One message ``tag`` + ``size`` bytes, or None at the end of the connection (or a reset)."""
+    want, data = 1 + size, b""
+    while len(data) < want:
+        try:
+            chunk = conn.recv(want - len(data))
+        except InterruptedError:
+            continue
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        data += chunk
+    return data[1:] if data[:1] == tag else None
+
+
+def start() -> None:
+    """Leave a resident for this environment behind, unless one is there, or none is wanted: a detached process
+    (its own session, its output to ``K.log``) that imports the model libraries, then serves until idle. Never
+    raises: a resident is only ever a shortcut."""
+    try:
+        _start()
+    except (GraphmaxError, OSError, ValueError) as e:
+        print(f"graphmax: no resident process was started: {e}", file=sys.stderr)
+
+
+def _start() -> None:
+    minutes = idle_minutes()
+    if _in_child or not supported() or minutes == 0:
+        return
+    folder = run_folder()
+    key, environ = _asked if _asked is not None else (environment_key(), dict(os.environ))
+    paths = _paths(folder, key) if folder is not None else None
+    if paths is None or _held(paths[1]):
+        return
+    log = paths[2]
+    with contextlib.suppress(OSError):
+        if _ours(log, stat.S_IFREG) and os.lstat(log).st_size > LOG_LIMIT:
+            _trim(log)
+    try:
+        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(out).st_mode):
+            return
+        boot = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+                "from pipelines.resident import serve; serve(sys.argv[2], float(sys.argv[3]))")
+        subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", boot,
+                          json.dumps(sys.path), key, repr(minutes)],
+                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=folder, env=environ,
+                         start_new_session=True, close_fds=True)
+    except OSError:
+        return
+    finally:
+        os.close(out)
+
+
+def _trim(log: Path) -> None:
+    """Keep the log's last half (written to a temporary file, renamed over it)."""
+    with open(log, "rb") as fh:
+        fh.seek(-LOG_LIMIT // 2, io.SEEK_END)
+        tail = fh.read()
+    tmp = log.with_name(f"{log.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(tail)
+    os.replace(tmp, log)
+
+
+# --- the resident's side --------------------------------------------------------------------------------------------
+
+def serve(key: str, minutes: float, preload: bool = True) -> None:
+    """Be the resident of environment ``key``: hold its lock, import the model libraries and graphmax's commands
+    (``preload``), then fork a child for each request, until ``minutes`` pass with none running and none asked."""
+    folder = run_folder()
+    paths = _paths(folder, key) if folder is not None else None
+    if paths is None or environment_key() != key:
+        _say(f"not serving {key}: the run folder is not the user's alone, or the environment changed")
+        return
+    sock_path, lock_path, _ = paths
+    lock = _open_lock(lock_path, create=True)
+    if lock is None:
+        _say(f"not serving: {lock_path} is not a file of this user's")
+        return
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another resident serves this environment
+        _serve(key, minutes, preload, sock_path)
+    finally:
+        os.close(lock)
+
+
+def _serve(key: str, minutes: float, preload: bool, sock_path: Path) -> None:
+    t0 = time.monotonic()
+    if preload:
+        from . import cli, models
+
+        models.import_model_libraries(keep=True)
+        for module in dict.fromkeys(cli.JOBS.values()):
+            __import__(f"{__package__}.{module}")
+    listener, inode = _listen(sock_path)
+    if listener is None:
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # (its socket removed on the way out)
+    _say(f"serving {key} (pid {os.getpid()}), ready in {time.monotonic() - t0:.1f} s")
+    try:
+        _loop(listener, lambda: _inode(sock_path) == inode, key, minutes * 60)
+    finally:
+        if _inode(sock_path) == inode:  # still ours (the lock keeps any other resident from replacing it)
+            with contextlib.suppress(OSError):
+                os.unlink(sock_path)
+        listener.close()
+        _say("left")
+
+
+def _listen(sock_path: Path) -> tuple[socket.socket | None, int | None]:
+    """A listening socket at ``sock_path``: bound under a temporary name, then renamed into place (over a dead
+    resident's socket, never over anything else)."""
+    if os.path.lexists(sock_path) and not _ours(sock_path, stat.S_IFSOCK):
+        _say(f"not serving: {sock_path} is not a socket of this user's")
+        return None, None
+    tmp = sock_path.with_name(f"{sock_path.stem}.{os.getpid()}.tmp")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mask = os.umask(0o077)  # the socket the user's alone from its first moment
+    try:
+        listener.bind(os.fspath(tmp))
+        os.umask(mask)
+        listener.listen(16)
+        listener.setblocking(False)
+        inode = os.lstat(tmp).st_ino
+        os.replace(tmp, sock_path)
+    except OSError as e:
+        os.umask(mask)
+        _say(f"not serving: {e}")
+        listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None, None
+    return listener, inode
+
+
+def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float) -> None:
+    """Serve until ``idle_seconds`` pass with no command running, a stop is asked, or the socket is no longer
+    ``reachable()`` (removed or replaced: no command can reach this resident)."""
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    # a child's end wakes the loop at once (SIGCHLD writes to this pair), so that its command line hears at once
+    wake, woken = socket.socketpair()
+    for end in (wake, woken):
+        end.setblocking(False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
+    sel.register(woken, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}  # pid → its command's connection
+    last = time.monotonic()
+    stopping = False
+    while True:
+        for ready, _ in sel.select(timeout=0.5):
+            if ready.fileobj is woken:
+                with contextlib.suppress(OSError):
+                    woken.recv(4096)
+            elif ready.fileobj is listener:
+                if stopping:
+                    continue
+                last = time.monotonic()
+                stopping = _accept(listener, sel, children, key, (wake, woken))
+            else:  # a command's connection: readable only when it has gone (it sends nothing more)
+                conn = ready.fileobj
+                with contextlib.suppress(OSError):
+                    if conn.recv(1):
+                        continue
+                pid = next((p for p, c in children.items() if c is conn), None)
+                sel.unregister(conn)
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)  # its command line is gone: end the command as a kill does
+        _reap(children, sel)
+        if children:
+            last = time.monotonic()
+        elif stopping or time.monotonic() - last > idle_seconds or not reachable():
+            return
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+def _accept(listener, sel, children, key, wakers) -> bool:
+    """Serve one connection; returns whether it asked the resident to stop."""
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return False
+    fds: list[int] = []
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        if struct.unpack("3i", creds)[1] != os.getuid():
+            raise ValueError("another user's")
+        conn.settimeout(2.0)
+        request, fds = _read_request(conn)
+        if request.get("stop") is True:
+            conn.sendall(b"S" + struct.pack(">i", 0))
+            conn.close()
+            return True
+        request = _checked(request, key)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} descriptors, not 3")
+        pid = os.fork()
+        if pid == 0:
+            _child([listener, *wakers, *children.values()], sel, request, fds)  # never returns
+        conn.settimeout(None)
+        children[pid] = conn
+        sel.register(conn, selectors.EVENT_READ)
+        _say(f"{pid}: graphmax {' '.join(request['argv'][1:2])}")
+        conn.sendall(b"P" + struct.pack(">q", pid))
+    except (OSError, ValueError, TypeError, KeyError, UnicodeError) as e:
+        _say(f"refused a request: {e}")
+        conn.close()
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return False
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+    fds = list(fds)
+    try:
+        while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+            if len(data) >= 4 and struct.unpack(">I", data[:4])[0] > MAX_REQUEST:
+                raise ValueError("a request over 1 MiB")
+            chunk = conn.recv(65536)
+            if not chunk:
+                raise ValueError("a request cut short")
+            data += chunk
+        request = json.loads(data[4:4 + struct.unpack(">I", data[:4])[0]])
+        if not isinstance(request, dict):
+            raise ValueError("a request that is not an object")
+    except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+    return request, fds
+
+
+def _checked(request: dict, key: str) -> dict:
+    """The request, its every field of the type it must have; ValueError otherwise."""
+    argv, cwd, environ, umask = request["argv"], request["cwd"], request["environ"], request["umask"]
+    if request.get("key") != key:
+        raise ValueError("another environment's request")
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)
+            and isinstance(environ, dict) and all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
+                                                  for k, v in environ.items())
+            and isinstance(umask, int) and 0 <= umask <= 0o777):
+        raise ValueError("a malformed request")
+    if any("\x00" in s for s in [*argv, cwd, *environ, *environ.values()]):
+        raise ValueError("a NUL character in the request")
+    return request
+
+
+def _reap(children: dict, sel) -> None:
+    """Collect the children that ended and tell their command lines their status."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        with contextlib.suppress(OSError):
+            conn.sendall(b"S" + struct.pack(">i", os.waitstatus_to_exitcode(status)))
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        conn.close()
+        _say(f"{pid}: ended with status {os.waitstatus_to_exitcode(status)}")
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
+
+
+def _child(resident_sockets, sel, request, fds) -> None:
+    """In the forked child: become the command's process (its streams, folder, environment, umask and argv), run
+    the command line, and exit with its status (which the resident reads and sends on; the child keeps its own
+    connection open until it ends, so that its command line waits for it even if the resident is killed)."""
+    global _in_child
+    _in_child = True
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sel.close()
+        for other in resident_sockets:
+            other.close()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.setpgid(0, 0)  # a group of its own: a kill of the resident's group is not a kill of the command
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.umask(request["umask"])
+        os.environ.clear()
+        os.environ.update(request["environ"])
+        _streams()
+        _reseed()
+        try:
+            os.chdir(request["cwd"])
+        except OSError as e:
+            print(f"graphmax: error: the current folder {request['cwd']!r} cannot be entered ({e.strerror}); "
+                  f"cd to a folder that exists", file=sys.stderr)
+            code = 2
+        else:
+            sys.argv = list(request["argv"])
+            from .cli import main
+
+            try:
+                code = main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # a bug's traceback, as the command's own process prints it
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+    finally:
+        os._exit(code & 0xFF)
+
+
+def _streams() -> None:
+    """sys.stdin, stdout and stderr anew over descriptors 0–2 (the command line's), set as Python sets them at
+    start: the resident's were /dev/null and its log, so their buffering was not a terminal's."""
+    made = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        mode = "rb" if fd == 0 else "wb"
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffered = io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)
+        tty = raw.isatty()
+        stream = io.TextIOWrapper(buffered, encoding=getattr(old, "encoding", None) or "utf-8",
+                                  errors=getattr(old, "errors", None) or "strict",
+                                  line_buffering=fd == 2 or (fd == 1 and tty), write_through=fd == 2)
+        made.append((name, stream))
+    for name, stream in made:
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _reseed() -> None:
+    """Numpy's global generator seeded anew, as a process of its own would be (Python's ``random`` reseeds itself
+    after a fork); every child would otherwise draw the resident's numbers."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def stop(environ=None) -> bool:
+    """Ask this environment's resident to leave once its commands have ended; whether one was there."""
+    folder = run_folder()
+    paths = _paths(folder, environment_key(environ)) if folder is not None else None
+    if paths is None or not _ours(paths[0], stat.S_IFSOCK):
+        return False
+    body = json.dumps({"stop": True}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        try:
+            conn.settimeout(5.0)
+            conn.connect(os.fspath(paths[0]))
+            conn.sendall(struct.pack(">I", len(body)) + body)
+            return _receive(conn, b"S", 4) is not None
+        except OSError:
+            return False
