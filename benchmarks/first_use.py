@@ -16,7 +16,9 @@ is the user's, interpreter start-up and imports included:
 - "demo graph": the bundled movie reviews' graph (``pipelines.demo.ensure_imdb_graph``), built once;
 - "generate": ``graphmax generate --graph imdb --prompt P --max-new-tokens N --device cpu``, the default decoder;
   the first run finds no kernel or model cache, the later ones what the earlier ones left (a background compile
-  that the first started may still be running); then, once that compile has ended, one more ("compiled");
+  that the first started may still be running, and the resident process it left behind may still be importing);
+  then, once that compile has ended, one more ("compiled"), and one with ``GRAPHMAX_RESIDENT=0`` (in its own
+  process); the note says where each ran;
 - "load_model": ``pipelines.models.load_model("smollm2")`` in a home of its own, converting the GGUF once, then
   from the model cache: the process' wall time, and beside it the seconds of torch's and transformers' imports
   (``import_model_libraries``, as a program that loads a model has done) and of the call after them;
@@ -143,7 +145,8 @@ def main() -> None:
         rows.append(("fresh venv, wheel installed", time.perf_counter() - t0, "--no-deps --no-index"))
         work = tmp / "work"
         work.mkdir()
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NUMBA_CACHE_DIR", "GRAPHMAX_HOME")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "NUMBA_CACHE_DIR", "GRAPHMAX_HOME", "GRAPHMAX_RESIDENT")}
         # TMPDIR: the background compile's lock (gm_solver.backends.compile_lock) is this run's, not the user's
         (tmp / "tmp").mkdir()
         env |= {"GRAPHMAX_HOME": str(tmp / "home"), "NUMBA_CACHE_DIR": str(tmp / "numba"), "TQDM_DISABLE": "1",
@@ -165,15 +168,18 @@ def main() -> None:
         generate = [graphmax, "generate", "--graph", "imdb", "--prompt", PROMPT, "--max-new-tokens",
                     str(args.tokens), "--device", "cpu"]
 
-        def decode(label: str) -> None:
-            s, out, err = timed(generate, env, work)
+        def decode(label: str, resident: bool = True) -> None:
+            before = served(tmp / "home")
+            s, out, err = timed(generate, env | ({} if resident else {"GRAPHMAX_RESIDENT": "0"}), work)
             said = next((line.strip() for line in (out + err).splitlines() if "warm-up" in line), "")
-            rows.append((f"generate {args.tokens} tokens, {label}", s, said[:70]))
+            where = "in the resident; " if served(tmp / "home") > before else "in its own process; "
+            rows.append((f"generate {args.tokens} tokens, {label}", s, where + said[:60]))
 
         for i in range(1 + args.warm):
             decode("cold" if i == 0 else f"warm {i}")
         rows.append(("background compile: waited for its end", wait_for_compile(tmp / "tmp"), "after the runs above"))
         decode("compiled")
+        decode("compiled, no resident", resident=False)
 
         model_env = env | {"GRAPHMAX_HOME": str(tmp / "home-model")}
         for label in ("cold (converts the GGUF)", "cached"):
@@ -184,9 +190,17 @@ def main() -> None:
         s, demo, _ = timed([graphmax, "demo"], env, work)
         rows.append(("graphmax demo (graph built already)", s, ""))
         wait_for_compile(tmp / "tmp")  # one the demo started writes into this folder: it ends before the folder goes
+        subprocess.run([python, "-m", "pipelines.resident", "stop"], env=env, cwd=work, check=True,
+                       capture_output=True)
     _print(rows, load_before, os.getloadavg(), args.repeat)
     print("\ngraphmax demo printed:")
     print(demo.rstrip())
+
+
+def served(home: Path) -> int:
+    """How many commands the residents of ``home`` have run (their logs' lines)."""
+    return sum(line.endswith(": graphmax generate") for log in (home / "run").glob("*.log")
+               for line in log.read_text().splitlines())
 
 
 def wait_for_compile(tmpdir: Path) -> float:

@@ -611,18 +611,27 @@ def _reseed() -> None:
         numpy.random.seed()
 
 
-def stop(environ=None) -> bool:
-    """Ask this environment's resident to leave once its commands have ended; whether one was there."""
+def stop() -> int:
+    """Ask every resident of this ``$GRAPHMAX_HOME`` to leave once its commands have ended; returns how many were
+    asked (``python -m pipelines.resident stop`` says it)."""
     folder = run_folder()
-    paths = _paths(folder, environment_key(environ)) if folder is not None else None
-    if paths is None or not _ours(paths[0], stat.S_IFSOCK):
-        return False
+    asked = 0
     body = json.dumps({"stop": True}).encode()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        try:
-            conn.settimeout(5.0)
-            conn.connect(os.fspath(paths[0]))
-            conn.sendall(struct.pack(">I", len(body)) + body)
-            return _receive(conn, b"S", 4) is not None
-        except OSError:
-            return False
+    for path in sorted(folder.glob("*.sock")) if folder is not None else ():
+        if not _ours(path, stat.S_IFSOCK):
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            try:
+                conn.settimeout(5.0)
+                conn.connect(os.fspath(path))
+                conn.sendall(struct.pack(">I", len(body)) + body)
+                asked += _receive(conn, b"S", 4) is not None
+            except OSError:  # a dead resident's socket
+                continue
+    return asked
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["stop"]:
+        sys.exit("usage: python -m pipelines.resident stop   (every resident process of $GRAPHMAX_HOME leaves)")
+    print(f"graphmax: {stop()} resident process(es) asked to leave")

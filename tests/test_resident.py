@@ -105,15 +105,10 @@ def served(tmp_path_factory, tiny_model, built):
     assert said(first)[-1] == "torch in the command line: True"
     wait_for(lambda: list((home / "run").glob("*.sock")))
     yield env, home, argv, first
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:  # stop it (a kill of the last test's is fine)
-        try:
-            conn.settimeout(10)
-            conn.connect(os.fspath(next((home / "run").glob("*.sock"))))
-            body = json.dumps({"stop": True}).encode()
-            conn.sendall(struct.pack(">I", len(body)) + body)
-            conn.recv(8)
-        except (OSError, StopIteration):
-            pass
+    stopped = subprocess.run([sys.executable, "-m", "pipelines.resident", "stop"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert stopped.stdout == "graphmax: 1 resident process(es) asked to leave\n", stopped.stderr
+    wait_for(lambda: not list((home / "run").glob("*.sock")), 30)  # it left, and took its socket with it
 
 
 def test_a_later_command_runs_in_the_resident_and_prints_what_its_own_process_did(served):
