@@ -38,6 +38,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -212,28 +213,39 @@ def _umask() -> int:
 
 
 def _converse(conn: socket.socket, argv: list[str], key: str) -> int | None:
-    data = _request(argv, key)
-    sent = socket.send_fds(conn, [data[:4096]], [0, 1, 2])  # the streams ride with the first bytes
-    conn.sendall(data[sent:])
-    started = _receive(conn, b"P", 8)
-    if started is None:
-        return None  # the resident left before it forked: nothing ran
-    (pid,) = struct.unpack(">q", started)
-    passed = {}
+    """Send the request, pass on the command line's signals to the child (those before its pid is known once it
+    is; where it never starts, they are raised here, on the handlers they would have met), and wait for its end."""
+    child: list[int] = []
+    pending: list[int] = []
 
     def pass_on(signum, frame):
+        if not child:
+            pending.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signum)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        passed[signum] = signal.signal(signum, pass_on)
+            os.kill(child[0], signum)
+    passed = {signum: signal.signal(signum, pass_on)
+              for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
+        data = _request(argv, key)
+        sent = socket.send_fds(conn, [data[:4096]], [0, 1, 2])  # the streams ride with the first bytes
+        conn.sendall(data[sent:])
+        started = _receive(conn, b"P", 8)
+        if started is None:
+            return None  # the resident left before it forked: nothing ran
+        child.append(struct.unpack(">q", started)[0])
+        for signum in pending:
+            pass_on(signum, None)
         status = _receive(conn, b"S", 4)
     finally:
         for signum, handler in passed.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if not child:
+            for signum in pending:
+                signal.raise_signal(signum)
     if status is None:
-        print(f"graphmax: error: the command (pid {pid}) ended without a status: its resident process was stopped; "
-              f"run it again", file=sys.stderr)
+        print(f"graphmax {argv[0]}: error: the command (pid {child[0]}) ended without a status: its resident "
+              f"process was stopped; run it again", file=sys.stderr)
         return 1
     (code,) = struct.unpack(">i", status)
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
@@ -575,6 +587,8 @@ def _child(resident_sockets, sel, request, fds) -> None:
 
                 traceback.print_exc()
                 code = 1
+        with contextlib.suppress(BaseException):
+            threading._shutdown()  # what the interpreter's exit does first: wait for the command's own threads
         with contextlib.suppress(BaseException):
             atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):

@@ -84,6 +84,7 @@ def ask(home: Path, payload: bytes, fds: list[int] = ()) -> bytes:
             socket.send_fds(conn, [payload], list(fds))
         elif payload:
             conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)  # all it will send
         data = b""
         try:
             while chunk := conn.recv(64):
@@ -210,12 +211,18 @@ def test_a_request_without_the_streams_or_of_another_environment_is_refused(serv
     assert later.returncode == 0 and said(later)[-1] == "torch in the command line: False", later.stderr
 
 
-def test_a_killed_resident_is_replaced_and_its_command_runs_meanwhile_in_its_own_process(served):
+def test_a_killed_resident_is_replaced_and_its_command_runs_meanwhile_in_its_own_process(served, tmp_path,
+                                                                                          tiny_model, corpus_path):
     env, home, argv, first = served
     old = serving_pid(home)
-    os.kill(old, signal.SIGKILL)
-    wait_for(lambda: not Path(f"/proc/{old}").exists() or "Z" in Path(f"/proc/{old}/stat").read_text().split()[2])
-    assert list((home / "run").glob("*.sock"))  # its socket is left: a connection to it is refused
+    run, out = _datastore(env, tmp_path, tiny_model, corpus_path)
+    os.kill(old, signal.SIGKILL)  # the resident and its command with it: the command line cannot know the status
+    os.kill(child_pid(home, "datastore"), signal.SIGKILL)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 1
+    line = stderr[stderr.index("graphmax datastore: error: "):].splitlines()[0]  # (after the progress bar)
+    assert line.endswith("ended without a status: its resident process was stopped; run it again")
+    assert list((home / "run").glob("*.sock"))  # the dead resident's socket is left: a connection is refused
     done = command(env, *argv)
     assert done.returncode == 0, done.stderr
     assert said(done)[-1] == "torch in the command line: True"
