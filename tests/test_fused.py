@@ -21,7 +21,7 @@ from gm_solver import (
     PaperGraphmaxLogitsProcessor,
     graphmax,
 )
-from gm_solver.backends import eager, fused
+from gm_solver.backends import DEFAULTS, eager, fused
 from gm_solver.operator import TransitionOperator
 
 from .helpers import random_ngram_graph
@@ -44,6 +44,11 @@ def _inputs(seed: int, n: int, rows: int, width: int, knn: bool):
     return ids, scores, near
 
 
+# the ν steps of the compiled context steps here: the budget the fused step runs with on a GPU, where it is taken
+# (``backends.DEFAULTS``), not the CPU's 60, which dynamo would unroll into a trace several times as long. The rows
+# here converge within 3 steps and are frozen from then on, so the budget changes no number the tests compare
+NU_STEPS = DEFAULTS["device"].nu_steps
+
 # one reference per configuration for every example: dynamo guards on the reference, so a new one is a new trace
 _REFERENCES: dict[int, ContextReference] = {}
 
@@ -62,9 +67,9 @@ def test_the_context_step_traces_as_one_graph_and_gives_the_torch_backends_numbe
     ids, scores, near = _inputs(seed, ref.n, rows, ref.n + 3, knn)
     share = 1.0 if ref.config.divergence == "kl" else ref.config.kl_share
     # dynamo's own backend: the graph breaks are dynamo's to find, and it traces in a second or two
-    traced, info = fused.context_step(ref, ids, scores, _lam(ref, rows), share, tol=1e-6, max_iter=12, knn=near,
-                                      backend="eager", fullgraph=True)
-    plain, plain_info = eager.context_step(ref, ids, scores, _lam(ref, rows), share, tol=1e-6, max_iter=12,
+    traced, info = fused.context_step(ref, ids, scores, _lam(ref, rows), share, tol=1e-6, max_iter=NU_STEPS,
+                                      knn=near, backend="eager", fullgraph=True)
+    plain, plain_info = eager.context_step(ref, ids, scores, _lam(ref, rows), share, tol=1e-6, max_iter=NU_STEPS,
                                            check_every=0, knn=near)
     torch.testing.assert_close(traced, plain, atol=0, rtol=0)
     torch.testing.assert_close(info.gap, plain_info.gap, atol=0, rtol=0)
@@ -122,16 +127,17 @@ def test_the_decoders_take_the_fused_backend_once_on_and_say_so(monkeypatch):
     _compile_with(monkeypatch, "eager")
     ref = ContextReference(random_ngram_graph(3), ContextConfig())
     ids, scores, _ = _inputs(3, ref.n, 4, ref.n, False)
-    plain, plain_info = ref.step(ids, scores, backend="torch", check_every=0)
+    plain, plain_info = ref.step(ids, scores, backend="torch", check_every=0, max_iter=NU_STEPS)
     assert ref.backend == plain_info.backend == "torch"
-    logx, info = ref.step(ids, scores, backend="fused", check_every=0)
+    logx, info = ref.step(ids, scores, backend="fused", check_every=0, max_iter=NU_STEPS)
     assert ref.backend == info.backend == "fused"
     torch.testing.assert_close(logx, plain, atol=0, rtol=0)
     torch.testing.assert_close(info.gap, plain_info.gap, atol=0, rtol=0)
     # a context shorter than the tail is filled to it (ContextReference.contexts): the same traced step
-    short, _ = ref.step(ids[:, :2], scores, backend="fused", check_every=0)
+    short, _ = ref.step(ids[:, :2], scores, backend="fused", check_every=0, max_iter=NU_STEPS)
     assert ref.backend == "fused"
-    torch.testing.assert_close(short, ref.step(ids[:, :2], scores, backend="torch", check_every=0)[0], atol=0, rtol=0)
+    torch.testing.assert_close(short, ref.step(ids[:, :2], scores, backend="torch", check_every=0,
+                                               max_iter=NU_STEPS)[0], atol=0, rtol=0)
     ref.step(ids, scores, backend="fused", check_every=1)  # a step that reads back is not the compiled one
     assert ref.backend == "torch"
     ref.use_fused = True
@@ -171,12 +177,12 @@ def test_a_step_that_fails_to_compile_falls_back_to_the_torch_backend(monkeypatc
     _compile_with(monkeypatch, broken)
     ref = ContextReference(random_ngram_graph(5), ContextConfig())
     ids, scores, _ = _inputs(5, ref.n, 2, ref.n, False)
-    expected, _ = ref.step(ids, scores, backend="torch", check_every=0)
+    expected, _ = ref.step(ids, scores, backend="torch", check_every=0, max_iter=NU_STEPS)
     ref.use_fused = True
-    logx, _ = ref.step(ids, scores, backend="fused", check_every=0)
+    logx, _ = ref.step(ids, scores, backend="fused", check_every=0, max_iter=NU_STEPS)
     assert ref.backend == "torch" and "no compiler here" in fused.failures["cpu"]
     torch.testing.assert_close(logx, expected, atol=0, rtol=0)
-    ref.step(ids, scores, backend="fused", check_every=0)
+    ref.step(ids, scores, backend="fused", check_every=0, max_iter=NU_STEPS)
     assert ref.backend == "torch"  # not tried again
 
 
