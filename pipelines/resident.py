@@ -53,8 +53,9 @@ PACKAGES = ("gm_graphs", "gm_solver", "pipelines")  # graphmax's source: an edit
 MAX_REQUEST = 1 << 20  # bytes; an environment and a command line are far smaller
 LOG_LIMIT = 256 << 10
 STARTING_WAIT = 20.0  # seconds a command waits for a resident that is still importing (~3 s on two cores)
-SOCKET_PATH_MAX = 100
-ROOT = Path(__file__).resolve().parent.parent  # sockaddr_un holds 108 bytes
+SOCKET_PATH_MAX = 100  # sockaddr_un holds 108 bytes
+KEY_CHECK_S = 10.0  # how often a resident checks that its environment is still the one it serves
+ROOT = Path(__file__).resolve().parent.parent  # where gm_graphs, gm_solver and pipelines are installed
 _in_child = False  # set in a command the resident forked: it runs here, and leaves no resident of its own
 _asked: tuple[str, dict] | None = None  # the key and environment :func:`forward` saw, for :func:`start`
 
@@ -396,8 +397,9 @@ def _listen(sock_path: Path) -> tuple[socket.socket | None, int | None]:
 
 
 def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float) -> None:
-    """Serve until ``idle_seconds`` pass with no command running, a stop is asked, or the socket is no longer
-    ``reachable()`` (removed or replaced: no command can reach this resident)."""
+    """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment's key changes
+    (an edit of graphmax's source, a package installed) or the socket is no longer ``reachable()`` (removed or
+    replaced): no command could reach this resident any more."""
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     # a child's end wakes the loop at once (SIGCHLD writes to this pair), so that its command line hears at once
@@ -408,9 +410,12 @@ def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float) -> 
     signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
     sel.register(woken, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}  # pid → its command's connection
-    last = time.monotonic()
+    last = checked = time.monotonic()
     stopping = False
     while True:
+        if time.monotonic() - checked > KEY_CHECK_S:  # graphmax edited or a package installed: no command will come
+            checked = time.monotonic()
+            stopping = stopping or environment_key() != key
         for ready, _ in sel.select(timeout=0.5):
             if ready.fileobj is woken:
                 with contextlib.suppress(OSError):

@@ -262,6 +262,29 @@ def test_the_key_follows_what_an_import_reads_not_the_shell_nor_graphmax_variabl
     assert resident.environment_key(base) != before
 
 
+def test_a_resident_leaves_once_graphmax_is_edited(tmp_path):
+    # a resident of its own here (no libraries imported), whose graphmax source is a folder of the test's
+    (tmp_path / "pipelines").mkdir()
+    source = tmp_path / "pipelines" / "x.py"
+    source.write_text("x = 1\n")
+    code = ("import sys\nfrom pathlib import Path\nfrom pipelines import resident\n"
+            "resident.ROOT, resident.KEY_CHECK_S = Path(sys.argv[1]), 0.2\n"
+            "resident.serve(resident.environment_key(), 5, preload=False)\n")
+    env = {**os.environ, "GRAPHMAX_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
+    serving = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: list((tmp_path / "home" / "run").glob("*.sock")), 60)
+        time.sleep(0.5)
+        assert serving.poll() is None  # it serves while nothing changes
+        source.write_text("x = 22\n")
+        serving.wait(timeout=30)
+    finally:
+        serving.kill()
+    assert serving.stdout.read().splitlines()[-1].endswith(" left")
+    assert not list((tmp_path / "home" / "run").glob("*.sock"))
+
+
 @pytest.fixture()
 def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / "home"))
