@@ -153,13 +153,23 @@ def main(argv: list[str] | None = None) -> int:
             if state.leaves_resident and code not in (None, 130, 143):  # (not after a Ctrl-C or a kill)
                 from . import resident
 
-                resident.start()
+                resident.start("pipelines.cli")
             _settle_for_exit()
         if code is None or not (entry and on_main):  # an entry point's handlers stay: the process is ending
             if catch_term:  # None: a handler set outside Python, which cannot be put back; the default instead
                 signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
             if not entry:
                 restore_streams()
+
+
+def preload_resident() -> None:
+    """What a resident process (:mod:`pipelines.resident`) imports before it serves: the model libraries, frozen,
+    and every command's module."""
+    from .models import import_model_libraries
+
+    import_model_libraries(keep=True)
+    for module in dict.fromkeys(JOBS.values()):
+        importlib.import_module(f".{module}", __package__)
 
 
 def _settle_for_exit() -> None:

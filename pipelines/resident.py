@@ -127,8 +127,29 @@ def run_folder() -> Path | None:
 
 
 def _paths(folder: Path, key: str) -> tuple[Path, Path, Path] | None:
-    sock, lock, log = (folder / f"{key}.{ext}" for ext in ("sock", "lock", "log"))
-    return None if len(os.fsencode(sock)) > SOCKET_PATH_MAX else (sock, lock, log)
+    """The socket, lock and log of ``key`` in ``folder``; where the socket's path is too long for a socket address
+    (a deep ``$GRAPHMAX_HOME``), the folder is named through a descriptor this process holds open
+    (``/proc/self/fd/N``, which the kernel resolves like the folder itself); None where neither fits."""
+    if len(os.fsencode(folder / f"{key}.sock")) > SOCKET_PATH_MAX:
+        folder = _through_descriptor(folder)
+        if folder is None or len(os.fsencode(folder / f"{key}.sock")) > SOCKET_PATH_MAX:
+            return None
+    return folder / f"{key}.sock", folder / f"{key}.lock", folder / f"{key}.log"
+
+
+_held_folders: dict[str, int] = {}  # a folder's path → the descriptor that names it for this process' life
+
+
+def _through_descriptor(folder: Path) -> Path | None:
+    fd = _held_folders.get(str(folder))
+    if fd is None:
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        _held_folders[str(folder)] = fd
+    named = Path(f"/proc/self/fd/{fd}")
+    return named if named.is_dir() else None
 
 
 def _open_lock(path: Path, create: bool) -> int | None:
@@ -268,17 +289,17 @@ def _receive(conn: socket.socket, tag: bytes, size: int) -> bytes | None:
     return data[1:] if data[:1] == tag else None
 
 
-def start() -> None:
+def start(entry: str) -> None:
     """Leave a resident for this environment behind, unless one is there, or none is wanted: a detached process
-    (its own session, its output to ``K.log``) that imports the model libraries, then serves until idle. Never
-    raises: a resident is only ever a shortcut."""
+    (its own session, its output to ``K.log``) that serves until idle, running module ``entry``'s ``main`` for each
+    command, after its ``preload_resident()``. Never raises: a resident is only ever a shortcut."""
     try:
-        _start()
+        _start(entry)
     except (GraphmaxError, OSError, ValueError) as e:
         print(f"graphmax: no resident process was started: {e}", file=sys.stderr)
 
 
-def _start() -> None:
+def _start(entry: str) -> None:
     minutes = idle_minutes()
     if _in_child or not supported() or minutes == 0:
         return
@@ -298,10 +319,11 @@ def _start() -> None:
     try:
         if not stat.S_ISREG(os.fstat(out).st_mode):
             return
-        boot = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-                "from pipelines.resident import serve; serve(sys.argv[2], float(sys.argv[3]))")
+        boot = ("import importlib, json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+                "from pipelines.resident import serve; entry = importlib.import_module(sys.argv[4]); "
+                "serve(sys.argv[2], float(sys.argv[3]), entry.main, entry.preload_resident)")
         subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", boot,
-                          json.dumps(sys.path), key, repr(minutes)],
+                          json.dumps(sys.path), key, repr(minutes), entry],
                          stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=folder, env=environ,
                          start_new_session=True, close_fds=True)
     except OSError:
@@ -324,9 +346,10 @@ def _trim(log: Path) -> None:
 
 # --- the resident's side --------------------------------------------------------------------------------------------
 
-def serve(key: str, minutes: float, preload: bool = True) -> None:
-    """Be the resident of environment ``key``: hold its lock, import the model libraries and graphmax's commands
-    (``preload``), then fork a child for each request, until ``minutes`` pass with none running and none asked."""
+def serve(key: str, minutes: float, command, preload=None) -> None:
+    """Be the resident of environment ``key``: hold its lock, run ``preload()`` (import what every command needs),
+    then fork a child for each request, which runs ``command()`` (the command line's ``main``, reading
+    ``sys.argv``, returning the exit status), until ``minutes`` pass with none running and none asked."""
     folder = run_folder()
     paths = _paths(folder, key) if folder is not None else None
     if paths is None or environment_key() != key:
@@ -342,26 +365,22 @@ def serve(key: str, minutes: float, preload: bool = True) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # another resident serves this environment
-        _serve(key, minutes, preload, sock_path)
+        _serve(key, minutes, command, preload, sock_path)
     finally:
         os.close(lock)
 
 
-def _serve(key: str, minutes: float, preload: bool, sock_path: Path) -> None:
+def _serve(key: str, minutes: float, command, preload, sock_path: Path) -> None:
     t0 = time.monotonic()
-    if preload:
-        from . import cli, models
-
-        models.import_model_libraries(keep=True)
-        for module in dict.fromkeys(cli.JOBS.values()):
-            __import__(f"{__package__}.{module}")
+    if preload is not None:
+        preload()
     listener, inode = _listen(sock_path)
     if listener is None:
         return
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # (its socket removed on the way out)
     _say(f"serving {key} (pid {os.getpid()}), ready in {time.monotonic() - t0:.1f} s")
     try:
-        _loop(listener, lambda: _inode(sock_path) == inode, key, minutes * 60)
+        _loop(listener, lambda: _inode(sock_path) == inode, key, minutes * 60, command)
     finally:
         if _inode(sock_path) == inode:  # still ours (the lock keeps any other resident from replacing it)
             with contextlib.suppress(OSError):
@@ -396,7 +415,7 @@ def _listen(sock_path: Path) -> tuple[socket.socket | None, int | None]:
     return listener, inode
 
 
-def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float) -> None:
+def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float, command) -> None:
     """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment's key changes
     (an edit of graphmax's source, a package installed) or the socket is no longer ``reachable()`` (removed or
     replaced): no command could reach this resident any more."""
@@ -424,7 +443,7 @@ def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float) -> 
                 if stopping:
                     continue
                 last = time.monotonic()
-                stopping = _accept(listener, sel, children, key, (wake, woken))
+                stopping = _accept(listener, sel, children, key, (wake, woken), command)
             else:  # a command's connection: readable only when it has gone (it sends nothing more)
                 conn = ready.fileobj
                 with contextlib.suppress(OSError):
@@ -449,7 +468,7 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def _accept(listener, sel, children, key, wakers) -> bool:
+def _accept(listener, sel, children, key, wakers, command) -> bool:
     """Serve one connection; returns whether it asked the resident to stop."""
     try:
         conn, _ = listener.accept()
@@ -471,7 +490,7 @@ def _accept(listener, sel, children, key, wakers) -> bool:
             raise ValueError(f"{len(fds)} descriptors, not 3")
         pid = os.fork()
         if pid == 0:
-            _child([listener, *wakers, *children.values()], sel, request, fds)  # never returns
+            _child([listener, *wakers, *children.values()], sel, request, fds, command)  # never returns
         conn.settimeout(None)
         children[pid] = conn
         sel.register(conn, selectors.EVENT_READ)
@@ -549,7 +568,7 @@ def _say(line: str) -> None:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
 
 
-def _child(resident_sockets, sel, request, fds) -> None:
+def _child(resident_sockets, sel, request, fds, command) -> None:
     """In the forked child: become the command's process (its streams, folder, environment, umask and argv), run
     the command line, and exit with its status (which the resident reads and sends on; the child keeps its own
     connection open until it ends, so that its command line waits for it even if the resident is killed)."""
@@ -581,10 +600,8 @@ def _child(resident_sockets, sel, request, fds) -> None:
             code = 2
         else:
             sys.argv = list(request["argv"])
-            from .cli import main
-
             try:
-                code = main()
+                code = command()
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             except BaseException:  # a bug's traceback, as the command's own process prints it

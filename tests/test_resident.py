@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import resident
+from pipelines.cli import main
 
 from .helpers import finishes_within
 
@@ -269,7 +270,7 @@ def test_a_resident_leaves_once_graphmax_is_edited(tmp_path):
     source.write_text("x = 1\n")
     code = ("import sys\nfrom pathlib import Path\nfrom pipelines import resident\n"
             "resident.ROOT, resident.KEY_CHECK_S = Path(sys.argv[1]), 0.2\n"
-            "resident.serve(resident.environment_key(), 5, preload=False)\n")
+            "from pipelines.cli import main\nresident.serve(resident.environment_key(), 5, main)\n")
     env = {**os.environ, "GRAPHMAX_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
     serving = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=ROOT,
                                stdout=subprocess.PIPE, text=True)
@@ -303,14 +304,14 @@ def test_a_run_folder_open_to_others_or_a_link_means_no_resident(home, tmp_path,
     (home / "run").mkdir(parents=True, mode=0o700)
     os.chmod(home / "run", 0o777)
     assert resident.forward(["generate"]) is None
-    resident.start()
+    resident.start("pipelines.cli")
     os.chmod(home / "run", 0o700)
     os.rmdir(home / "run")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     os.symlink(elsewhere, home / "run")
     assert resident.forward(["generate"]) is None
-    resident.start()
+    resident.start("pipelines.cli")
     assert spawned == [] and list(elsewhere.iterdir()) == []
 
 
@@ -331,14 +332,25 @@ def test_a_socket_or_lock_that_is_not_what_it_says_means_no_resident_and_is_left
     assert finishes_within(10, lambda: resident.forward(["generate"])) is None  # and no wait on it
     # a resident started now does not serve: it neither locks through it nor replaces it (here, in this process:
     # it returns before it would listen)
-    assert finishes_within(10, lambda: resident.serve(key, 0, preload=False)) is None
+    assert finishes_within(10, lambda: resident.serve(key, 0, main)) is None
     assert stat.S_IFMT(os.lstat(path).st_mode) == kind
     assert sorted(p.name for p in path.parent.iterdir()) == sorted({path.name, f"{key}.lock"})
+
+
+def test_a_deep_home_is_reached_through_a_descriptor(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHMAX_HOME", str(tmp_path / ("deep" * 30) / "home"))
+    folder = resident.run_folder()
+    sock, lock, log = resident._paths(folder, "k" * 20)
+    assert len(os.fsencode(folder / sock.name)) > resident.SOCKET_PATH_MAX  # too long for a socket address
+    assert str(sock).startswith("/proc/self/fd/") and sock.parent.samefile(folder)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(os.fspath(sock))
+        assert stat.S_ISSOCK(os.lstat(folder / sock.name).st_mode)
 
 
 def test_no_resident_where_the_variable_says_0(home, monkeypatch):
     spawned = _started(monkeypatch)
     monkeypatch.setenv("GRAPHMAX_RESIDENT", "0")
     assert resident.forward(["generate"]) is None
-    resident.start()
+    resident.start("pipelines.cli")
     assert spawned == [] and not (home / "run").exists()
