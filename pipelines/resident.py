@@ -491,18 +491,23 @@ def _accept(listener, sel, children, key, wakers, command) -> bool:
         pid = os.fork()
         if pid == 0:
             _child([listener, *wakers, *children.values()], sel, request, fds, command)  # never returns
-        conn.settimeout(None)
-        children[pid] = conn
-        sel.register(conn, selectors.EVENT_READ)
-        _say(f"{pid}: graphmax {' '.join(request['argv'][1:2])}")
-        conn.sendall(b"P" + struct.pack(">q", pid))
     except (OSError, ValueError, TypeError, KeyError, UnicodeError) as e:
         _say(f"refused a request: {e}")
         conn.close()
+        return False
     finally:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+    children[pid] = conn  # reaped, and its command line told, by _reap
+    _say(f"{pid}: graphmax {' '.join(request['argv'][1:2])}")
+    try:
+        conn.settimeout(None)
+        conn.sendall(b"P" + struct.pack(">q", pid))
+        sel.register(conn, selectors.EVENT_READ)
+    except OSError:  # its command line has gone already: end the command as a kill does
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     return False
 
 
