@@ -84,29 +84,31 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED")
 
 
-def environment_key(environ=None) -> str:
-    """What a resident must share with a command to run it: the interpreter, its flags and ``sys.path``, the
-    installed packages' folders (a ``pip install`` changes them), graphmax's source files, the user and every
-    environment variable but a shell's own (:data:`VOLATILE`) and graphmax's (which it reads as a command runs,
-    never while it is imported; the child runs with the command's own); hex, 20 characters."""
-    environ = os.environ if environ is None else environ
+def environment_key(environ=None, path=None) -> str:
+    """What a resident must share with a command to run it: the interpreter, its flags and ``sys.path`` (or
+    ``path``), the installed packages' folders (a ``pip install`` changes them), graphmax's source files, the user
+    and every environment variable but a shell's own (:data:`VOLATILE`) and graphmax's (which it reads as a command
+    runs, never while it is imported; the child runs with the command's own); hex, 20 characters."""
+    what = _environment(os.environ if environ is None else environ, sys.path if path is None else path)
+    return hashlib.sha256(json.dumps(what, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:20]
+
+
+def _environment(environ, path) -> dict:
     code = []
     for package in PACKAGES:  # (installed side by side; whether each is imported yet does not matter)
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for file in sorted((ROOT / package).rglob("*.py")):
             with contextlib.suppress(OSError):
-                st = path.stat()
-                code.append((str(path), st.st_mtime_ns, st.st_size))
+                st = file.stat()
+                code.append((str(file), st.st_mtime_ns, st.st_size))
     installed = []
-    for entry in sys.path:
+    for entry in path:
         if Path(entry).name in ("site-packages", "dist-packages"):
             with contextlib.suppress(OSError):
                 installed.append((entry, os.stat(entry).st_mtime_ns))
-    what = {"executable": sys.executable, "version": sys.version, "flags": subprocess._args_from_interpreter_flags(),
-            "path": sys.path, "uid": os.getuid(), "installed": installed, "code": code,
+    return {"executable": sys.executable, "version": sys.version, "flags": subprocess._args_from_interpreter_flags(),
+            "path": list(path), "uid": os.getuid(), "installed": installed, "code": code,
             "environ": sorted((k, v) for k, v in environ.items()
                               if k not in VOLATILE and not k.startswith("GRAPHMAX_"))}
-    text = json.dumps(what, sort_keys=True, ensure_ascii=True)
-    return hashlib.sha256(text.encode("ascii")).hexdigest()[:20]
 
 
 def run_folder() -> Path | None:
@@ -350,9 +352,10 @@ def serve(key: str, minutes: float, command, preload=None) -> None:
     """Be the resident of environment ``key``: hold its lock, run ``preload()`` (import what every command needs),
     then fork a child for each request, which runs ``command()`` (the command line's ``main``, reading
     ``sys.argv``, returning the exit status), until ``minutes`` pass with none running and none asked."""
+    started = dict(os.environ), list(sys.path)  # as the command line had them (a library may change them)
     folder = run_folder()
     paths = _paths(folder, key) if folder is not None else None
-    if paths is None or environment_key() != key:
+    if paths is None or environment_key(*started) != key:
         _say(f"not serving {key}: the run folder is not the user's alone, or the environment changed")
         return
     sock_path, lock_path, _ = paths
@@ -365,12 +368,12 @@ def serve(key: str, minutes: float, command, preload=None) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # another resident serves this environment
-        _serve(key, minutes, command, preload, sock_path)
+        _serve(key, minutes, command, preload, sock_path, started)
     finally:
         os.close(lock)
 
 
-def _serve(key: str, minutes: float, command, preload, sock_path: Path) -> None:
+def _serve(key: str, minutes: float, command, preload, sock_path: Path, started: tuple[dict, list]) -> None:
     t0 = time.monotonic()
     if preload is not None:
         preload()
@@ -380,7 +383,8 @@ def _serve(key: str, minutes: float, command, preload, sock_path: Path) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # (its socket removed on the way out)
     _say(f"serving {key} (pid {os.getpid()}), ready in {time.monotonic() - t0:.1f} s")
     try:
-        _loop(listener, lambda: _inode(sock_path) == inode, key, minutes * 60, command)
+        _loop(listener, lambda: _inode(sock_path) == inode, _environment(*started), lambda: _environment(*started),
+              key, minutes * 60, command)
     finally:
         if _inode(sock_path) == inode:  # still ours (the lock keeps any other resident from replacing it)
             with contextlib.suppress(OSError):
@@ -415,10 +419,10 @@ def _listen(sock_path: Path) -> tuple[socket.socket | None, int | None]:
     return listener, inode
 
 
-def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float, command) -> None:
-    """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment's key changes
-    (an edit of graphmax's source, a package installed) or the socket is no longer ``reachable()`` (removed or
-    replaced): no command could reach this resident any more."""
+def _loop(listener: socket.socket, reachable, served: dict, now, key: str, idle_seconds: float, command) -> None:
+    """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment it ``served``
+    is not the one there is ``now()`` (an edit of graphmax's source, a package installed) or the socket is no longer
+    ``reachable()`` (removed or replaced): no command could reach this resident any more."""
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     # a child's end wakes the loop at once (SIGCHLD writes to this pair), so that its command line hears at once
@@ -434,7 +438,10 @@ def _loop(listener: socket.socket, reachable, key: str, idle_seconds: float, com
     while True:
         if time.monotonic() - checked > KEY_CHECK_S:  # graphmax edited or a package installed: no command will come
             checked = time.monotonic()
-            stopping = stopping or environment_key() != key
+            changed = [field for field, value in now().items() if value != served[field]]
+            if changed and not stopping:
+                _say(f"leaving: its environment changed ({', '.join(changed)})")
+                stopping = True
         for ready, _ in sel.select(timeout=0.5):
             if ready.fileobj is woken:
                 with contextlib.suppress(OSError):

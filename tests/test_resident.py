@@ -263,26 +263,29 @@ def test_the_key_follows_what_an_import_reads_not_the_shell_nor_graphmax_variabl
     assert resident.environment_key(base) != before
 
 
-def test_a_resident_leaves_once_graphmax_is_edited(tmp_path):
-    # a resident of its own here (no libraries imported), whose graphmax source is a folder of the test's
+def test_a_resident_leaves_once_graphmax_is_edited_not_when_a_library_changes_its_path_or_variables(tmp_path):
+    # a resident of its own here, whose graphmax source is a folder of the test's; what it imports first changes
+    # its sys.path and environment, as libraries do (torch's inductor sets TORCHINDUCTOR_CACHE_DIR)
     (tmp_path / "pipelines").mkdir()
     source = tmp_path / "pipelines" / "x.py"
     source.write_text("x = 1\n")
-    code = ("import sys\nfrom pathlib import Path\nfrom pipelines import resident\n"
+    code = ("import os, sys\nfrom pathlib import Path\nfrom pipelines import resident\n"
             "resident.ROOT, resident.KEY_CHECK_S = Path(sys.argv[1]), 0.2\n"
-            "from pipelines.cli import main\nresident.serve(resident.environment_key(), 5, main)\n")
+            "def preload():\n    sys.path.append('/elsewhere')\n    os.environ['SET_BY_A_LIBRARY'] = '1'\n"
+            "from pipelines.cli import main\nresident.serve(resident.environment_key(), 5, main, preload)\n")
     env = {**os.environ, "GRAPHMAX_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
     serving = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=ROOT,
                                stdout=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: list((tmp_path / "home" / "run").glob("*.sock")), 60)
-        time.sleep(0.5)
-        assert serving.poll() is None  # it serves while nothing changes
+        time.sleep(1.0)
+        assert serving.poll() is None  # it serves while graphmax is unchanged
         source.write_text("x = 22\n")
         serving.wait(timeout=30)
     finally:
         serving.kill()
-    assert serving.stdout.read().splitlines()[-1].endswith(" left")
+    said = serving.stdout.read().splitlines()
+    assert said[-2].endswith(" leaving: its environment changed (code)") and said[-1].endswith(" left")
     assert not list((tmp_path / "home" / "run").glob("*.sock"))
 
 
