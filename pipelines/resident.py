@@ -207,9 +207,8 @@ def forward(argv: list[str]) -> int | None:
     if paths is None:
         return None
     sock_path, lock, _ = paths
-    deadline = time.monotonic() + STARTING_WAIT
     while not _ours(sock_path, stat.S_IFSOCK):
-        if not _held(lock) or time.monotonic() > deadline:
+        if not _starting(lock):
             return None
         time.sleep(0.05)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -217,6 +216,9 @@ def forward(argv: list[str]) -> int | None:
         conn.settimeout(5.0)
         conn.connect(os.fspath(sock_path))
         conn.settimeout(None)
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        if struct.unpack("3i", creds)[1] != os.getuid():
+            return None  # not the user's own resident: it gets neither the environment nor the streams
         return _converse(conn, argv, key)
     except OSError:  # refused (a resident that was killed), reset: the command has not started
         return None
@@ -224,9 +226,22 @@ def forward(argv: list[str]) -> int | None:
         conn.close()
 
 
-def _request(argv: list[str], key: str) -> bytes:
+def _starting(lock: Path) -> bool:
+    """Whether a resident holds ``lock`` and started (wrote it) less than :data:`STARTING_WAIT` s ago: one still
+    importing, worth waiting for; one stuck longer is not."""
+    if not _held(lock):
+        return False
+    try:
+        return time.time() - os.lstat(lock).st_mtime < STARTING_WAIT
+    except OSError:
+        return False
+
+
+def _request(argv: list[str], key: str, ignored: list[int]) -> bytes:
+    out = sys.stdout
     body = json.dumps({"argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "environ": dict(os.environ),
-                       "umask": _umask(), "key": key}, ensure_ascii=True).encode("ascii")
+                       "umask": _umask(), "key": key, "ignored": ignored,
+                       "unbuffered": bool(getattr(out, "write_through", False))}, ensure_ascii=True).encode("ascii")
     return struct.pack(">I", len(body)) + body
 
 
@@ -236,43 +251,74 @@ def _umask() -> int:
     return mask
 
 
+class _SignalledEarly(Exception):
+    """A signal that came before the child's pid did: the connection is dropped (the resident then ends the child
+    if it has started one) and the signal acted on here."""
+
+
+PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def _converse(conn: socket.socket, argv: list[str], key: str) -> int | None:
-    """Send the request, pass on the command line's signals to the child (those before its pid is known once it
-    is; where it never starts, they are raised here, on the handlers they would have met), and wait for its end."""
+    """Send the request and wait for the child's end, passing on to the child's process group the command line's
+    signals: those it takes (a signal it ignores is ignored by the child too), and Ctrl-Z (the child is stopped with
+    it, and continued with it). A signal before the child's pid is known drops the request and acts here, on the
+    handlers it would have met."""
     child: list[int] = []
-    pending: list[int] = []
+    ignored = [s for s in PASSED_ON if signal.getsignal(s) is signal.SIG_IGN]
 
     def pass_on(signum, frame):
         if not child:
-            pending.append(signum)
-            return
+            raise _SignalledEarly(signum)
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child[0], signum)
-    passed = {signum: signal.signal(signum, pass_on)
-              for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+            os.killpg(child[0], signum)
+
+    def suspend(signum, frame):  # Ctrl-Z: the child stops, then this process, as a terminal's group would
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if child:
+                os.killpg(child[0], signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)
+        signal.signal(signal.SIGTSTP, suspend)  # (continued here: SIGCONT passes on below)
+
+    def resume(signum, frame):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if child:
+                os.killpg(child[0], signal.SIGCONT)
+    handlers = {s: pass_on for s in PASSED_ON if s not in ignored} | {signal.SIGTSTP: suspend, signal.SIGCONT: resume}
+    before = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+    early = None
     try:
-        data = _request(argv, key)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()  # what this process printed comes before the child's
+        data = _request(argv, key, ignored)
         sent = socket.send_fds(conn, [data[:4096]], [0, 1, 2])  # the streams ride with the first bytes
         conn.sendall(data[sent:])
         started = _receive(conn, b"P", 8)
         if started is None:
             return None  # the resident left before it forked: nothing ran
         child.append(struct.unpack(">q", started)[0])
-        for signum in pending:
-            pass_on(signum, None)
         status = _receive(conn, b"S", 4)
+    except _SignalledEarly as e:
+        early = e.args[0]
+        conn.close()
+        return None
     finally:
-        for signum, handler in passed.items():
+        for signum, handler in before.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        if not child:
-            for signum in pending:
-                signal.raise_signal(signum)
+        if early is not None:
+            signal.raise_signal(early)
     if status is None:
-        print(f"graphmax {argv[0]}: error: the command (pid {child[0]}) ended without a status: its resident "
-              f"process was stopped; run it again", file=sys.stderr)
+        print(f"graphmax {argv[0]}: error: the command (pid {child[0]}) was ended with its resident process, before "
+              f"it could say how it ended; run it again", file=sys.stderr)
         return 1
     (code,) = struct.unpack(">i", status)
-    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+    if code < 0:  # killed by signal N: so is this process, as a parent of the command's own would see it
+        signal.signal(-code, signal.SIG_DFL)
+        signal.raise_signal(-code)
+        return 128 - code
+    return code
 
 
 def _receive(conn: socket.socket, tag: bytes, size: int) -> bytes | None:
@@ -368,28 +414,35 @@ def serve(key: str, minutes: float, command, preload=None) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return  # another resident serves this environment
+        os.ftruncate(lock, 0)
+        os.write(lock, f"{os.getpid()}\n".encode())  # its time of writing is the resident's start (_starting)
+        _RESIDENT_FDS.append(lock)
         _serve(key, minutes, command, preload, sock_path, started)
     finally:
         os.close(lock)
+
+
+_RESIDENT_FDS: list[int] = []  # the resident's own descriptors, closed in each child (its lock: held by it alone)
 
 
 def _serve(key: str, minutes: float, command, preload, sock_path: Path, started: tuple[dict, list]) -> None:
     t0 = time.monotonic()
     if preload is not None:
         preload()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a fork after CUDA started breaks CUDA in every child
+        _say("not serving: CUDA was initialised while importing; every child would find it broken")
+        return
     listener, inode = _listen(sock_path)
     if listener is None:
         return
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # (its socket removed on the way out)
     _say(f"serving {key} (pid {os.getpid()}), ready in {time.monotonic() - t0:.1f} s")
+    serving = _Serving(listener, sock_path, inode, key, command)
     try:
-        _loop(listener, lambda: _inode(sock_path) == inode, _environment(*started), lambda: _environment(*started),
-              key, minutes * 60, command)
+        serving.loop(_environment(*started), lambda: _environment(*started), minutes * 60)
     finally:
-        if _inode(sock_path) == inode:  # still ours (the lock keeps any other resident from replacing it)
-            with contextlib.suppress(OSError):
-                os.unlink(sock_path)
-        listener.close()
+        serving.close_listener()
         _say("left")
 
 
@@ -419,55 +472,6 @@ def _listen(sock_path: Path) -> tuple[socket.socket | None, int | None]:
     return listener, inode
 
 
-def _loop(listener: socket.socket, reachable, served: dict, now, key: str, idle_seconds: float, command) -> None:
-    """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment it ``served``
-    is not the one there is ``now()`` (an edit of graphmax's source, a package installed) or the socket is no longer
-    ``reachable()`` (removed or replaced): no command could reach this resident any more."""
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ)
-    # a child's end wakes the loop at once (SIGCHLD writes to this pair), so that its command line hears at once
-    wake, woken = socket.socketpair()
-    for end in (wake, woken):
-        end.setblocking(False)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
-    sel.register(woken, selectors.EVENT_READ)
-    children: dict[int, socket.socket] = {}  # pid → its command's connection
-    last = checked = time.monotonic()
-    stopping = False
-    while True:
-        if time.monotonic() - checked > KEY_CHECK_S:  # graphmax edited or a package installed: no command will come
-            checked = time.monotonic()
-            changed = [field for field, value in now().items() if value != served[field]]
-            if changed and not stopping:
-                _say(f"leaving: its environment changed ({', '.join(changed)})")
-                stopping = True
-        for ready, _ in sel.select(timeout=0.5):
-            if ready.fileobj is woken:
-                with contextlib.suppress(OSError):
-                    woken.recv(4096)
-            elif ready.fileobj is listener:
-                if stopping:
-                    continue
-                last = time.monotonic()
-                stopping = _accept(listener, sel, children, key, (wake, woken), command)
-            else:  # a command's connection: readable only when it has gone (it sends nothing more)
-                conn = ready.fileobj
-                with contextlib.suppress(OSError):
-                    if conn.recv(1):
-                        continue
-                pid = next((p for p, c in children.items() if c is conn), None)
-                sel.unregister(conn)
-                if pid is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGTERM)  # its command line is gone: end the command as a kill does
-        _reap(children, sel)
-        if children:
-            last = time.monotonic()
-        elif stopping or time.monotonic() - last > idle_seconds or not reachable():
-            return
-
-
 def _inode(path: Path) -> int | None:
     try:
         return os.lstat(path).st_ino
@@ -475,56 +479,161 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def _accept(listener, sel, children, key, wakers, command) -> bool:
-    """Serve one connection; returns whether it asked the resident to stop."""
-    try:
-        conn, _ = listener.accept()
-    except OSError:
-        return False
-    fds: list[int] = []
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        if struct.unpack("3i", creds)[1] != os.getuid():
-            raise ValueError("another user's")
-        conn.settimeout(2.0)
-        request, fds = _read_request(conn)
-        if request.get("stop") is True:
-            conn.sendall(b"S" + struct.pack(">i", 0))
-            conn.close()
-            return True
-        request = _checked(request, key)
-        if len(fds) != 3:
-            raise ValueError(f"{len(fds)} descriptors, not 3")
-        pid = os.fork()
-        if pid == 0:
-            _child([listener, *wakers, *children.values()], sel, request, fds, command)  # never returns
-    except (OSError, ValueError, TypeError, KeyError, UnicodeError) as e:
-        _say(f"refused a request: {e}")
-        conn.close()
-        return False
-    finally:
-        for fd in fds:
+class _Serving:
+    """The resident's loop: its listening socket, its children (pid → the connection of its command line) and the
+    pair a child's end (SIGCHLD) writes to, so that the loop wakes and its command line hears at once."""
+
+    def __init__(self, listener, sock_path: Path, inode: int, key: str, command) -> None:
+        self.listener, self.sock_path, self.inode, self.key, self.command = listener, sock_path, inode, key, command
+        self.children: dict[int, socket.socket] = {}
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ)
+        self.wake, self.woken = socket.socketpair()
+        for end in (self.wake, self.woken):
+            end.setblocking(False)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(self.wake.fileno(), warn_on_full_buffer=False)
+        self.sel.register(self.woken, selectors.EVENT_READ)
+
+    def loop(self, served: dict, now, idle_seconds: float) -> None:
+        """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment it
+        ``served`` is not the one there is ``now()`` (graphmax edited, a package installed) or its socket is no
+        longer its own (removed or replaced): no command could reach it any more. Once stopping, it stops
+        listening at once (a command then runs in its own process), and leaves when its children have ended."""
+        last = checked = time.monotonic()
+        while True:
+            if self.listener is not None and time.monotonic() - checked > KEY_CHECK_S:
+                checked = time.monotonic()
+                changed = [field for field, value in now().items() if value != served[field]]
+                if changed:
+                    _say(f"leaving: its environment changed ({', '.join(changed)})")
+                    self.close_listener()
+            for ready, _ in self.sel.select(timeout=0.5):
+                if ready.fileobj is self.woken:
+                    with contextlib.suppress(OSError):
+                        self.woken.recv(4096)
+                elif ready.fileobj is self.listener:
+                    last = time.monotonic()
+                    if self._accept():
+                        self.close_listener()
+                else:
+                    self._gone(ready.fileobj)
+            self._reap()
+            if self.children:
+                last = time.monotonic()
+            elif self.listener is None or time.monotonic() - last > idle_seconds or \
+                    _inode(self.sock_path) != self.inode:
+                return
+
+    def close_listener(self) -> None:
+        if self.listener is None:
+            return
+        if _inode(self.sock_path) == self.inode:  # still ours (the lock keeps any other resident from replacing it)
             with contextlib.suppress(OSError):
-                os.close(fd)
-    children[pid] = conn  # reaped, and its command line told, by _reap
-    _say(f"{pid}: graphmax {' '.join(request['argv'][1:2])}")
-    try:
-        conn.settimeout(None)
-        conn.sendall(b"P" + struct.pack(">q", pid))
-        sel.register(conn, selectors.EVENT_READ)
-    except OSError:  # its command line has gone already: end the command as a kill does
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    return False
+                os.unlink(self.sock_path)
+        self.sel.unregister(self.listener)
+        self.listener.close()
+        self.listener = None
+
+    def _gone(self, conn: socket.socket) -> None:
+        """A command's connection is readable only when its command line has gone (it sends nothing more): its
+        command is ended as a kill ends it."""
+        with contextlib.suppress(OSError):
+            if conn.recv(1):
+                return
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn)
+        pid = next((p for p, c in self.children.items() if c is conn), None)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def _accept(self) -> bool:
+        """Serve one connection; returns whether it asked the resident to stop."""
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return False
+        fds: list[int] = []
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != os.getuid():
+                raise ValueError("another user's")
+            request, fds = _read_request(conn, deadline=time.monotonic() + REQUEST_WAIT_S)
+            if request.get("stop") is True:
+                conn.sendall(b"S" + struct.pack(">i", 0))
+                conn.close()
+                return True
+            request = _checked(request, self.key)
+            if len(fds) != 3:
+                raise ValueError(f"{len(fds)} descriptors, not 3")
+            # signals held until the child has its handlers (and the parent has the child's pid): a signal passed
+            # on in between is neither lost nor taken by the resident's own handlers
+            signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    _child([self.listener, self.wake, self.woken, *self.children.values()], self.sel, conn,
+                           request, fds, self.command)  # never returns
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
+        except Exception as e:  # noqa: BLE001 - whatever a request holds (RecursionError: JSON nested past the limit)
+            _say(f"refused a request: {type(e).__name__}: {e}")
+            conn.close()
+            return False
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.children[pid] = conn  # reaped, and its command line told, by _reap
+        _say(f"{pid}: graphmax {' '.join(request['argv'][1:2])}")
+        try:
+            conn.settimeout(None)
+            conn.sendall(b"P" + struct.pack(">q", pid))
+            self.sel.register(conn, selectors.EVENT_READ)
+        except OSError:  # its command line has gone already: end the command as a kill does
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        return False
+
+    def _reap(self) -> None:
+        """Collect the children that ended and tell their command lines how (read there only where the child
+        could not say it itself: killed)."""
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            with contextlib.suppress(OSError):
+                conn.sendall(b"S" + struct.pack(">i", os.waitstatus_to_exitcode(status)))
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(conn)
+            conn.close()
+            _say(f"{pid}: ended with status {os.waitstatus_to_exitcode(status)}")
 
 
-def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+REQUEST_WAIT_S = 2.0  # seconds a command line has to send its whole request (it sends it at once)
+
+
+def _read_request(conn: socket.socket, deadline: float) -> tuple[dict, list[int]]:
+    def wait() -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError("a request not sent in time")
+        conn.settimeout(left)
+    wait()
     data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
     fds = list(fds)
     try:
         while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
             if len(data) >= 4 and struct.unpack(">I", data[:4])[0] > MAX_REQUEST:
                 raise ValueError("a request over 1 MiB")
+            wait()
             chunk = conn.recv(65536)
             if not chunk:
                 raise ValueError("a request cut short")
@@ -543,36 +652,18 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 def _checked(request: dict, key: str) -> dict:
     """The request, its every field of the type it must have; ValueError otherwise."""
     argv, cwd, environ, umask = request["argv"], request["cwd"], request["environ"], request["umask"]
+    ignored, unbuffered = request["ignored"], request["unbuffered"]
     if request.get("key") != key:
         raise ValueError("another environment's request")
     if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)
             and isinstance(environ, dict) and all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
                                                   for k, v in environ.items())
-            and isinstance(umask, int) and 0 <= umask <= 0o777):
+            and type(umask) is int and 0 <= umask <= 0o777 and type(unbuffered) is bool
+            and isinstance(ignored, list) and all(type(s) is int and s in PASSED_ON for s in ignored)):
         raise ValueError("a malformed request")
     if any("\x00" in s for s in [*argv, cwd, *environ, *environ.values()]):
         raise ValueError("a NUL character in the request")
     return request
-
-
-def _reap(children: dict, sel) -> None:
-    """Collect the children that ended and tell their command lines their status."""
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is None:
-            continue
-        with contextlib.suppress(OSError):
-            conn.sendall(b"S" + struct.pack(">i", os.waitstatus_to_exitcode(status)))
-        with contextlib.suppress(KeyError, ValueError):
-            sel.unregister(conn)
-        conn.close()
-        _say(f"{pid}: ended with status {os.waitstatus_to_exitcode(status)}")
 
 
 def _say(line: str) -> None:
@@ -580,10 +671,10 @@ def _say(line: str) -> None:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
 
 
-def _child(resident_sockets, sel, request, fds, command) -> None:
-    """In the forked child: become the command's process (its streams, folder, environment, umask and argv), run
-    the command line, and exit with its status (which the resident reads and sends on; the child keeps its own
-    connection open until it ends, so that its command line waits for it even if the resident is killed)."""
+def _child(resident_sockets, sel, conn, request, fds, command) -> None:
+    """In the forked child (the command line's signals held): become the command's process (its streams, folder,
+    environment, umask, argv and the signals it ignores), run the command line, and exit with its status, which
+    it sends first on its own connection (the resident's word counts only where the child was killed)."""
     global _in_child
     _in_child = True
     code = 1
@@ -592,17 +683,22 @@ def _child(resident_sockets, sel, request, fds, command) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sel.close()
         for other in resident_sockets:
-            other.close()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.setpgid(0, 0)  # a group of its own: a kill of the resident's group is not a kill of the command
+            if other is not None:
+                other.close()
+        for fd in [*_RESIDENT_FDS, *_held_folders.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for signum in PASSED_ON:  # as the command line's own process would have them
+            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, signal.SIG_IGN if signum in request["ignored"] else default)
+        os.setpgid(0, 0)  # a group of its own: what the command starts gets the command line's signals with it
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
         os.umask(request["umask"])
         os.environ.clear()
         os.environ.update(request["environ"])
-        _streams()
+        _streams(request["unbuffered"])
         _reseed()
         try:
             os.chdir(request["cwd"])
@@ -613,9 +709,17 @@ def _child(resident_sockets, sel, request, fds, command) -> None:
         else:
             sys.argv = list(request["argv"])
             try:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
                 code = command()
+            except KeyboardInterrupt:  # a Ctrl-C before the command line's own handling began
+                print(f"graphmax {' '.join(sys.argv[1:2])}: interrupted".rstrip(), file=sys.stderr)
+                code = 130
             except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, int) or e.code is None:
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+                    code = 1
             except BaseException:  # a bug's traceback, as the command's own process prints it
                 import traceback
 
@@ -629,22 +733,26 @@ def _child(resident_sockets, sel, request, fds, command) -> None:
             with contextlib.suppress(BaseException):
                 stream.flush()
     finally:
+        for signum in PASSED_ON:  # (process-wide: a mask would leave the command's other threads to take them)
+            signal.signal(signum, signal.SIG_IGN)
+        with contextlib.suppress(BaseException):  # its status, now that no signal passed on can interrupt its end
+            conn.sendall(b"S" + struct.pack(">i", code & 0xFF))
         os._exit(code & 0xFF)
 
 
-def _streams() -> None:
+def _streams(unbuffered: bool) -> None:
     """sys.stdin, stdout and stderr anew over descriptors 0–2 (the command line's), set as Python sets them at
-    start: the resident's were /dev/null and its log, so their buffering was not a terminal's."""
+    start: line-buffered on a terminal, written through where the command line's were (``-u``,
+    ``PYTHONUNBUFFERED``); the resident's were /dev/null and its log."""
     made = []
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         old = getattr(sys, name)
-        mode = "rb" if fd == 0 else "wb"
-        raw = io.FileIO(fd, mode, closefd=False)
+        raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
         buffered = io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)
-        tty = raw.isatty()
         stream = io.TextIOWrapper(buffered, encoding=getattr(old, "encoding", None) or "utf-8",
                                   errors=getattr(old, "errors", None) or "strict",
-                                  line_buffering=fd == 2 or (fd == 1 and tty), write_through=fd == 2)
+                                  line_buffering=fd == 2 or (fd == 1 and raw.isatty()),
+                                  write_through=fd == 2 or (fd == 1 and unbuffered))
         made.append((name, stream))
     for name, stream in made:
         setattr(sys, name, stream)
@@ -652,31 +760,37 @@ def _streams() -> None:
 
 
 def _reseed() -> None:
-    """Numpy's global generator seeded anew, as a process of its own would be (Python's ``random`` reseeds itself
-    after a fork); every child would otherwise draw the resident's numbers."""
+    """numpy's and torch's global generators seeded anew, as a process of its own would have them (Python's
+    ``random`` reseeds itself after a fork); every child would otherwise draw the resident's numbers."""
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
 
 
 def stop() -> int:
-    """Ask every resident of this ``$GRAPHMAX_HOME`` to leave once its commands have ended; returns how many were
-    asked (``python -m pipelines.resident stop`` says it)."""
+    """Ask every resident of this ``$GRAPHMAX_HOME`` to stop listening and leave once its commands have ended;
+    returns how many were asked (``python -m pipelines.resident stop`` says it)."""
     folder = run_folder()
     asked = 0
     body = json.dumps({"stop": True}).encode()
-    for path in sorted(folder.glob("*.sock")) if folder is not None else ():
-        if not _ours(path, stat.S_IFSOCK):
+    for found in sorted(folder.glob("*.sock")) if folder is not None else ():
+        paths = _paths(folder, found.stem)  # (a deep home's through a descriptor)
+        if paths is None or not _ours(paths[0], stat.S_IFSOCK):
             continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             try:
                 conn.settimeout(5.0)
-                conn.connect(os.fspath(path))
+                conn.connect(os.fspath(paths[0]))
                 conn.sendall(struct.pack(">I", len(body)) + body)
                 asked += _receive(conn, b"S", 4) is not None
             except OSError:  # a dead resident's socket
                 continue
     return asked
+
+
 
 
 if __name__ == "__main__":

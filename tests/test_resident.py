@@ -222,7 +222,7 @@ def test_a_killed_resident_is_replaced_and_its_command_runs_meanwhile_in_its_own
     _, stderr = run.communicate(timeout=60)
     assert run.returncode == 1
     line = stderr[stderr.index("graphmax datastore: error: "):].splitlines()[0]  # (after the progress bar)
-    assert line.endswith("ended without a status: its resident process was stopped; run it again")
+    assert line.endswith("was ended with its resident process, before it could say how it ended; run it again")
     assert list((home / "run").glob("*.sock"))  # the dead resident's socket is left: a connection is refused
     done = command(env, *argv)
     assert done.returncode == 0, done.stderr
