@@ -107,10 +107,8 @@ def served(tmp_path_factory, tiny_model, built):
     assert said(first)[-1] == "torch in the command line: True"
     wait_for(lambda: list((home / "run").glob("*.sock")))
     yield env, home, argv, first
-    stopped = subprocess.run([sys.executable, "-m", "pipelines.resident", "stop"], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
-    assert stopped.stdout == "graphmax: 1 resident process(es) asked to leave\n", stopped.stderr
-    wait_for(lambda: not list((home / "run").glob("*.sock")), 30)  # it left, and took its socket with it
+    subprocess.run([sys.executable, "-m", "pipelines.resident", "stop"], env=env, cwd=ROOT, timeout=60)
+    wait_for(lambda: not list((home / "run").glob("*.sock")), 30)  # none left listening
 
 
 def test_a_later_command_runs_in_the_resident_and_prints_what_its_own_process_did(served):
@@ -142,13 +140,17 @@ def test_the_command_runs_in_the_command_lines_folder(served, tmp_path):
     assert same_output(done.stdout, first.stdout.replace(argv[2], graph))
 
 
-def _datastore(env, tmp_path, tiny_model, corpus_path):
+def _datastore(env, tmp_path, tiny_model, corpus_path, ignore: int | None = None):
     """A datastore command paused at its first chunk, in ``tmp_path`` with relative paths; the fault log it writes
-    says that the child runs in the command line's folder with the command line's variables."""
+    says that the child runs in the command line's folder with the command line's variables. ``ignore``: a signal
+    its command line ignores."""
     log = tmp_path / "points.txt"
-    run = command({**env, "GRAPHMAX_FAULT": "datastore.chunk:pause", "GRAPHMAX_FAULT_LOG": "points.txt"},
-                  "datastore", "--corpus", str(corpus_path), "--out", "ds", "--model", str(tiny_model),
-                  "--docs", "20", cwd=tmp_path, wait=False)
+    run = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, "datastore", "--corpus", str(corpus_path), "--out", "ds", "--model",
+         str(tiny_model), "--docs", "20"],
+        env={**env, "GRAPHMAX_FAULT": "datastore.chunk:pause", "GRAPHMAX_FAULT_LOG": "points.txt"}, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=None if ignore is None else lambda: signal.signal(ignore, signal.SIG_IGN))
     wait_for(lambda: log.exists() and "datastore.chunk" in log.read_text())
     return run, tmp_path / "ds"
 
@@ -174,6 +176,17 @@ def test_a_ctrl_c_passes_on_to_the_command_which_says_what_it_left(served, tmp_p
     assert not out.exists()
 
 
+def test_a_signal_the_command_line_ignores_is_ignored_by_its_command(served, tmp_path, tiny_model, corpus_path):
+    env, home, _, _ = served
+    run, out = _datastore(env, tmp_path, tiny_model, corpus_path, ignore=signal.SIGHUP)  # as under nohup
+    run.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert run.poll() is None
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr  # interrupted by the Ctrl-C, not ended by the hang-up (129)
+
+
 def test_a_command_line_killed_ends_its_command(served, tmp_path, tiny_model, corpus_path):
     env, home, _, _ = served
     run, out = _datastore(env, tmp_path, tiny_model, corpus_path)
@@ -190,10 +203,13 @@ def test_a_command_line_killed_ends_its_command(served, tmp_path, tiny_model, co
     struct.pack(">I", 1 << 31),  # a length past the cap
     struct.pack(">I", 5) + b"{oops",  # not JSON
     struct.pack(">I", 2) + b"[]",  # not an object
-], ids=["nothing", "huge", "garbage", "a list"])
+    struct.pack(">I", 200_000) + b"[" * 200_000,  # nested past the parser's recursion limit
+], ids=["nothing", "huge", "garbage", "a list", "nested"])
 def test_a_request_it_cannot_read_is_closed_without_an_answer(served, payload):
     env, home, argv, _ = served
     assert finishes_within(30, lambda: ask(home, payload)) == b""
+    time.sleep(0.2)
+    assert Path(f"/proc/{serving_pid(home)}/stat").read_text().split()[2] != "Z"  # and it serves on
 
 
 def test_a_request_without_the_streams_or_of_another_environment_is_refused(served):
@@ -231,6 +247,23 @@ def test_a_killed_resident_is_replaced_and_its_command_runs_meanwhile_in_its_own
     wait_for(lambda: serving_pid(home) != old)  # the command left a new one, over the dead one's socket
     later = command(env, *argv)
     assert said(later)[-1] == "torch in the command line: False", later.stderr
+
+
+def test_a_stop_while_a_command_runs_stops_listening_at_once_and_leaves_after_it(served, tmp_path, tiny_model,
+                                                                                 corpus_path):
+    env, home, argv, _ = served
+    resident_pid = serving_pid(home)
+    run, out = _datastore(env, tmp_path, tiny_model, corpus_path)
+    stopped = subprocess.run([sys.executable, "-m", "pipelines.resident", "stop"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert stopped.stdout == "graphmax: 1 resident process(es) asked to leave\n"
+    assert not list((home / "run").glob("*.sock"))  # no longer listening: a command now runs in its own process
+    assert Path(f"/proc/{resident_pid}").exists()  # while its command runs
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    assert run.returncode == 130
+    wait_for(lambda: not Path(f"/proc/{resident_pid}").exists() or
+             Path(f"/proc/{resident_pid}/stat").read_text().split()[2] == "Z", 30)
 
 
 # --- no resident process needed -------------------------------------------------------------------------------------
