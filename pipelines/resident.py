@@ -106,9 +106,24 @@ def _environment(environ, path) -> dict:
             with contextlib.suppress(OSError):
                 installed.append((entry, os.stat(entry).st_mtime_ns))
     return {"executable": sys.executable, "version": sys.version, "flags": subprocess._args_from_interpreter_flags(),
-            "path": list(path), "uid": os.getuid(), "installed": installed, "code": code,
+            "path": list(path), "uid": os.getuid(), "installed": installed, "code": code, "process": _confines(),
             "environ": sorted((k, v) for k, v in environ.items()
                               if k not in VOLATILE and not k.startswith("GRAPHMAX_"))}
+
+
+def _confines() -> list:
+    """What the kernel confines this process to, which a child forked from a resident has from the resident: its
+    groups, resource limits, priority, CPU affinity, cgroup and namespaces (a sandbox's)."""
+    import resource
+
+    limits = sorted((name, resource.getrlimit(getattr(resource, name))) for name in dir(resource)
+                    if name.startswith("RLIMIT_"))
+    found: list = [os.getgid(), os.getegid(), sorted(os.getgroups()), limits, os.getpriority(os.PRIO_PROCESS, 0),
+                   sorted(os.sched_getaffinity(0))]
+    for name in ("/proc/self/cgroup", *(f"/proc/self/ns/{ns}" for ns in ("mnt", "pid", "net", "user", "ipc", "uts"))):
+        with contextlib.suppress(OSError):
+            found.append(os.readlink(name) if "/ns/" in name else Path(name).read_text())
+    return found
 
 
 def run_folder() -> Path | None:

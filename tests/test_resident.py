@@ -286,6 +286,16 @@ def test_the_key_follows_what_an_import_reads_not_the_shell_nor_graphmax_variabl
     assert resident.environment_key({**base, "GRAPHMAX_HOME": "/x", "GRAPHMAX_FAULT": "y"}) == key
     assert resident.environment_key({**base, "HF_HOME": "/other"}) != key
     assert resident.environment_key({**base, "OMP_NUM_THREADS": "1"}) != key
+    # another confinement of the process is another environment
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+    try:
+        assert resident.environment_key(base) != key
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert resident.environment_key(base) == key
     # an edit to graphmax's source is another environment
     (tmp_path / "pipelines").mkdir()
     source = tmp_path / "pipelines" / "x.py"
