@@ -150,10 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         if entry and on_main:
-            if state.leaves_resident and code not in (None, 130, 143):  # (not after a Ctrl-C or a kill)
-                from . import resident
-
-                resident.start("pipelines.cli")
             _settle_for_exit()
         if code is None or not (entry and on_main):  # an entry point's handlers stay: the process is ending
             if catch_term:  # None: a handler set outside Python, which cannot be put back; the default instead
@@ -223,13 +219,13 @@ def _run(argv: list[str], state: _Run, owns_process: bool) -> int:
         if hasattr(args, "check"):
             args.check(args)
         if getattr(args, "loads_model", False):
-            if owns_process:  # a resident with the libraries imported runs it, or this process leaves one behind
-                from . import resident
+            if owns_process:  # a resident with the libraries imported runs it; else one is started for the next
+                from . import resident  # (it imports them beside this command, and is ready when it ends)
 
                 code = resident.forward(argv)
                 if code is not None:
                     return code
-                state.leaves_resident = True
+                resident.start(__package__ + ".cli")
             from .models import import_model_libraries
 
             import_model_libraries(keep=owns_process)
@@ -262,7 +258,6 @@ class _Run:
         self.target: Path | None = None
         self.before: object = None
         self.started = False
-        self.leaves_resident = False  # a model command that ran in this process: a resident is started at its end
 
     def watch(self, args: argparse.Namespace) -> None:
         self.started = True

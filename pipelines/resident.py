@@ -1,22 +1,24 @@
 """The resident process: torch and transformers imported once, and every later model command forked from it, so that
 a command starts with its libraries loaded instead of importing them for three seconds on two cores.
 
-The first model command of an environment runs in its own process, as always, and then leaves a resident behind
+The first model command of an environment runs in its own process, as always, and starts a resident beside it
 (:func:`start`): a detached process that imports the model libraries and graphmax's commands, then waits on a Unix
-socket. A later command (:func:`forward`) sends it its arguments, folder, environment and umask, with its stdin,
-stdout and stderr themselves (``SCM_RIGHTS``); the resident forks, and the child runs the command on those streams,
-as the command's own process would, and reports its exit status. The command line waits, passes on its Ctrl-C,
-SIGTERM, SIGHUP and SIGQUIT to the child, and exits with the child's status. A resident serves the environment it
-was started from alone (:func:`environment_key`: the interpreter, its flags and path, the installed packages'
-folders, graphmax's source files, the environment variables), and leaves after ``GRAPHMAX_RESIDENT`` idle minutes
-(default 10; ``0``: no resident at all).
+socket, ready by the time that command ends. A later command (:func:`forward`) sends it its arguments, folder,
+environment, umask and the signals it ignores, with its stdin, stdout and stderr themselves (``SCM_RIGHTS``); the
+resident forks, and the child runs the command on those streams as the command's own process would, and sends its
+exit status. The command line waits, passes its signals on to the child's process group (Ctrl-C, SIGTERM, SIGHUP,
+SIGQUIT, and Ctrl-Z with ``fg``), and exits with the child's status. A resident serves the environment it was
+started from alone (:func:`environment_key`: the interpreter, its flags and path, the installed packages' folders,
+graphmax's source files, the environment variables, the process' confines), and leaves after ``GRAPHMAX_RESIDENT``
+idle minutes (default 10; ``0``: no resident at all), once that environment changes, or when asked
+(``python -m pipelines.resident stop``).
 
 Trust: the socket and its lock live in ``$GRAPHMAX_HOME/run``, a folder of the user's alone (mode 0700); a folder,
 socket or lock that is not the user's, or not what its name says, means no resident, and the command runs in its own
-process. The resident answers only its own user (``SO_PEERCRED``), checks every request before it forks, and a
-request it cannot read is closed without an answer. A resident that stops before the child has started leaves the
-command to run in its own process; once it has started, a lost connection ends the child (SIGTERM). Linux only
-(fork, ``SCM_RIGHTS``, ``SO_PEERCRED``); elsewhere every command runs in its own process.
+process. Each side checks the other's uid (``SO_PEERCRED``); the resident checks every request before it forks, and
+a request it cannot read is closed without an answer. A signal before the child has started drops the request and
+acts on the command line; once it has started, a lost command line ends the child (SIGTERM). Linux only (fork,
+``SCM_RIGHTS``, ``SO_PEERCRED``); elsewhere every command runs in its own process.
 
 Files (per environment key ``K``, in ``$GRAPHMAX_HOME/run``): ``K.lock`` held by the resident for its life, ``K.sock``
 its socket (created under another name and renamed into place), ``K.log`` what it served (its last 256 KiB).
@@ -57,7 +59,6 @@ SOCKET_PATH_MAX = 100  # sockaddr_un holds 108 bytes
 KEY_CHECK_S = 10.0  # how often a resident checks that its environment is still the one it serves
 ROOT = Path(__file__).resolve().parent.parent  # where gm_graphs, gm_solver and pipelines are installed
 _in_child = False  # set in a command the resident forked: it runs here, and leaves no resident of its own
-_asked: tuple[str, dict] | None = None  # the key and environment :func:`forward` saw, for :func:`start`
 
 
 def idle_minutes(environ=None) -> float:
@@ -214,10 +215,8 @@ def forward(argv: list[str]) -> int | None:
     the caller runs the command itself."""
     if _in_child or not supported() or idle_minutes() == 0:
         return None
-    global _asked
     folder = run_folder()
     key = environment_key()
-    _asked = key, dict(os.environ)  # what a resident started at the command's end serves (the command may set some)
     paths = _paths(folder, key) if folder is not None else None
     if paths is None:
         return None
@@ -367,7 +366,7 @@ def _start(entry: str) -> None:
     if _in_child or not supported() or minutes == 0:
         return
     folder = run_folder()
-    key, environ = _asked if _asked is not None else (environment_key(), dict(os.environ))
+    key, environ = environment_key(), dict(os.environ)
     paths = _paths(folder, key) if folder is not None else None
     if paths is None or _held(paths[1]):
         return

@@ -97,7 +97,7 @@ def ask(home: Path, payload: bytes, fds: list[int] = ()) -> bytes:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_model, built):
-    """A ``GRAPHMAX_HOME`` whose resident a first command, run in its own process, left behind."""
+    """A ``GRAPHMAX_HOME`` whose resident a first command, run in its own process, started."""
     home = tmp_path_factory.mktemp("resident") / "home"
     env = {**os.environ, "GRAPHMAX_HOME": str(home), "GRAPHMAX_RESIDENT": "3", "PYTHONPATH": str(ROOT)}
     argv = ["generate", "--path", str(built), "--model", str(tiny_model), "--prompt", "the movie",
