@@ -199,6 +199,18 @@ def _held(lock: Path) -> bool:
     return False
 
 
+def _peer_is_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this user (``SO_PEERCRED``)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1] == os.getuid()
+
+
+def _framed(message: dict) -> bytes:
+    """A message as it goes on the socket: its length (4 bytes, big-endian), then its JSON."""
+    body = json.dumps(message, ensure_ascii=True).encode("ascii")
+    return struct.pack(">I", len(body)) + body
+
+
 def _ours(path: Path, kind: int) -> bool:
     try:
         st = os.lstat(path)
@@ -209,18 +221,28 @@ def _ours(path: Path, kind: int) -> bool:
 
 # --- the command's side ---------------------------------------------------------------------------------------------
 
+def _here() -> tuple[Path, str, tuple[Path, Path, Path]] | None:
+    """This environment's run folder, key and resident's files; None where no resident is wanted here (in a
+    command a resident runs, ``GRAPHMAX_RESIDENT=0``, not Linux) or none can be (:func:`run_folder`,
+    :func:`_paths`)."""
+    if _in_child or not supported() or idle_minutes() == 0:
+        return None
+    folder = run_folder()
+    if folder is None:
+        return None
+    key = environment_key()
+    paths = _paths(folder, key)
+    return None if paths is None else (folder, key, paths)
+
+
 def forward(argv: list[str]) -> int | None:
     """Run the command ``argv`` in this environment's resident, and return its exit status; None where no resident
     serves it (none, another's, still importing after :data:`STARTING_WAIT` s, or gone before the command started):
     the caller runs the command itself."""
-    if _in_child or not supported() or idle_minutes() == 0:
+    here = _here()
+    if here is None:
         return None
-    folder = run_folder()
-    key = environment_key()
-    paths = _paths(folder, key) if folder is not None else None
-    if paths is None:
-        return None
-    sock_path, lock, _ = paths
+    _, key, (sock_path, lock, _) = here
     while not _ours(sock_path, stat.S_IFSOCK):
         if not _starting(lock):
             return None
@@ -230,8 +252,7 @@ def forward(argv: list[str]) -> int | None:
         conn.settimeout(5.0)
         conn.connect(os.fspath(sock_path))
         conn.settimeout(None)
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        if struct.unpack("3i", creds)[1] != os.getuid():
+        if not _peer_is_user(conn):
             return None  # not the user's own resident: it gets neither the environment nor the streams
         return _converse(conn, argv, key)
     except OSError:  # refused (a resident that was killed), reset: the command has not started
@@ -252,11 +273,8 @@ def _starting(lock: Path) -> bool:
 
 
 def _request(argv: list[str], key: str, ignored: list[int]) -> bytes:
-    out = sys.stdout
-    body = json.dumps({"argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "environ": dict(os.environ),
-                       "umask": _umask(), "key": key, "ignored": ignored,
-                       "unbuffered": bool(getattr(out, "write_through", False))}, ensure_ascii=True).encode("ascii")
-    return struct.pack(">I", len(body)) + body
+    return _framed({"argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "environ": dict(os.environ), "umask": _umask(),
+                    "key": key, "ignored": ignored, "unbuffered": bool(getattr(sys.stdout, "write_through", False))})
 
 
 def _umask() -> int:
@@ -362,15 +380,12 @@ def start(entry: str) -> None:
 
 
 def _start(entry: str) -> None:
-    minutes = idle_minutes()
-    if _in_child or not supported() or minutes == 0:
+    here = _here()
+    if here is None:
         return
-    folder = run_folder()
-    key, environ = environment_key(), dict(os.environ)
-    paths = _paths(folder, key) if folder is not None else None
-    if paths is None or _held(paths[1]):
+    folder, key, (_, lock, log) = here
+    if _held(lock):
         return
-    log = paths[2]
     with contextlib.suppress(OSError):
         if _ours(log, stat.S_IFREG) and os.lstat(log).st_size > LOG_LIMIT:
             _trim(log)
@@ -385,8 +400,8 @@ def _start(entry: str) -> None:
                 "from pipelines.resident import serve; entry = importlib.import_module(sys.argv[4]); "
                 "serve(sys.argv[2], float(sys.argv[3]), entry.main, entry.preload_resident)")
         subprocess.Popen([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", boot,
-                          json.dumps(sys.path), key, repr(minutes), entry],
-                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=folder, env=environ,
+                          json.dumps(sys.path), key, repr(idle_minutes()), entry],
+                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=folder, env=dict(os.environ),
                          start_new_session=True, close_fds=True)
     except OSError:
         return
@@ -400,10 +415,15 @@ def _trim(log: Path) -> None:
         fh.seek(-LOG_LIMIT // 2, io.SEEK_END)
         tail = fh.read()
     tmp = log.with_name(f"{log.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(tail)
-    os.replace(tmp, log)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:  # (made here: removed if it cannot be finished)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(tail)
+        os.replace(tmp, log)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # --- the resident's side --------------------------------------------------------------------------------------------
@@ -454,7 +474,7 @@ def _serve(key: str, minutes: float, command, preload, sock_path: Path, started:
     _say(f"serving {key} (pid {os.getpid()}), ready in {time.monotonic() - t0:.1f} s")
     serving = _Serving(listener, sock_path, inode, key, command)
     try:
-        serving.loop(_environment(*started), lambda: _environment(*started), minutes * 60)
+        serving.loop(started, minutes * 60)
     finally:
         serving.close_listener()
         _say("left")
@@ -509,16 +529,18 @@ class _Serving:
         signal.set_wakeup_fd(self.wake.fileno(), warn_on_full_buffer=False)
         self.sel.register(self.woken, selectors.EVENT_READ)
 
-    def loop(self, served: dict, now, idle_seconds: float) -> None:
-        """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment it
-        ``served`` is not the one there is ``now()`` (graphmax edited, a package installed) or its socket is no
-        longer its own (removed or replaced): no command could reach it any more. Once stopping, it stops
-        listening at once (a command then runs in its own process), and leaves when its children have ended."""
+    def loop(self, started: tuple[dict, list], idle_seconds: float) -> None:
+        """Serve until ``idle_seconds`` pass with no command running, a stop is asked, the environment of the
+        variables and ``sys.path`` it was ``started`` with changes (graphmax edited, a package installed) or its
+        socket is no longer its own (removed or replaced): no command could reach it any more. Once stopping, it
+        stops listening at once (a command then runs in its own process), and leaves when its children have
+        ended."""
+        served = _environment(*started)
         last = checked = time.monotonic()
         while True:
             if self.listener is not None and time.monotonic() - checked > KEY_CHECK_S:
                 checked = time.monotonic()
-                changed = [field for field, value in now().items() if value != served[field]]
+                changed = [field for field, value in _environment(*started).items() if value != served[field]]
                 if changed:
                     _say(f"leaving: its environment changed ({', '.join(changed)})")
                     self.close_listener()
@@ -570,8 +592,7 @@ class _Serving:
             return False
         fds: list[int] = []
         try:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            if struct.unpack("3i", creds)[1] != os.getuid():
+            if not _peer_is_user(conn):
                 raise ValueError("another user's")
             request, fds = _read_request(conn, deadline=time.monotonic() + REQUEST_WAIT_S)
             if request.get("stop") is True:
@@ -789,7 +810,6 @@ def stop() -> int:
     returns how many were asked (``python -m pipelines.resident stop`` says it)."""
     folder = run_folder()
     asked = 0
-    body = json.dumps({"stop": True}).encode()
     for found in sorted(folder.glob("*.sock")) if folder is not None else ():
         paths = _paths(folder, found.stem)  # (a deep home's through a descriptor)
         if paths is None or not _ours(paths[0], stat.S_IFSOCK):
@@ -798,13 +818,11 @@ def stop() -> int:
             try:
                 conn.settimeout(5.0)
                 conn.connect(os.fspath(paths[0]))
-                conn.sendall(struct.pack(">I", len(body)) + body)
+                conn.sendall(_framed({"stop": True}))
                 asked += _receive(conn, b"S", 4) is not None
             except OSError:  # a dead resident's socket
                 continue
     return asked
-
-
 
 
 if __name__ == "__main__":
